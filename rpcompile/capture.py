@@ -1,0 +1,266 @@
+"""Capture: TorchDynamo (fullgraph=True) turns a model call into one torch-IR GraphModule.
+
+Two ways in share this file:
+- `capture_call(model, args, kwargs, ...)` for `rpcompile.compile`: the model is traced on
+  *meta* copies of its parameters, buffers and inputs in the compute dtype, so capturing a
+  32B model costs no memory and no compute, and dtype casts in the model code (RMSNorm's
+  upcast and cast back) are traced in the dtype that really runs.
+- `from_dynamo(gm, example_inputs)` for `torch.compile(model, backend="rpcompile")`: dynamo
+  hands us the graph and the real inputs.
+
+Either way every placeholder gets `meta["rp_kind"]` in {"param", "buffer", "input", "sym"}
+and `meta["rp_index"]` (its index among the captured params, buffers or call leaves).
+"""
+from __future__ import annotations
+
+import itertools
+import types
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import CaptureError, InputError
+
+_capture_ids = itertools.count()
+
+
+@dataclass
+class Captured:
+    """A captured graph and how its placeholders and outputs map to the user's objects."""
+
+    gm: fx.GraphModule
+    params: list            # host parameters (the user's nn.Parameter objects), deduplicated
+    param_names: list
+    buffers: list           # host buffers (module attributes)
+    buffer_names: list
+    capture_device: torch.device
+    in_spec: Any = None     # pytree spec of (args, kwargs) for rpcompile.compile calls
+    const_leaves: dict = field(default_factory=dict)   # leaf index -> non-tensor value baked in
+    out_spec: Any = None    # pytree spec of the model output; None: flat graph outputs
+    out_leaves: list = field(default_factory=list)     # ("out", i) or ("const", value)
+    batch_symbol: Optional[sympy.Symbol] = None
+    batch_size: Optional[int] = None                   # batch size at capture
+
+    def placeholders(self):
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    dt = dtype if t.is_floating_point() else t.dtype
+    return torch.empty_strided(t.shape, t.stride(), dtype=dt, device="meta")
+
+
+class _SwapToMeta:
+    """Temporarily replace every parameter and buffer of a module tree by a meta copy."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.meta_of: dict[int, torch.Tensor] = {}   # id(host tensor) -> meta copy
+        self.host_of: dict[int, tuple] = {}          # id(meta copy) -> (kind, host tensor, name)
+        self._undo = []
+
+    def __enter__(self):
+        for mod_name, mod in self.model.named_modules(remove_duplicate=False):
+            for kind, table in (("param", mod._parameters), ("buffer", mod._buffers)):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    fqn = f"{mod_name}.{name}" if mod_name else name
+                    if id(t) not in self.meta_of:
+                        m = _meta_like(t, self.dtype)
+                        if kind == "param":
+                            m = torch.nn.Parameter(m, requires_grad=t.requires_grad)
+                        self.meta_of[id(t)] = m
+                        self.host_of[id(m)] = (kind, t, fqn)
+                    self._undo.append((table, name, t))
+                    table[name] = self.meta_of[id(t)]
+        return self
+
+    def __exit__(self, *exc):
+        for table, name, t in reversed(self._undo):
+            table[name] = t
+        self._undo.clear()
+
+
+def _sym_expr(x) -> Optional[sympy.Expr]:
+    return x.node.expr if isinstance(x, torch.SymInt) else None
+
+
+def _dummy_outputs(gm: fx.GraphModule):
+    """Meta tensors shaped like the graph outputs: what the capture call returns, computing nothing."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    vals = []
+    for a in pytree.tree_leaves(out_node.args[0]):
+        ev = a.meta.get("example_value") if isinstance(a, fx.Node) else a
+        if isinstance(ev, torch.Tensor):
+            shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in ev.shape]
+            vals.append(torch.empty(shape, dtype=ev.dtype, device="meta"))
+        elif isinstance(ev, torch.SymInt):
+            vals.append(ev.node.hint)
+        else:
+            vals.append(ev)
+    return vals
+
+
+def _explain_dynamo_error(err: Exception) -> CaptureError:
+    msg = str(err).strip()
+    kind = type(err).__name__
+    hint = ("rpcompile needs the whole forward as one graph. Remove the Python-side effect or "
+            "data-dependent branch named above (e.g. .item(), print, a branch on tensor values, "
+            "an unsupported library call), or move it out of forward().")
+    return CaptureError(f"could not capture the model as one graph ({kind}): {msg}\n{hint}")
+
+
+def flatten_call(args, kwargs):
+    """Leaves and spec of a call; checks every leaf is a tensor or a plain constant."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    for i, leaf in enumerate(leaves):
+        if not (isinstance(leaf, (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device))):
+            raise InputError(
+                f"argument leaf {i} has type {type(leaf).__name__}: rpcompile takes tensors, numbers, "
+                f"strings, None and nested tuples/lists/dicts of them. Convert it to a torch.Tensor.")
+    return leaves, spec
+
+
+def batch_size_of(leaves) -> Optional[int]:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return leaf.shape[0]
+    return None
+
+
+def capture_call(model: torch.nn.Module, args, kwargs, *, dtype: torch.dtype,
+                 wrap=None, dynamic_batch: bool = True) -> Captured:
+    """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies."""
+    leaves, in_spec = flatten_call(args, kwargs)
+    batch = batch_size_of(leaves)
+    meta_leaves, const_leaves = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            m = _meta_like(leaf, dtype if leaf.is_floating_point() else leaf.dtype)
+            if leaf.requires_grad and m.is_floating_point():
+                m.requires_grad_(True)
+            if dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch:
+                torch._dynamo.maybe_mark_dynamic(m, 0)
+            meta_leaves.append(m)
+        else:
+            const_leaves[i] = leaf
+            meta_leaves.append(leaf)
+    meta_args, meta_kwargs = pytree.tree_unflatten(meta_leaves, in_spec)
+    call = wrap or (lambda mod, *a, **k: mod(*a, **k))
+
+    got = {}
+
+    def backend(gm, example_inputs):
+        got["gm"], got["inputs"] = gm, list(example_inputs)
+        got["dummies"] = dummies = _dummy_outputs(gm)
+        return lambda *a: dummies
+
+    def traced(*a, **k):
+        return call(model, *a, **k)
+
+    # A fresh code object per capture: dynamo caches compiled frames per code object, and a
+    # hit would skip our backend.
+    n = next(_capture_ids)
+    fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
+                            f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
+    with _SwapToMeta(model, dtype) as swap:
+        try:
+            out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise _explain_dynamo_error(e) from None
+        except Exception as e:  # errors raised by model code while tracing
+            raise _explain_dynamo_error(e) from e
+    if "gm" not in got:
+        raise CaptureError("dynamo returned without calling the rpcompile backend (the model produced no graph)")
+    gm, example_inputs = got["gm"], got["inputs"]
+    id_to_leaf = {id(m): i for i, m in enumerate(meta_leaves) if isinstance(m, torch.Tensor)}
+
+    params, param_names, buffers, buffer_names = [], [], [], []
+    index_of: dict[int, int] = {}
+    cap = Captured(gm, params, param_names, buffers, buffer_names, torch.device("meta"),
+                   in_spec=in_spec, const_leaves=const_leaves, batch_size=batch)
+    for node, ex in zip(cap.placeholders(), example_inputs):
+        if isinstance(ex, torch.SymInt) or isinstance(ex, int):
+            node.meta["rp_kind"] = "sym"
+            node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
+            continue
+        if id(ex) in swap.host_of:
+            kind, host, fqn = swap.host_of[id(ex)]
+            lst, names = (params, param_names) if kind == "param" else (buffers, buffer_names)
+            if id(host) not in index_of:
+                index_of[id(host)] = len(lst)
+                lst.append(host)
+                names.append(fqn)
+            node.meta["rp_kind"], node.meta["rp_index"] = kind, index_of[id(host)]
+        elif id(ex) in id_to_leaf:
+            node.meta["rp_kind"], node.meta["rp_index"] = "input", id_to_leaf[id(ex)]
+            # Dynamo may report meta inputs as requiring grad; the user's tensor says.
+            node.meta["rp_requires_grad"] = bool(leaves[id_to_leaf[id(ex)]].requires_grad)
+        else:
+            raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
+                               f"the call (a tensor created outside forward and closed over?): register it "
+                               f"as a buffer of the module or pass it as an argument")
+    _find_batch_symbol(cap)
+    _map_outputs(cap, out, got["dummies"])
+    return cap
+
+
+def _find_batch_symbol(cap: Captured):
+    for node in cap.placeholders():
+        ev = node.meta.get("example_value")
+        if node.meta.get("rp_kind") == "input" and isinstance(ev, torch.Tensor) and ev.dim() >= 1:
+            expr = _sym_expr(ev.shape[0])
+            if isinstance(expr, sympy.Symbol):
+                cap.batch_symbol = expr
+                break
+    for node in cap.placeholders():
+        if node.meta.get("rp_kind") == "sym":
+            node.meta["rp_batch"] = cap.batch_symbol is not None and node.meta["rp_expr"] == cap.batch_symbol
+
+
+def _map_outputs(cap: Captured, out, dummies):
+    """Record the model output's pytree, its tensor leaves matched to graph outputs by identity."""
+    out_leaves, cap.out_spec = pytree.tree_flatten(out)
+    position = {id(d): i for i, d in enumerate(dummies) if isinstance(d, torch.Tensor)}
+    cap.out_leaves = []
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in position:
+                raise CaptureError("an output tensor of the model is not an output of the captured graph "
+                                   "(dynamo rewrote it); return plain tensors from forward()")
+            cap.out_leaves.append(("out", position[id(leaf)]))
+        else:
+            cap.out_leaves.append(("const", leaf))
+
+
+def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
+    """Wrap the graph a dynamo backend receives (real example inputs) as a Captured."""
+    params, param_names, buffers, buffer_names = [], [], [], []
+    cap = Captured(gm, params, param_names, buffers, buffer_names, torch.device("cpu"))
+    for i, (node, ex) in enumerate(zip(cap.placeholders(), example_inputs)):
+        source = node.meta.get("grapharg")
+        source_name = source.source.name if source is not None and source.source is not None else node.name
+        source_name = source_name() if callable(source_name) else str(source_name)
+        if isinstance(ex, (torch.SymInt, int)):
+            node.meta["rp_kind"] = "sym"
+            node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
+        elif isinstance(ex, torch.nn.Parameter):
+            node.meta["rp_kind"], node.meta["rp_index"] = "param", len(params)
+            params.append(ex)
+            param_names.append(source_name)
+        elif "_buffers" in source_name:
+            node.meta["rp_kind"], node.meta["rp_index"] = "buffer", len(buffers)
+            buffers.append(ex)
+            buffer_names.append(source_name)
+        else:
+            node.meta["rp_kind"], node.meta["rp_index"] = "input", i
+            node.meta["rp_requires_grad"] = bool(getattr(ex, "requires_grad", False))
+        if isinstance(ex, torch.Tensor) and ex.device.type != "meta":
+            cap.capture_device = ex.device
+    _find_batch_symbol(cap)
+    return cap

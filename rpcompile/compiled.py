@@ -1,0 +1,126 @@
+"""CompiledModel: what `rpcompile.compile(model)` returns."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import capture_call, flatten_call
+from .config import Config
+from .errors import InputError
+from .passes import compile_graph
+from .runner import GraphRunner, PipelineCall
+
+_TARGET = "__rp_target__"
+
+
+class CompiledModel(torch.nn.Module):
+    """A model whose calls run as pipelined stage jobs over the devices of a Config.
+
+    `train_step(...)` runs forward and backward over the microbatches and adds the gradients
+    into each parameter's `.grad` (host); `cm(...)` runs the model and is differentiable.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Optional[Config] = None):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"rpcompile.compile takes a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.config = config or Config()
+        self.runner = GraphRunner(self.config)
+        self._plans: dict = {}
+        self._last_plan = None
+        dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
+        self._dump_dir = dump
+
+    # --- plans -----------------------------------------------------------------------------
+    def _call_kwargs(self, kwargs):
+        # Training never reads a KV cache; transformers models make one unless told not to.
+        cfg = getattr(self.model, "config", None)
+        if cfg is not None and getattr(cfg, "use_cache", None) is not None and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}
+        return kwargs
+
+    def _key(self, mode, leaves, spec, plan_split_hint, extra):
+        sig = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                shape = tuple(leaf.shape[1:]) if leaf.dim() >= 1 else ()
+                sig.append(("T", leaf.dtype, leaf.dim(), shape, leaf.requires_grad))
+            else:
+                sig.append(("C", repr(leaf)))
+        return (mode, spec, tuple(sig), self.model.training, extra)
+
+    def _plan(self, mode, args, kwargs, loss_fn=None):
+        leaves, spec = flatten_call(args, kwargs)
+        key = self._key(mode, leaves, spec, None, id(loss_fn) if loss_fn else None)
+        plan = self._plans.get(key)
+        if plan is None:
+            wrap = None
+            if loss_fn is not None:
+                def wrap(mod, *a, **k):
+                    target = k.pop(_TARGET)
+                    return loss_fn(mod(*a, **k), target)
+            cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap)
+            loss_output = 0 if loss_fn is not None else None
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
+            self._plans[key] = plan
+            if self._dump_dir:
+                plan.dump(os.path.join(self._dump_dir, mode))
+        self._last_plan = plan
+        return plan, leaves
+
+    @property
+    def plan(self):
+        """The plan of the last call (train_step or forward); None before the first."""
+        return self._last_plan
+
+    @property
+    def stages(self):
+        return self._last_plan.stages if self._last_plan is not None else []
+
+    def dump(self, path: str) -> None:
+        """Write every plan's stage graphs (.py), plan.json and plan.txt under `path`."""
+        modes = {}
+        for plan in self._plans.values():
+            modes.setdefault(plan.mode, []).append(plan)
+        for mode, plans in modes.items():
+            for i, plan in enumerate(plans):
+                plan.dump(os.path.join(path, mode if i == 0 else f"{mode}_{i}"))
+
+    # --- running ---------------------------------------------------------------------------
+    def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of one batch; gradients are added into `.grad`. Returns the loss."""
+        loss_fn = loss_fn or self.config.loss_fn
+        kwargs = self._call_kwargs(kwargs)
+        if loss_fn is not None:
+            if target is None:
+                raise InputError("a loss_fn is set, so train_step needs target=...: loss_fn(model(...), target)")
+            kwargs = {**kwargs, _TARGET: target}
+        elif target is not None:
+            raise InputError("train_step got target=... but no loss_fn: give Config(loss_fn=...) or loss_fn=...")
+        plan, leaves = self._plan("train", args, kwargs, loss_fn)
+        return self.runner.train_step(plan, leaves)
+
+    def forward(self, *args, **kwargs):
+        """Run the model; differentiable w.r.t. its parameters (`out.loss.backward()` fills .grad)."""
+        kwargs = self._call_kwargs(kwargs)
+        plan, leaves = self._plan("call", args, kwargs)
+        params = plan.captured.params
+        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in params)
+                                                  or any(t.requires_grad for t in tensor_leaves))
+        if needs_grad:
+            outputs = list(PipelineCall.apply(self.runner, plan, leaves, len(params), *params, *tensor_leaves))
+        else:
+            outputs, _ = self.runner.call_forward(plan, leaves, keep_for_backward=False)
+        return self._rebuild(plan, outputs)
+
+    @staticmethod
+    def _rebuild(plan, outputs):
+        cap = plan.captured
+        values = [outputs[idx] if kind == "out" else idx for kind, idx in cap.out_leaves]
+        return pytree.tree_unflatten(values, cap.out_spec)
+

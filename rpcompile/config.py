@@ -1,0 +1,86 @@
+"""Config: what the user chooses (devices, microbatches, precision, memory budget, loss)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(value) -> Optional[int]:
+    """Turn 24 * 2**30, "24GiB" or "24 GB" into a number of bytes (None stays None)."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"memory_budget={value!r} is not a size: write e.g. 24 * 2**30 or '24GiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class Config:
+    """How a model is compiled and run.
+
+    devices: where stage jobs run, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"] (threads).
+    num_microbatches: the batch (dim 0 of every batched input) is split into this many.
+    dtype: compute dtype of the working copies on the devices; None means float32 on CPU
+        devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
+    memory_budget: bytes (or "24GiB") a stage job may use on one device; None: the device's
+        free memory on GPUs, unlimited on CPU.
+    loss_fn: loss_fn(output, target) when the model does not return its own loss.
+    lm_head_shards: vocabulary shards of the LM head (None: chosen from the cost model,
+        0: leave the head whole).
+    optimizer_mode: "exact" (gradients land, then the user steps) or "overlapped".
+    """
+
+    devices: Sequence[str] = ("cpu",)
+    num_microbatches: int = 1
+    dtype: Optional[torch.dtype] = None
+    memory_budget: Optional[object] = None
+    loss_fn: Optional[Callable] = None
+    lm_head_shards: Optional[int] = None
+    optimizer_mode: str = "exact"
+    compile_stages: Optional[bool] = None   # Inductor for stage compute; None: on for GPUs
+    dump_dir: Optional[str] = None
+    max_jobs: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.devices, (str, torch.device)):
+            self.devices = [self.devices]
+        self.devices = [torch.device(d) for d in self.devices]
+        if not self.devices:
+            raise ValueError("Config.devices is empty: name at least one device, e.g. ['cpu'] or ['cuda:0']")
+        kinds = {d.type for d in self.devices}
+        if len(kinds) > 1:
+            raise ValueError(f"Config.devices mixes device types {sorted(kinds)}: use only GPUs or only CPUs")
+        for d in self.devices:
+            if d.type == "cuda":
+                if not torch.cuda.is_available():
+                    raise ValueError(f"Config.devices names {d} but no CUDA device is available: use devices=['cpu']")
+                if d.index is not None and d.index >= torch.cuda.device_count():
+                    raise ValueError(f"Config.devices names {d} but only {torch.cuda.device_count()} GPU(s) exist")
+            elif d.type != "cpu":
+                raise ValueError(f"Config.devices: device type {d.type!r} is not supported (use cpu or cuda)")
+        self.devices = [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in self.devices]
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"Config.num_microbatches={self.num_microbatches!r}: give an int >= 1")
+        self.memory_budget = parse_bytes(self.memory_budget)
+        if self.optimizer_mode not in ("exact", "overlapped"):
+            raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact' or 'overlapped'")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.devices[0].type == "cuda"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if self.on_gpu else torch.float32

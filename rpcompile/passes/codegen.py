@@ -1,0 +1,243 @@
+"""Codegen: from a plan's node ranges to per-stage FX graphs.
+
+Every stage job gets
+- `forward`: its compute graph, from the values it reads to the values later jobs need;
+- `backward` (fused and backward jobs): recompute + backward as an FX graph, the compute
+  called as a submodule and differentiated with `torch.autograd.grad`;
+- `program`: the job's per-microbatch program, whose nodes are the runtime's transfer and
+  synchronisation ops (`rpcompile.runtime.ops`) around the compute graph. Printing it shows
+  exactly what the job does, in order.
+
+Note [RNG replay]: a backward job recomputes its forward, so random ops (dropout) must draw
+the same numbers twice although forward and backward jobs are cut at different places. Each
+stretch between two consecutive cut positions of any kind draws from its own stream: the
+compute graphs reseed the device's generator with (step key, position) before the first
+random node of each stretch, so the forward and the recompute see the same masks.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..runtime import ops as rp
+from .graph_utils import output_node
+
+_RANDOM_FUNCTIONS = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+    torch.dropout, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.multinomial, torch.normal, torch.randperm,
+}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_"}
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for nodes that draw random numbers (dropout, rand*, SDPA with dropout)."""
+    if node.op == "call_function":
+        if node.target in _RANDOM_FUNCTIONS:
+            return True
+        if node.target in (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention):
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            return not (isinstance(p, (int, float)) and p == 0.0)
+    return node.op == "call_method" and node.target in _RANDOM_METHODS
+
+
+def _requires_grad(node: fx.Node) -> bool:
+    if "rp_requires_grad" in node.meta:
+        return node.meta["rp_requires_grad"]
+    ev = node.meta.get("example_value")
+    return isinstance(ev, torch.Tensor) and ev.is_floating_point() and ev.requires_grad
+
+
+@dataclass
+class Stage:
+    """One stage job of a step: its node range, what it reads and writes, and its graphs."""
+
+    index: int
+    kind: str                     # "fwd", "fused" or "bwd"
+    span: tuple                   # (a, b): positions in the body order
+    inputs: list                  # names of the values the compute reads, in placeholder order
+    outputs: list                 # names of the values it hands on (fwd) / produces (fused)
+    graph_outputs: dict           # output name -> indices among the model graph's outputs
+    params: list                  # indices of the captured params it reads
+    buffers: list                 # indices of the captured buffers it reads
+    grad_outputs: list = field(default_factory=list)   # outputs that receive a gradient
+    grad_inputs: list = field(default_factory=list)    # activation/input names that get one
+    grad_params: list = field(default_factory=list)    # param indices that get one
+    random: bool = False
+    forward: Optional[fx.GraphModule] = None
+    backward: Optional[fx.GraphModule] = None
+    programs: dict = field(default_factory=dict)       # role -> program GraphModule
+    est_time: float = 0.0
+    est_memory: int = 0
+    kinds: dict = field(default_factory=dict)          # input name -> rp_kind or "act"
+    input_leaf: dict = field(default_factory=dict)     # input name -> rp_index (params, buffers, call leaves)
+    handed_on: set = field(default_factory=set)        # outputs later jobs read
+
+    @property
+    def program(self) -> fx.GraphModule:
+        return self.programs[self.kind]
+
+
+def _compute_graph(gm, body, a, b, inputs, outputs, rng_positions, name):
+    """The compute of body[a:b] as a GraphModule; reseeds RNG per stretch (Note [RNG replay])."""
+    g = fx.Graph()
+    env = {}
+    for n in inputs:
+        p = g.placeholder(n.name)
+        p.meta = dict(n.meta)
+        env[n] = p
+    has_random = any(is_random(n) for n in body[a:b])
+    key = g.placeholder("rng_key") if has_random else None
+    seeded = set()
+    for pos in range(a, b):
+        n = body[pos]
+        if is_random(n):
+            stretch = max(r for r in rng_positions if r <= pos)
+            if stretch not in seeded:
+                g.call_function(rp.reseed, (key, stretch))
+                seeded.add(stretch)
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    g.lint()
+    return fx.GraphModule(gm, g, class_name=name), has_random
+
+
+def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad_inputs, params, has_random, name):
+    """Recompute + backward: (inputs, grads of outputs) -> (outputs, input grads, param grads)."""
+    g = fx.Graph()
+    root = torch.nn.Module()
+    root.compute = forward
+    ph = {n.name: g.placeholder(n.name) for n in inputs}
+    key = g.placeholder("rng_key") if has_random else None
+    seeds = [g.placeholder(f"grad_{o}") for o in grad_outputs]
+    args = []
+    for n in inputs:
+        if n.name in grad_inputs:
+            ph[n.name] = g.call_function(rp.grad_leaf, (ph[n.name],))
+        args.append(ph[n.name])
+    if key is not None:
+        args.append(key)
+    res = g.call_module("compute", tuple(args))
+    outs = {o: g.call_function(operator.getitem, (res, i)) for i, o in enumerate(outputs)}
+    wrt = tuple(ph[x] for x in grad_inputs) + tuple(ph[p] for p in params)
+    grads = g.call_function(rp.vjp, (tuple(outs[o] for o in grad_outputs), wrt, tuple(seeds)))
+    g.output((tuple(outs[o] for o in outputs), grads))
+    g.lint()
+    return fx.GraphModule(root, g, class_name=name)
+
+
+def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
+    """Stage jobs with their forward and backward graphs, for jobs [(kind, (a, b)), ...] in positions."""
+    body, live = lv.body, lv.live
+    L = len(body)
+    out_vals = list(torch.utils._pytree.tree_leaves(output_node(gm.graph).args[0]))
+    graph_out = {}
+    for i, v in enumerate(out_vals):
+        if isinstance(v, fx.Node):
+            graph_out.setdefault(v.name, []).append(i)
+    checkpoints = sorted({a for kind, (a, _) in jobs if kind != "fwd"})
+    rng_positions = sorted({a for _, (a, _) in jobs})
+
+    stages = []
+    for k, (kind, (a, b)) in enumerate(jobs):
+        nodes = body[a:b]
+        inside = set(nodes)
+        reads = []
+        for n in nodes:
+            for x in n.all_input_nodes:
+                if x not in inside and x not in reads:
+                    reads.append(x)
+        if kind == "fwd":
+            ends = [q for q in checkpoints if a < q <= b] + [b]
+            outputs = []
+            for q in ends:
+                for n in live[q]:
+                    if n in inside and n not in outputs:
+                        outputs.append(n)
+        else:
+            outputs = [n for n in nodes if n.name in graph_out or (b < L and n in live[b])]
+        name = f"Stage{k}_{kind}"
+        forward, has_random = _compute_graph(gm, body, a, b, reads, outputs, rng_positions, f"{name}_forward")
+        st = Stage(index=k, kind=kind, span=(a, b), inputs=[n.name for n in reads],
+                   outputs=[n.name for n in outputs],
+                   graph_outputs={n.name: graph_out[n.name] for n in outputs if n.name in graph_out},
+                   params=[n.meta["rp_index"] for n in reads if n.meta.get("rp_kind") == "param"],
+                   buffers=[n.meta["rp_index"] for n in reads if n.meta.get("rp_kind") == "buffer"],
+                   random=has_random, forward=forward,
+                   kinds={n.name: n.meta.get("rp_kind", "act") for n in reads},
+                   input_leaf={n.name: n.meta["rp_index"] for n in reads if "rp_index" in n.meta},
+                   handed_on={n.name for n in outputs} if kind == "fwd" else set())
+        if kind != "fwd":
+            st.grad_outputs = [n.name for n in outputs if _requires_grad(n)]
+            st.grad_inputs = [n.name for n in reads if _requires_grad(n) and n.meta.get("rp_kind") in (None, "input")]
+            grad_param_nodes = [n for n in reads if n.meta.get("rp_kind") == "param" and _requires_grad(n)]
+            st.grad_params = [n.meta["rp_index"] for n in grad_param_nodes]
+            st.backward = _backward_graph(forward, reads, st.outputs, st.grad_outputs, st.grad_inputs,
+                                          [n.name for n in grad_param_nodes], has_random, f"{name}_backward")
+        stages.append(st)
+    return stages
+
+
+def build_program(st: Stage, role: str) -> fx.GraphModule:
+    """The per-microbatch program of a stage job in `role` ("fwd", "fused" or "bwd")."""
+    g = fx.Graph()
+    root = torch.nn.Module()
+    root.forward_graph = st.forward
+    if st.backward is not None:
+        root.backward_graph = st.backward
+    job, mb = g.placeholder("job"), g.placeholder("mb")
+    g.call_function(rp.wait, (job, mb))
+    vals = {}
+    # Activations first: they are on the critical path; weights may already be resident.
+    for name in st.inputs:
+        kind = st.kinds[name]
+        if kind == "act":
+            vals[name] = g.call_function(rp.fetch, (job, mb, name))
+        elif kind == "input":
+            vals[name] = g.call_function(rp.user_input, (job, mb, st.input_leaf[name]))
+        elif kind == "sym":
+            vals[name] = g.call_function(rp.sym, (job, mb, name))
+    for name in st.inputs:
+        kind = st.kinds[name]
+        if kind == "param":
+            vals[name] = g.call_function(rp.weight, (job, st.input_leaf[name]))
+        elif kind == "buffer":
+            vals[name] = g.call_function(rp.buffer, (job, st.input_leaf[name]))
+    args = [vals[name] for name in st.inputs]
+    if st.random:
+        args.append(g.call_function(rp.rng_key, (job, mb)))
+    if role == "fwd":
+        res = g.call_module("forward_graph", tuple(args))
+        for i, name in enumerate(st.outputs):
+            v = g.call_function(operator.getitem, (res, i))
+            if name in st.graph_outputs:
+                g.call_function(rp.output, (job, mb, name, v))
+            if name in st.handed_on:
+                g.call_function(rp.offload, (job, mb, name, v))
+    elif st.grad_outputs:
+        if role == "fused":
+            seeds = [g.call_function(rp.loss_seed, (job, mb))]
+        else:
+            seeds = [g.call_function(rp.fetch_grad, (job, mb, name)) for name in st.grad_outputs]
+        res = g.call_module("backward_graph", tuple(args + seeds))
+        outs = g.call_function(operator.getitem, (res, 0))
+        grads = g.call_function(operator.getitem, (res, 1))
+        if role == "fused":
+            for i, name in enumerate(st.outputs):
+                if name in st.graph_outputs:
+                    g.call_function(rp.output, (job, mb, name, g.call_function(operator.getitem, (outs, i))))
+        for j, name in enumerate(st.grad_inputs):
+            g.call_function(rp.offload_grad, (job, mb, name, g.call_function(operator.getitem, (grads, j))))
+        n_in = len(st.grad_inputs)
+        pgrads = tuple(g.call_function(operator.getitem, (grads, n_in + k)) for k in range(len(st.grad_params)))
+        g.call_function(rp.accumulate_grads, (job, pgrads))
+    g.call_function(rp.done, (job, mb))
+    g.output(None)
+    g.lint()
+    return fx.GraphModule(root, g, class_name=f"Stage{st.index}_{role}_program")

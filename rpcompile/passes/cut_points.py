@@ -1,0 +1,127 @@
+"""Where the graph may be cut into stages, and the cost table of the pieces between cuts.
+
+A *position* p in 0..L is the gap before the p-th compute node (placeholders and the output
+are not compute nodes). The values *live* at p are those made before p and read at or after
+p: what a stage ending at p must hand to the next one. A position is a legal cut when its live
+activations are few and small: at most MAX_LIVE values and at most CUT_SLACK times the median
+live bytes of the interior gaps (layer boundaries in a decoder carry the residual stream plus
+small rotary tables and masks; the gaps inside attention carry q, k and v as well).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .cost import Hardware, NodeCost, evaluate, node_seconds
+from .partition import Segment
+
+# A gap whose live activations are at most this many times the median gap's is a cut.
+CUT_SLACK = 1.0
+MAX_LIVE = 12
+
+
+def body_nodes(gm: fx.GraphModule) -> list:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def value_bytes(value, bindings) -> int:
+    """Bytes of a node's value (tensors inside tuples counted), at the given symbol values."""
+    total = 0
+    for v in torch.utils._pytree.tree_leaves(value):
+        if isinstance(v, torch.Tensor):
+            n = v.element_size()
+            for s in v.shape:
+                n *= int(evaluate(s.node.expr, bindings)) if isinstance(s, torch.SymInt) else s
+            total += n
+    return total
+
+
+@dataclass
+class Liveness:
+    """Per position: the activation nodes live across it (placeholders excluded)."""
+
+    body: list
+    live: list          # live[p]: list of nodes, for p in 0..L
+    index: dict         # node -> position of the node in body
+
+
+def liveness(gm: fx.GraphModule) -> Liveness:
+    """Live activation sets at every gap of the topological order (one sweep)."""
+    body = body_nodes(gm)
+    index = {n: i for i, n in enumerate(body)}
+    L = len(body)
+    last_use = {}
+    for n in body:
+        last = -1
+        for u in n.users:
+            last = max(last, L if u.op == "output" else index[u])
+        last_use[n] = last
+    # A value is live at p when it is made before p and its last reader is at or after p.
+    starts = [[] for _ in range(L + 1)]
+    for n in body:
+        if last_use[n] > index[n]:
+            starts[index[n] + 1].append(n)
+    live, current = [], []
+    for p in range(L + 1):
+        current = [n for n in current if last_use[n] >= p] + starts[p]
+        live.append(current)
+    return Liveness(body, live, index)
+
+
+def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
+    """Positions where a stage may end: 0, L and the gaps whose live bytes are near the minimum."""
+    L = len(lv.body)
+    live_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes) for nodes in lv.live]
+    interior = [b for b in live_bytes[1:L] if b > 0]
+    if not interior:
+        return [0, L]
+    limit = CUT_SLACK * sorted(interior)[len(interior) // 2]
+    cuts = [p for p in range(1, L) if 0 < live_bytes[p] <= limit and len(lv.live[p]) <= MAX_LIVE]
+    # Of two neighbouring cuts with only a free node (view, cast) between them keep the later:
+    # the pieces between cuts stay few without losing any choice worth having.
+    thinned = []
+    for p in cuts:
+        if thinned and thinned[-1] == p - 1 and _is_free(lv.body[p - 1], bindings):
+            thinned[-1] = p
+        else:
+            thinned.append(p)
+    return [0] + thinned + [L]
+
+
+def _is_free(node: fx.Node, bindings) -> bool:
+    cost: NodeCost = node.meta.get("rp_cost")
+    return cost is None or (evaluate(cost.fwd_flops, bindings) == 0 and evaluate(cost.param_bytes, bindings) == 0)
+
+
+def param_nodes_read(node: fx.Node) -> list:
+    return [a for a in node.all_input_nodes if a.meta.get("rp_kind") == "param"]
+
+
+def param_bytes(p: fx.Node) -> int:
+    """Device bytes of a parameter placeholder, or of the slice a node reads (rp_param_slice)."""
+    ev = p.meta["example_value"]
+    return ev.numel() * ev.element_size()
+
+
+def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, hw: Hardware):
+    """Segments between consecutive cuts with their times and bytes, and the live bytes at each cut."""
+    segments = []
+    for a, b in zip(cuts, cuts[1:]):
+        fwd = bwd = 0.0
+        saved = 0
+        params = {}
+        for n in lv.body[a:b]:
+            cost = n.meta.get("rp_cost")
+            if cost is not None:
+                f, fb = node_seconds(cost, bindings, peak_flops=hw.peak_flops, mem_bw=hw.mem_bw)
+                fwd, bwd = fwd + f, bwd + fb
+                saved += int(evaluate(cost.saved_bytes, bindings))
+            for p in param_nodes_read(n):
+                params[p] = param_bytes(p)
+        pbytes = sum(params.values())
+        gbytes = sum(4 * p.meta["example_value"].numel() for p in params if p.meta["example_value"].requires_grad)
+        segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved))
+    cut_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in lv.live[p]) for p in cuts]
+    return segments, cut_bytes

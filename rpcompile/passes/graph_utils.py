@@ -1,0 +1,101 @@
+"""Small graph helpers shared by the passes: impurity, dead code, sub-graph extraction."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+_SIDE_EFFECT_FUNCTIONS = {torch._C._log_api_usage_once}
+
+
+def is_impure(node: fx.Node) -> bool:
+    """True for nodes that must run even when nothing reads their value (in-place updates)."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "call_method":
+        name = node.target
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in _SIDE_EFFECT_FUNCTIONS:
+            return False  # logging only: safe to drop
+        if isinstance(node.target, torch._ops.OpOverload):
+            return node.target._schema.is_mutable
+        if getattr(node.target, "__name__", "").endswith("_") and not node.target.__name__.endswith("__"):
+            return True
+        if node.target is torch.nn.functional.batch_norm:
+            return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False))
+    return False
+
+
+def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """Drop nodes whose values nobody reads, keeping in-place updates of buffers."""
+    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+    gm.recompile()
+    return gm
+
+
+def output_node(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def output_values(graph: fx.Graph) -> list:
+    return pytree.tree_leaves(output_node(graph).args[0])
+
+
+def set_outputs(gm: fx.GraphModule, values: list) -> None:
+    out = output_node(gm.graph)
+    out.args = (tuple(values),)
+    gm.recompile()
+
+
+def map_devices(value, mapping):
+    """Replace torch.device constants (inside args/kwargs) by mapping[device.type]."""
+    if isinstance(value, torch.device):
+        return mapping.get(value.type, value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_devices(v, mapping) for v in value)
+    if isinstance(value, dict):
+        return {k: map_devices(v, mapping) for k, v in value.items()}
+    return value
+
+
+def extract(gm: fx.GraphModule, nodes: list, inputs: list, outputs: list, name: str = "Stage") -> fx.GraphModule:
+    """A GraphModule running `nodes` (in order) from `inputs` (as placeholders) to `outputs`."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        p = g.placeholder(n.name)
+        p.meta = copy.copy(n.meta)
+        env[n] = p
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    g.lint()
+    return fx.GraphModule(gm, g, class_name=name)
+
+
+def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of gm whose graph (and node metas, shallowly) can be rewritten independently."""
+    g = fx.Graph()
+    g.output(g.graph_copy(gm.graph, {}))
+    new = fx.GraphModule(gm, g, class_name=type(gm).__name__)
+    new.meta = dict(getattr(gm, "meta", {}))
+    return new
+
+
+def retarget(gm: fx.GraphModule, mapping: dict) -> fx.GraphModule:
+    """A copy of gm (and of its GraphModule children) with device constants mapped by type."""
+    children = {name: retarget(m, mapping) for name, m in gm.named_children() if isinstance(m, fx.GraphModule)}
+    g = fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        new = g.node_copy(n, lambda x: env[x])
+        new.args, new.kwargs = map_devices(new.args, mapping), map_devices(new.kwargs, mapping)
+        env[n] = new
+    root = dict(children)
+    for n in g.nodes:
+        if n.op in ("get_attr", "call_module") and n.target not in root:
+            root[n.target] = gm.get_submodule(n.target) if n.op == "call_module" else getattr(gm, n.target)
+    return fx.GraphModule(root, g, class_name=type(gm).__name__)

@@ -1,0 +1,226 @@
+"""Runs compiled plans: splits a call into microbatches, runs the stage jobs, gathers results.
+
+Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of a
+`rpcompile.compile` call), so both ways in share it.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .passes.graph_utils import retarget
+from .runtime.executor import Executor
+from .runtime.job import Microbatch, StepState
+
+
+class GraphRunner:
+    """Executes the plans of one compiled model on the devices of its Config."""
+
+    def __init__(self, config):
+        self.config = config
+        self.executor = Executor(config.devices)
+        self._programs: dict = {}
+        self._counters: dict = {}
+        self._warned_static = False
+
+    # --- programs per device ---------------------------------------------------------------
+    def program_for(self, plan, stage, role, device):
+        key = (id(plan), stage.index, role, device)
+        prog = self._programs.get(key)
+        if prog is None:
+            src = plan.captured.capture_device
+            prog = stage.programs[role]
+            if src != device:
+                prog = retarget(prog, {src.type: device})
+            self._programs[key] = prog
+        return prog
+
+    # --- microbatches ----------------------------------------------------------------------
+    def split(self, plan, leaves) -> list:
+        """Per microbatch: the leaves (batched ones sliced on dim 0) and the size symbols."""
+        M = self.config.num_microbatches
+        batched = [i for i in sorted(plan.split_leaves) if isinstance(leaves[i], torch.Tensor)]
+        if not batched:
+            if M > 1 and not self._warned_static:
+                warnings.warn("rpcompile: the captured graph has a static batch size, so the batch is not split "
+                              "into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
+                              "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
+                self._warned_static = True
+            M = 1
+        else:
+            B = leaves[batched[0]].shape[0]
+            for i in batched:
+                if leaves[i].shape[0] != B:
+                    raise ValueError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "
+                                     f"(input leaf {i}); all batched inputs must have the same dim 0")
+            M = max(1, min(M, B))
+        chunks = {i: torch.tensor_split(leaves[i], M) for i in batched}
+        micro = []
+        for m in range(M):
+            mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]
+            syms = {}
+            for name, src in plan.sym_sources.items():
+                syms[name] = src if isinstance(src, int) else mleaves[src[0]].shape[src[1]]
+            micro.append(Microbatch(mleaves, syms))
+        return micro
+
+    def _counter(self, plan):
+        c = self._counters.get(id(plan))
+        if c is None:
+            c = retarget(plan.loss_scale.counter, {plan.captured.capture_device.type: torch.device("cpu")})
+            self._counters[id(plan)] = c
+        return c
+
+    def loss_weights(self, plan, micro) -> list:
+        """d(batch loss)/d(microbatch loss output) per microbatch (Note [whole-batch loss])."""
+        scale = plan.loss_scale
+        if scale is not None and scale.kind == "tokens":
+            counter = self._counter(plan)
+            names = [n for n in counter.graph.nodes if n.op == "placeholder"]
+            counts = []
+            for mbatch in micro:
+                args = [mbatch.syms[n.name] if n.meta.get("rp_kind") == "sym" else mbatch.leaves[n.meta["rp_index"]]
+                        for n in names]
+                counts.append(int(counter(*args)))
+            total = sum(counts)
+            return [1.0 / total if total else float("nan")] * len(micro)
+        sizes = [self._rows(plan, mbatch) for mbatch in micro]
+        return [s / sum(sizes) for s in sizes]
+
+    @staticmethod
+    def _rows(plan, mbatch) -> int:
+        for i in sorted(plan.split_leaves):
+            return mbatch.leaves[i].shape[0]
+        return 1
+
+    def new_step(self, plan, micro) -> StepState:
+        cap = plan.captured
+        dtype = self.config.compute_dtype if cap.capture_device.type == "meta" else None
+        rng_base = 0
+        if any(st.random for st in plan.stages):
+            rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
+        return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype)
+
+    def run_jobs(self, plan, step, jobs):
+        self.executor.run(step, jobs, lambda st, role, dev: self.program_for(plan, st, role, dev))
+
+    @staticmethod
+    def param_grads(step) -> dict:
+        """Host gradient per parameter index, summed over the jobs in job order."""
+        totals = {}
+        for j in sorted(step.param_grads):
+            for i, g in step.param_grads[j].items():
+                totals[i] = g if i not in totals else totals[i] + g
+        return totals
+
+    # --- train step ------------------------------------------------------------------------
+    def train_step(self, plan, leaves) -> torch.Tensor:
+        """Forward and backward over all microbatches; gradients added into param.grad."""
+        micro = self.split(plan, leaves)
+        for mbatch, w in zip(micro, self.loss_weights(plan, micro)):
+            mbatch.seed = w
+        step = self.new_step(plan, micro)
+        buffers = plan.captured.buffers
+        saved = [b.clone() for b in buffers]
+        try:
+            self.run_jobs(plan, step, [(k, st, st.kind) for k, st in enumerate(plan.stages)])
+        except BaseException:
+            with torch.no_grad():
+                for b, s in zip(buffers, saved):
+                    b.copy_(s)
+            raise
+        with torch.no_grad():
+            for i, g in self.param_grads(step).items():
+                p = plan.captured.params[i]
+                g = g.to(p.dtype)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        loss_name = plan.graph_outputs[0]
+        total = sum(float(m.seed) * m.outputs[loss_name].double() for m in micro)
+        return total.to(torch.float32)
+
+    # --- differentiable call ---------------------------------------------------------------
+    def call_forward(self, plan, leaves, keep_for_backward: bool):
+        micro = self.split(plan, leaves)
+        weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
+        step = self.new_step(plan, micro)
+        jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
+        self.run_jobs(plan, step, jobs)
+        outputs = []
+        for i, name in enumerate(plan.graph_outputs):
+            outputs.append(self._gather_output(plan, micro, i, name, weights))
+        step.loss_weights = weights
+        return outputs, (step if keep_for_backward else None)
+
+    def _gather_output(self, plan, micro, i, name, weights):
+        vals = [m.outputs.get(name) for m in micro]
+        if any(v is None for v in vals):
+            node = next(n for n in plan.gm.graph.nodes if n.name == name)
+            if node.op == "placeholder" and node.meta.get("rp_kind") == "input":
+                vals = [m.leaves[node.meta["rp_index"]] for m in micro]
+            else:
+                raise RuntimeError(f"output {name} was not produced by any stage")
+        if plan.output_batched[i]:
+            return torch.cat(vals, 0)
+        if isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0:
+            if plan.loss_scale is not None and plan.loss_scale.output == i:
+                w = weights
+            else:
+                w = [self._rows(plan, m) for m in micro]
+                w = [x / sum(w) for x in w]
+            return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)
+        return vals[0]
+
+    def call_backward(self, plan, step, grads_of_outputs) -> tuple:
+        """Seed the outputs' gradients per microbatch, run the backward jobs; returns
+        (host grad per param index, host grad per input leaf index)."""
+        micro = step.micro
+        sizes = [self._rows(plan, m) for m in micro]
+        for i, (name, g) in enumerate(zip(plan.graph_outputs, grads_of_outputs)):
+            if g is None or name is None:
+                continue
+            if plan.output_batched[i]:
+                parts = torch.split(g, sizes, 0)
+            elif g.dim() == 0:
+                w = step.loss_weights if (plan.loss_scale is not None and plan.loss_scale.output == i) else \
+                    [s / sum(sizes) for s in sizes]
+                parts = [g * wi for wi in w]
+            else:
+                parts = [g] + [None] * (len(micro) - 1)
+            for m, part in zip(micro, parts):
+                if part is not None:
+                    m.grads[name] = part if name not in m.grads else m.grads[name] + part
+        step.done_events.clear()
+        step.param_grads.clear()
+        jobs = [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
+        self.run_jobs(plan, step, jobs)
+        input_grads = {}
+        for n in plan.gm.graph.nodes:
+            if n.op == "placeholder" and n.meta.get("rp_kind") == "input":
+                parts = [m.grads.get(n.name) for m in micro]
+                if all(p is not None for p in parts):
+                    i = n.meta["rp_index"]
+                    input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
+        return self.param_grads(step), input_grads
+
+
+class PipelineCall(torch.autograd.Function):
+    """Autograd view of a pipelined call: parameters and input tensors in, model outputs out."""
+
+    @staticmethod
+    def forward(ctx, runner, plan, leaves, n_params, *tensors):
+        outputs, step = runner.call_forward(plan, leaves, keep_for_backward=True)
+        ctx.runner, ctx.plan, ctx.step, ctx.n_params = runner, plan, step, n_params
+        ctx.leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pgrads, igrads = ctx.runner.call_backward(ctx.plan, ctx.step, list(grads))
+        ctx.step = None
+        params = ctx.plan.captured.params
+        param_out = [pgrads[i].to(params[i].dtype) if i in pgrads else None for i in range(ctx.n_params)]
+        leaf_out = [igrads.get(i) for i in ctx.leaf_positions]
+        return (None, None, None, None, *param_out, *leaf_out)

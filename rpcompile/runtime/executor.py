@@ -1,0 +1,62 @@
+"""The dispatcher: one worker thread per device runs the stage jobs handed to it, in order.
+
+Stage job k of a step runs on device (offset + k) mod N; the offset carries on across steps,
+so the device that ran the last job of a step is not the one that starts the next.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+from .device import DeviceRuntime
+from .job import StepState, run_job
+
+
+class _Worker:
+    def __init__(self, dev: DeviceRuntime, name: str):
+        self.dev = dev
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            fn, finished = self.jobs.get()
+            try:
+                fn()
+            finally:
+                finished.set()
+
+
+class Executor:
+    """Worker threads for the devices of a Config, and the round-robin offset."""
+
+    def __init__(self, devices):
+        self.devices = [DeviceRuntime(d) for d in devices]
+        self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
+        self.offset = 0
+        self.placements: list = []   # (job index, stage index, role, device index) of the last run
+
+    def run(self, step: StepState, jobs: list, programs_for) -> None:
+        """Run [(job index, stage, role), ...] as a chain; raise the first failure here."""
+        import threading as _t
+        n = len(self.workers)
+        step.done_events.update({j: [_t.Event() for _ in step.micro] for j, _, _ in jobs})
+        finished = []
+        self.placements = []
+        prev = None
+        for k, (j, stage, role) in enumerate(jobs):
+            d = (self.offset + k) % n
+            worker = self.workers[d]
+            program = programs_for(stage, role, worker.dev.device)
+            ev = _t.Event()
+            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program:
+                             run_job(step, j, prev, stage, role, w.dev, p), ev))
+            finished.append(ev)
+            self.placements.append((j, stage.index, role, d))
+            prev = j
+        self.offset = (self.offset + len(jobs)) % n
+        for ev in finished:
+            ev.wait()
+        if step.error is not None:
+            raise step.error

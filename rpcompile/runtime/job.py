@@ -1,0 +1,168 @@
+"""The state of one step and the context a stage job's program runs in."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..errors import StageError
+
+
+class Aborted(Exception):
+    """Another job of the step failed; this one stops without reporting."""
+
+
+@dataclass
+class Microbatch:
+    leaves: list                      # the call's leaves, batched ones sliced to this microbatch
+    syms: dict                        # size symbol name -> value
+    seed: float = 1.0                 # d(batch loss) / d(this microbatch's loss output)
+    acts: dict = field(default_factory=dict)      # activations and checkpoints on the host
+    grads: dict = field(default_factory=dict)     # gradients of activations on the host
+    outputs: dict = field(default_factory=dict)   # values the model returns
+
+
+@dataclass
+class StepState:
+    """Everything one step's jobs share; jobs of different devices meet only here."""
+
+    plan: Any
+    params: list
+    buffers: list
+    micro: list                       # Microbatch per microbatch
+    rng_base: int = 0
+    dtype: Optional[torch.dtype] = None
+    param_grads: dict = field(default_factory=dict)    # job index -> {param index: host fp32 grad}
+    done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
+    error: Optional[BaseException] = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+        for events in self.done_events.values():
+            for e in events:
+                e.set()
+
+
+class JobContext:
+    """What the ops of a stage program act on: one stage job on one device in one step."""
+
+    def __init__(self, step: StepState, job_index: int, prev_job: Optional[int], stage, role: str, dev):
+        self.step, self.job_index, self.prev_job = step, job_index, prev_job
+        self.stage, self.role, self.dev = stage, role, dev
+        self.weights: dict = {}
+        self.buffers: dict = {}
+        self.write_back: list = []
+        self.grad_acc: dict = {}
+        self.microbatch = None
+
+    def describe(self) -> str:
+        return f"stage {self.stage.index} ({self.role}) on {self.dev.device}"
+
+    # --- synchronisation -------------------------------------------------------------------
+    def wait(self, mb):
+        self.microbatch = mb
+        if self.prev_job is not None:
+            self.step.done_events[self.prev_job][mb].wait()
+        if self.step.error is not None:
+            raise Aborted()
+
+    def done(self, mb):
+        self.step.done_events[self.job_index][mb].set()
+
+    # --- inputs ----------------------------------------------------------------------------
+    def weight(self, index):
+        w = self.weights.get(index)
+        if w is None:
+            p = self.step.params[index]
+            w = self.dev.upload(p.detach(), self.step.dtype)
+            if self.role != "fwd" and p.requires_grad:
+                w = w.detach().requires_grad_(True)
+            self.weights[index] = w
+        return w
+
+    def buffer(self, index):
+        b = self.buffers.get(index)
+        if b is None:
+            host = self.step.buffers[index]
+            b = self.dev.upload(host, self.step.dtype)
+            if self.role == "bwd":
+                # A recompute must not update running statistics a second time.
+                b = b.clone() if b is host else b
+            elif b is not host:
+                self.write_back.append((host, b))
+            self.buffers[index] = b
+        return b
+
+    def fetch(self, mb, name):
+        return self.dev.upload(self.step.micro[mb].acts[name])
+
+    def user_input(self, mb, index):
+        return self.dev.upload(self.step.micro[mb].leaves[index], self.step.dtype)
+
+    def sym(self, mb, name):
+        return self.step.micro[mb].syms[name]
+
+    def rng_key(self, mb):
+        return self.step.rng_base * 1_000_003 + mb
+
+    def fetch_grad(self, mb, name):
+        g = self.step.micro[mb].grads.get(name)
+        return None if g is None else self.dev.upload(g)
+
+    def loss_seed(self, mb):
+        return torch.tensor(self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
+
+    # --- outputs ---------------------------------------------------------------------------
+    def offload(self, mb, name, value):
+        self.step.micro[mb].acts[name] = self.dev.download(value)
+
+    def output(self, mb, name, value):
+        self.step.micro[mb].outputs[name] = self.dev.download(value)
+
+    def offload_grad(self, mb, name, value):
+        if value is None:
+            return
+        grads = self.step.micro[mb].grads
+        host = self.dev.download(value)
+        grads[name] = host if name not in grads else grads[name] + host
+
+    def accumulate_grads(self, grads):
+        for index, g in zip(self.stage.grad_params, grads):
+            if g is None:
+                continue
+            acc = self.grad_acc.get(index)
+            g = g.to(torch.float32)
+            self.grad_acc[index] = g if acc is None else acc.add_(g)
+
+    def finish(self):
+        """End of the job: gradients and updated buffers go to the host."""
+        for host, dev in self.write_back:
+            host.copy_(dev)
+        if self.grad_acc:
+            self.step.param_grads[self.job_index] = {i: self.dev.download(g) for i, g in self.grad_acc.items()}
+
+
+def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program) -> None:
+    """Run one stage job over every microbatch; failures are recorded on the step."""
+    ctx = JobContext(step, job_index, prev_job, stage, role, dev)
+    try:
+        grad_mode = torch.enable_grad() if role != "fwd" else torch.no_grad()
+        rng = dev.rng_scope() if stage.random else contextlib.nullcontext()
+        with grad_mode, rng:
+            for mb in range(len(step.micro)):
+                program(ctx, mb)
+            ctx.finish()
+    except Aborted:
+        pass
+    except BaseException as exc:  # reported in the caller's thread by the executor
+        err = StageError(f"{ctx.describe()}, microbatch {ctx.microbatch}: {type(exc).__name__}: {exc}",
+                         stage=stage.index, microbatch=ctx.microbatch, device=str(dev.device))
+        err.__cause__ = exc
+        step.fail(err)
+
