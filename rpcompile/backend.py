@@ -15,6 +15,7 @@ def backend(config: Optional[Config] = None):
     """A dynamo backend running the graph as rpcompile stages: torch.compile(m, backend=rpcompile.backend(cfg))."""
     config = config or Config()
     runner = GraphRunner(config)
+    plans = []
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
         cap = from_dynamo(gm, example_inputs)
@@ -33,10 +34,10 @@ def backend(config: Optional[Config] = None):
             outputs, _ = runner.call_forward(plan, leaves, keep_for_backward=False)
             return outputs
 
-        run.plan = plan
-        backend.last_plan = plan
+        plans.append(plan)
         return run
 
+    compile_fn.plans = plans   # every graph dynamo handed over, newest last
     return compile_fn
 
 

@@ -49,8 +49,8 @@ class Captured:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
-def _meta_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    dt = dtype if t.is_floating_point() else t.dtype
+def _meta_like(t: torch.Tensor, dtype) -> torch.Tensor:
+    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
     return torch.empty_strided(t.shape, t.stride(), dtype=dt, device="meta")
 
 
@@ -133,7 +133,7 @@ def batch_size_of(leaves) -> Optional[int]:
     return None
 
 
-def capture_call(model: torch.nn.Module, args, kwargs, *, dtype: torch.dtype,
+def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
                  wrap=None, dynamic_batch: bool = True) -> Captured:
     """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies."""
     leaves, in_spec = flatten_call(args, kwargs)
@@ -141,7 +141,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype: torch.dtype,
     meta_leaves, const_leaves = [], {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            m = _meta_like(leaf, dtype if leaf.is_floating_point() else leaf.dtype)
+            m = _meta_like(leaf, dtype)
             if leaf.requires_grad and m.is_floating_point():
                 m.requires_grad_(True)
             if dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch:
@@ -197,6 +197,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype: torch.dtype,
                 lst.append(host)
                 names.append(fqn)
             node.meta["rp_kind"], node.meta["rp_index"] = kind, index_of[id(host)]
+            node.meta["rp_name"] = names[index_of[id(host)]]
         elif id(ex) in id_to_leaf:
             node.meta["rp_kind"], node.meta["rp_index"] = "input", id_to_leaf[id(ex)]
             # Dynamo may report meta inputs as requiring grad; the user's tensor says.
@@ -251,10 +252,12 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
             node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
         elif isinstance(ex, torch.nn.Parameter):
             node.meta["rp_kind"], node.meta["rp_index"] = "param", len(params)
+            node.meta["rp_name"] = source_name
             params.append(ex)
             param_names.append(source_name)
         elif "_buffers" in source_name:
             node.meta["rp_kind"], node.meta["rp_index"] = "buffer", len(buffers)
+            node.meta["rp_name"] = source_name
             buffers.append(ex)
             buffer_names.append(source_name)
         else:

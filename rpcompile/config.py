@@ -29,8 +29,8 @@ class Config:
 
     devices: where stage jobs run, e.g. ["cuda:0", "cuda:1"] or ["cpu", "cpu"] (threads).
     num_microbatches: the batch (dim 0 of every batched input) is split into this many.
-    dtype: compute dtype of the working copies on the devices; None means float32 on CPU
-        devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
+    dtype: compute dtype of the working copies on the devices; None means the model's own
+        dtype on CPU devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
     memory_budget: bytes (or "24GiB") a stage job may use on one device; None: the device's
         free memory on GPUs, unlimited on CPU.
     loss_fn: loss_fn(output, target) when the model does not return its own loss.
@@ -80,7 +80,8 @@ class Config:
         return self.devices[0].type == "cuda"
 
     @property
-    def compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype floating weights and inputs are cast to on the devices (None: no cast)."""
         if self.dtype is not None:
             return self.dtype
-        return torch.bfloat16 if self.on_gpu else torch.float32
+        return torch.bfloat16 if self.on_gpu else None

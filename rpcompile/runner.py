@@ -100,7 +100,9 @@ class GraphRunner:
         rng_base = 0
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
-        return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype)
+        return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
+                         param_index={n: i for i, n in enumerate(cap.param_names)},
+                         buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
     def run_jobs(self, plan, step, jobs):
         self.executor.run(step, jobs, lambda st, role, dev: self.program_for(plan, st, role, dev))
@@ -137,7 +139,7 @@ class GraphRunner:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         loss_name = plan.graph_outputs[0]
         total = sum(float(m.seed) * m.outputs[loss_name].double() for m in micro)
-        return total.to(torch.float32)
+        return total.to(micro[0].outputs[loss_name].dtype)
 
     # --- differentiable call ---------------------------------------------------------------
     def call_forward(self, plan, leaves, keep_for_backward: bool):

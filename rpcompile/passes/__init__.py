@@ -56,7 +56,7 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
 
     hw = Hardware.h100() if config.on_gpu else Hardware.cpu()
     micro = _planned_microbatch(cap, config)
-    bindings = {} if cap.batch_symbol is None else {cap.batch_symbol.name: micro}
+    bindings = _bindings(gm, cap, micro)
     lv = liveness(gm)
     cuts = legal_cuts(gm, lv, bindings)
     segments, cut_bytes = segment_table(gm, lv, cuts, bindings, hw)
@@ -78,6 +78,18 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
                 memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head)
     _describe_io(plan)
     return plan
+
+
+def _bindings(gm, cap, micro: int) -> dict:
+    """Values of the graph's size symbols to plan at: the planned microbatch for the batch."""
+    out = {}
+    for n in gm.graph.nodes:
+        ev = n.meta.get("example_value") if n.op == "placeholder" else None
+        if isinstance(ev, torch.SymInt) and ev.node.expr.is_Symbol:
+            out[ev.node.expr.name] = ev.node.hint
+    if cap.batch_symbol is not None:
+        out[cap.batch_symbol.name] = micro
+    return out
 
 
 def _single_scalar_output(gm: fx.GraphModule) -> int:

@@ -78,6 +78,7 @@ class Stage:
     kinds: dict = field(default_factory=dict)          # input name -> rp_kind or "act"
     input_leaf: dict = field(default_factory=dict)     # input name -> rp_index (params, buffers, call leaves)
     handed_on: set = field(default_factory=set)        # outputs later jobs read
+    fqn: dict = field(default_factory=dict)            # param/buffer input name -> its name in the model
 
     @property
     def program(self) -> fx.GraphModule:
@@ -172,7 +173,8 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
                    random=has_random, forward=forward,
                    kinds={n.name: n.meta.get("rp_kind", "act") for n in reads},
                    input_leaf={n.name: n.meta["rp_index"] for n in reads if "rp_index" in n.meta},
-                   handed_on={n.name for n in outputs} if kind == "fwd" else set())
+                   handed_on={n.name for n in outputs} if kind == "fwd" else set(),
+                   fqn={n.name: n.meta["rp_name"] for n in reads if "rp_name" in n.meta})
         if kind != "fwd":
             st.grad_outputs = [n.name for n in outputs if _requires_grad(n)]
             st.grad_inputs = [n.name for n in reads if _requires_grad(n) and n.meta.get("rp_kind") in (None, "input")]
@@ -206,9 +208,9 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     for name in st.inputs:
         kind = st.kinds[name]
         if kind == "param":
-            vals[name] = g.call_function(rp.weight, (job, st.input_leaf[name]))
+            vals[name] = g.call_function(rp.weight, (job, st.fqn[name]))
         elif kind == "buffer":
-            vals[name] = g.call_function(rp.buffer, (job, st.input_leaf[name]))
+            vals[name] = g.call_function(rp.buffer, (job, st.fqn[name]))
     args = [vals[name] for name in st.inputs]
     if st.random:
         args.append(g.call_function(rp.rng_key, (job, mb)))

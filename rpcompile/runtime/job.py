@@ -1,7 +1,6 @@
 """The state of one step and the context a stage job's program runs in."""
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -38,6 +37,8 @@ class StepState:
     param_grads: dict = field(default_factory=dict)    # job index -> {param index: host fp32 grad}
     done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
     error: Optional[BaseException] = None
+    param_index: dict = field(default_factory=dict)    # parameter name -> index in params
+    buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, exc: BaseException) -> None:
@@ -60,6 +61,7 @@ class JobContext:
         self.write_back: list = []
         self.grad_acc: dict = {}
         self.microbatch = None
+        self._rng = None
 
     def describe(self) -> str:
         return f"stage {self.stage.index} ({self.role}) on {self.dev.device}"
@@ -73,10 +75,17 @@ class JobContext:
             raise Aborted()
 
     def done(self, mb):
+        self.release_rng()
         self.step.done_events[self.job_index][mb].set()
 
+    def release_rng(self):
+        if self._rng is not None:
+            rng, self._rng = self._rng, None
+            rng.__exit__(None, None, None)
+
     # --- inputs ----------------------------------------------------------------------------
-    def weight(self, index):
+    def weight(self, name):
+        index = self.step.param_index[name]
         w = self.weights.get(index)
         if w is None:
             p = self.step.params[index]
@@ -86,7 +95,8 @@ class JobContext:
             self.weights[index] = w
         return w
 
-    def buffer(self, index):
+    def buffer(self, name):
+        index = self.step.buffer_index[name]
         b = self.buffers.get(index)
         if b is None:
             host = self.step.buffers[index]
@@ -109,6 +119,10 @@ class JobContext:
         return self.step.micro[mb].syms[name]
 
     def rng_key(self, mb):
+        # The generator is held from here (after every wait) to done(): never while waiting,
+        # so CPU threads sharing one generator cannot deadlock each other.
+        self._rng = self.dev.rng_scope()
+        self._rng.__enter__()
         return self.step.rng_base * 1_000_003 + mb
 
     def fetch_grad(self, mb, name):
@@ -152,9 +166,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     """Run one stage job over every microbatch; failures are recorded on the step."""
     ctx = JobContext(step, job_index, prev_job, stage, role, dev)
     try:
-        grad_mode = torch.enable_grad() if role != "fwd" else torch.no_grad()
-        rng = dev.rng_scope() if stage.random else contextlib.nullcontext()
-        with grad_mode, rng:
+        with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
                 program(ctx, mb)
             ctx.finish()
@@ -165,4 +177,6 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
                          stage=stage.index, microbatch=ctx.microbatch, device=str(dev.device))
         err.__cause__ = exc
         step.fail(err)
+    finally:
+        ctx.release_rng()
 

@@ -22,14 +22,14 @@ def done(job, mb):
     job.done(mb)
 
 
-def weight(job, index):
-    """The device working copy of captured parameter `index` (uploaded once per job)."""
-    return job.weight(index)
+def weight(job, name):
+    """The device working copy of the model's parameter `name` (uploaded once per job)."""
+    return job.weight(name)
 
 
-def buffer(job, index):
-    """The device copy of captured buffer `index`."""
-    return job.buffer(index)
+def buffer(job, name):
+    """The device copy of the model's buffer `name`."""
+    return job.buffer(name)
 
 
 def fetch(job, mb, name):

@@ -1,0 +1,374 @@
+"""Tests of the cost annotation pass (rpcompile/passes/cost.py)."""
+import time
+
+import pytest
+import sympy
+import torch
+import torch.nn as nn
+
+from rpcompile.passes.cost import (
+    Hardware,
+    NodeCost,
+    annotate_costs,
+    evaluate,
+    flop_counter_mode,
+    graph_symbols,
+    node_seconds,
+)
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def capture(fn, *args, dynamic_batch=True, **kwargs):
+    got = {}
+
+    def backend(gm, example_inputs):
+        got["gm"] = gm
+        return gm.forward
+
+    for t in args + tuple(kwargs.values()):
+        if isinstance(t, torch.Tensor) and dynamic_batch:
+            torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+    return got["gm"]
+
+
+def calls(gm):
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def by_name(gm):
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------- MLP
+
+D_IN, D_HID, D_OUT = 16, 32, 8
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, D_HID)
+        self.fc2 = nn.Linear(D_HID, D_OUT)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.fixture(scope="module")
+def mlp_gm():
+    torch.manual_seed(0)
+    return annotate_costs(capture(MLP(), torch.randn(4, D_IN)))
+
+
+def _linears(gm):
+    lins = [n for n in calls(gm) if n.target is torch._C._nn.linear]
+    assert len(lins) == 2
+    return lins
+
+
+def test_mlp_linear_flops_symbolic(mlp_gm):
+    syms = graph_symbols(mlp_gm)
+    assert len(syms) == 1
+    (B,) = syms.values()
+    fc1, fc2 = _linears(mlp_gm)
+    c2 = fc2.meta["rp_cost"]
+    assert isinstance(c2, NodeCost)
+    assert sympy.simplify(c2.fwd_flops - 2 * B * D_HID * D_OUT) == 0
+    # the input of fc2 requires grad: backward = grad input + grad weight = 2x forward
+    assert sympy.simplify(c2.bwd_flops - 2 * c2.fwd_flops) == 0
+    assert evaluate(c2.fwd_flops, {B: 5}) == 2 * 5 * D_HID * D_OUT
+    assert evaluate(c2.fwd_flops, {B.name: 5}) == 2 * 5 * D_HID * D_OUT
+    assert evaluate(c2.bwd_flops, {B: 5}) == 4 * 5 * D_HID * D_OUT
+    # fc1 reads the user input, which needs no gradient: only the weight gradient (1x)
+    c1 = fc1.meta["rp_cost"]
+    assert sympy.simplify(c1.fwd_flops - 2 * B * D_IN * D_HID) == 0
+    assert sympy.simplify(c1.bwd_flops - c1.fwd_flops) == 0
+
+
+def test_mlp_bytes(mlp_gm):
+    (B,) = graph_symbols(mlp_gm).values()
+    fc1, fc2 = _linears(mlp_gm)
+    c1, c2 = fc1.meta["rp_cost"], fc2.meta["rp_cost"]
+    assert c1.param_bytes == 4 * (D_IN * D_HID + D_HID)  # weight + bias
+    assert c2.param_bytes == 4 * (D_HID * D_OUT + D_OUT)
+    assert sympy.simplify(c2.out_bytes - 4 * B * D_OUT) == 0
+    # a linear saves its input activation (the weight is a parameter, not counted)
+    assert sympy.simplify(c1.saved_bytes - 4 * B * D_IN) == 0
+    assert sympy.simplify(c2.saved_bytes - 4 * B * D_HID) == 0
+    relu = next(n for n in calls(mlp_gm) if n.target is torch.relu)
+    assert relu.meta["rp_cost"].fwd_flops == 0 and relu.meta["rp_cost"].bwd_flops == 0
+    assert sympy.simplify(relu.meta["rp_cost"].saved_bytes - 4 * B * D_HID) == 0  # relu saves its output
+
+
+def test_every_call_node_costed(mlp_gm):
+    for n in calls(mlp_gm):
+        c = n.meta["rp_cost"]
+        for f in ("fwd_flops", "bwd_flops", "param_bytes", "out_bytes", "saved_bytes"):
+            assert isinstance(getattr(c, f), sympy.Expr), (n.name, f)
+    for n in mlp_gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            assert "rp_cost" not in n.meta
+
+
+def test_rp_kind_is_respected():
+    torch.manual_seed(0)
+    gm = capture(MLP(), torch.randn(4, D_IN))
+    for n in gm.graph.find_nodes(op="placeholder"):
+        ev = n.meta["example_value"]
+        if not isinstance(ev, torch.Tensor):
+            n.meta["rp_kind"] = "sym"
+        elif "fc1" in n.name:
+            n.meta["rp_kind"] = "buffer"  # frozen: no gradient, not a parameter read
+        elif "parameters" in n.name:
+            n.meta["rp_kind"] = "param"
+        else:
+            n.meta["rp_kind"] = "input"
+    annotate_costs(gm)
+    fc1, fc2 = _linears(gm)
+    c1, c2 = fc1.meta["rp_cost"], fc2.meta["rp_cost"]
+    assert c1.param_bytes == 0 and c1.bwd_flops == 0 and not c1.requires_grad
+    assert c1.saved_bytes == 0
+    assert c2.param_bytes == 4 * (D_HID * D_OUT + D_OUT)
+    assert sympy.simplify(c2.bwd_flops - c2.fwd_flops) == 0  # weight gradient only
+
+
+class Sliced(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D_HID, D_IN))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.w[:8])
+
+
+def test_rp_requires_grad_and_param_slice():
+    gm = capture(Sliced(), torch.randn(4, D_IN))
+    (w,) = [n for n in gm.graph.find_nodes(op="placeholder") if "parameters" in n.name]
+    (x,) = [n for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("l_x")]
+    x.meta["rp_requires_grad"] = True  # the capture says the user's input requires grad
+    (sl,) = w.users
+    sl.meta["rp_param_slice"] = (w.name, 0, 0, 8)  # as split_lm_head marks a weight shard
+    annotate_costs(gm)
+    lin = next(n for n in calls(gm) if n.target is torch._C._nn.linear)
+    assert sl.meta["rp_cost"].param_bytes == 4 * 8 * D_IN and sl.meta["rp_cost"].is_view
+    c = lin.meta["rp_cost"]
+    assert c.param_bytes == 0  # it reads the slice, not the placeholder
+    assert sympy.simplify(c.bwd_flops - 2 * c.fwd_flops) == 0  # grad of x and of the weight
+
+
+def test_annotate_inside_backend():
+    got = {}
+
+    def backend(gm, example_inputs):
+        got["gm"] = annotate_costs(gm)
+        return gm.forward
+
+    x = torch.randn(4, D_IN)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.reset()
+    f = torch.compile(MLP(), backend=backend, fullgraph=True)
+    f(x)
+    fc1, fc2 = _linears(got["gm"])
+    (B,) = graph_symbols(got["gm"]).values()
+    assert sympy.simplify(fc2.meta["rp_cost"].fwd_flops - 2 * B * D_HID * D_OUT) == 0
+    # annotating added no guard that would specialise the batch size: no recompile
+    got.clear()
+    f(torch.randn(7, D_IN))
+    assert not got
+
+
+class Regions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D_IN, D_HID)
+        self.fc2 = nn.Linear(D_HID, D_OUT)
+
+    def forward(self, x):
+        with torch.no_grad():
+            frozen = self.fc1(x)
+        h = self.fc1(x) + frozen
+        h.add_(1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = self.fc2(h)
+        return out.float().sum()
+
+
+def test_grad_mode_autocast_and_in_place():
+    gm = annotate_costs(capture(Regions(), torch.randn(4, D_IN)))
+    (B,) = graph_symbols(gm).values()
+    lin = [n for n in calls(gm) if n.target is torch._C._nn.linear]
+    no_grad, trained, amp = (n.meta["rp_cost"] for n in lin)
+    assert no_grad.bwd_flops == 0 and no_grad.saved_bytes == 0 and not no_grad.requires_grad
+    assert sympy.simplify(trained.bwd_flops - trained.fwd_flops) == 0
+    # under autocast the linear saves bf16 casts of its input and of its weight
+    assert sympy.simplify(amp.saved_bytes - (2 * B * D_HID + 2 * D_HID * D_OUT)) == 0
+    add_ = next(n for n in calls(gm) if n.target == "add_")
+    assert not add_.meta["rp_cost"].is_view and add_.meta["rp_cost"].requires_grad
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def test_evaluate_and_node_seconds():
+    s = sympy.Symbol("s0", positive=True, integer=True)
+    assert evaluate(3 * s + 1, {"s0": 2}) == 7.0
+    assert evaluate(3 * s + 1, {s: 2}) == 7.0
+    assert evaluate(sympy.Integer(5), {}) == 5.0
+    with pytest.raises(ValueError, match="s0"):
+        evaluate(s, {})
+    hw = Hardware.cpu()
+    assert (hw.peak_flops, hw.mem_bw, hw.upload_bw) == (50e9, 10e9, 10e9)
+    h = Hardware.h100()
+    assert (h.peak_flops, h.mem_bw, h.upload_bw) == (790e12, 3.0e12, 55e9)
+
+    # compute bound: flops dominate
+    c = NodeCost(fwd_flops=100 * s, bwd_flops=200 * s, param_bytes=sympy.Integer(8),
+                 out_bytes=2 * s, requires_grad=True, itemsize=4)
+    f, fb = node_seconds(c, {"s0": 10}, peak_flops=1.0, mem_bw=1.0)
+    assert f == 1000.0 and fb == 1000.0 + 2000.0
+    # memory bound: bytes dominate (backward moves about twice the bytes)
+    f, fb = node_seconds(c, {"s0": 10}, peak_flops=1e9, mem_bw=1.0)
+    assert f == 28.0 and fb == 28.0 + 56.0
+    # rescaled to a 2-byte dtype
+    f, _ = node_seconds(c, {"s0": 10}, peak_flops=1e9, mem_bw=1.0, dtype_bytes=2)
+    assert f == 14.0
+    # no gradient: recompute only; views move nothing
+    f, fb = node_seconds(NodeCost(out_bytes=2 * s), {"s0": 10}, peak_flops=1.0, mem_bw=1.0)
+    assert f == fb == 20.0
+    assert node_seconds(NodeCost(out_bytes=2 * s, is_view=True, requires_grad=True), {"s0": 10},
+                        peak_flops=1.0, mem_bw=1.0) == (0.0, 0.0)
+    assert hw.seconds(c, {"s0": 10}) == node_seconds(c, {"s0": 10}, peak_flops=50e9, mem_bw=10e9)
+
+
+# ---------------------------------------------------------------------------------------------- Qwen3
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 2, 16
+
+
+def tiny_qwen3():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        use_cache=False,  # training: no KV cache (with it the graph also builds cache tensors)
+    )
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    model = tiny_qwen3()
+    ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    gm = capture(model, input_ids=ids, labels=ids)
+    t0, c0 = time.perf_counter(), time.process_time()
+    annotate_costs(gm)
+    seconds = (time.perf_counter() - t0, time.process_time() - c0)
+    return model, ids, gm, seconds
+
+
+def _total(gm, field, nodes=None):
+    return sum((getattr(n.meta["rp_cost"], field) for n in (nodes or calls(gm))), sympy.Integer(0))
+
+
+def _sdpa_nodes(gm):
+    return [n for n in calls(gm) if n.target is torch._C._nn.scaled_dot_product_attention]
+
+
+def test_qwen3_annotates_fast(qwen):
+    _, _, gm, (wall, cpu) = qwen
+    # CPU time of this process: the test machine may be shared, which stretches wall time
+    assert cpu < 1.0, f"annotate_costs took {cpu:.2f}s CPU ({wall:.2f}s wall) on a 2-layer model"
+    assert wall < 5.0
+
+
+def test_qwen3_forward_flops_match_eager(qwen):
+    model, ids, gm, _ = qwen
+    (B,) = graph_symbols(gm).values()
+    total = _total(gm, "fwd_flops")
+    assert total.free_symbols == {B}
+    got = evaluate(total, {B: BATCH})
+
+    # Same counter (flop registry + the CPU flash-attention formulas) on the real eager forward.
+    with flop_counter_mode() as counter:
+        model(input_ids=ids, labels=ids)
+    want = counter.get_total_flops()
+    assert want > 0 and abs(got - want) <= 0.01 * want
+
+    # The stock FlopCounterMode has no formula for SDPA's CPU kernel
+    # (aten._scaled_dot_product_flash_attention_for_cpu), so on CPU it counts attention as 0;
+    # the matmul part (every node but attention) must still agree with it.
+    with FlopCounterMode(display=False) as plain:
+        model(input_ids=ids, labels=ids)
+    sdpa = _sdpa_nodes(gm)
+    assert len(sdpa) == 2
+    matmul_part = evaluate(_total(gm, "fwd_flops", [n for n in calls(gm) if n not in sdpa]), {B: BATCH})
+    assert abs(matmul_part - plain.get_total_flops()) <= 0.01 * plain.get_total_flops()
+    # the loss (log_softmax + nll) has no FLOP formula in the registry: 0 on both sides
+    loss = next(n for n in calls(gm) if n.target is torch.nn.functional.cross_entropy)
+    assert loss.meta["rp_cost"].fwd_flops == 0
+
+
+def test_qwen3_backward_and_no_grad_nodes(qwen):
+    _, _, gm, _ = qwen
+    lins = [n for n in calls(gm) if n.target is torch._C._nn.linear]
+    assert len(lins) == 2 * 7 + 1
+    for n in lins:  # every linear's input is an activation: grad input + grad weight
+        c = n.meta["rp_cost"]
+        assert sympy.simplify(c.bwd_flops - 2 * c.fwd_flops) == 0, n.name
+    # the rotary tables depend on no parameter: no gradient flows through them
+    nodes = by_name(gm)
+    for name in ("arange", "cos", "sin"):
+        c = nodes[name].meta["rp_cost"]
+        assert c.bwd_flops == 0 and not c.requires_grad and c.saved_bytes == 0
+    for n in _sdpa_nodes(gm):
+        assert n.meta["rp_cost"].bwd_flops != 0
+
+
+def test_qwen3_param_and_saved_bytes(qwen):
+    model, _, gm, _ = qwen
+    (B,) = graph_symbols(gm).values()
+    model_bytes = sum(nbytes(p) for p in model.parameters())
+    assert evaluate(_total(gm, "param_bytes"), {}) >= model_bytes
+    for n in calls(gm):
+        if n.target is torch._C._nn.linear:
+            x = n.args[0].meta["example_value"]
+            want = 4 * B * sympy.Mul(*x.shape[1:])
+            assert sympy.simplify(n.meta["rp_cost"].saved_bytes - want) == 0, n.name
+    # views and no-op conversions cost nothing
+    views = [n for n in calls(gm) if n.meta["rp_cost"].is_view]
+    assert any(n.target == "view" for n in views)
+    for n in views:
+        assert n.meta["rp_cost"].fwd_flops == 0 and n.meta["rp_cost"].saved_bytes == 0
+    assert evaluate(_total(gm, "saved_bytes"), {B: BATCH}) > 0
+
+
+def test_qwen3_meta_capture_same_flops(qwen):
+    _, _, gm_cpu, _ = qwen
+    model = tiny_qwen3().to(device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    gm = annotate_costs(capture(model, input_ids=ids, labels=ids))
+    embed = next(n for n in calls(gm) if n.target is torch.nn.functional.embedding)
+    assert embed.meta["example_value"].device.type == "meta"
+    assert embed.meta["example_value"].dtype == torch.bfloat16
+
+    (b_meta,) = graph_symbols(gm).values()
+    (b_cpu,) = graph_symbols(gm_cpu).values()
+    rename = {b_meta: b_cpu}
+    meta_nodes, cpu_nodes = calls(gm), calls(gm_cpu)
+    assert [n.name for n in meta_nodes] == [n.name for n in cpu_nodes]
+    for m, c in zip(meta_nodes, cpu_nodes):
+        cm, cc = m.meta["rp_cost"], c.meta["rp_cost"]
+        assert cm.fwd_flops.xreplace(rename) == cc.fwd_flops, m.name
+        assert cm.bwd_flops.xreplace(rename) == cc.bwd_flops, m.name
+        if m.target is torch._C._nn.linear:  # bf16 activations: half the fp32 bytes
+            assert sympy.simplify(2 * cm.saved_bytes.xreplace(rename) - cc.saved_bytes) == 0
+            assert 2 * cm.param_bytes == cc.param_bytes

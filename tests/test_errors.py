@@ -1,0 +1,95 @@
+"""Bad input gets a clear error in the caller's thread, and a failed step changes nothing."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.runtime.job import JobContext
+
+from models import MLP, lm_batch, qwen3
+
+
+class GraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum().item() > 0:      # data-dependent Python branch
+            h = h * 2
+        return h.sum()
+
+
+def test_graph_break_is_an_error_naming_the_place():
+    cm = rpcompile.compile(GraphBreak())
+    with pytest.raises(rpcompile.CaptureError) as e:
+        cm.train_step(torch.randn(3, 4))
+    msg = str(e.value)
+    assert "one graph" in msg and "item" in msg
+
+
+def test_wrong_input_type():
+    cm = rpcompile.compile(MLP(), rpcompile.Config(loss_fn=F.mse_loss))
+    with pytest.raises(rpcompile.InputError, match="torch.Tensor"):
+        cm.train_step([[0.0] * 8] * 3, target=torch.randn(3, 4) if False else object())
+    with pytest.raises(rpcompile.InputError, match="target"):
+        cm.train_step(torch.randn(3, 8))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_microbatches"):
+        rpcompile.Config(num_microbatches=0)
+    with pytest.raises(ValueError, match="CUDA"):
+        rpcompile.Config(devices=["cuda:0"]) if not torch.cuda.is_available() else (_ for _ in ()).throw(ValueError("CUDA"))
+    with pytest.raises(ValueError, match="24GiB"):
+        rpcompile.Config(memory_budget="lots")
+
+
+def test_impossible_memory_budget_says_what_fits():
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=1000))
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(**lm_batch())
+    err = e.value
+    assert err.min_budget and err.min_budget > 1000
+    assert "memory_budget" in str(err) and "at least" in str(err)
+    ok = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget=err.min_budget))
+    ok.train_step(**lm_batch())
+
+
+def test_failure_in_one_stage_leaves_parameters_and_grads_unchanged(monkeypatch):
+    model = qwen3()
+    cfg = rpcompile.Config(devices=["cpu", "cpu", "cpu"], num_microbatches=3, memory_budget="300KiB")
+    cm = rpcompile.compile(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = lm_batch()
+    cm.train_step(**batch)
+    opt.step()
+    opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    target_stage = cm.plan.stages[-2].index
+    real = JobContext.accumulate_grads
+
+    def faulty(job, grads):
+        if job.stage.index == target_stage and job.microbatch == 1:
+            raise RuntimeError("injected fault")
+        return real(job, grads)
+
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    with pytest.raises(rpcompile.StageError) as e:
+        cm.train_step(**batch)
+    err = e.value
+    assert err.stage == target_stage and err.microbatch == 1 and err.device == "cpu"
+    assert f"stage {target_stage}" in str(err) and "microbatch 1" in str(err) and "injected fault" in str(err)
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    loss = cm.train_step(**batch)
+    assert torch.isfinite(loss)
+    assert opt.state_dict()["state"].keys() == state["state"].keys()

@@ -1,0 +1,296 @@
+"""Tests of the fine-tuning command (rpcompile/finetune).
+
+The end-to-end tests run the command in-process through ``main([...])`` with the default
+engine, ``rpcompile.compile``. ``RPCOMPILE_FINETUNE_TEST_ENGINE=eager`` runs them on the
+plain-PyTorch stand-in instead (the default engine is always the one meant).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from rpcompile.finetune import checkpoint, data, models, plots, train
+from rpcompile.finetune.cli import main
+from rpcompile.finetune.tokenizer import ByteTokenizer
+
+ENGINE = os.environ.get("RPCOMPILE_FINETUNE_TEST_ENGINE", "rpcompile")
+SMALL = ["--seq-len", "32", "--batch-size", "4", "--devices", "cpu"]  # CPU fp32 on any machine
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args, engine=ENGINE) -> int:
+    return main([*map(str, args), "--engine", engine])
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """The model each run trained (the host parameters rpcompile updates in place)."""
+    seen = []
+
+    def compile_and_keep(model, *args, **kwargs):
+        seen.append(model)
+        return real(model, *args, **kwargs)
+
+    real = train.compile_model
+    monkeypatch.setattr(train, "compile_model", compile_and_keep)
+    return seen
+
+
+def losses_of(directory) -> list[float]:
+    return checkpoint.read_state(directory)["losses"]
+
+
+def logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# -- end to end, default engine ----------------------------------------------------------
+
+def test_default_run_loss_falls_and_checkpoint_reloads(tmp_path, captured, capsys):
+    out = tmp_path / "ckpt"
+    assert run("--steps", 12, "--seq-len", 64, "--save", out) == 0
+    printed = capsys.readouterr().out
+    assert "plan" in printed and "loss" in printed and "tokens/s" in printed
+
+    losses = losses_of(out)
+    assert len(losses) == 12
+    assert losses[-1] < losses[0] - 1.0, losses  # from ~ln(259) = 5.56 towards byte statistics
+
+    trained = captured[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([list(b"Alice was beginning to get very tired of sitting")])
+    assert torch.equal(logits(trained, ids), logits(reloaded, ids))
+    with safe_open(out / "model.safetensors", "pt") as f:  # state_dict() names, tied head once
+        assert set(f.keys()) == set(trained.state_dict()) - {"lm_head.weight"}
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert (out / "loss.png").stat().st_size > 0 and (out / "schedule.png").stat().st_size > 0
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "ckpt"
+    real_save_file, calls = safetensors.torch.save_file, []
+
+    def save_file_that_dies(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) < 2:
+            return real_save_file(tensors, filename, metadata=metadata)
+        blob = safetensors.torch.save(tensors, metadata=metadata)
+        Path(filename).write_bytes(blob[: len(blob) // 2])  # half the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_that_dies)
+    assert run("--steps", 4, "--save-every", 2, "--save", out, *SMALL) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "No space left" in errors[0] and "intact" in errors[0], err
+    assert "Traceback" not in err
+    assert len(calls) == 2
+
+    assert checkpoint.read_state(out)["step"] == 2
+    AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # loads: complete and unharmed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left
+
+
+def test_resume_continues_exactly(tmp_path, captured):
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    assert run("--steps", 6, "--save", straight, *SMALL) == 0
+    assert run("--steps", 3, "--save", first, *SMALL) == 0
+    assert checkpoint.read_state(first)["step"] == 3
+    assert run("--resume", first, "--steps", 6, "--save", resumed, "--devices", "cpu") == 0
+
+    expected, got = losses_of(straight), losses_of(resumed)
+    assert len(expected) == len(got) == 6
+    assert got == pytest.approx(expected, rel=0, abs=1e-6)
+    a, b = captured[0].state_dict(), captured[2].state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    # a resumed run keeps its data and batch shape: a contradicting option is refused
+    assert main(["--resume", str(first), "--seq-len", "64"]) == 2
+
+
+def test_lora_saves_adapter_the_peft_way(tmp_path, captured):
+    from peft import PeftModel
+
+    out = tmp_path / "adapter"
+    assert run("--lora", 4, "--steps", 3, "--save", out, *SMALL) == 0
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+
+    base, _ = models.build_model("tiny", seed=0)
+    fresh = {k: v.clone() for k, v in base.state_dict().items()}
+    reloaded = PeftModel.from_pretrained(base, out)
+    ids = torch.tensor([list(b"Curiouser and curiouser!")])
+    assert torch.equal(logits(captured[0], ids), logits(reloaded, ids))
+    trained_base = captured[0].get_base_model().state_dict()  # frozen: LoRA left it as it was
+    frozen = {k.replace(".base_layer", ""): v for k, v in trained_base.items() if "lora_" not in k}
+    assert frozen.keys() == fresh.keys() and all(torch.equal(frozen[k], fresh[k]) for k in fresh)
+
+
+def test_rpcompile_losses_match_eager(tmp_path):
+    assert run("--steps", 3, "--save", tmp_path / "e", *SMALL, engine="eager") == 0
+    assert run("--steps", 3, "--save", tmp_path / "r", *SMALL, engine="rpcompile") == 0
+    eager, compiled = losses_of(tmp_path / "e"), losses_of(tmp_path / "r")
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+# -- bad arguments and data: one line, exit code 2 -----------------------------------------
+
+def _bad_jsonl(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "also fine"\n')
+    return path
+
+
+@pytest.mark.parametrize("args, expected", [
+    (lambda t: ["--data", t / "missing.txt"], "no such file"),
+    (lambda t: ["--devices", "gpu0"], "not a device"),
+    (lambda t: ["--devices", "cpu,,cpu"], "comma-separated"),
+    (lambda t: ["--devices", "cuda:7"], "cuda"),
+    (lambda t: ["--data", _bad_jsonl(t)], "bad.jsonl:2: not valid JSON"),
+    (lambda t: ["--model", "qwen9-1t"], "not a known model"),
+    (lambda t: ["--microbatches", "8", "--batch-size", "4"], "--microbatches 8"),
+    (lambda t: ["--steps", "0"], "--steps"),
+    (lambda t: ["--save-every", "2"], "needs --save"),
+    (lambda t: ["--resume", t], "not an rpcompile checkpoint"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(tmp_path, capsys, args, expected):
+    assert main([str(a) for a in args(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rpcompile-finetune: error:"), err
+    assert expected in lines[0] and "Traceback" not in err and out == ""
+
+
+def test_bad_data_from_the_shell(tmp_path):
+    """As a user sees it: ``python -m rpcompile.finetune`` prints one line on stderr, exits 2."""
+    proc = subprocess.run([sys.executable, "-m", "rpcompile.finetune", "--data", str(_bad_jsonl(tmp_path))],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "not valid JSON" in proc.stderr
+
+
+def test_help_exits_0(capsys):
+    assert main(["--help"]) == 0
+    assert "--lora" in capsys.readouterr().out
+
+
+# -- the pieces --------------------------------------------------------------------------
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    text = "Ou est ma chatte? \u00e9\u00e8 \u2014 ok"
+    assert tok.decode(tok.encode(text)) == text
+    assert max(tok.encode(text)) < 256 and tok.vocab_size == 259
+
+
+def test_prompt_completion_masks_the_prompt(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Q: 2+2?", "completion": " 4"}) + "\n\n"
+                    + json.dumps({"text": "plain"}) + "\n")
+    docs = data.read_documents(path)
+    assert docs.texts == ["plain"] and docs.pairs == [("Q: 2+2?", " 4")]
+    rows = data.tokenize(docs, ByteTokenizer(), seq_len=16)
+    pair_ids, pair_labels = rows.input_ids[-1].tolist(), rows.labels[-1].tolist()
+    n_prompt = 1 + len("Q: 2+2?")  # BOS + prompt
+    assert pair_labels[:n_prompt] == [data.IGNORE] * n_prompt
+    assert pair_labels[n_prompt:n_prompt + 3] == [ord(" "), ord("4"), ByteTokenizer.eos_token_id]
+    assert pair_ids[n_prompt + 3:] == [ByteTokenizer.pad_token_id] * (16 - n_prompt - 3)
+    assert set(pair_labels[n_prompt + 3:]) == {data.IGNORE}
+
+
+def test_sampler_position_is_one_integer():
+    a = data.Sampler(10, 4, seed=3)
+    straight = [a.next_indices().tolist() for _ in range(6)]  # crosses epochs
+    b = data.Sampler(10, 4, seed=3)
+    first = [b.next_indices().tolist() for _ in range(2)]
+    c = data.Sampler(10, 4, seed=3, cursor=b.cursor)
+    assert first + [c.next_indices().tolist() for _ in range(4)] == straight
+    assert sorted(sum(straight[:5], [])[:10]) == list(range(10))  # an epoch sees every row once
+
+
+def test_atomic_save_without_renameat2(tmp_path, monkeypatch):
+    """The portable path: rename the old one aside, rename the new one in, and recover the
+    old one if a crash falls between the two renames."""
+    model, _ = models.build_model("tiny", seed=0)
+    out = tmp_path / "ckpt"
+    monkeypatch.setattr(checkpoint, "_exchange", lambda a, b: False)
+    checkpoint.save_checkpoint(out, model, ByteTokenizer(), {"step": 1})
+    checkpoint.save_checkpoint(out, model, ByteTokenizer(), {"step": 2})
+    assert checkpoint.read_state(out)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+    real_rename, renames = os.rename, []
+
+    def crash_on_second_rename(src, dst):
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise KeyboardInterrupt  # the process dies between the two renames
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_second_rename)
+    monkeypatch.setattr(checkpoint.os, "rename", crash_on_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(out, model, ByteTokenizer(), {"step": 3})
+    monkeypatch.setattr(os, "rename", real_rename)
+    monkeypatch.setattr(checkpoint.os, "rename", real_rename)
+    # the in-process rollback already put it back; a hard kill would leave .ckpt.old-*: recover()
+    assert checkpoint.read_state(out)["step"] == 2
+
+
+def test_recover_puts_back_the_previous_checkpoint(tmp_path):
+    model, _ = models.build_model("tiny", seed=0)
+    out = tmp_path / "ckpt"
+    checkpoint.save_checkpoint(out, model, ByteTokenizer(), {"step": 5})
+    os.rename(out, tmp_path / ".ckpt.old-dead")  # as a kill between the fallback renames leaves it
+    (tmp_path / ".ckpt.tmp-1-dead").mkdir()       # and a half-written new one, never trusted
+    assert checkpoint.read_state(out)["step"] == 5
+    checkpoint.save_checkpoint(out, model, ByteTokenizer(), {"step": 6})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["--save", str(tmp_path)]) == 2
+    assert "refusing to replace" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_plots_without_trace_and_without_matplotlib(tmp_path, monkeypatch):
+    class Plan:
+        stages = [{"name": "fwd 0", "est_time_s": 1.0}, {"name": "bwd 0", "est_time_s": 3.0}]
+
+    class NoTrace:
+        plan, last_trace = Plan(), None
+
+    assert plots.write_plots(tmp_path, [3.0, 2.0, 1.5], NoTrace()) == [plots.NO_TRACE]
+    assert (tmp_path / "schedule.png").is_file() and (tmp_path / "loss.png").is_file()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    assert plots.write_plots(tmp_path, [1.0], NoTrace()) == [plots.NO_MATPLOTLIB]
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("qwen3-0.6b", 0.596), ("qwen3-1.7b", 1.721), ("qwen3-4b", 4.022), ("qwen3-8b", 8.191),
+    ("qwen3-14b", 14.768), ("qwen3-32b", 32.762), ("llama-3.1-8b", 8.030), ("llama-3.2-1b", 1.236),
+])
+def test_known_shapes_have_their_published_sizes(name, billions):
+    from transformers import AutoConfig
+
+    kwargs = dict(models.KNOWN_MODELS[name])
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.002)
