@@ -10,8 +10,10 @@ import warnings
 import torch
 
 from .passes.graph_utils import retarget
+from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
+from .runtime.weights import HostWeights
 
 
 class GraphRunner:
@@ -23,6 +25,7 @@ class GraphRunner:
         self._programs: dict = {}
         self._counters: dict = {}
         self._warned_static = False
+        self.host_weights = HostWeights()
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -33,7 +36,26 @@ class GraphRunner:
             prog = stage.programs[role]
             if src != device:
                 prog = retarget(prog, {src.type: device})
+            if self._use_inductor(stage):
+                prog = self._compiled(prog)
             self._programs[key] = prog
+        return prog
+
+    def _use_inductor(self, stage) -> bool:
+        on = self.config.compile_stages
+        if on is None:
+            on = self.config.on_gpu
+        # Random stages stay eager: Inductor's own RNG would not replay our reseeded streams.
+        return bool(on) and not stage.random
+
+    @staticmethod
+    def _compiled(prog):
+        """The program with its compute graphs compiled by Inductor (AOTAutograd for backward)."""
+        prog = retarget(prog, {})   # a private copy whose children we may replace
+        if hasattr(prog, "forward_graph"):
+            prog.forward_graph = torch.compile(prog.forward_graph, dynamic=None)
+        if hasattr(prog, "backward_graph"):
+            prog.backward_graph.compute = torch.compile(prog.backward_graph.compute, dynamic=None)
         return prog
 
     # --- microbatches ----------------------------------------------------------------------
@@ -101,6 +123,7 @@ class GraphRunner:
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
+                         host_weights=self.host_weights,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
@@ -113,6 +136,7 @@ class GraphRunner:
         totals = {}
         for j in sorted(step.param_grads):
             for i, g in step.param_grads[j].items():
+                g = resolve(g)
                 totals[i] = g if i not in totals else totals[i] + g
         return totals
 
@@ -138,6 +162,8 @@ class GraphRunner:
                 g = g.to(p.dtype)
                 p.grad = g if p.grad is None else p.grad.add_(g)
         loss_name = plan.graph_outputs[0]
+        for m in micro:
+            m.outputs = resolve(m.outputs)
         total = sum(float(m.seed) * m.outputs[loss_name].double() for m in micro)
         return total.to(micro[0].outputs[loss_name].dtype)
 
@@ -155,7 +181,7 @@ class GraphRunner:
         return outputs, (step if keep_for_backward else None)
 
     def _gather_output(self, plan, micro, i, name, weights):
-        vals = [m.outputs.get(name) for m in micro]
+        vals = [resolve(m.outputs.get(name)) for m in micro]
         if any(v is None for v in vals):
             node = next(n for n in plan.gm.graph.nodes if n.name == name)
             if node.op == "placeholder" and node.meta.get("rp_kind") == "input":
@@ -199,7 +225,7 @@ class GraphRunner:
         input_grads = {}
         for n in plan.gm.graph.nodes:
             if n.op == "placeholder" and n.meta.get("rp_kind") == "input":
-                parts = [m.grads.get(n.name) for m in micro]
+                parts = [resolve(m.grads.get(n.name)) for m in micro]
                 if all(p is not None for p in parts):
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)

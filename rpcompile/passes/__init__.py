@@ -22,7 +22,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, output_values
-from .normalize_loss import normalize_loss
+from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 
@@ -38,6 +38,11 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
         if loss_output is not None:
             kind, idx = cap.out_leaves[loss_output]
             loss_output = idx if kind == "out" else None
+    if loss_output is None:
+        # No output structure (a dynamo backend's flat outputs): a mean cross-entropy output
+        # is the loss.
+        loss_output = next((i for i, v in enumerate(output_values(gm.graph))
+                            if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
     if mode == "train":
         if loss_output is None:
             loss_output = _single_scalar_output(gm)
@@ -131,7 +136,8 @@ def _describe_io(plan: Plan) -> None:
             if batch is not None and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch:
                 plan.split_leaves.add(n.meta["rp_index"])
     batched_static = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
-                      and n.meta["rp_index"] not in plan.split_leaves and _leading(n) == cap.batch_size]
+                      and n.meta["rp_index"] not in plan.split_leaves and _leading(n) is not None
+                      and _leading(n) == _batch_hint(cap)]
     if plan.split_leaves and batched_static:
         # Splitting some batched inputs but not others would pair rows wrongly: run whole.
         import warnings
@@ -150,6 +156,20 @@ def _describe_io(plan: Plan) -> None:
         plan.graph_outputs.append(v.name)
         plan.output_batched.append(bool(batch is not None and isinstance(ev, torch.Tensor) and ev.dim() >= 1
                                         and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch))
+
+
+def _batch_hint(cap):
+    if cap.batch_size is not None:
+        return cap.batch_size
+    return None if cap.batch_symbol is None else _hint_of(cap.gm, cap.batch_symbol)
+
+
+def _hint_of(gm, symbol):
+    for n in gm.graph.nodes:
+        ev = n.meta.get("example_value") if n.op == "placeholder" else None
+        if isinstance(ev, torch.SymInt) and ev.node.expr == symbol:
+            return ev.node.hint
+    return None
 
 
 def _leading(node):

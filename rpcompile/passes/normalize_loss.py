@@ -28,7 +28,7 @@ class LossScale:
     ignore_index: int = -100
 
 
-def _ce_args(node: fx.Node):
+def mean_cross_entropy(node: fx.Node):
     """(input, target, ignore_index) when `node` is a plain mean cross-entropy, else None."""
     if node.op != "call_function" or node.target is not F.cross_entropy:
         return None
@@ -66,7 +66,7 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int) -> Op
 def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     """Rewrite a mean cross-entropy loss into a token sum plus a counter graph (gm.meta['rp_loss'])."""
     loss = output_values(gm.graph)[loss_output]
-    found = _ce_args(loss) if isinstance(loss, fx.Node) else None
+    found = mean_cross_entropy(loss) if isinstance(loss, fx.Node) else None
     counter = _counter_graph(gm, found[1], found[2]) if found else None
     if counter is None:
         gm.meta["rp_loss"] = LossScale("rows", output=loss_output)

@@ -25,34 +25,116 @@ def stream_seed(key: int, position: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+class Pending:
+    """A host tensor whose download may still be in flight: `event` completes it."""
+
+    __slots__ = ("tensor", "event")
+
+    def __init__(self, tensor, event):
+        self.tensor, self.event = tensor, event
+
+    def wait_on(self, stream):
+        stream.wait_event(self.event)
+
+    def resolve(self):
+        self.event.synchronize()
+        return self.tensor
+
+
+def resolve(value):
+    """The host value behind a (tree of) Pending downloads, once they have completed."""
+    return pytree.tree_map(lambda v: v.resolve() if isinstance(v, Pending) else v, value,
+                           is_leaf=lambda v: isinstance(v, Pending))
+
+
 class DeviceRuntime:
-    """Transfers between the host and one device, in the device's working dtypes."""
+    """Transfers between the host and one device, in the device's working dtypes.
+
+    On a GPU there are four streams: weights in, activations in, compute (the worker thread's
+    current stream) and out. Every transfer is ordered against compute with events; downloads
+    land in pinned host buffers from torch's caching host allocator, which reuses a buffer
+    only after the events of the copies that used it have completed.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cpu = device.type == "cpu"
+        self.prefetched: dict = {}
+        if not self.is_cpu:
+            self.compute = torch.cuda.Stream(device)
+            self.weights_in = torch.cuda.Stream(device)
+            self.acts_in = torch.cuda.Stream(device)
+            self.out = torch.cuda.Stream(device)
 
     def __repr__(self):
         return f"DeviceRuntime({self.device})"
 
-    def upload(self, value, dtype=None):
+    def enter_thread(self):
+        """Called once by the worker thread that owns this device."""
+        if not self.is_cpu:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.compute)
+
+    def _copy_in(self, stream, t, want):
+        if isinstance(t, Pending):
+            t.wait_on(stream)
+            t = t.tensor
+        with torch.cuda.stream(stream):
+            d = t.to(self.device, dtype=want, non_blocking=True)
+        d.record_stream(self.compute)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.compute.wait_event(ev)
+        return d
+
+    def upload(self, value, dtype=None, stream=None):
         """Host value (tensors inside tuples too) to this device; floating tensors cast to dtype."""
         def move(t):
-            if not isinstance(t, torch.Tensor):
+            base = t.tensor if isinstance(t, Pending) else t
+            if not isinstance(base, torch.Tensor):
                 return t
-            want = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-            if self.is_cpu and t.dtype == want:
-                return t
-            return t.to(self.device, dtype=want, non_blocking=not self.is_cpu)
-        return pytree.tree_map(move, value)
+            want = dtype if (dtype is not None and base.is_floating_point()) else base.dtype
+            if self.is_cpu:
+                return base if base.dtype == want else base.to(dtype=want)
+            return self._copy_in(stream or self.acts_in, t, want)
+        return pytree.tree_map(move, value, is_leaf=lambda v: isinstance(v, Pending))
+
+    def upload_weight(self, param, dtype, host_weights):
+        """A parameter's working copy on this device (from its pinned copy on a GPU)."""
+        want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+        if self.is_cpu:
+            p = param.detach()
+            return p if p.dtype == want else p.to(want)
+        entry = host_weights.get(param, want)
+        d = self._copy_in(self.weights_in, entry[1], want)
+        ev = torch.cuda.Event()
+        ev.record(self.weights_in)
+        entry[2] = ev
+        return d
+
+    def prefetch(self, key, params, dtype, host_weights):
+        """Start uploading a later job's weights now, on the weights stream (double buffering)."""
+        if not self.is_cpu and params:
+            self.prefetched[key] = {i: self.upload_weight(p, dtype, host_weights) for i, p in params}
 
     def download(self, value):
-        """Device value to host memory (detached)."""
+        """Device value to host memory (detached); on a GPU a Pending pinned copy."""
         def move(t):
             if not isinstance(t, torch.Tensor):
                 return t
             t = t.detach()
-            return t if self.is_cpu else t.to("cpu")
+            if self.is_cpu:
+                return t
+            ready = torch.cuda.Event()
+            ready.record(self.compute)
+            self.out.wait_event(ready)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(self.out):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(self.out)
+            done = torch.cuda.Event()
+            done.record(self.out)
+            return Pending(host, done)
         return pytree.tree_map(move, value)
 
     def generator(self):

@@ -20,6 +20,7 @@ class _Worker:
         self.thread.start()
 
     def _loop(self):
+        self.dev.enter_thread()
         while True:
             fn, finished = self.jobs.get()
             try:
@@ -39,9 +40,10 @@ class Executor:
 
     def run(self, step: StepState, jobs: list, programs_for) -> None:
         """Run [(job index, stage, role), ...] as a chain; raise the first failure here."""
-        import threading as _t
         n = len(self.workers)
-        step.done_events.update({j: [_t.Event() for _ in step.micro] for j, _, _ in jobs})
+        step.done_events.update({j: [threading.Event() for _ in step.micro] for j, _, _ in jobs})
+        for w in self.workers:
+            w.dev.prefetched.clear()
         finished = []
         self.placements = []
         prev = None
@@ -49,9 +51,10 @@ class Executor:
             d = (self.offset + k) % n
             worker = self.workers[d]
             program = programs_for(stage, role, worker.dev.device)
-            ev = _t.Event()
-            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program:
-                             run_job(step, j, prev, stage, role, w.dev, p), ev))
+            nxt = (jobs[k + n][0], jobs[k + n][1]) if k + n < len(jobs) else None
+            ev = threading.Event()
+            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program, nxt=nxt:
+                             run_job(step, j, prev, stage, role, w.dev, p, nxt), ev))
             finished.append(ev)
             self.placements.append((j, stage.index, role, d))
             prev = j

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import StageError
+from .device import resolve
 
 
 class Aborted(Exception):
@@ -37,6 +38,7 @@ class StepState:
     param_grads: dict = field(default_factory=dict)    # job index -> {param index: host fp32 grad}
     done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
     error: Optional[BaseException] = None
+    host_weights: Any = None                           # runtime.weights.HostWeights
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,9 +64,7 @@ class JobContext:
         self.grad_acc: dict = {}
         self.microbatch = None
         self._rng = None
-
-    def describe(self) -> str:
-        return f"stage {self.stage.index} ({self.role}) on {self.dev.device}"
+        self.prefetched = dev.prefetched.pop((id(step), job_index), {})
 
     # --- synchronisation -------------------------------------------------------------------
     def wait(self, mb):
@@ -89,7 +89,9 @@ class JobContext:
         w = self.weights.get(index)
         if w is None:
             p = self.step.params[index]
-            w = self.dev.upload(p.detach(), self.step.dtype)
+            w = self.prefetched.pop(index, None)
+            if w is None:
+                w = self.dev.upload_weight(p, self.step.dtype, self.step.host_weights)
             if self.role != "fwd" and p.requires_grad:
                 w = w.detach().requires_grad_(True)
             self.weights[index] = w
@@ -130,7 +132,7 @@ class JobContext:
         return None if g is None else self.dev.upload(g)
 
     def loss_seed(self, mb):
-        return torch.tensor(self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
+        return torch.full((), self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
 
     # --- outputs ---------------------------------------------------------------------------
     def offload(self, mb, name, value):
@@ -144,7 +146,7 @@ class JobContext:
             return
         grads = self.step.micro[mb].grads
         host = self.dev.download(value)
-        grads[name] = host if name not in grads else grads[name] + host
+        grads[name] = host if name not in grads else resolve(grads[name]) + resolve(host)
 
     def accumulate_grads(self, grads):
         for index, g in zip(self.stage.grad_params, grads):
@@ -157,15 +159,27 @@ class JobContext:
     def finish(self):
         """End of the job: gradients and updated buffers go to the host."""
         for host, dev in self.write_back:
-            host.copy_(dev)
+            with torch.no_grad():
+                host.copy_(dev)
         if self.grad_acc:
             self.step.param_grads[self.job_index] = {i: self.dev.download(g) for i, g in self.grad_acc.items()}
 
 
-def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program) -> None:
-    """Run one stage job over every microbatch; failures are recorded on the step."""
-    ctx = JobContext(step, job_index, prev_job, stage, role, dev)
+def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program, next_on_device=None) -> None:
+    """Run one stage job over every microbatch; failures are recorded on the step.
+
+    next_on_device: (job index, stage) of the job this device runs next, whose weights are
+    prefetched while this one computes.
+    """
+    ctx = None
     try:
+        if (id(step), job_index) not in dev.prefetched:
+            dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
+                         step.host_weights)
+        ctx = JobContext(step, job_index, prev_job, stage, role, dev)
+        if next_on_device is not None:
+            nj, nst = next_on_device
+            dev.prefetch((id(step), nj), [(i, step.params[i]) for i in nst.params], step.dtype, step.host_weights)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
                 program(ctx, mb)
@@ -173,10 +187,12 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     except Aborted:
         pass
     except BaseException as exc:  # reported in the caller's thread by the executor
-        err = StageError(f"{ctx.describe()}, microbatch {ctx.microbatch}: {type(exc).__name__}: {exc}",
-                         stage=stage.index, microbatch=ctx.microbatch, device=str(dev.device))
+        mb = ctx.microbatch if ctx is not None else None
+        err = StageError(f"stage {stage.index} ({role}) on {dev.device}, microbatch {mb}: {type(exc).__name__}: {exc}",
+                         stage=stage.index, microbatch=mb, device=str(dev.device))
         err.__cause__ = exc
         step.fail(err)
     finally:
-        ctx.release_rng()
+        if ctx is not None:
+            ctx.release_rng()
 

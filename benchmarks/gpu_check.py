@@ -1,0 +1,210 @@
+"""GPU checks for the lent machine: parity with eager on CUDA, and a Qwen3-1.7B-shaped speed run.
+
+    python benchmarks/gpu_check.py parity --out $OUT/parity.json
+    python benchmarks/gpu_check.py speed --gpus 1 --steps 3 --out $OUT/speed.json
+    python benchmarks/gpu_check.py lmhead --out $OUT/lmhead.json
+
+Writes JSON (and prints it). Not a test: CI has no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import rpcompile  # noqa: E402
+
+
+def tiny_qwen3(tied=True, layers=4):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=tied)
+    return Qwen3ForCausalLM(cfg)
+
+
+def qwen3_1_7b():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        return Qwen3ForCausalLM(cfg)
+
+
+def batch(n, seq, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    labels = ids.clone()
+    labels[0, : seq // 2] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def parity(args):
+    res = {}
+    dev = "cuda:0"
+    ngpu = torch.cuda.device_count()
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for gpus in sorted({1, min(2, ngpu)}):
+            for inductor in (False, True):
+                model = tiny_qwen3()
+                ref = copy.deepcopy(model).to(dev)
+                cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
+                                       memory_budget="6MiB", compile_stages=inductor)
+                cm = rpcompile.compile(model, cfg)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+                losses, ref_losses, grad_err = [], [], None
+                for step in range(3):
+                    b = batch(6, 64, 512, seed=step)
+                    t0 = time.time()
+                    loss = cm.train_step(**b)
+                    bd = {k: v.to(dev) for k, v in b.items()}
+                    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                        lr_ = ref(**bd).loss
+                    lr_.backward()
+                    if step == 0:
+                        grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+                    losses.append(loss.item())
+                    ref_losses.append(lr_.item())
+                    opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+                perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+                key = f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
+                res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
+                            "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr}
+                print(key, json.dumps(res[key]), flush=True)
+    return res
+
+
+def speed(args):
+    from transformers import Qwen3Config  # noqa: F401
+    gpus = args.gpus
+    seq, tokens, M = args.seq_len, args.tokens, args.microbatches
+    n = tokens // seq
+    out = {"card": torch.cuda.get_device_name(0), "gpus": gpus, "seq_len": seq, "tokens_per_step": tokens,
+           "microbatches": M}
+    systems = args.systems.split(",")
+    if "rpcompile" in systems:
+        model = qwen3_1_7b()
+        cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=M,
+                               dtype=torch.bfloat16, compile_stages=args.inductor)
+        cm = rpcompile.compile(model, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        times, losses = [], []
+        for step in range(args.steps + 1):
+            b = batch(n, seq, 151936, seed=step)
+            for i in range(gpus):
+                torch.cuda.reset_peak_memory_stats(i)
+            t0 = time.time()
+            loss = cm.train_step(**b)
+            t1 = time.time()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t2 = time.time()
+            times.append((t1 - t0, t2 - t1))
+            losses.append(loss.item())
+            print(f"rpcompile step {step}: compute {t1 - t0:.2f}s optimizer {t2 - t1:.2f}s loss {loss.item():.4f}",
+                  flush=True)
+            if step == 0:
+                print(cm.plan, flush=True)
+        timed = times[1:]
+        step_s = sum(a + b for a, b in timed) / len(timed)
+        out["rpcompile"] = {"tokens_per_s": tokens / step_s, "step_s": step_s,
+                            "train_step_s": sum(a for a, _ in timed) / len(timed),
+                            "optimizer_s": sum(b for _, b in timed) / len(timed), "losses": losses,
+                            "stages": len(cm.plan.stages), "inductor": args.inductor,
+                            "peak_gpu_gib": max(torch.cuda.max_memory_allocated(i) for i in range(gpus)) / 2**30}
+        del cm, model, opt
+    if "eager" in systems:
+        model = qwen3_1_7b().to("cuda:0")
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        times, losses = [], []
+        mb = n // M
+        for step in range(args.steps + 1):
+            b = batch(n, seq, 151936, seed=step)
+            torch.cuda.reset_peak_memory_stats(0)
+            torch.cuda.synchronize()
+            t0 = time.time()
+            total = 0.0
+            for i in range(M):
+                ids = b["input_ids"][i * mb:(i + 1) * mb].cuda()
+                lab = b["labels"][i * mb:(i + 1) * mb].cuda()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(input_ids=ids, labels=lab).loss / M
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.time() - t0)
+            losses.append(total)
+            print(f"eager step {step}: {times[-1]:.2f}s loss {total:.4f}", flush=True)
+        step_s = sum(times[1:]) / len(times[1:])
+        out["eager"] = {"tokens_per_s": tokens / step_s, "step_s": step_s, "losses": losses,
+                        "peak_gpu_gib": torch.cuda.max_memory_allocated(0) / 2**30}
+        del model, opt
+    return out
+
+
+def lmhead(args):
+    """Peak memory and stage-time balance of the head with and without the split pass."""
+    out = {}
+    seq, n, M = args.seq_len, args.tokens // args.seq_len, args.microbatches
+    for shards in (0, None):
+        model = qwen3_1_7b()
+        cfg = rpcompile.Config(devices=["cuda:0"], num_microbatches=M, dtype=torch.bfloat16, lm_head_shards=shards,
+                               memory_budget=args.budget)
+        cm = rpcompile.compile(model, cfg)
+        torch.cuda.reset_peak_memory_stats(0)
+        t0 = time.time()
+        loss = cm.train_step(**batch(n, seq, 151936))
+        dt = time.time() - t0
+        rows = cm.plan.stage_rows()
+        key = "unsplit" if shards == 0 else "split"
+        out[key] = {"loss": loss.item(), "step_s": dt, "peak_gpu_gib": torch.cuda.max_memory_allocated(0) / 2**30,
+                    "stage_est_ms": [round(r["est_time_s"] * 1e3, 2) for r in rows],
+                    "shards": [r["lm_head_shards"] for r in rows],
+                    "max_over_mean_est": max(r["est_time_s"] for r in rows) / (sum(r["est_time_s"] for r in rows) / len(rows))}
+        print(key, json.dumps(out[key]), flush=True)
+        del cm, model
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["parity", "speed", "lmhead"])
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--systems", default="rpcompile,eager")
+    ap.add_argument("--inductor", action="store_true")
+    ap.add_argument("--budget", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res = {"parity": parity, "speed": speed, "lmhead": lmhead}[args.what](args)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
