@@ -12,6 +12,7 @@ from .config import Config
 from .errors import InputError
 from .passes import compile_graph
 from .runner import GraphRunner, PipelineCall
+from .runtime.trace import write_chrome_trace
 
 _TARGET = "__rp_target__"
 
@@ -81,14 +82,51 @@ class CompiledModel(torch.nn.Module):
     def stages(self):
         return self._last_plan.stages if self._last_plan is not None else []
 
+    @property
+    def last_trace(self):
+        """The executed schedule of the last step: dicts with device, stream, name, start_s,
+        end_s, stage, role, job and microbatch (None before the first step)."""
+        return self.runner.last_trace()
+
+    @property
+    def last_placements(self):
+        """(job index, stage index, role, device index) of every job of the last run."""
+        return list(self.runner.executor.placements)
+
     def dump(self, path: str) -> None:
-        """Write every plan's stage graphs (.py), plan.json and plan.txt under `path`."""
+        """Write every plan's stage graphs (.py), plan.json, plan.txt and, after a step, the
+        executed schedule as a Chrome/Perfetto trace (schedule.trace.json)."""
         modes = {}
         for plan in self._plans.values():
             modes.setdefault(plan.mode, []).append(plan)
         for mode, plans in modes.items():
             for i, plan in enumerate(plans):
                 plan.dump(os.path.join(path, mode if i == 0 else f"{mode}_{i}"))
+        trace = self.last_trace
+        if trace is not None:
+            os.makedirs(path, exist_ok=True)
+            write_chrome_trace(trace, os.path.join(path, "schedule.trace.json"))
+
+    # --- optimizer -------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32):
+        """Overlapped mode (Config(optimizer_mode="overlapped")): rpcompile steps `optimizer`
+        itself, in a host thread, right after each train_step's gradients land; the next step's
+        jobs wait only for the parameters they read (Note [overlapped optimizer]). Clipping by
+        global norm (`max_grad_norm`) and `lr_scheduler.step()` happen there too, so do not
+        call them (or `optimizer.step()`) yourself; call `cm.synchronize()` before reading
+        parameters or optimizer state."""
+        from .runtime.optimizer import OverlappedOptimizer
+        if self.config.optimizer_mode != "overlapped":
+            raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped'); in exact mode call "
+                             "optimizer.step() yourself after train_step")
+        self.synchronize()
+        self.runner.overlapped = OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler,
+                                                     max_grad_norm=max_grad_norm, chunks=chunks)
+
+    def synchronize(self) -> None:
+        """Wait for the overlapped optimizer's pending work (no-op in exact mode)."""
+        if self.runner.overlapped is not None:
+            self.runner.overlapped.synchronize()
 
     # --- running ---------------------------------------------------------------------------
     def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs) -> torch.Tensor:
@@ -101,6 +139,9 @@ class CompiledModel(torch.nn.Module):
             kwargs = {**kwargs, _TARGET: target}
         elif target is not None:
             raise InputError("train_step got target=... but no loss_fn: give Config(loss_fn=...) or loss_fn=...")
+        if self.config.optimizer_mode == "overlapped" and self.runner.overlapped is None:
+            raise InputError("Config(optimizer_mode='overlapped') needs cm.attach_optimizer(optimizer) before "
+                             "train_step")
         plan, leaves = self._plan("train", args, kwargs, loss_fn)
         return self.runner.train_step(plan, leaves)
 

@@ -13,6 +13,7 @@ from .passes.graph_utils import retarget
 from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
+from .runtime.trace import Tracer
 from .runtime.weights import HostWeights
 
 
@@ -26,6 +27,8 @@ class GraphRunner:
         self._counters: dict = {}
         self._warned_static = False
         self.host_weights = HostWeights()
+        self.last_tracer = None
+        self.overlapped = None          # runtime.optimizer.OverlappedOptimizer once attached
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -124,11 +127,19 @@ class GraphRunner:
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
                          host_weights=self.host_weights,
+                         gate=self.overlapped.wait_param if self.overlapped is not None else None,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
     def run_jobs(self, plan, step, jobs):
+        if step.tracer is None:
+            step.tracer = Tracer(self.config.devices)
+        self.last_tracer = step.tracer
         self.executor.run(step, jobs, lambda st, role, dev: self.program_for(plan, st, role, dev))
+
+    def last_trace(self):
+        """Spans of the last step (or call), with the device each job ran on."""
+        return None if self.last_tracer is None else self.last_tracer.spans()
 
     @staticmethod
     def param_grads(step) -> dict:
@@ -156,11 +167,19 @@ class GraphRunner:
                 for b, s in zip(buffers, saved):
                     b.copy_(s)
             raise
-        with torch.no_grad():
-            for i, g in self.param_grads(step).items():
-                p = plan.captured.params[i]
-                g = g.to(p.dtype)
-                p.grad = g if p.grad is None else p.grad.add_(g)
+        grads = self.param_grads(step)
+        if self.overlapped is not None:
+            params = plan.captured.params
+            order = _use_order(plan)
+            dtype = step.dtype
+            refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
+            self.overlapped.submit([(params[i], grads[i].to(params[i].dtype)) for i in order if i in grads], refresh)
+        else:
+            with torch.no_grad():
+                for i, g in grads.items():
+                    p = plan.captured.params[i]
+                    g = g.to(p.dtype)
+                    p.grad = g if p.grad is None else p.grad.add_(g)
         loss_name = plan.graph_outputs[0]
         for m in micro:
             m.outputs = resolve(m.outputs)
@@ -230,6 +249,17 @@ class GraphRunner:
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         return self.param_grads(step), input_grads
+
+
+def _use_order(plan) -> list:
+    """Parameter indices in the order the forward reads them (stage order, then graph order)."""
+    order, seen = [], set()
+    for st in plan.stages:
+        for i in st.params:
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+    return order
 
 
 class PipelineCall(torch.autograd.Function):

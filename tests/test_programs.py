@@ -43,7 +43,7 @@ def test_program_order_and_print_readable():
     assert kinds[0] == "fwd" and "fused" in kinds and kinds[-1] == "bwd"
     for st in cm.plan.stages:
         code = st.program.code
-        assert code.index("wait(") < code.index("graph(") < code.index("done(")
+        assert code.index("wait(") < code.index("compute(") < code.index("done(")
         if "fetch(" in code and "weight(" in code:
             assert code.index("fetch(") < code.index("weight("), "activations are uploaded before weights"
     fused = next(st for st in cm.plan.stages if st.kind == "fused")

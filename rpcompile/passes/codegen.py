@@ -215,7 +215,7 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     if st.random:
         args.append(g.call_function(rp.rng_key, (job, mb)))
     if role == "fwd":
-        res = g.call_module("forward_graph", tuple(args))
+        res = g.call_function(rp.compute, (job, mb, g.get_attr("forward_graph"), *args))
         for i, name in enumerate(st.outputs):
             v = g.call_function(operator.getitem, (res, i))
             if name in st.graph_outputs:
@@ -227,7 +227,7 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
             seeds = [g.call_function(rp.loss_seed, (job, mb))]
         else:
             seeds = [g.call_function(rp.fetch_grad, (job, mb, name)) for name in st.grad_outputs]
-        res = g.call_module("backward_graph", tuple(args + seeds))
+        res = g.call_function(rp.compute, (job, mb, g.get_attr("backward_graph"), *args, *seeds))
         outs = g.call_function(operator.getitem, (res, 0))
         grads = g.call_function(operator.getitem, (res, 1))
         if role == "fused":

@@ -60,6 +60,7 @@ class DeviceRuntime:
         self.device = device
         self.is_cpu = device.type == "cpu"
         self.prefetched: dict = {}
+        self.worker_index = 0
         if not self.is_cpu:
             self.compute = torch.cuda.Stream(device)
             self.weights_in = torch.cuda.Stream(device)
@@ -68,6 +69,9 @@ class DeviceRuntime:
 
     def __repr__(self):
         return f"DeviceRuntime({self.device})"
+
+    def stream_named(self, name):
+        return {"compute": self.compute, "weights_in": self.weights_in, "acts_in": self.acts_in, "out": self.out}[name]
 
     def enter_thread(self):
         """Called once by the worker thread that owns this device."""
@@ -112,10 +116,15 @@ class DeviceRuntime:
         entry[2] = ev
         return d
 
-    def prefetch(self, key, params, dtype, host_weights):
+    def prefetch(self, key, params, dtype, host_weights, gate=None):
         """Start uploading a later job's weights now, on the weights stream (double buffering)."""
         if not self.is_cpu and params:
-            self.prefetched[key] = {i: self.upload_weight(p, dtype, host_weights) for i, p in params}
+            uploaded = {}
+            for i, p in params:
+                if gate is not None:
+                    gate(p)
+                uploaded[i] = self.upload_weight(p, dtype, host_weights)
+            self.prefetched[key] = uploaded
 
     def download(self, value):
         """Device value to host memory (detached); on a GPU a Pending pinned copy."""

@@ -34,6 +34,8 @@ class Executor:
 
     def __init__(self, devices):
         self.devices = [DeviceRuntime(d) for d in devices]
+        for i, d in enumerate(self.devices):
+            d.worker_index = i
         self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
         self.offset = 0
         self.placements: list = []   # (job index, stage index, role, device index) of the last run

@@ -39,6 +39,8 @@ class StepState:
     done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
     error: Optional[BaseException] = None
     host_weights: Any = None                           # runtime.weights.HostWeights
+    tracer: Any = None                                 # runtime.trace.Tracer, or None
+    gate: Any = None                                   # gate(param): waits for its pending optimizer step
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,11 +68,35 @@ class JobContext:
         self._rng = None
         self.prefetched = dev.prefetched.pop((id(step), job_index), {})
 
+    # --- tracing ---------------------------------------------------------------------------
+    def span(self, stream_name, name, fn, mb=None, **attrs):
+        """Run fn() (which enqueues work on `stream_name`) and record it in the step's trace."""
+        tracer = self.step.tracer
+        if tracer is None:
+            return fn()
+        attrs = {"stage": self.stage.index, "role": self.role, "job": self.job_index, "microbatch": mb,
+                 "worker": self.dev.worker_index, **attrs}
+        if self.dev.is_cpu:
+            t0 = tracer.now()
+            out = fn()
+            tracer.add(self.dev.device, stream_name, name, t0, tracer.now(), **attrs)
+            return out
+        stream = self.dev.stream_named(stream_name)
+        start = tracer.cuda_mark(stream)
+        out = fn()
+        tracer.add(self.dev.device, stream_name, name, start, tracer.cuda_mark(stream), **attrs)
+        return out
+
     # --- synchronisation -------------------------------------------------------------------
     def wait(self, mb):
         self.microbatch = mb
+        tracer = self.step.tracer
+        t0 = tracer.now() if tracer is not None else None
         if self.prev_job is not None:
             self.step.done_events[self.prev_job][mb].wait()
+        if tracer is not None:
+            tracer.add(self.dev.device, "host", "wait", t0, tracer.now(), stage=self.stage.index, role=self.role,
+                       job=self.job_index, microbatch=mb, worker=self.dev.worker_index)
         if self.step.error is not None:
             raise Aborted()
 
@@ -89,9 +115,12 @@ class JobContext:
         w = self.weights.get(index)
         if w is None:
             p = self.step.params[index]
+            if self.step.gate is not None:
+                self.step.gate(p)
             w = self.prefetched.pop(index, None)
             if w is None:
-                w = self.dev.upload_weight(p, self.step.dtype, self.step.host_weights)
+                w = self.span("weights_in", "upload_weight",
+                              lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights), param=name)
             if self.role != "fwd" and p.requires_grad:
                 w = w.detach().requires_grad_(True)
             self.weights[index] = w
@@ -112,7 +141,7 @@ class JobContext:
         return b
 
     def fetch(self, mb, name):
-        return self.dev.upload(self.step.micro[mb].acts[name])
+        return self.span("acts_in", "fetch", lambda: self.dev.upload(self.step.micro[mb].acts[name]), mb, value=name)
 
     def user_input(self, mb, index):
         return self.dev.upload(self.step.micro[mb].leaves[index], self.step.dtype)
@@ -136,7 +165,7 @@ class JobContext:
 
     # --- outputs ---------------------------------------------------------------------------
     def offload(self, mb, name, value):
-        self.step.micro[mb].acts[name] = self.dev.download(value)
+        self.step.micro[mb].acts[name] = self.span("out", "offload", lambda: self.dev.download(value), mb, value=name)
 
     def output(self, mb, name, value):
         self.step.micro[mb].outputs[name] = self.dev.download(value)
@@ -173,13 +202,21 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     """
     ctx = None
     try:
-        if (id(step), job_index) not in dev.prefetched:
+        waiting = prev_job is not None and not step.done_events[prev_job][0].is_set()
+        if waiting and (id(step), job_index) not in dev.prefetched:
+            # Refresh and upload this job's weights while its inputs are still being made;
+            # a job that can start at once takes them in program order, overlapping compute.
             dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
-                         step.host_weights)
+                         step.host_weights, step.gate)
         ctx = JobContext(step, job_index, prev_job, stage, role, dev)
         if next_on_device is not None:
             nj, nst = next_on_device
-            dev.prefetch((id(step), nj), [(i, step.params[i]) for i in nst.params], step.dtype, step.host_weights)
+            if step.tracer is not None:
+                t = step.tracer.now()
+                step.tracer.add(dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
+                                issued_by=job_index, worker=dev.worker_index)
+            dev.prefetch((id(step), nj), [(i, step.params[i]) for i in nst.params], step.dtype, step.host_weights,
+                         step.gate)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
                 program(ctx, mb)

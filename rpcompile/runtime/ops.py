@@ -52,6 +52,12 @@ def rng_key(job, mb):
     return job.rng_key(mb)
 
 
+def compute(job, mb, graph, *args):
+    """Run a stage's compute graph on the device's compute stream."""
+    name = {"fwd": "forward", "fused": "forward+backward", "bwd": "recompute+backward"}[job.role]
+    return job.span("compute", name, lambda: graph(*args), mb)
+
+
 def offload(job, mb, name, value):
     """Download a value later jobs need into the host store."""
     job.offload(mb, name, value)

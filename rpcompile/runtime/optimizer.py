@@ -1,0 +1,87 @@
+"""Overlapped host optimizer: steps parameters in a thread while the devices go on.
+
+Note [overlapped optimizer]: after a step's gradients have landed, `train_step` hands them
+here and returns. This thread clips them (global norm, if asked), then steps the user's
+optimizer chunk by chunk in the order the next forward reads the parameters, refreshes each
+chunk's pinned working copies, and marks the chunk ready; the next step's jobs wait only for
+the parameters they read. Then it steps the LR scheduler. Per-parameter optimizers
+(SGD, Adam, AdamW, ...) give exactly the results of `clip; opt.step(); sched.step()`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class OverlappedOptimizer:
+    def __init__(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32):
+        self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
+        self.chunks = chunks
+        self._ready: dict = {}                  # id(param) -> threading.Event
+        self._queue: queue.Queue = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
+        self._thread.start()
+
+    def _event(self, p):
+        ev = self._ready.get(id(p))
+        if ev is None:
+            ev = self._ready[id(p)] = threading.Event()
+            ev.set()
+        return ev
+
+    def wait_param(self, p):
+        """Block until the pending optimizer step of `p` is done."""
+        self._event(p).wait()
+        if self._error is not None:
+            raise RuntimeError(f"the overlapped optimizer step failed: {self._error}") from self._error
+
+    def submit(self, grads: list, refresh=None):
+        """Step [(param, grad), ...] (grads in use order) in the background."""
+        self.raise_if_failed()
+        for p, _ in grads:
+            self._event(p).clear()
+        self._queue.put((grads, refresh))
+
+    def synchronize(self):
+        """Wait until every submitted step is done (before reading parameters or optimizer state)."""
+        self._queue.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self):
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"the overlapped optimizer step failed: {err}") from err
+
+    def _loop(self):
+        while True:
+            grads, refresh = self._queue.get()
+            try:
+                self._step(grads, refresh)
+            except BaseException as exc:  # surfaced in the caller's thread by the next call
+                self._error = exc
+            finally:
+                for p, _ in grads:
+                    self._event(p).set()
+                self._queue.task_done()
+
+    def _step(self, grads, refresh):
+        scale = 1.0
+        if self.max_grad_norm is not None:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in grads]))
+            scale = min(1.0, float(self.max_grad_norm) / (float(norm) + 1e-6))
+        size = max(1, -(-len(grads) // self.chunks))
+        for start in range(0, len(grads), size):
+            chunk = grads[start:start + size]
+            for p, g in chunk:
+                p.grad = g if scale == 1.0 else g * scale
+            self.optimizer.step()
+            for p, _ in chunk:
+                p.grad = None
+                if refresh is not None:
+                    refresh(p)
+                self._event(p).set()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()

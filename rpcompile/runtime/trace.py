@@ -1,0 +1,75 @@
+"""The executed schedule: every transfer and compute span per device and stream.
+
+On CPU devices a span is wall-clock time in the worker thread. On GPUs a span is a pair of
+CUDA events recorded on the stream that did the work, turned into times after the step
+against a start event of that device.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+
+class Tracer:
+    def __init__(self, devices):
+        self._lock = threading.Lock()
+        self._raw = []                       # (device, stream, name, attrs, start, end)
+        self._t0 = time.perf_counter()
+        self._cuda_t0 = {}
+        for d in devices:
+            if d.type == "cuda" and d not in self._cuda_t0:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(torch.cuda.current_stream(d))
+                self._cuda_t0[d] = ev
+
+    def now(self):
+        return time.perf_counter()
+
+    def cuda_mark(self, stream):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def add(self, device, stream: str, name: str, start, end, **attrs):
+        with self._lock:
+            self._raw.append((device, stream, name, attrs, start, end))
+
+    def spans(self) -> list:
+        """The spans as dicts with start_s/end_s from the step's start (waits for GPU events)."""
+        out = []
+        for device, stream, name, attrs, start, end in self._raw:
+            if isinstance(start, torch.cuda.Event):
+                end.synchronize()
+                t0 = self._cuda_t0[device]
+                s, e = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
+            else:
+                s, e = start - self._t0, end - self._t0
+            out.append({"device": str(device), "stream": stream, "name": name, "start_s": s, "end_s": e, **attrs})
+        out.sort(key=lambda r: (r["start_s"], r["end_s"]))
+        return out
+
+
+def chrome_trace(spans: list) -> dict:
+    """Spans as a Chrome/Perfetto trace: one process per device, one thread per stream."""
+    devices = sorted({(s.get("worker", 0), s["device"]) for s in spans})
+    streams = sorted({s["stream"] for s in spans})
+    events = []
+    for s in spans:
+        args = {k: v for k, v in s.items() if k not in ("device", "stream", "name", "start_s", "end_s")}
+        events.append({"name": s["name"], "ph": "X", "ts": s["start_s"] * 1e6,
+                       "dur": max(0.0, s["end_s"] - s["start_s"]) * 1e6,
+                       "pid": devices.index((s.get("worker", 0), s["device"])), "tid": streams.index(s["stream"]),
+                       "args": args})
+    for i, (w, d) in enumerate(devices):
+        events.append({"name": "process_name", "ph": "M", "pid": i, "args": {"name": f"worker {w}: {d}"}})
+        for j, st in enumerate(streams):
+            events.append({"name": "thread_name", "ph": "M", "pid": i, "tid": j, "args": {"name": st}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(spans: list, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(spans), f)

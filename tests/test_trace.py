@@ -1,0 +1,70 @@
+"""The executed schedule: rotation, prefetch order and event order, read off cm.last_trace."""
+import json
+
+import torch
+
+import rpcompile
+
+from models import lm_batch, qwen3
+
+
+def _run(devices=3, microbatches=2, steps=2):
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches,
+                                                   memory_budget="250KiB"))
+    placements = []
+    for _ in range(steps):
+        cm.train_step(**lm_batch())
+        placements.append(cm.last_placements)
+    return cm, placements
+
+
+def test_jobs_run_on_the_devices_the_rotation_names():
+    cm, placements = _run()
+    N, J = 3, len(cm.plan.stages)
+    assert J >= 4
+    offset = 0
+    for step_places in placements:
+        for k, (job, stage, role, device) in enumerate(step_places):
+            assert device == (offset + k) % N
+        offset = (offset + J) % N
+    trace = cm.last_trace
+    for job, stage, role, device in placements[-1]:
+        spans = [s for s in trace if s.get("job") == job and s["name"] in ("forward", "forward+backward",
+                                                                        "recompute+backward")]
+        assert spans and all(s["worker"] == device for s in spans)
+
+
+def test_prefetch_issued_before_previous_job_on_device_finished():
+    cm, placements = _run()
+    trace = cm.last_trace
+    N = 3
+    jobs = placements[-1]
+    for k in range(N, len(jobs)):
+        job = jobs[k][0]
+        issue = [s for s in trace if s["name"] == "prefetch_issue" and s["job"] == job]
+        if not cm.plan.stages[jobs[k][1]].params:
+            continue
+        prev_job = jobs[k - N][0]
+        prev_end = max(s["end_s"] for s in trace if s.get("job") == prev_job and s["stream"] != "host")
+        assert issue and issue[0]["start_s"] <= prev_end, f"job {job}: weights not prefetched during job {prev_job}"
+
+
+def test_no_value_read_before_it_was_written():
+    cm, _ = _run()
+    trace = cm.last_trace
+    written = {(s["value"], s["microbatch"]): s["end_s"] for s in trace if s["name"] == "offload"}
+    fetched = [s for s in trace if s["name"] == "fetch"]
+    assert fetched
+    for s in fetched:
+        key = (s["value"], s["microbatch"])
+        assert key in written and written[key] <= s["start_s"], f"{key} read before its offload finished"
+
+
+def test_dump_writes_perfetto_trace(tmp_path):
+    cm, _ = _run(steps=1)
+    cm.dump(str(tmp_path))
+    data = json.loads((tmp_path / "schedule.trace.json").read_text())
+    names = {e["name"] for e in data["traceEvents"]}
+    assert {"forward", "recompute+backward", "fetch", "offload"} <= names
+    assert any(e["ph"] == "M" and e["name"] == "process_name" for e in data["traceEvents"])
