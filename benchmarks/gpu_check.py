@@ -100,15 +100,21 @@ def speed(args):
     if "rpcompile" in systems:
         model = qwen3_1_7b()
         cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=M,
-                               dtype=torch.bfloat16, compile_stages=args.inductor)
+                               dtype=torch.bfloat16, compile_stages=args.inductor,
+                               optimizer_mode="overlapped" if args.overlapped else "exact")
         cm = rpcompile.compile(model, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        if args.overlapped:
+            cm.attach_optimizer(opt)
+            opt = _NoStep()
         times, losses = [], []
         for step in range(args.steps + 1):
             b = batch(n, seq, 151936, seed=step)
             for i in range(gpus):
                 torch.cuda.reset_peak_memory_stats(i)
             t0 = time.time()
+            if step == 1:
+                t_timed = t0
             loss = cm.train_step(**b)
             t1 = time.time()
             opt.step()
@@ -120,8 +126,18 @@ def speed(args):
                   flush=True)
             if step == 0:
                 print(cm.plan, flush=True)
+            if step == 1 and args.profile:
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    cm.train_step(**b)
+                    torch.cuda.synchronize()
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18), flush=True)
+                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12), flush=True)
+                opt.zero_grad(set_to_none=True)
+        cm.synchronize()
         timed = times[1:]
-        step_s = sum(a + b for a, b in timed) / len(timed)
+        # Start of the first timed step to the end of the last one's optimizer work.
+        step_s = (time.time() - t_timed) / len(timed)
         out["rpcompile"] = {"tokens_per_s": tokens / step_s, "step_s": step_s,
                             "train_step_s": sum(a for a, _ in timed) / len(timed),
                             "optimizer_s": sum(b for _, b in timed) / len(timed), "losses": losses,
@@ -161,6 +177,16 @@ def speed(args):
     return out
 
 
+class _NoStep:
+    """Stands in for the optimizer the overlapped mode steps itself."""
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
 def lmhead(args):
     """Peak memory and stage-time balance of the head with and without the split pass."""
     out = {}
@@ -195,6 +221,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--systems", default="rpcompile,eager")
     ap.add_argument("--inductor", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -136,6 +136,7 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["host_rss_peak_bytes"] > 0 and r["host_mem_peak_bytes"] >= r["host_rss_peak_bytes"]
         assert r["timed_steps_done"] == 2
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
+    assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     # same weights, same batches: the first loss agrees (bf16 compute both ways)
     assert res["rpcompile"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=0.05)
     for name in ("roundpipe", "fsdp2"):

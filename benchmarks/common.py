@@ -1,0 +1,470 @@
+"""What every benchmarked system shares: models, batches, FLOPs, the timed loop, memory figures.
+
+Used by the harness (parent process) and by the runners (one child process per system).
+Imports only torch and the standard library at module level; transformers is imported where a
+model is built, so the RoundPipe child picks up the transformers 4.x put first on its
+PYTHONPATH while the other children use the machine's own 5.x.
+
+A runner is a module with `make_trainer(spec, rank, world) -> Trainer`; `run_trainer` drives
+it through warm-up and timed steps (or the max-sequence search) and writes what it measures
+into the child's result file after every step, so a timeout still leaves figures behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import resource
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+GiB = 2**30
+PEAK_FLOPS_PER_GPU = 790e12          # bf16 matmul, measured per H100/H200 (ANCHORS.md)
+LR = 1e-5
+
+
+# --- models -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only causal LM (transformers' Qwen3 or Llama classes)."""
+
+    name: str
+    family: str              # "qwen3" or "llama"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+
+MODELS = {
+    "qwen3-1.7b": ModelSpec("qwen3-1.7b", "qwen3", hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128,
+                            intermediate=6144, vocab=151936, tied=True),
+    "llama3.1-8b": ModelSpec("llama3.1-8b", "llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                             intermediate=14336, vocab=128256, tied=False),
+    # smoke tests: the same classes, a few hundred thousand parameters
+    "tiny": ModelSpec("tiny", "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=512, tied=True),
+    "tiny-llama": ModelSpec("tiny-llama", "llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                            intermediate=128, vocab=512, tied=False),
+}
+MODELS["llama-3.1-8b"] = MODELS["llama3.1-8b"]
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}: choose from {', '.join(sorted(MODELS))}") from None
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Parameters of the model, a tied LM head counted once (what model.parameters() yields)."""
+    h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    attention = h * q + 2 * h * kv + q * h                     # q, k, v, o projections (no biases)
+    mlp = 3 * h * spec.intermediate                             # gate, up, down
+    norms = 2 * h + (2 * spec.head_dim if spec.family == "qwen3" else 0)   # + Qwen3's q_norm, k_norm
+    embeddings = spec.vocab * h * (1 if spec.tied else 2)
+    return embeddings + spec.layers * (attention + mlp + norms) + h     # + final norm
+
+
+def hf_config(spec: ModelSpec, max_positions: int = 4096):
+    """A transformers config of the spec (works with transformers 4.57 and 5.x)."""
+    import transformers
+
+    kwargs = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                  num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                  num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+                  max_position_embeddings=max(int(max_positions), 4096), tie_word_embeddings=spec.tied,
+                  use_cache=False, attn_implementation="sdpa")
+    cls = transformers.Qwen3Config if spec.family == "qwen3" else transformers.LlamaConfig
+    return cls(**kwargs)
+
+
+def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_device=None,
+                max_positions: int = 4096, seed: int = 0) -> torch.nn.Module:
+    """The model with random weights (no download), in `dtype` on `device`, in train mode.
+
+    Weights are drawn on `init_device` (a GPU draws 8B parameters in well under a second; the
+    host would take minutes) and then moved to `device`.
+    """
+    import transformers
+
+    cfg = hf_config(spec, max_positions)
+    cls = transformers.Qwen3ForCausalLM if spec.family == "qwen3" else transformers.LlamaForCausalLM
+    init = torch.device(init_device or device)
+    torch.manual_seed(seed)
+    with torch.device(init):
+        model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():              # parameters only: buffers (rotary inv_freq) stay fp32
+            p.data = p.data.to(dtype)
+    model.to(device)
+    if init.type == "cuda" and torch.device(device).type != "cuda":
+        torch.cuda.synchronize(init)
+        torch.cuda.empty_cache()
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' activation checkpointing per decoder layer (non-reentrant); the method was
+    renamed in transformers 5 (activation_checkpointing_enable), the old name warns."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --- FLOPs --------------------------------------------------------------------------------
+def flops_per_token(n_params: int, layers: int, heads: int, head_dim: int, seq_len: int,
+                    recompute: bool = False) -> float:
+    """Model FLOPs per trained token, 6N + 12·L·H·Q·S (ANCHORS.md); with one recompute of the
+    forward, what the hardware does: 8N + 16·L·H·Q·S."""
+    a, b = (8, 16) if recompute else (6, 12)
+    return a * n_params + b * layers * heads * head_dim * seq_len
+
+
+def utilisation(tokens_per_s: float, spec: ModelSpec, seq_len: int, gpus: int,
+                n_params: Optional[int] = None, peak_flops: float = PEAK_FLOPS_PER_GPU) -> dict:
+    """MFU and share of the recompute-inclusive ceiling for a measured throughput."""
+    n = n_params or param_count(spec)
+    model = flops_per_token(n, spec.layers, spec.heads, spec.head_dim, seq_len)
+    hardware = flops_per_token(n, spec.layers, spec.heads, spec.head_dim, seq_len, recompute=True)
+    ceiling = peak_flops * gpus / hardware
+    return {"mfu": tokens_per_s * model / (peak_flops * gpus), "ceiling_tokens_per_s": ceiling,
+            "ceiling_share": tokens_per_s / ceiling, "model_flops_per_token": model,
+            "hardware_flops_per_token": hardware}
+
+
+# --- batches ------------------------------------------------------------------------------
+def batch_ids(vocab: int, n_seqs: int, seq_len: int, step: int, rank: int = 0, seed: int = 0) -> torch.Tensor:
+    """Random token ids (also used as labels); the same for every system at a given step."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    return torch.randint(0, vocab, (n_seqs, seq_len), generator=g)
+
+
+def microbatches(ids: torch.Tensor, m: int) -> list:
+    """(chunk, weight) pairs: weight = the chunk's share of the batch's counted tokens, so
+    sum(weight * mean loss of chunk) is the mean loss of the whole batch."""
+    chunks = [c for c in torch.tensor_split(ids, min(m, ids.shape[0])) if c.shape[0]]
+    return [(c, c.shape[0] / ids.shape[0]) for c in chunks]
+
+
+# --- what a child writes ------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    """Everything a child needs to run one system; travels as JSON."""
+
+    system: str
+    model: str
+    device: str = "cuda"               # "cuda" or "cpu"
+    gpus: int = 1                      # GPUs (or CPU "devices" for rpcompile) to use
+    seq_len: int = 2048
+    tokens_per_step: int = 65536
+    microbatches: int = 4
+    steps: int = 5
+    warmup: int = 2
+    seed: int = 0
+    mode: str = "throughput"           # or "maxseq"
+    result_path: str = ""
+    # max-sequence search
+    mem_cap_gib: float = 24.0
+    maxseq_start: int = 4096
+    maxseq_limit: int = 262144
+    maxseq_ok: int = 0                 # a length known to train (carried over a relaunch)
+    maxseq_fail: Optional[int] = None  # a length known to fail
+    maxseq_probes: list = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return get_model(self.model)
+
+    @property
+    def max_positions(self) -> int:
+        return max(self.seq_len, self.maxseq_limit) if self.mode == "maxseq" else self.seq_len
+
+    @property
+    def n_seqs(self) -> int:
+        return max(1, self.tokens_per_step // self.seq_len)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        return cls(**json.loads(text))
+
+
+class Recorder:
+    """The child's result file, rewritten (atomically) at every update."""
+
+    def __init__(self, path: Optional[str], resume: bool = False):
+        self.path = path
+        self.data: dict = {"status": "running", "phase": "start", "pid": os.getpid()}
+        if resume:
+            self.reload()
+        self._write()
+
+    def update(self, **kw) -> None:
+        self.data.update(kw)
+        self._write()
+
+    def reload(self) -> None:
+        """Take in what another process (a rank) wrote to the file meanwhile."""
+        if self.path:
+            self.data.update(read_result(self.path))
+
+    def _write(self) -> None:
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, default=str)
+        os.replace(tmp, self.path)
+
+
+class NullRecorder(Recorder):
+    def __init__(self):
+        super().__init__(None)
+
+
+def read_result(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+# --- devices and memory -------------------------------------------------------------------
+def cuda_devices() -> list:
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def reset_gpu_peaks(devices) -> None:
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+
+
+def gpu_peaks(devices) -> dict:
+    alloc = [torch.cuda.max_memory_allocated(d) for d in devices]
+    reserved = [torch.cuda.max_memory_reserved(d) for d in devices]
+    return {"peak_gpu_alloc_bytes": max(alloc, default=0), "peak_gpu_reserved_bytes": max(reserved, default=0),
+            "peak_gpu_alloc_bytes_per_device": alloc}
+
+
+def host_maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cap_gpu_memory(devices, cap_bytes: float) -> None:
+    for d in devices:
+        total = torch.cuda.get_device_properties(d).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), d)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True if `exc` or anything in its chain is a device out-of-memory error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_memory(devices=()) -> None:
+    gc.collect()
+    for d in devices:
+        torch.cuda.synchronize(d)
+    if devices:
+        torch.cuda.empty_cache()
+
+
+# --- the trainer interface and the loop that drives it --------------------------------------
+class RestartRequested(Exception):
+    """The trainer cannot go on in this process after an out-of-memory: the harness starts a new child."""
+
+
+class Trainer:
+    """One system's training step over a batch of token ids; a runner's make_trainer builds it."""
+
+    devices: list = []        # CUDA devices this process uses (for memory figures and syncs)
+    restart_after_oom = False  # True: a max-length probe that runs out of memory ends the child
+
+    def step(self, ids: torch.Tensor) -> float:
+        """Forward + backward over `ids` (split into microbatches) and one optimizer step."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait until all work started by step() is done (asynchronous optimizers, streams)."""
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def recover(self) -> None:
+        """Make the next step() possible after one failed with out-of-memory."""
+
+    def info(self) -> dict:
+        """Extra facts for the report (plan, notes)."""
+        return {}
+
+
+def run_trainer(make_trainer: Callable, spec: RunSpec, rec: Optional[Recorder], *, rank: int = 0, world: int = 1,
+                devices=None, reduce_max: Optional[Callable] = None, reduce_mean: Optional[Callable] = None) -> None:
+    """Build the trainer and run spec.mode ("throughput" or "maxseq"), recording as it goes.
+
+    devices: the CUDA devices this process uses (default: all visible in CUDA mode).
+    reduce_max / reduce_mean: lists of floats across ranks (multi-process systems).
+    """
+    rec = rec or NullRecorder()
+    if devices is None:
+        devices = cuda_devices() if spec.device == "cuda" else []
+    reduce_max = reduce_max or (lambda xs: xs)
+    reduce_mean = reduce_mean or (lambda xs: xs)
+    rec.update(phase="build", device_name=device_name() if devices else "cpu", torch=torch.__version__,
+               transformers=_transformers_version(), world=world)
+    t0 = time.perf_counter()
+    trainer = make_trainer(spec, rank=rank, world=world)
+    trainer.devices = list(devices)
+    free_memory(devices)
+    if spec.mode == "maxseq" and devices:
+        # after the build: weights are drawn on the GPU in fp32, more than the cap for an 8B model
+        cap_gpu_memory(devices, spec.mem_cap_gib * GiB)
+    reset_gpu_peaks(devices)
+    rec.update(phase="built", build_s=time.perf_counter() - t0, n_params=count_params_of(trainer))
+    if spec.mode == "maxseq":
+        _max_seq_search(trainer, spec, rec, rank, devices, reduce_max)
+    else:
+        _throughput(trainer, spec, rec, rank, world, devices, reduce_max, reduce_mean)
+    try:
+        info = trainer.info()
+    except Exception as e:  # noqa: BLE001 - extra facts must not turn a finished run into a failure
+        info = {"notes": [f"info() failed: {type(e).__name__}: {e}"]}
+    rec.update(info=info)
+
+
+def count_params_of(trainer) -> Optional[int]:
+    n = getattr(trainer, "n_params", None)
+    return int(n) if n is not None else None
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+        return transformers.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        return "unavailable"
+
+
+def _throughput(trainer, spec, rec, rank, world, devices, reduce_max, reduce_mean) -> None:
+    n_local = spec.n_seqs // world
+    total = spec.warmup + spec.steps
+    batches = [batch_ids(spec.spec.vocab, n_local, spec.seq_len, step=i, rank=rank, seed=spec.seed)
+               for i in range(total)]
+    steps: list = []
+    rec.update(phase="warmup", steps=steps, tokens_per_step=n_local * world * spec.seq_len)
+    t_first = t_start = time.perf_counter()
+    for i, ids in enumerate(batches):
+        if i == spec.warmup:
+            trainer.finish()                       # warm-up work must not leak into timed steps
+            t_start = time.perf_counter()
+            rec.update(phase="timed", warmup_s=t_start - t_first)
+        t = time.perf_counter()
+        if steps:
+            steps[-1]["s"] = t - t_first - steps[-1]["start"]
+        loss = reduce_mean([float(trainer.step(ids))])[0]
+        steps.append({"i": i, "timed": i >= spec.warmup, "loss": loss, "start": t - t_first,
+                      "returned_s": time.perf_counter() - t})
+        rec.update(steps=steps, **_mem(devices, reduce_max))
+    trainer.finish()
+    t_end = time.perf_counter()
+    if steps:
+        steps[-1]["s"] = t_end - t_first - steps[-1]["start"]
+    n_timed = sum(1 for s in steps if s["timed"])
+    result = {"steps": steps, "phase": "done", **_mem(devices, reduce_max)}
+    if n_timed:
+        result["s_per_step"] = (t_end - t_start) / n_timed
+    rec.update(**result)
+
+
+def _mem(devices, reduce_max) -> dict:
+    out = {"host_maxrss_bytes": host_maxrss_bytes()}
+    if devices:
+        peaks = gpu_peaks(devices)
+        a, r = reduce_max([float(peaks["peak_gpu_alloc_bytes"]), float(peaks["peak_gpu_reserved_bytes"])])
+        out.update(peak_gpu_alloc_bytes=int(a), peak_gpu_reserved_bytes=int(r),
+                   peak_gpu_alloc_bytes_this_process=peaks["peak_gpu_alloc_bytes_per_device"])
+    return out
+
+
+def next_probe(ok: int, fail: Optional[int], start: int, limit: int, step: int = 1024) -> Optional[int]:
+    """The next sequence length of the search: double from `start` until a length fails, then
+    bisect between the longest that trained and the shortest that failed, in steps of `step`."""
+    if fail is None:
+        nxt = start if ok < start else 2 * ok
+        return nxt if nxt <= limit else (limit if ok < limit else None)
+    if fail - ok <= step:
+        return None
+    mid = (ok + fail) // 2 // step * step
+    mid = max(mid, ok + step)
+    return mid if mid < fail else None
+
+
+def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
+    ok, fail = spec.maxseq_ok, spec.maxseq_fail
+    probes = list(spec.maxseq_probes)
+    rec.update(phase="maxseq", probes=probes, maxseq_ok=ok, maxseq_fail=fail)
+    while (s := next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit)) is not None:
+        rec.update(current_probe=s, current_probe_started=time.time())
+        reset_gpu_peaks(devices)
+        t = time.perf_counter()
+        ids = batch_ids(spec.spec.vocab, 1, s, step=0, rank=rank, seed=spec.seed)
+        try:
+            loss = float(trainer.step(ids))
+            trainer.finish()
+            good, err = math.isfinite(loss), None if math.isfinite(loss) else f"loss {loss}"
+        except Exception as e:  # noqa: BLE001 - an OOM is an answer, anything else a failure
+            if not is_oom(e):
+                raise
+            good, err, loss = False, "out of memory", None
+            if not trainer.restart_after_oom:
+                trainer.recover()
+        if good or not trainer.restart_after_oom:
+            free_memory(devices)
+        mem = _mem(devices, reduce_max) if good or not trainer.restart_after_oom else {}
+        probes.append({"seq_len": s, "ok": good, "loss": loss, "s": time.perf_counter() - t, "error": err,
+                       "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes")})
+        if good:
+            ok = s
+        else:
+            fail = s
+        rec.update(probes=probes, maxseq_ok=ok, maxseq_fail=fail, current_probe=None)
+        if not good and trainer.restart_after_oom and next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit):
+            raise RestartRequested(f"out of memory at {s} tokens; {type(trainer).__name__} restarts after an OOM")
+    rec.update(phase="done", max_seq=ok)
+
+
+def child_failure(rec: Recorder, exc: BaseException) -> None:
+    rec.update(status="oom" if is_oom(exc) else "failed", error=f"{type(exc).__name__}: {exc}"[:2000],
+               traceback=traceback.format_exc()[-6000:])

@@ -1,0 +1,535 @@
+"""Benchmark harness: rpcompile side by side with its peers, each system in its own process.
+
+    python -m benchmarks.harness --model qwen3-1.7b --gpus 1 --seq-len 2048 \\
+        --tokens-per-step 65536 --microbatches 4 --steps 5 --warmup 2 \\
+        --systems rpcompile,eager,roundpipe,fsdp2 --out benchmarks/RESULTS.md \\
+        --json $OUT/results.json --timeout 240 --budget 540
+
+Every system runs in a child process (`python -m benchmarks.child`) with CUDA_VISIBLE_DEVICES
+set to the GPUs asked for, a time limit, and a watchdog on its host memory. Whatever happens to
+a child (failure, out-of-memory, timeout, a crash that takes the process down), the harness
+records it with the tail of its stderr and goes on; the JSON and the markdown section are
+rewritten after every system, so an interrupted run still leaves its results.
+
+--max-seq-search finds, per system, the longest single sequence that trains under a per-GPU
+memory cap (24 GiB by default), doubling and then bisecting in steps of 1,024 inside one child;
+a child that dies on a probe is restarted with what it had established.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+from . import report
+from .common import (GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
+                     utilisation)
+from .systems import get_system
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_RP_SITE = os.path.expanduser("~/.cache/rpcompile-bench/rp_site")   # setup_device.sh's default
+PAGE = os.sysconf("SC_PAGE_SIZE")
+BASE_PROCESS_BYTES = 3 * GiB        # CUDA context, libraries, allocator slack per process
+HOST_GUARD = 0.93                   # kill a child whose process group passes this share of RAM
+
+
+# --- command line -------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-1.7b", help="qwen3-1.7b, llama3.1-8b, tiny, tiny-llama")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per system (CPU mode: rpcompile's CPU devices)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--tokens-per-step", type=int, default=65536)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first (compilation)")
+    p.add_argument("--systems", default="rpcompile,eager,roundpipe,fsdp2")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
+                   help="markdown file the section is appended to ('' for none)")
+    p.add_argument("--json", default="", help="JSON file the run is appended to (a list of runs)")
+    p.add_argument("--timeout", type=float, default=240, help="seconds per system")
+    p.add_argument("--budget", type=float, default=0, help="seconds for the whole invocation (0: no limit)")
+    p.add_argument("--log-dir", default="", help="children's stdout/stderr (default: next to --json, else a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rp-site", default=os.environ.get("RP_SITE", DEFAULT_RP_SITE),
+                   help="where setup_device.sh installed RoundPipe and transformers 4.57")
+    p.add_argument("--no-fit-check", action="store_true",
+                   help="run systems even where the memory estimate says they cannot fit")
+    p.add_argument("--max-seq-search", action="store_true")
+    p.add_argument("--mem-cap-gib", type=float, default=24.0)
+    p.add_argument("--maxseq-start", type=int, default=4096)
+    p.add_argument("--maxseq-limit", type=int, default=262144)
+    p.add_argument("--probe-timeout", type=float, default=150, help="seconds one max-seq probe may take")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to the runners in RunSpec.options (e.g. roundpipe_strict_adam=1)")
+    p.add_argument("--render", default="", help="only append the runs of this JSON file to --out")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [o for o in args.option if "=" not in o]
+    if bad:
+        p.error(f"--option takes KEY=VALUE, got {bad}")
+    args.options = dict(o.split("=", 1) for o in args.option)
+    for s in args.systems:
+        get_system(s)
+    get_model(args.model)
+    if not args.render and not args.max_seq_search:
+        n_seqs = args.tokens_per_step // args.seq_len
+        if n_seqs < 1 or n_seqs % args.gpus:
+            p.error(f"--tokens-per-step {args.tokens_per_step} must be a multiple of --seq-len {args.seq_len} "
+                    f"times --gpus {args.gpus} (each GPU's process in FSDP2 takes whole sequences)")
+    return args
+
+
+# --- the machine --------------------------------------------------------------------------
+_GPU_PROBE = ("import json, torch\n"
+              "n = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+              "print(json.dumps({'count': n, 'names': [torch.cuda.get_device_name(i) for i in range(n)],"
+              " 'total': [torch.cuda.get_device_properties(i).total_memory for i in range(n)],"
+              " 'torch': torch.__version__, 'cuda': torch.version.cuda}))\n")
+
+
+def probe_machine(device: str) -> dict:
+    """GPUs (asked of torch in a throw-away process, so this one holds no CUDA context) and host."""
+    env = {"cpu_count": os.cpu_count(), "host_mem_bytes": host_mem_total(), "python": sys.version.split()[0]}
+    if device != "cuda":
+        import torch
+        env.update(count=0, names=[], total=[], torch=torch.__version__, cuda=None)
+        return env
+    try:
+        out = subprocess.run([sys.executable, "-c", _GPU_PROBE], capture_output=True, text=True, timeout=120)
+        env.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        env.update(count=0, names=[], total=[], torch="?", probe_error=f"{type(e).__name__}: {e}")
+    return env
+
+
+def meminfo() -> dict:
+    """/proc/meminfo in bytes (empty where there is none)."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                out[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def host_mem_total() -> int:
+    return meminfo().get("MemTotal", 0)
+
+
+def host_used() -> int:
+    """Memory in use on the host (MemTotal - MemAvailable): pinned pages included, which a
+    process's RSS may not show (cudaHostAlloc maps them through the driver)."""
+    m = meminfo()
+    return m.get("MemTotal", 0) - m.get("MemAvailable", 0)
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of every process in process group `pgid` (a child and what it spawned)."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == pgid:
+            total += int(rest[21]) * PAGE
+    return total
+
+
+def kill_group(pgid: int, grace: float = 5.0) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    t = time.time()
+    while time.time() - t < grace and group_rss(pgid) > 0:
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# --- one child ----------------------------------------------------------------------------
+class Harness:
+    def __init__(self, args):
+        self.args = args
+        self.spec = get_model(args.model)
+        self.n_params = param_count(self.spec)
+        self.t0 = time.time()
+        self.date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        self.deadline = self.t0 + args.budget if args.budget > 0 else None
+        json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+        self.log_dir = args.log_dir or (os.path.join(json_dir, "logs") if json_dir else
+                                        tempfile.mkdtemp(prefix="rpbench-"))
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.tag = f"{time.strftime('%Y%m%d-%H%M%S')}_{args.model}_{args.gpus}g" + ("_maxseq" if args.max_seq_search else "")
+        self.machine = probe_machine(args.device)
+        self.results: list = []
+        self._md_base = None
+        self._json_runs = None
+
+    # where the figures go
+    def meta(self) -> dict:
+        a, m = self.args, self.machine
+        card = (m["names"][0] if m.get("names") else "no GPU") if a.device == "cuda" else "CPU"
+        settings = {k: getattr(a, k) for k in ("model", "device", "gpus", "seq_len", "microbatches", "steps", "warmup",
+                                                "timeout", "budget", "seed", "mem_cap_gib", "maxseq_start",
+                                                "maxseq_limit")}
+        settings["systems"] = a.systems
+        settings["options"] = a.options
+        settings["tokens_per_step"] = max(1, a.tokens_per_step // a.seq_len) * a.seq_len
+        meta = {"date": self.date, "card": card,
+                "gpus": a.gpus, "mode": "maxseq" if a.max_seq_search else "throughput", "settings": settings,
+                "n_params": self.n_params, "peak_tflops_per_gpu": PEAK_FLOPS_PER_GPU / 1e12, "env": m,
+                "command": "python -m benchmarks.harness " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("harness.py") else "",
+                "log_dir": self.log_dir, "elapsed_s": round(time.time() - self.t0, 1)}
+        if a.device == "cuda" and not a.max_seq_search:
+            meta["ceiling_tokens_per_s"] = utilisation(0.0, self.spec, a.seq_len, a.gpus, self.n_params)["ceiling_tokens_per_s"]
+        return meta
+
+    def write(self) -> None:
+        run = {"meta": self.meta(), "results": self.results}
+        if self.args.json:
+            if self._json_runs is None:
+                try:
+                    with open(self.args.json) as f:
+                        self._json_runs = json.load(f)
+                    if not isinstance(self._json_runs, list):
+                        self._json_runs = [self._json_runs]
+                except (OSError, ValueError):
+                    self._json_runs = []
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.json)), exist_ok=True)
+            _atomic_write(self.args.json, json.dumps(self._json_runs + [run], indent=1, default=str))
+        if self.args.out:
+            if self._md_base is None:
+                try:
+                    with open(self.args.out) as f:
+                        self._md_base = f.read()
+                except OSError:
+                    self._md_base = ""
+            _atomic_write(self.args.out, report.append_section(self._md_base, report.render_run(run)))
+
+    # the systems
+    def time_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.time()
+
+    def precheck(self, name: str) -> Optional[dict]:
+        """A result for a system that is not run (skipped, or failed before starting), else None."""
+        a, sysm, m = self.args, get_system(name), self.machine
+        if a.device == "cpu":
+            return {"status": "skipped", "reason": "skipped: needs CUDA"} if sysm.needs_cuda else None
+        if m.get("count", 0) < a.gpus:
+            return {"status": "failed", "reason": f"asked for {a.gpus} GPU(s), {m.get('count', 0)} visible"
+                                                  + (f" ({m['probe_error']})" if m.get("probe_error") else "")}
+        if a.gpus > 1 and not sysm.multi_gpu:
+            return {"status": "skipped", "reason": f"skipped: {name} is the one-GPU resident baseline"}
+        if sysm.env == "roundpipe" and not os.path.isdir(os.path.join(a.rp_site, "roundpipe")):
+            return {"status": "failed", "reason": f"RoundPipe is not installed in {a.rp_site}: run benchmarks/setup_device.sh"}
+        if not a.no_fit_check:
+            card = min(m["total"][: a.gpus])
+            cap = min(card, a.mem_cap_gib * GiB) if a.max_seq_search else card
+            need = self.n_params * sysm.gpu_bytes_per_param
+            if need > 0.97 * cap:
+                return {"status": "skipped", "reason": f"does not fit: weights, gradients and Adam state need "
+                                                       f"{need / GiB:.0f} GiB on the GPU, which has {cap / GiB:.0f} GiB"}
+            procs = a.gpus if name == "fsdp2" else 1
+            host_need = self.n_params * sysm.host_bytes_per_param + procs * BASE_PROCESS_BYTES
+            host = m.get("host_mem_bytes") or 0
+            if host and host_need > HOST_GUARD * host:
+                return {"status": "skipped", "reason": f"does not fit in host RAM: needs about {host_need / GiB:.0f} GiB "
+                                                       f"(fp32 master, gradients, Adam state), the host has {host / GiB:.0f} GiB"}
+        if self.time_left() < 30:
+            return {"status": "skipped", "reason": "skipped: out of the time budget (--budget)"}
+        return None
+
+    def child_env(self, name: str) -> dict:
+        a, env = self.args, dict(os.environ)
+        paths = [REPO]
+        if get_system(name).env == "roundpipe":
+            paths.insert(0, os.path.abspath(a.rp_site))
+            env["PATH"] = os.path.join(os.path.abspath(a.rp_site), "bin") + os.pathsep + env.get("PATH", "")
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("TQDM_DISABLE", "1")          # progress bars would bury the stderr tail
+        env["PYTHONUNBUFFERED"] = "1"
+        if a.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            ids = visible[: a.gpus] if visible else [str(i) for i in range(a.gpus)]
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        return env
+
+    def make_spec(self, name: str, result_path: str, **extra) -> RunSpec:
+        a = self.args
+        return RunSpec(system=name, model=a.model, device=a.device, gpus=a.gpus, seq_len=a.seq_len,
+                       tokens_per_step=a.tokens_per_step, microbatches=a.microbatches, steps=a.steps,
+                       warmup=a.warmup, seed=a.seed, mode="maxseq" if a.max_seq_search else "throughput",
+                       result_path=result_path, mem_cap_gib=a.mem_cap_gib, maxseq_start=a.maxseq_start,
+                       maxseq_limit=a.maxseq_limit, options={**dict(get_system(name).options), **a.options},
+                       **extra)
+
+    def launch(self, spec: RunSpec, timeout: float, stem: str) -> dict:
+        """Run one child to its end, its timeout, or the host-memory guard."""
+        spec_path = os.path.join(self.log_dir, f"{stem}.spec.json")
+        with open(spec_path, "w") as f:
+            f.write(spec.to_json())
+        out_path, err_path = os.path.join(self.log_dir, f"{stem}.out"), os.path.join(self.log_dir, f"{stem}.err")
+        host_limit = HOST_GUARD * (self.machine.get("host_mem_bytes") or float("inf"))
+        t0 = time.time()
+        killed, peak, used0, used_peak = None, 0, host_used(), 0
+        with open(out_path, "ab") as out, open(err_path, "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
+                                    env=self.child_env(spec.system), stdout=out, stderr=err,
+                                    start_new_session=True)
+            while True:
+                rc = proc.poll()
+                rss, used = group_rss(proc.pid), host_used()
+                peak, used_peak = max(peak, rss), max(used_peak, used - used0)
+                if rc is not None:
+                    break
+                now = time.time()
+                if now - t0 > timeout:
+                    killed = f"timeout after {timeout:.0f} s"
+                elif used > host_limit:
+                    killed = (f"host memory guard: {used / GiB:.0f} GiB of the host's RAM in use "
+                              f"(the run's processes: {rss / GiB:.0f} GiB resident)")
+                elif spec.mode == "maxseq":
+                    raw = read_result(spec.result_path)
+                    started = raw.get("current_probe_started")
+                    if raw.get("current_probe") and started and now - started > self.args.probe_timeout:
+                        killed = f"probe of {raw['current_probe']} tokens ran past {self.args.probe_timeout:.0f} s"
+                if killed:
+                    kill_group(proc.pid)
+                    rc = proc.wait()
+                    break
+                time.sleep(0.1 if now - t0 < 10 else 0.5)
+        kill_group(proc.pid, grace=1.0)           # helpers left behind (compile workers)
+        raw = read_result(spec.result_path)
+        return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
+                "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
+                "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
+
+    def run_system(self, name: str) -> dict:
+        pre = self.precheck(name)
+        if pre is not None:
+            return {"system": name, "label": get_system(name).label, **pre}
+        timeout = min(self.args.timeout, self.time_left() - 10)
+        if self.args.max_seq_search:
+            return self._run_maxseq(name, timeout)
+        stem = f"{self.tag}_{name}"
+        spec = self.make_spec(name, os.path.join(self.log_dir, f"{stem}.result.json"))
+        return self.summarise(name, self.launch(spec, timeout, stem))
+
+    def _status(self, run: dict) -> tuple:
+        raw, rc, killed = run["raw"], run["rc"], run["killed"]
+        if killed:
+            return ("timeout" if "timeout" in killed or "ran past" in killed else "failed"), killed
+        if rc == 0 and raw.get("status") == "ok":
+            return "ok", ""
+        if raw.get("status") == "restart":
+            return "restart", raw.get("error", "")
+        st = raw.get("status") if raw.get("status") in ("oom", "failed") else "failed"
+        if st == "failed" and "out of memory" in (run["stderr_tail"] or "").lower():
+            st = "oom"
+        reason = raw.get("error") or _last_error_line(run["stderr_tail"]) or f"exit code {rc}"
+        return st, reason
+
+    def summarise(self, name: str, run: dict) -> dict:
+        a, raw = self.args, run["raw"]
+        status, reason = self._status(run)
+        info = raw.get("info") or {}
+        r = {"system": name, "label": get_system(name).label, "status": status, "reason": reason,
+             "exit_code": run["rc"], "wall_s": run["wall_s"], "host_rss_peak_bytes": run["host_rss_peak_bytes"],
+             "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
+             "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
+             "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
+             "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
+             "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,
+             "notes": list(info.get("notes") or []), "stderr_tail": run["stderr_tail"] if status != "ok" else "",
+             "logs": run["logs"]}
+        if raw.get("n_params") and raw["n_params"] != self.n_params:
+            r["notes"].append(f"model has {raw['n_params']:,} parameters, the formula {self.n_params:,}")
+        steps = raw.get("steps") or []
+        r["losses"] = [s["loss"] for s in steps]
+        r["losses_finite"] = all(_finite(x) for x in r["losses"])
+        timed = [s for s in steps if s.get("timed") and "s" in s]
+        tokens = raw.get("tokens_per_step") or max(1, a.tokens_per_step // a.seq_len) * a.seq_len
+        r["tokens_per_step"] = tokens
+        r["step_s"] = [s.get("s") for s in steps]
+        r["timed_steps_done"] = len(timed)
+        if raw.get("s_per_step") and status == "ok":
+            r["s_per_step"] = raw["s_per_step"]
+        elif timed:                                   # partial: what was measured before it stopped
+            r["s_per_step"] = sum(s["s"] for s in timed) / len(timed)
+            r["partial"] = True
+            r["notes"].append(f"partial: {len(timed)} of {a.steps} timed steps")
+        if r.get("s_per_step"):
+            r["tokens_per_s"] = tokens / r["s_per_step"]
+            if a.device == "cuda":
+                r.update({k: v for k, v in utilisation(r["tokens_per_s"], self.spec, a.seq_len, a.gpus,
+                                                       self.n_params).items() if k in ("mfu", "ceiling_share")})
+        if r["losses"] and not r["losses_finite"]:
+            r["notes"].append("non-finite loss")
+        if info.get("plan_weight_upload_bytes_per_step"):
+            r["pcie_bytes_per_step_plan"] = info["plan_weight_upload_bytes_per_step"] + info.get(
+                "plan_grad_download_bytes_per_step_est", 0)
+            r["notes"].append(f"plan: {info.get('stage_jobs')} stage jobs, weights up "
+                              f"{info['plan_weight_upload_bytes_per_step'] / GiB:.2f} GiB/step, grads down ≈"
+                              f"{info.get('plan_grad_download_bytes_per_step_est', 0) / GiB:.2f} GiB/step")
+        if info.get("trace"):
+            r["trace"] = info["trace"]
+            if info["trace"].get("bytes"):
+                r["pcie_bytes_per_step_trace"] = sum(info["trace"]["bytes"].values())
+        r["setup_s"] = (raw.get("build_s") or 0) + (raw.get("warmup_s") or 0) or None
+        return r
+
+    def _run_maxseq(self, name: str, timeout: float) -> dict:
+        """Relaunch the child while probes are left: a dying probe counts as a failed length."""
+        t_end = time.time() + timeout
+        ok, fail, probes, launches, wall = 0, None, [], 0, 0.0
+        status, reason, last, peak_rss, peak_mem = "ok", "", None, 0, 0
+        while True:
+            stem = f"{self.tag}_{name}_{launches}"
+            spec = self.make_spec(name, os.path.join(self.log_dir, f"{stem}.result.json"), maxseq_ok=ok,
+                                  maxseq_fail=fail, maxseq_probes=probes)
+            run = self.launch(spec, max(1.0, t_end - time.time()), stem)
+            launches += 1
+            last, raw = run, run["raw"]
+            wall += run["wall_s"]
+            peak_rss = max(peak_rss, run["host_rss_peak_bytes"])
+            peak_mem = max(peak_mem, run["host_mem_peak_bytes"])
+            probes = raw.get("probes", probes)
+            ok = raw.get("maxseq_ok", ok)
+            fail = raw.get("maxseq_fail", fail)
+            st, why = self._status(run)
+            if st == "ok":
+                status, reason = "ok", ""
+                break
+            current = raw.get("current_probe")
+            if st == "restart":                       # the child recorded the failed probe itself
+                current = None
+            oomish = st in ("oom", "timeout") or "out of memory" in (run["stderr_tail"] or "").lower()
+            if current and oomish and "timeout after" not in why:
+                probes.append({"seq_len": current, "ok": False, "error": f"{st}: {_short(why)}"})
+                fail = current if fail is None else min(fail, current)
+            elif st != "restart":
+                status, reason = st, why
+                break
+            if next_probe(ok, fail, self.args.maxseq_start, self.args.maxseq_limit) is None:
+                status, reason = "ok", ""
+                break
+            if t_end - time.time() < 30 or launches >= 10:
+                status, reason = "timeout", "search stopped: out of time (bounds so far are shown)"
+                break
+        r = self.summarise(name, last)
+        best = [p for p in probes if p.get("ok") and p["seq_len"] == ok]
+        r.update(status=status, reason=reason, probes=probes, maxseq_ok=ok, maxseq_fail=fail, launches=launches,
+                 max_seq=ok, wall_s=wall, host_rss_peak_bytes=peak_rss, host_mem_peak_bytes=peak_mem,
+                 peak_gpu_at_max_bytes=best[0].get("peak_gpu_alloc_bytes") if best else None,
+                 stderr_tail=last["stderr_tail"] if status != "ok" else "")
+        for k in ("tokens_per_s", "s_per_step", "mfu", "ceiling_share", "losses", "partial"):
+            r.pop(k, None)
+        return r
+
+    def run(self) -> list:
+        self.write()
+        for name in self.args.systems:
+            print(f"[harness] {name} ...", flush=True)
+            try:
+                r = self.run_system(name)
+            except Exception as e:  # noqa: BLE001 - the harness itself must not stop
+                r = {"system": name, "status": "failed", "reason": f"harness error: {type(e).__name__}: {e}"}
+            self.results.append(r)
+            print(f"[harness] {name}: {r['status']}"
+                  + (f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "")
+                  + (f", max seq {r['max_seq']:,}" if r.get("max_seq") is not None and "max_seq" in r else "")
+                  + (f" ({_short(r.get('reason'))})" if r.get("reason") else ""), flush=True)
+            self.write()
+        return self.results
+
+
+def _finite(x) -> bool:
+    try:
+        return x == x and abs(x) != float("inf")
+    except TypeError:
+        return False
+
+
+def _short(text, n=200) -> str:
+    return report._short(text, n)
+
+
+def _last_error_line(text: str) -> str:
+    lines = [l for l in (text or "").splitlines() if l.strip()]
+    for l in reversed(lines):
+        if "Error" in l or "error" in l or "Exception" in l:
+            return l.strip()
+    return lines[-1].strip() if lines else ""
+
+
+def _atomic_write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def render_json(json_path: str, out: str) -> None:
+    with open(json_path) as f:
+        runs = json.load(f)
+    runs = runs if isinstance(runs, list) else [runs]
+    try:
+        with open(out) as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    for run in runs:
+        text = report.append_section(text, report.render_run(run))
+    _atomic_write(out, text)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.render:
+        render_json(args.render, args.out)
+        return 0
+    h = Harness(args)
+    h.run()
+    print(report.render_run({"meta": h.meta(), "results": h.results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

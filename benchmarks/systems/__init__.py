@@ -1,0 +1,60 @@
+"""The benchmarked systems: one small runner module each, all driven by common.run_trainer.
+
+The harness reads this table without importing the runners (they import torch, rpcompile,
+roundpipe...); a child process imports the one runner it runs.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    module: str
+    needs_cuda: bool          # GPU-only systems report "skipped: needs CUDA" in CPU mode
+    multi_gpu: bool           # False: a one-GPU baseline, skipped when more GPUs are asked for
+    env: str                  # "default", or "roundpipe": transformers 4.57 first on PYTHONPATH
+    # Rough host / resident-GPU bytes per parameter, for the fit checks that spare the machine
+    # (and the time budget) runs that cannot fit. fp32 master 4 + fp32 grad 4 + Adam 8 = 16.
+    host_bytes_per_param: float
+    gpu_bytes_per_param: float
+    label: str
+    options: tuple = ()       # (key, value) pairs put into RunSpec.options (before --option)
+
+
+SYSTEMS = {
+    "rpcompile": System("rpcompile", "benchmarks.systems.rpcompile_runner", needs_cuda=False, multi_gpu=True,
+                        env="default", host_bytes_per_param=16 + 2, gpu_bytes_per_param=0,
+                        label="rpcompile (host fp32 master + AdamW(fused), bf16 stages)"),
+    "rpcompile-overlapped": System("rpcompile-overlapped", "benchmarks.systems.rpcompile_runner", needs_cuda=False,
+                                   multi_gpu=True, env="default", host_bytes_per_param=16 + 2, gpu_bytes_per_param=0,
+                                   label="rpcompile, Config(optimizer_mode='overlapped') + cm.attach_optimizer(AdamW)",
+                                   options=(("rpcompile_overlapped", "1"),)),
+    "eager": System("eager", "benchmarks.systems.eager", needs_cuda=False, multi_gpu=False, env="default",
+                    host_bytes_per_param=0, gpu_bytes_per_param=16,
+                    label="resident eager PyTorch, 1 GPU, HF checkpointing, bf16 autocast, fp32 AdamW(fused)"),
+    "roundpipe": System("roundpipe", "benchmarks.systems.roundpipe_runner", needs_cuda=True, multi_gpu=True,
+                        env="roundpipe", host_bytes_per_param=16 + 2 + 2,
+                        label="RoundPipe 0.1.1 (bf16 model, fp32 optim copy + its CPU Adam)",
+                        gpu_bytes_per_param=0),
+    "fsdp2": System("fsdp2", "benchmarks.systems.fsdp2", needs_cuda=True, multi_gpu=True, env="default",
+                    host_bytes_per_param=16 + 4, gpu_bytes_per_param=0,
+                    label="FSDP2 + CPUOffloadPolicy, bf16/fp32 mixed precision, checkpointing, CPU AdamW(fused)"),
+    # a pretend system (no model) that fails on demand: the harness's own tests
+    "simulated": System("simulated", "benchmarks.systems.simulated", needs_cuda=False, multi_gpu=True,
+                        env="default", host_bytes_per_param=0, gpu_bytes_per_param=0,
+                        label="simulated (harness tests)"),
+}
+
+
+def get_system(name: str) -> System:
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise ValueError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}") from None
+
+
+def load_runner(name: str):
+    return importlib.import_module(get_system(name).module)
