@@ -14,6 +14,7 @@ from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
 from .runtime.trace import Tracer
+from .runtime.warmup import WarmupGuard
 from .runtime.weights import HostWeights
 
 
@@ -56,9 +57,10 @@ class GraphRunner:
         """The program with its compute graphs compiled by Inductor (AOTAutograd for backward)."""
         prog = retarget(prog, {})   # a private copy whose children we may replace
         if hasattr(prog, "forward_graph"):
-            prog.forward_graph = torch.compile(prog.forward_graph, dynamic=None)
+            prog.forward_graph = WarmupGuard(torch.compile(prog.forward_graph, dynamic=None))
         if hasattr(prog, "backward_graph"):
             prog.backward_graph.compute = torch.compile(prog.backward_graph.compute, dynamic=None)
+            prog.backward_graph = WarmupGuard(prog.backward_graph)
         return prog
 
     # --- microbatches ----------------------------------------------------------------------
