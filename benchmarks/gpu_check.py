@@ -101,7 +101,8 @@ def speed(args):
         model = qwen3_1_7b()
         cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=M,
                                dtype=torch.bfloat16, compile_stages=args.inductor,
-                               optimizer_mode="overlapped" if args.overlapped else "exact")
+                               optimizer_mode="overlapped" if args.overlapped else "exact",
+                               memory_budget=args.budget)
         cm = rpcompile.compile(model, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         if args.overlapped:
@@ -225,7 +226,11 @@ def main():
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
+    if args.hang_s:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.hang_s, exit=True)
     res = {"parity": parity, "speed": speed, "lmhead": lmhead}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)

@@ -130,6 +130,7 @@ class GraphRunner:
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
                          host_weights=self.host_weights,
                          gate=self.overlapped.wait_param if self.overlapped is not None else None,
+                         ready=self.overlapped.is_ready if self.overlapped is not None else None,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 

@@ -116,15 +116,14 @@ class DeviceRuntime:
         entry[2] = ev
         return d
 
-    def prefetch(self, key, params, dtype, host_weights, gate=None):
-        """Start uploading a later job's weights now, on the weights stream (double buffering)."""
+    def prefetch(self, key, params, dtype, host_weights, ready=None):
+        """Start uploading a later job's weights now, on the weights stream (double buffering).
+
+        ready(p) says whether p is free of a pending optimizer step; others are left to be
+        uploaded when the job reads them, so a prefetch never blocks the job running now."""
         if not self.is_cpu and params:
-            uploaded = {}
-            for i, p in params:
-                if gate is not None:
-                    gate(p)
-                uploaded[i] = self.upload_weight(p, dtype, host_weights)
-            self.prefetched[key] = uploaded
+            self.prefetched[key] = {i: self.upload_weight(p, dtype, host_weights) for i, p in params
+                                    if ready is None or ready(p)}
 
     def download(self, value):
         """Device value to host memory (detached); on a GPU a Pending pinned copy."""

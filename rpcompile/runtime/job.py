@@ -41,6 +41,7 @@ class StepState:
     host_weights: Any = None                           # runtime.weights.HostWeights
     tracer: Any = None                                 # runtime.trace.Tracer, or None
     gate: Any = None                                   # gate(param): waits for its pending optimizer step
+    ready: Any = None                                  # ready(param): no pending optimizer step (non-blocking)
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -207,7 +208,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
             # Refresh and upload this job's weights while its inputs are still being made;
             # a job that can start at once takes them in program order, overlapping compute.
             dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
-                         step.host_weights, step.gate)
+                         step.host_weights, step.ready)
         ctx = JobContext(step, job_index, prev_job, stage, role, dev)
         if next_on_device is not None:
             nj, nst = next_on_device
@@ -216,7 +217,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
                 step.tracer.add(dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
                                 issued_by=job_index, worker=dev.worker_index)
             dev.prefetch((id(step), nj), [(i, step.params[i]) for i in nst.params], step.dtype, step.host_weights,
-                         step.gate)
+                         step.ready)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
                 program(ctx, mb)

@@ -38,6 +38,10 @@ class OverlappedOptimizer:
         if self._error is not None:
             raise RuntimeError(f"the overlapped optimizer step failed: {self._error}") from self._error
 
+    def is_ready(self, p) -> bool:
+        """True when `p` has no pending optimizer step (never blocks)."""
+        return self._event(p).is_set()
+
     def submit(self, grads: list, refresh=None):
         """Step [(param, grad), ...] (grads in use order) in the background."""
         self.raise_if_failed()
