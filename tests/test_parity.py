@@ -132,3 +132,11 @@ def test_torch_compile_backend_string_and_config():
 
         train_both(model, [lm_batch(seed=s) for s in range(3)], rpcompile.Config(), call=via_compile, min_stages=0)
     assert configured.plans and len(configured.plans[-1].stages) >= 2
+
+
+def test_eight_cpu_devices():
+    """The runtime and the rotation work for any device count (8, as the 8-GPU machines have)."""
+    cfg = rpcompile.Config(devices=["cpu"] * 8, num_microbatches=9, memory_budget=TIGHT)
+    cm = train_both(qwen3(layers=3), [lm_batch(batch=9, seed=s) for s in range(3)], cfg, min_stages=4)
+    used = {d for _, _, _, d in cm.last_placements}
+    assert len(used) == min(8, len(cm.plan.stages))

@@ -67,12 +67,17 @@ def _color(name: str) -> str:
     return next((c for key, c in _KIND_COLORS if key in name), "tab:gray")
 
 
+def _device_label(e) -> str:
+    # Several CPU "devices" share the name "cpu": the worker index tells them apart.
+    return f"{e['device']} #{e['worker']}" if "worker" in e else str(e["device"])
+
+
 def _draw_trace(fig, trace) -> None:
-    rows = sorted({(str(e["device"]), str(e.get("stream", ""))) for e in trace})
+    rows = sorted({(_device_label(e), str(e.get("stream", ""))) for e in trace})
     t0 = min(float(e["start_s"]) for e in trace)
     ax = fig.add_subplot()
     for e in trace:
-        y = rows.index((str(e["device"]), str(e.get("stream", ""))))
+        y = rows.index((_device_label(e), str(e.get("stream", ""))))
         start, end = float(e["start_s"]) - t0, float(e["end_s"]) - t0
         ax.barh(y, max(end - start, 1e-9), left=start, color=_color(str(e["name"])), edgecolor="black", lw=0.3)
         if len(trace) <= 40:
