@@ -64,8 +64,10 @@ class Plan:
             fwd = sum(evaluate(n.meta["rp_cost"].fwd_flops, self.bindings) for n in nodes if "rp_cost" in n.meta)
             bwd = sum(evaluate(n.meta["rp_cost"].bwd_flops, self.bindings) for n in nodes if "rp_cost" in n.meta)
             flops = fwd if st.kind == "fwd" else fwd + bwd + (fwd if st.kind == "bwd" else 0.0)
-            n_params = sum(params[i].numel() for i in st.params)
-            pbytes = sum(params[i].numel() * itemsize[i] for i in st.params)
+            rows_of = [(i, (stop - start) * params[i][0].numel()) for i, start, stop in st.param_slices.values()]
+            n_params = sum(params[i].numel() for i in st.params) + sum(n for _, n in rows_of)
+            pbytes = (sum(params[i].numel() * itemsize[i] for i in st.params)
+                      + sum(n * itemsize[i] for i, n in rows_of))
             shards = sorted({n.meta["rp_lm_head"]["k"] for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict)})
             rows.append({
                 "stage": st.index, "kind": st.kind, "positions": [a, b],

@@ -146,12 +146,19 @@ class GraphRunner:
 
     @staticmethod
     def param_grads(step) -> dict:
-        """Host gradient per parameter index, summed over the jobs in job order."""
+        """Host gradient per parameter index, summed over the jobs in job order (a job that
+        took only rows of a parameter, keyed (index, start, stop), adds into those rows)."""
         totals = {}
         for j in sorted(step.param_grads):
-            for i, g in step.param_grads[j].items():
+            for key, g in step.param_grads[j].items():
                 g = resolve(g)
-                totals[i] = g if i not in totals else totals[i] + g
+                if isinstance(key, tuple):
+                    i, start, stop = key
+                    if i not in totals:
+                        totals[i] = torch.zeros(step.params[i].shape, dtype=g.dtype)
+                    totals[i][start:stop] += g
+                else:
+                    totals[key] = g if key not in totals else totals[key] + g
         return totals
 
     # --- train step ------------------------------------------------------------------------
@@ -258,7 +265,7 @@ def _use_order(plan) -> list:
     """Parameter indices in the order the forward reads them (stage order, then graph order)."""
     order, seen = [], set()
     for st in plan.stages:
-        for i in st.params:
+        for i in list(st.params) + [key[0] for key in st.param_slices.values()]:
             if i not in seen:
                 seen.add(i)
                 order.append(i)

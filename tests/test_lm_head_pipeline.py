@@ -8,7 +8,7 @@ from models import llama, lm_batch, qwen3
 from parity import TIGHT, train_both
 
 
-@pytest.mark.parametrize("make,tied,shards,vocab", [(qwen3, True, 3, 127), (llama, False, 8, 131),
+@pytest.mark.parametrize("make,tied,shards,vocab", [(qwen3, True, 3, 127), (llama, False, 8, 1031),
                                                     (qwen3, False, 1, 128)])
 def test_split_head_parity_across_stages(make, tied, shards, vocab):
     cfg = rpcompile.Config(devices=["cpu", "cpu", "cpu"], num_microbatches=3, memory_budget=TIGHT,
@@ -25,8 +25,12 @@ def test_split_head_parity_across_stages(make, tied, shards, vocab):
     placed = {k for r in rows if r["kind"] != "bwd" for k in r["lm_head_shards"]}
     assert placed == set(range(shards)), "every shard is computed by a forward-side stage"
     assert f"lm_head shards" in str(cm.plan)
+    shard_stages = [st for st, r in zip(cm.plan.stages, rows) if r["lm_head_shards"]]
     if shards >= 3:
-        assert len({r["stage"] for r in rows if r["lm_head_shards"] and r["kind"] != "bwd"}) >= 2, \
+        # a stage that holds shards but not the embedding uploads just its rows of the head
+        assert any("weight_rows(" in st.program.code for st in shard_stages)
+    if shards >= 8:
+        assert len({st.index for st in shard_stages if st.kind != "bwd"}) >= 2, \
             "a tight budget spreads the shards over several stages"
 
 

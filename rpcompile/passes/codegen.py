@@ -79,6 +79,7 @@ class Stage:
     input_leaf: dict = field(default_factory=dict)     # input name -> rp_index (params, buffers, call leaves)
     handed_on: set = field(default_factory=set)        # outputs later jobs read
     fqn: dict = field(default_factory=dict)            # param/buffer input name -> its name in the model
+    param_slices: dict = field(default_factory=dict)   # input name -> (param index, first row, end row)
 
     @property
     def program(self) -> fx.GraphModule:
@@ -98,6 +99,8 @@ def _compute_graph(gm, body, a, b, inputs, outputs, rng_positions, name):
     seeded = set()
     for pos in range(a, b):
         n = body[pos]
+        if n in env:   # a node the stage takes as an input instead (a parameter's rows)
+            continue
         if is_random(n):
             stretch = max(r for r in rng_positions if r <= pos)
             if stretch not in seeded:
@@ -133,6 +136,28 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     return fx.GraphModule(root, g, class_name=name)
 
 
+def _stage_reads(nodes, inside):
+    """Values a stage reads from outside, in first-use order. A parameter the stage reads only
+    through row slices (the LM head's shards, `rp_param_slice`) is replaced by those slices, so
+    the job uploads, and takes gradients of, just its rows. Returns (reads, {slice: key})."""
+    reads = []
+    for n in nodes:
+        for x in n.all_input_nodes:
+            if x not in inside and x not in reads:
+                reads.append(x)
+    sliced = {}
+    for p in [x for x in reads if x.meta.get("rp_kind") == "param"]:
+        users = [u for u in p.users if u in inside]
+        if users and all(u.meta.get("rp_param_slice", (None,))[0] == p.name for u in users):
+            at = reads.index(p)
+            reads[at:at + 1] = users
+            for u in users:
+                _, _, start, stop = u.meta["rp_param_slice"]
+                sliced[u] = (p.meta["rp_index"], start, stop)
+                u.meta["rp_param_slice_fqn"] = p.meta["rp_name"]
+    return reads, sliced
+
+
 def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
     """Stage jobs with their forward and backward graphs, for jobs [(kind, (a, b)), ...] in positions."""
     body, live = lv.body, lv.live
@@ -149,11 +174,7 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
     for k, (kind, (a, b)) in enumerate(jobs):
         nodes = body[a:b]
         inside = set(nodes)
-        reads = []
-        for n in nodes:
-            for x in n.all_input_nodes:
-                if x not in inside and x not in reads:
-                    reads.append(x)
+        reads, sliced = _stage_reads(nodes, inside)
         if kind == "fwd":
             ends = [q for q in checkpoints if a < q <= b] + [b]
             outputs = []
@@ -171,15 +192,18 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
                    params=[n.meta["rp_index"] for n in reads if n.meta.get("rp_kind") == "param"],
                    buffers=[n.meta["rp_index"] for n in reads if n.meta.get("rp_kind") == "buffer"],
                    random=has_random, forward=forward,
-                   kinds={n.name: n.meta.get("rp_kind", "act") for n in reads},
+                   kinds={n.name: "param_slice" if n in sliced else n.meta.get("rp_kind", "act") for n in reads},
                    input_leaf={n.name: n.meta["rp_index"] for n in reads if "rp_index" in n.meta},
+                   param_slices={n.name: sliced[n] for n in reads if n in sliced},
                    handed_on={n.name for n in outputs} if kind == "fwd" else set(),
-                   fqn={n.name: n.meta["rp_name"] for n in reads if "rp_name" in n.meta})
+                   fqn={**{n.name: n.meta["rp_name"] for n in reads if "rp_name" in n.meta},
+                        **{n.name: n.meta["rp_param_slice_fqn"] for n in sliced}})
         if kind != "fwd":
             st.grad_outputs = [n.name for n in outputs if _requires_grad(n)]
             st.grad_inputs = [n.name for n in reads if _requires_grad(n) and n.meta.get("rp_kind") in (None, "input")]
-            grad_param_nodes = [n for n in reads if n.meta.get("rp_kind") == "param" and _requires_grad(n)]
-            st.grad_params = [n.meta["rp_index"] for n in grad_param_nodes]
+            grad_param_nodes = [n for n in reads if (n.meta.get("rp_kind") == "param" or n in sliced)
+                                and _requires_grad(n)]
+            st.grad_params = [sliced[n] if n in sliced else n.meta["rp_index"] for n in grad_param_nodes]
             st.backward = _backward_graph(forward, reads, st.outputs, st.grad_outputs, st.grad_inputs,
                                           [n.name for n in grad_param_nodes], has_random, f"{name}_backward")
         stages.append(st)
@@ -209,6 +233,9 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
         kind = st.kinds[name]
         if kind == "param":
             vals[name] = g.call_function(rp.weight, (job, st.fqn[name]))
+        elif kind == "param_slice":
+            _, start, stop = st.param_slices[name]
+            vals[name] = g.call_function(rp.weight_rows, (job, st.fqn[name], start, stop))
         elif kind == "buffer":
             vals[name] = g.call_function(rp.buffer, (job, st.fqn[name]))
     args = [vals[name] for name in st.inputs]

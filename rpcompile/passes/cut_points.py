@@ -95,14 +95,19 @@ def _is_free(node: fx.Node, bindings) -> bool:
     return cost is None or (evaluate(cost.fwd_flops, bindings) == 0 and evaluate(cost.param_bytes, bindings) == 0)
 
 
-def param_nodes_read(node: fx.Node) -> list:
-    return [a for a in node.all_input_nodes if a.meta.get("rp_kind") == "param"]
-
-
-def param_bytes(p: fx.Node) -> int:
-    """Device bytes of a parameter placeholder, or of the slice a node reads (rp_param_slice)."""
-    ev = p.meta["example_value"]
-    return ev.numel() * ev.element_size()
+def params_read(node: fx.Node) -> list:
+    """(key, device bytes, elements, requires grad) of the parameters a node reads; a row slice
+    of a parameter (rp_param_slice, the LM head's shards) counts its rows only."""
+    if "rp_param_slice" in node.meta:
+        name, _, start, stop = node.meta["rp_param_slice"]
+        ev = node.meta["example_value"]
+        return [((name, start, stop), ev.numel() * ev.element_size(), ev.numel(), ev.requires_grad)]
+    out = []
+    for a in node.all_input_nodes:
+        if a.meta.get("rp_kind") == "param":
+            ev = a.meta["example_value"]
+            out.append((a.name, ev.numel() * ev.element_size(), ev.numel(), ev.requires_grad))
+    return out
 
 
 def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, hw: Hardware):
@@ -118,10 +123,10 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
                 f, fb = node_seconds(cost, bindings, peak_flops=hw.peak_flops, mem_bw=hw.mem_bw)
                 fwd, bwd = fwd + f, bwd + fb
                 saved += int(evaluate(cost.saved_bytes, bindings))
-            for p in param_nodes_read(n):
-                params[p] = param_bytes(p)
-        pbytes = sum(params.values())
-        gbytes = sum(4 * p.meta["example_value"].numel() for p in params if p.meta["example_value"].requires_grad)
+            for key, nbytes, numel, grad in params_read(n):
+                params[key] = (nbytes, numel, grad)
+        pbytes = sum(v[0] for v in params.values())
+        gbytes = sum(4 * v[1] for v in params.values() if v[2])
         segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved))
     cut_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in lv.live[p]) for p in cuts]
     return segments, cut_bytes

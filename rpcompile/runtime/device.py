@@ -103,13 +103,14 @@ class DeviceRuntime:
             return self._copy_in(stream or self.acts_in, t, want)
         return pytree.tree_map(move, value, is_leaf=lambda v: isinstance(v, Pending))
 
-    def upload_weight(self, param, dtype, host_weights):
-        """A parameter's working copy on this device (from its pinned copy on a GPU)."""
+    def upload_weight(self, param, dtype, host_weights, rows=None):
+        """A parameter's working copy (or that of rows [start, stop)) on this device, from its
+        pinned copy on a GPU."""
         want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         if self.is_cpu:
-            p = param.detach()
+            p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             return p if p.dtype == want else p.to(want)
-        entry = host_weights.get(param, want)
+        entry = host_weights.get(param, want, rows)
         d = self._copy_in(self.weights_in, entry[1], want)
         ev = torch.cuda.Event()
         ev.record(self.weights_in)

@@ -111,20 +111,22 @@ class JobContext:
             rng.__exit__(None, None, None)
 
     # --- inputs ----------------------------------------------------------------------------
-    def weight(self, name):
+    def weight(self, name, rows=None):
         index = self.step.param_index[name]
-        w = self.weights.get(index)
+        key = index if rows is None else (index, *rows)
+        w = self.weights.get(key)
         if w is None:
             p = self.step.params[index]
             if self.step.gate is not None:
                 self.step.gate(p)
-            w = self.prefetched.pop(index, None)
+            w = self.prefetched.pop(key, None)
             if w is None:
                 w = self.span("weights_in", "upload_weight",
-                              lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights), param=name)
+                              lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows),
+                              param=name)
             if self.role != "fwd" and p.requires_grad:
                 w = w.detach().requires_grad_(True)
-            self.weights[index] = w
+            self.weights[key] = w
         return w
 
     def buffer(self, name):

@@ -27,6 +27,11 @@ def weight(job, name):
     return job.weight(name)
 
 
+def weight_rows(job, name, start, stop):
+    """Rows [start, stop) of parameter `name` on the device (a vocabulary shard of the LM head)."""
+    return job.weight(name, (start, stop))
+
+
 def buffer(job, name):
     """The device copy of the model's buffer `name`."""
     return job.buffer(name)

@@ -15,21 +15,24 @@ class HostWeights:
     """
 
     def __init__(self):
-        self._copies: dict = {}      # id(param) -> [version, pinned tensor, last upload event]
+        self._copies: dict = {}      # (id(param), rows) -> [version, pinned tensor, last upload event]
         self._lock = threading.Lock()
 
-    def get(self, param: torch.Tensor, dtype: torch.dtype) -> list:
+    def get(self, param: torch.Tensor, dtype: torch.dtype, rows=None) -> list:
+        """[version, pinned copy, last upload event] of param (or of its rows [start, stop))."""
         with self._lock:
-            entry = self._copies.get(id(param))
+            key = (id(param), rows)
+            entry = self._copies.get(key)
             if entry is not None and entry[0] == param._version and entry[1].dtype == dtype:
                 return entry
+            src = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             if entry is None or entry[1].dtype != dtype:
-                entry = [None, torch.empty(param.shape, dtype=dtype, pin_memory=True), None]
-                self._copies[id(param)] = entry
+                entry = [None, torch.empty(src.shape, dtype=dtype, pin_memory=True), None]
+                self._copies[key] = entry
             if entry[2] is not None:
                 entry[2].synchronize()
             with torch.no_grad():
-                entry[1].copy_(param.detach())
+                entry[1].copy_(src)
             entry[0] = param._version
             return entry
 
