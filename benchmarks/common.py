@@ -165,6 +165,20 @@ def microbatches(ids: torch.Tensor, m: int) -> list:
     return [(c, c.shape[0] / ids.shape[0]) for c in chunks]
 
 
+def accumulate_and_step(model, opt, ids, m, dev, autocast: bool) -> float:
+    """One optimizer step of gradient accumulation over m microbatches (eager and FSDP2)."""
+    total = torch.zeros((), device=dev)
+    for chunk, weight in microbatches(ids, m):
+        chunk = chunk.to(dev, non_blocking=True)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=chunk, labels=chunk).loss
+        (loss * weight).backward()
+        total += loss.detach().float() * weight
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(total)
+
+
 # --- what a child writes ------------------------------------------------------------------
 @dataclass
 class RunSpec:

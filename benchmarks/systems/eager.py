@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import LR, Trainer, build_model, count_params, enable_checkpointing, microbatches
+from ..common import LR, Trainer, accumulate_and_step, build_model, count_params, enable_checkpointing
 
 
 class EagerTrainer(Trainer):
@@ -22,16 +22,7 @@ class EagerTrainer(Trainer):
         self.m = spec.microbatches if spec.mode == "throughput" else 1
 
     def step(self, ids):
-        total = torch.zeros((), device=self.dev)
-        for chunk, weight in microbatches(ids, self.m):
-            chunk = chunk.to(self.dev, non_blocking=True)
-            with torch.autocast(self.dev.type, dtype=torch.bfloat16):
-                loss = self.model(input_ids=chunk, labels=chunk).loss
-            (loss * weight).backward()
-            total += loss.detach().float() * weight
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(total)
+        return accumulate_and_step(self.model, self.opt, ids, self.m, self.dev, autocast=True)
 
     def recover(self):
         self.opt.zero_grad(set_to_none=True)

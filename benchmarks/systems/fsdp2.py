@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..common import (LR, Recorder, RunSpec, Trainer, build_model, count_params, enable_checkpointing,
-                      microbatches, run_trainer)
+from ..common import (LR, Recorder, RunSpec, Trainer, accumulate_and_step, build_model, count_params,
+                      enable_checkpointing, run_trainer)
 
 
 class FSDP2Trainer(Trainer):
@@ -42,15 +42,8 @@ class FSDP2Trainer(Trainer):
         self.m = spec.microbatches if spec.mode == "throughput" else 1
 
     def step(self, ids):
-        total = torch.zeros((), device=self.dev)
-        for chunk, weight in microbatches(ids, self.m):
-            chunk = chunk.to(self.dev, non_blocking=True)
-            loss = self.model(input_ids=chunk, labels=chunk).loss
-            (loss * weight).backward()
-            total += loss.detach().float() * weight
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return float(total)
+        # FSDP2's MixedPrecisionPolicy casts to bf16 itself: no autocast
+        return accumulate_and_step(self.model, self.opt, ids, self.m, self.dev, autocast=False)
 
     def recover(self):
         self.opt.zero_grad(set_to_none=True)

@@ -42,34 +42,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
+def _number(kind, minimum, what):
+    """An argparse type: `kind` (int or float) at least `minimum`, finite; `what` says the bound."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value >= minimum or value == float("inf") or (kind is float and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}")
+        return value
+    return parse
 
 
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be 0 or more")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number")
-    return value
+_positive_int = _number(int, 1, "at least 1")
+_seed = _number(int, 0, "0 or more")
+_positive_float = _number(float, 0.0, "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:
