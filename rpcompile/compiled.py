@@ -44,7 +44,7 @@ class CompiledModel(torch.nn.Module):
             kwargs = {**kwargs, "use_cache": False}
         return kwargs
 
-    def _key(self, mode, leaves, spec, plan_split_hint, extra):
+    def _key(self, mode, leaves, spec, extra):
         sig = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -56,7 +56,7 @@ class CompiledModel(torch.nn.Module):
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
         leaves, spec = flatten_call(args, kwargs)
-        key = self._key(mode, leaves, spec, None, id(loss_fn) if loss_fn else None)
+        key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
         plan = self._plans.get(key)
         if plan is None:
             wrap = None

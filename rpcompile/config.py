@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -49,7 +49,6 @@ class Config:
     compile_stages: Optional[bool] = None   # Inductor for stage compute; None: on for GPUs
     dump_dir: Optional[str] = None
     max_jobs: Optional[int] = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):

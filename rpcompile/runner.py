@@ -117,9 +117,8 @@ class GraphRunner:
 
     @staticmethod
     def _rows(plan, mbatch) -> int:
-        for i in sorted(plan.split_leaves):
-            return mbatch.leaves[i].shape[0]
-        return 1
+        """Rows of a microbatch: dim 0 of its batched inputs (1 when nothing is split)."""
+        return mbatch.leaves[min(plan.split_leaves)].shape[0] if plan.split_leaves else 1
 
     def new_step(self, plan, micro) -> StepState:
         cap = plan.captured

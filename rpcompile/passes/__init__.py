@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.fx as fx
 
+from ..errors import CaptureError
 from ..plan import Plan
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
@@ -102,7 +104,6 @@ def _single_scalar_output(gm: fx.GraphModule) -> int:
     scalars = [i for i, v in enumerate(outs) if isinstance(v, fx.Node)
                and isinstance(v.meta.get("example_value"), torch.Tensor) and v.meta["example_value"].dim() == 0]
     if len(scalars) != 1:
-        from ..errors import CaptureError
         raise CaptureError("train_step needs a loss: the model returns no `loss` field and not exactly one scalar "
                            "output. Pass labels so the model computes its loss, or give Config(loss_fn=...) "
                            "or train_step(..., target=..., loss_fn=...)")
@@ -140,7 +141,6 @@ def _describe_io(plan: Plan) -> None:
                       and _leading(n) == _batch_hint(cap)]
     if plan.split_leaves and batched_static:
         # Splitting some batched inputs but not others would pair rows wrongly: run whole.
-        import warnings
         warnings.warn(f"rpcompile: the model specialised the batch size of {batched_static}; the batch is not "
                       "split into microbatches")
         plan.split_leaves.clear()
@@ -150,8 +150,7 @@ def _describe_io(plan: Plan) -> None:
     for v in output_values(gm.graph):
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
-            from ..errors import CaptureError
-            raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
+                raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
                                "returns tensors only: return it as a tensor or compute it outside the model")
         plan.graph_outputs.append(v.name)
         plan.output_batched.append(bool(batch is not None and isinstance(ev, torch.Tensor) and ev.dim() >= 1
@@ -186,5 +185,4 @@ def _sym_source(gm, expr):
             for d, s in enumerate(ev.shape):
                 if isinstance(s, torch.SymInt) and s.node.expr == expr:
                     return (n.meta["rp_index"], d)
-    from ..errors import CaptureError
     raise CaptureError(f"size symbol {expr} is not the size of any input dimension; rpcompile cannot bind it")
