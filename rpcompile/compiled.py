@@ -129,8 +129,13 @@ class CompiledModel(torch.nn.Module):
             self.runner.overlapped.synchronize()
 
     # --- running ---------------------------------------------------------------------------
-    def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, **kwargs) -> torch.Tensor:
-        """Forward and backward of one batch; gradients are added into `.grad`. Returns the loss."""
+    def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, grad_scale=None,
+                   **kwargs) -> torch.Tensor:
+        """Forward and backward of one batch; gradients are added into `.grad`. Returns the loss.
+
+        grad_scale: a number to multiply the gradients by, or a `torch.amp.GradScaler("cpu")`
+        whose current scale is used (fp16 training: then `scaler.step(opt); scaler.update()`);
+        the returned loss is not scaled."""
         loss_fn = loss_fn or self.config.loss_fn
         kwargs = self._call_kwargs(kwargs)
         if loss_fn is not None:
@@ -143,7 +148,11 @@ class CompiledModel(torch.nn.Module):
             raise InputError("Config(optimizer_mode='overlapped') needs cm.attach_optimizer(optimizer) before "
                              "train_step")
         plan, leaves = self._plan("train", args, kwargs, loss_fn)
-        return self.runner.train_step(plan, leaves)
+        if grad_scale is None:
+            grad_scale = 1.0
+        elif hasattr(grad_scale, "scale"):   # a GradScaler: scale() also starts its bookkeeping
+            grad_scale = float(grad_scale.scale(torch.ones(())))
+        return self.runner.train_step(plan, leaves, grad_scale=float(grad_scale))
 
     def forward(self, *args, **kwargs):
         """Run the model; differentiable w.r.t. its parameters (`out.loss.backward()` fills .grad)."""

@@ -161,11 +161,11 @@ class GraphRunner:
         return totals
 
     # --- train step ------------------------------------------------------------------------
-    def train_step(self, plan, leaves) -> torch.Tensor:
+    def train_step(self, plan, leaves, grad_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over all microbatches; gradients added into param.grad."""
         micro = self.split(plan, leaves)
         for mbatch, w in zip(micro, self.loss_weights(plan, micro)):
-            mbatch.seed = w
+            mbatch.seed = w * grad_scale
         step = self.new_step(plan, micro)
         buffers = plan.captured.buffers
         saved = [b.clone() for b in buffers]
@@ -192,7 +192,7 @@ class GraphRunner:
         loss_name = plan.graph_outputs[0]
         for m in micro:
             m.outputs = resolve(m.outputs)
-        total = sum(float(m.seed) * m.outputs[loss_name].double() for m in micro)
+        total = sum(float(m.seed) / grad_scale * m.outputs[loss_name].double() for m in micro)
         return total.to(micro[0].outputs[loss_name].dtype)
 
     # --- differentiable call ---------------------------------------------------------------
