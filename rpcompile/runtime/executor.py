@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 from .device import DeviceRuntime
 from .job import StepState, run_job
@@ -22,11 +23,19 @@ class _Worker:
     def _loop(self):
         self.dev.enter_thread()
         while True:
-            fn, finished = self.jobs.get()
+            item = self.jobs.get()
+            if item is None:      # the executor was collected: end the thread
+                return
+            fn, finished = item
             try:
                 fn()
             finally:
                 finished.set()
+
+
+def _stop(queues):
+    for q in queues:
+        q.put(None)
 
 
 class Executor:
@@ -37,6 +46,8 @@ class Executor:
         for i, d in enumerate(self.devices):
             d.worker_index = i
         self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
+        # Worker threads end when the compiled model (and with it this executor) goes away.
+        weakref.finalize(self, _stop, [w.jobs for w in self.workers])
         self.offset = 0
         self.placements: list = []   # (job index, stage index, role, device index) of the last run
 
