@@ -29,7 +29,7 @@ def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh):
     G = sum(s.grad_bytes for s in segs[i:j])
     S = sum(s.saved_bytes for s in segs[i:j])
     secs = sum((s.fwd_s if kind == "fwd" else s.bwd_s) for s in segs[i:j])
-    t = max(M * secs, P / bw) + ovh
+    t = max(M * secs, (P + M * (cut_bytes[i] + cut_bytes[j])) / bw) + ovh
     mem = 2 * P + 2 * (cut_bytes[i] + cut_bytes[j])
     if kind != "fwd":
         mem += G + S

@@ -16,8 +16,10 @@ job does everything.
 
 Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and saved bytes)::
 
-    fwd job time       = max(M * sum fwd_s, P / upload_bw) + job_overhead_s
-    bwd/fused job time = max(M * sum bwd_s, P / upload_bw) + job_overhead_s
+    fwd job time       = max(M * sum fwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
+    bwd/fused job time = max(M * sum bwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
+    (A_p = cut_bytes[p]: the activations, or their gradients, a job moves over the host link
+    for each microbatch at its two boundaries, beside its weights)
     fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j])
     bwd/fused job memory = 2*P + G + S + 2*(cut_bytes[i] + cut_bytes[j])
 
@@ -243,7 +245,8 @@ class _Costs:
                 return out
 
             P = range_sums(pb)
-            upload = P.to(_F64) / bw
+            # the host link carries the weights once and the boundary values per microbatch
+            upload = (P.to(_F64) + M * (cb[r, None] + cb[None, :]).to(_F64)) / bw
             ends = 2 * (cb[r, None] + cb[None, :])
             self.time["fwd"][r] = torch.maximum(M * range_sums(fwd_s), upload) + ovh
             self.time["bwd"][r] = torch.maximum(M * range_sums(bwd_s), upload) + ovh
