@@ -70,7 +70,6 @@ def parity(args):
                 losses, ref_losses, grad_err = [], [], None
                 for step in range(3):
                     b = batch(6, 64, 512, seed=step)
-                    t0 = time.time()
                     loss = cm.train_step(**b)
                     bd = {k: v.to(dev) for k, v in b.items()}
                     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
@@ -90,7 +89,6 @@ def parity(args):
 
 
 def speed(args):
-    from transformers import Qwen3Config  # noqa: F401
     gpus = args.gpus
     seq, tokens, M = args.seq_len, args.tokens, args.microbatches
     n = tokens // seq

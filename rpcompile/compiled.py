@@ -59,11 +59,7 @@ class CompiledModel(torch.nn.Module):
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
         plan = self._plans.get(key)
         if plan is None:
-            wrap = None
-            if loss_fn is not None:
-                def wrap(mod, *a, **k):
-                    target = k.pop(_TARGET)
-                    return loss_fn(mod(*a, **k), target)
+            wrap = _with_loss(loss_fn) if loss_fn is not None else None
             cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap)
             loss_output = 0 if loss_fn is not None else None
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
@@ -174,3 +170,10 @@ class CompiledModel(torch.nn.Module):
         values = [outputs[idx] if kind == "out" else idx for kind, idx in cap.out_leaves]
         return pytree.tree_unflatten(values, cap.out_spec)
 
+
+def _with_loss(loss_fn):
+    """What is captured when a loss_fn is given: loss_fn(model(...), target)."""
+    def wrap(mod, *a, **k):
+        target = k.pop(_TARGET)
+        return loss_fn(mod(*a, **k), target)
+    return wrap

@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
 import torch.fx as fx
 
 from .passes.cost import evaluate

@@ -1,6 +1,4 @@
 """Dropout: the backward's recompute replays the forward's random masks (Note [RNG replay])."""
-import copy
-
 import torch
 import torch.nn.functional as F
 

@@ -16,7 +16,6 @@ from rpcompile.passes.lm_head import (
     split_lm_head,
 )
 
-import transformers  # noqa: E402  (a test dependency)
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -1,8 +1,6 @@
 """The executed schedule: rotation, prefetch order and event order, read off cm.last_trace."""
 import json
 
-import torch
-
 import rpcompile
 
 from models import lm_batch, qwen3

@@ -34,7 +34,6 @@ __all__ = ["compile_graph", "PlanningError"]
 def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
     """Run every pass over a Captured graph and return the Plan with its stages and programs."""
     gm = clone_graph_module(cap.gm)
-    n_outputs = len(output_values(gm.graph))
     if loss_output is None:
         loss_output = loss_leaf_index(cap.out_spec, len(cap.out_leaves)) if cap.out_spec is not None else None
         if loss_output is not None:
