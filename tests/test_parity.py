@@ -1,4 +1,6 @@
 """Training parity with eager PyTorch (fp32, CPU): loss, gradients, parameters after AdamW."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +142,22 @@ def test_eight_cpu_devices():
     cm = train_both(qwen3(layers=3), [lm_batch(batch=9, seed=s) for s in range(3)], cfg, min_stages=4)
     used = {d for _, _, _, d in cm.last_placements}
     assert len(used) == min(8, len(cm.plan.stages))
+
+
+def test_bf16_working_copies_on_cpu_devices():
+    """Config(dtype=bf16): weights and float inputs are cast on the devices, masters stay fp32,
+    and training tracks eager bf16 (the dtype the model code was traced in)."""
+    model = qwen3(tied=False)
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   dtype=torch.bfloat16, memory_budget="300KiB"))
+    batch = lm_batch()
+    loss = cm.train_step(**batch)
+    loss_ref = ref(**batch).loss
+    loss_ref.backward()
+    assert len(cm.plan.stages) >= 3
+    assert abs(loss.item() - loss_ref.item()) < 2e-2 * abs(loss_ref.item())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+        rel = (p.grad - q.grad.float()).norm() / q.grad.float().norm()
+        assert rel < 5e-2, f"{name}: relative gradient error {rel:.3g}"
