@@ -77,12 +77,28 @@ class Plan:
             })
         return rows
 
+    def host_link_bytes(self, rows=None) -> dict:
+        """Bytes a step moves over the host link for weights (up) and fp32 gradients (down)."""
+        rows = rows or self.stage_rows()
+        params = self.captured.params
+
+        def numel(key):
+            if isinstance(key, tuple):
+                i, start, stop = key
+                return (stop - start) * params[i][0].numel()
+            return params[key].numel()
+        up = sum(r["param_bytes"] for r in rows)
+        down = sum(4 * numel(key) for st in self.stages for key in st.grad_params)
+        return {"weights_up": up, "grads_down": down}
+
     def __str__(self) -> str:
         rows = self.stage_rows()
+        link = self.host_link_bytes(rows)
         head = (f"rpcompile plan ({self.mode}): {len(self.stages)} stage jobs on {self.num_devices} device(s), "
                 f"{self.num_microbatches} microbatch(es), costed at {self.bindings or 'static shapes'}; "
                 f"estimated step {self.est_step_time * 1e3:.2f} ms; memory budget "
-                f"{_fmt_bytes(self.memory_budget) if self.memory_budget else 'unlimited'}")
+                f"{_fmt_bytes(self.memory_budget) if self.memory_budget else 'unlimited'}; per step "
+                f"{_fmt_bytes(link['weights_up'])} of weights up, {_fmt_bytes(link['grads_down'])} of gradients down")
         cols = ["stage", "kind", "nodes (first .. last)", "params", "param bytes", "FLOPs/mb", "est time", "memory"]
         lines = []
         for r in rows:
@@ -104,7 +120,8 @@ class Plan:
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
                 "memory_budget": self.memory_budget, "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
-                "param_names": list(self.captured.param_names), "stages": self.stage_rows()}
+                "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(),
+                "stages": self.stage_rows()}
 
     def dump(self, path: str) -> None:
         """Write plan.json and every stage's forward, backward and program graphs as .py files."""

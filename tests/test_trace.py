@@ -66,3 +66,13 @@ def test_dump_writes_perfetto_trace(tmp_path):
     names = {e["name"] for e in data["traceEvents"]}
     assert {"forward", "recompute+backward", "fetch", "offload"} <= names
     assert any(e["ph"] == "M" and e["name"] == "process_name" for e in data["traceEvents"])
+
+
+def test_trace_counts_bytes_moved():
+    cm, _ = _run(steps=1)
+    trace = cm.last_trace
+    weights = sum(s["bytes"] for s in trace if s["name"] == "upload_weight")
+    acts = sum(s["bytes"] for s in trace if s["name"] in ("fetch", "offload"))
+    assert acts > 0
+    # every parameter is read by at least one job of the step (no prefetch on CPU devices)
+    assert weights >= sum(p.numel() * p.element_size() for p in cm.model.parameters())

@@ -8,7 +8,17 @@ from typing import Any, Optional
 import torch
 
 from ..errors import StageError
-from .device import resolve
+from .device import Pending, resolve
+
+
+def nbytes(value) -> int:
+    """Bytes of the tensors in a (tree of) values, pending downloads included."""
+    total = 0
+    for t in torch.utils._pytree.tree_leaves(value, is_leaf=lambda v: isinstance(v, Pending)):
+        t = t.tensor if isinstance(t, Pending) else t
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
 
 
 class Aborted(Exception):
@@ -121,9 +131,11 @@ class JobContext:
                 self.step.gate(p)
             w = self.prefetched.pop(key, None)
             if w is None:
+                numel = p.numel() if rows is None else (rows[1] - rows[0]) * p[0].numel()
+                itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
                 w = self.span("weights_in", "upload_weight",
                               lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows),
-                              param=name)
+                              param=name, bytes=numel * itemsize)
             if self.role != "fwd" and p.requires_grad:
                 w = w.detach().requires_grad_(True)
             self.weights[key] = w
@@ -144,7 +156,8 @@ class JobContext:
         return b
 
     def fetch(self, mb, name):
-        return self.span("acts_in", "fetch", lambda: self.dev.upload(self.step.micro[mb].acts[name]), mb, value=name)
+        host = self.step.micro[mb].acts[name]
+        return self.span("acts_in", "fetch", lambda: self.dev.upload(host), mb, value=name, bytes=nbytes(host))
 
     def user_input(self, mb, index):
         return self.dev.upload(self.step.micro[mb].leaves[index], self.step.dtype)
@@ -168,7 +181,8 @@ class JobContext:
 
     # --- outputs ---------------------------------------------------------------------------
     def offload(self, mb, name, value):
-        self.step.micro[mb].acts[name] = self.span("out", "offload", lambda: self.dev.download(value), mb, value=name)
+        self.step.micro[mb].acts[name] = self.span("out", "offload", lambda: self.dev.download(value), mb,
+                                                   value=name, bytes=nbytes(value))
 
     def output(self, mb, name, value):
         self.step.micro[mb].outputs[name] = self.dev.download(value)
