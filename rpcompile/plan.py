@@ -45,6 +45,7 @@ class Plan:
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
     lm_head: Any = None
+    mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
 
     @property
     def est_step_time(self) -> float:

@@ -167,14 +167,14 @@ class GraphRunner:
         for mbatch, w in zip(micro, self.loss_weights(plan, micro)):
             mbatch.seed = w * grad_scale
         step = self.new_step(plan, micro)
-        buffers = plan.captured.buffers
-        saved = [b.clone() for b in buffers]
+        # Buffers the step updates in place (running statistics) are restored if it fails.
+        saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
             self.run_jobs(plan, step, [(k, st, st.kind) for k, st in enumerate(plan.stages)])
         except BaseException:
             with torch.no_grad():
-                for b, s in zip(buffers, saved):
-                    b.copy_(s)
+                for i, s in saved.items():
+                    plan.captured.buffers[i].copy_(s)
             raise
         grads = self.param_grads(step)
         if self.overlapped is not None:

@@ -99,3 +99,23 @@ def test_failure_in_one_stage_leaves_parameters_and_grads_unchanged(monkeypatch)
     loss = cm.train_step(**batch)
     assert torch.isfinite(loss)
     assert opt.state_dict()["state"].keys() == state["state"].keys()
+
+
+def test_failed_step_restores_running_statistics(monkeypatch):
+    from models import WithBatchNorm
+    model = WithBatchNorm()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   loss_fn=F.mse_loss, memory_budget=6000))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    cm.train_step(x, target=y)
+    assert cm.plan.mutated_buffers, "BatchNorm's running statistics are updated in place"
+    before = [b.clone() for b in model.buffers()]
+
+    def faulty(job, grads):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    with pytest.raises(rpcompile.StageError):
+        cm.train_step(x, target=y)
+    for b, c in zip(model.buffers(), before):
+        assert torch.equal(b, c)

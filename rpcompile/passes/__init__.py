@@ -23,7 +23,7 @@ from ..plan import Plan
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
-from .graph_utils import clone_graph_module, output_values
+from .graph_utils import clone_graph_module, is_impure, output_values
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
@@ -83,6 +83,9 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
                 num_devices=len(config.devices), num_microbatches=config.num_microbatches,
                 memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head)
     _describe_io(plan)
+    plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
+                                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
+                                   and any(is_impure(u) for u in n.users)})
     return plan
 
 
