@@ -161,3 +161,10 @@ def test_bf16_working_copies_on_cpu_devices():
         assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
         rel = (p.grad - q.grad.float()).norm() / q.grad.float().norm()
         assert rel < 5e-2, f"{name}: relative gradient error {rel:.3g}"
+
+
+def test_batch_smaller_than_microbatches():
+    """A batch of 2 rows with num_microbatches=4 runs as 2 microbatches of one row."""
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4, loss_fn=F.mse_loss, memory_budget=TIGHT)
+    train_both(MLP(), mse_batches(n=2), cfg, eager_step=mse_eager,
+               call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
