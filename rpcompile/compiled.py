@@ -52,7 +52,9 @@ class CompiledModel(torch.nn.Module):
                 sig.append(("T", leaf.dtype, leaf.dim(), shape, leaf.requires_grad))
             else:
                 sig.append(("C", repr(leaf)))
-        return (mode, spec, tuple(sig), self.model.training, extra)
+        # Freezing or unfreezing parameters changes which gradients the stages compute.
+        trainable = tuple(p.requires_grad for p in self.model.parameters())
+        return (mode, spec, tuple(sig), self.model.training, trainable, extra)
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
         leaves, spec = flatten_call(args, kwargs)

@@ -168,3 +168,15 @@ def test_batch_smaller_than_microbatches():
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4, loss_fn=F.mse_loss, memory_budget=TIGHT)
     train_both(MLP(), mse_batches(n=2), cfg, eager_step=mse_eager,
                call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+
+
+def test_freezing_parameters_replans():
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    cm.train_step(**lm_batch())
+    model.zero_grad()
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    cm.train_step(**lm_batch())
+    assert all(p.grad is None for p in model.model.layers[0].parameters())
+    assert all(p.grad is not None for p in model.model.layers[1].parameters())
