@@ -57,13 +57,17 @@ class Executor:
         step.done_events.update({j: [threading.Event() for _ in step.micro] for j, _, _ in jobs})
         for w in self.workers:
             w.dev.prefetched.clear()
+        # Every program exists before any job is handed out: a failure here must not leave
+        # workers waiting on jobs that were never queued.
+        devices = [(self.offset + k) % n for k in range(len(jobs))]
+        programs = [programs_for(stage, role, self.workers[d].dev.device) for (_, stage, role), d in zip(jobs, devices)]
         finished = []
         self.placements = []
         prev = None
         for k, (j, stage, role) in enumerate(jobs):
-            d = (self.offset + k) % n
+            d = devices[k]
             worker = self.workers[d]
-            program = programs_for(stage, role, worker.dev.device)
+            program = programs[k]
             nxt = (jobs[k + n][0], jobs[k + n][1]) if k + n < len(jobs) else None
             ev = threading.Event()
             worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program, nxt=nxt:
