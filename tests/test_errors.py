@@ -119,3 +119,26 @@ def test_failed_step_restores_running_statistics(monkeypatch):
         cm.train_step(x, target=y)
     for b, c in zip(model.buffers(), before):
         assert torch.equal(b, c)
+
+
+def test_failure_while_building_programs_does_not_strand_workers(monkeypatch):
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB"))
+    batch = lm_batch()
+    cm.train_step(**batch)
+    real = cm.runner.program_for
+    calls = {"n": 0}
+
+    def failing(plan, stage, role, device):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("compile failed")
+        return real(plan, stage, role, device)
+
+    monkeypatch.setattr(cm.runner, "program_for", failing)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        cm.train_step(**batch)
+    monkeypatch.setattr(cm.runner, "program_for", real)
+    model.zero_grad()
+    assert torch.isfinite(cm.train_step(**batch))      # would hang if workers were stranded
