@@ -39,7 +39,6 @@ class Captured:
     buffer_names: list
     capture_device: torch.device
     in_spec: Any = None     # pytree spec of (args, kwargs) for rpcompile.compile calls
-    const_leaves: dict = field(default_factory=dict)   # leaf index -> non-tensor value baked in
     out_spec: Any = None    # pytree spec of the model output; None: flat graph outputs
     out_leaves: list = field(default_factory=list)     # ("out", i) or ("const", value)
     batch_symbol: Optional[sympy.Symbol] = None
@@ -90,6 +89,12 @@ def _sym_expr(x) -> Optional[sympy.Expr]:
     return x.node.expr if isinstance(x, torch.SymInt) else None
 
 
+def _mark_sym(node: fx.Node, ex) -> None:
+    """A size placeholder: rp_kind "sym" and its sympy expression."""
+    node.meta["rp_kind"] = "sym"
+    node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
+
+
 def _dummy_outputs(gm: fx.GraphModule):
     """Meta tensors shaped like the graph outputs: what the capture call returns, computing nothing."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -138,8 +143,8 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
     """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies."""
     leaves, in_spec = flatten_call(args, kwargs)
     batch = batch_size_of(leaves)
-    meta_leaves, const_leaves = [], {}
-    for i, leaf in enumerate(leaves):
+    meta_leaves = []
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             m = _meta_like(leaf, dtype)
             if leaf.requires_grad and m.is_floating_point():
@@ -148,7 +153,6 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
                 torch._dynamo.maybe_mark_dynamic(m, 0)
             meta_leaves.append(m)
         else:
-            const_leaves[i] = leaf
             meta_leaves.append(leaf)
     meta_args, meta_kwargs = pytree.tree_unflatten(meta_leaves, in_spec)
     call = wrap or (lambda mod, *a, **k: mod(*a, **k))
@@ -183,11 +187,10 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
     params, param_names, buffers, buffer_names = [], [], [], []
     index_of: dict[int, int] = {}
     cap = Captured(gm, params, param_names, buffers, buffer_names, torch.device("meta"),
-                   in_spec=in_spec, const_leaves=const_leaves, batch_size=batch)
+                   in_spec=in_spec, batch_size=batch)
     for node, ex in zip(cap.placeholders(), example_inputs):
-        if isinstance(ex, torch.SymInt) or isinstance(ex, int):
-            node.meta["rp_kind"] = "sym"
-            node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
+        if isinstance(ex, (torch.SymInt, int)):
+            _mark_sym(node, ex)
             continue
         if id(ex) in swap.host_of:
             kind, host, fqn = swap.host_of[id(ex)]
@@ -219,9 +222,6 @@ def _find_batch_symbol(cap: Captured):
             if isinstance(expr, sympy.Symbol):
                 cap.batch_symbol = expr
                 break
-    for node in cap.placeholders():
-        if node.meta.get("rp_kind") == "sym":
-            node.meta["rp_batch"] = cap.batch_symbol is not None and node.meta["rp_expr"] == cap.batch_symbol
 
 
 def _map_outputs(cap: Captured, out, dummies):
@@ -248,8 +248,7 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
         source_name = source.source.name if source is not None and source.source is not None else node.name
         source_name = source_name() if callable(source_name) else str(source_name)
         if isinstance(ex, (torch.SymInt, int)):
-            node.meta["rp_kind"] = "sym"
-            node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
+            _mark_sym(node, ex)
         elif isinstance(ex, torch.nn.Parameter):
             node.meta["rp_kind"], node.meta["rp_index"] = "param", len(params)
             node.meta["rp_name"] = source_name

@@ -112,13 +112,23 @@ class GraphRunner:
                 counts.append(int(counter(*args)))
             total = sum(counts)
             return [1.0 / total if total else float("nan")] * len(micro)
-        sizes = [self._rows(plan, mbatch) for mbatch in micro]
-        return [s / sum(sizes) for s in sizes]
+        return self._row_weights(plan, micro)
 
     @staticmethod
     def _rows(plan, mbatch) -> int:
         """Rows of a microbatch: dim 0 of its batched inputs (1 when nothing is split)."""
         return mbatch.leaves[min(plan.split_leaves)].shape[0] if plan.split_leaves else 1
+
+    def _row_weights(self, plan, micro) -> list:
+        """Each microbatch's share of the batch's rows: how a mean over rows combines."""
+        sizes = [self._rows(plan, m) for m in micro]
+        return [s / sum(sizes) for s in sizes]
+
+    def _scalar_weights(self, plan, micro, i, loss_weights) -> list:
+        """How scalar output i combines over microbatches: the loss by its weights, others by rows."""
+        if plan.loss_scale is not None and plan.loss_scale.output == i:
+            return loss_weights
+        return self._row_weights(plan, micro)
 
     def new_step(self, plan, micro) -> StepState:
         cap = plan.captured
@@ -164,7 +174,8 @@ class GraphRunner:
     def train_step(self, plan, leaves, grad_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward over all microbatches; gradients added into param.grad."""
         micro = self.split(plan, leaves)
-        for mbatch, w in zip(micro, self.loss_weights(plan, micro)):
+        weights = self.loss_weights(plan, micro)
+        for mbatch, w in zip(micro, weights):
             mbatch.seed = w * grad_scale
         step = self.new_step(plan, micro)
         # Buffers the step updates in place (running statistics) are restored if it fails.
@@ -192,7 +203,7 @@ class GraphRunner:
         loss_name = plan.graph_outputs[0]
         for m in micro:
             m.outputs = resolve(m.outputs)
-        total = sum(float(m.seed) / grad_scale * m.outputs[loss_name].double() for m in micro)
+        total = sum(w * m.outputs[loss_name].double() for w, m in zip(weights, micro))
         return total.to(micro[0].outputs[loss_name].dtype)
 
     # --- differentiable call ---------------------------------------------------------------
@@ -219,11 +230,7 @@ class GraphRunner:
         if plan.output_batched[i]:
             return torch.cat(vals, 0)
         if isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0:
-            if plan.loss_scale is not None and plan.loss_scale.output == i:
-                w = weights
-            else:
-                w = [self._rows(plan, m) for m in micro]
-                w = [x / sum(w) for x in w]
+            w = self._scalar_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)
         return vals[0]
 
@@ -238,9 +245,7 @@ class GraphRunner:
             if plan.output_batched[i]:
                 parts = torch.split(g, sizes, 0)
             elif g.dim() == 0:
-                w = step.loss_weights if (plan.loss_scale is not None and plan.loss_scale.output == i) else \
-                    [s / sum(sizes) for s in sizes]
-                parts = [g * wi for wi in w]
+                parts = [g * wi for wi in self._scalar_weights(plan, micro, i, step.loss_weights)]
             else:
                 parts = [g] + [None] * (len(micro) - 1)
             for m, part in zip(micro, parts):

@@ -78,7 +78,6 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
     for st in stages:
         roles = {"fwd": ["fwd"], "fused": ["fused", "fwd", "bwd"], "bwd": ["bwd"]}[st.kind]
         st.programs = {role: build_program(st, role) for role in roles}
-        st.est_time, st.est_memory = sp.job_times[st.index], sp.job_memory[st.index]
     plan = Plan(mode=mode, gm=gm, captured=cap, stages=stages, stage_plan=sp, cuts=cuts, bindings=bindings,
                 num_devices=len(config.devices), num_microbatches=config.num_microbatches,
                 memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head)

@@ -73,8 +73,6 @@ class Stage:
     forward: Optional[fx.GraphModule] = None
     backward: Optional[fx.GraphModule] = None
     programs: dict = field(default_factory=dict)       # role -> program GraphModule
-    est_time: float = 0.0
-    est_memory: int = 0
     kinds: dict = field(default_factory=dict)          # input name -> rp_kind or "act"
     input_leaf: dict = field(default_factory=dict)     # input name -> rp_index (params, buffers, call leaves)
     handed_on: set = field(default_factory=set)        # outputs later jobs read

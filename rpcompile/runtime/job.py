@@ -52,6 +52,7 @@ class StepState:
     tracer: Any = None                                 # runtime.trace.Tracer, or None
     gate: Any = None                                   # gate(param): waits for its pending optimizer step
     ready: Any = None                                  # ready(param): no pending optimizer step (non-blocking)
+    loss_weights: Any = None                           # call mode: how the loss output combines
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
