@@ -8,7 +8,7 @@ import torch
 from .capture import from_dynamo
 from .config import Config
 from .passes import compile_graph
-from .runner import GraphRunner, PipelineCall
+from .runner import GraphRunner
 
 
 def backend(config: Optional[Config] = None):
@@ -20,19 +20,9 @@ def backend(config: Optional[Config] = None):
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
         cap = from_dynamo(gm, example_inputs)
         plan = compile_graph(cap, config, "call")
-        params = cap.params
 
         def run(*flat_args):
-            leaves = list(flat_args)
-            tensors = [a for a in leaves if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)]
-            needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in params)
-                                                      or any(t.requires_grad for t in tensors))
-            if needs_grad:
-                outs = PipelineCall.apply(runner, plan, leaves, len(params), *params,
-                                          *[a for a in leaves if isinstance(a, torch.Tensor)])
-                return list(outs)
-            outputs, _ = runner.call_forward(plan, leaves, keep_for_backward=False)
-            return outputs
+            return runner.call(plan, list(flat_args))
 
         plans.append(plan)
         return run

@@ -11,7 +11,7 @@ from .capture import capture_call, flatten_call
 from .config import Config
 from .errors import InputError
 from .passes import compile_graph
-from .runner import GraphRunner, PipelineCall
+from .runner import GraphRunner
 from .runtime.trace import write_chrome_trace
 
 _TARGET = "__rp_target__"
@@ -156,15 +156,7 @@ class CompiledModel(torch.nn.Module):
         """Run the model; differentiable w.r.t. its parameters (`out.loss.backward()` fills .grad)."""
         kwargs = self._call_kwargs(kwargs)
         plan, leaves = self._plan("call", args, kwargs)
-        params = plan.captured.params
-        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        needs_grad = torch.is_grad_enabled() and (any(p.requires_grad for p in params)
-                                                  or any(t.requires_grad for t in tensor_leaves))
-        if needs_grad:
-            outputs = list(PipelineCall.apply(self.runner, plan, leaves, len(params), *params, *tensor_leaves))
-        else:
-            outputs, _ = self.runner.call_forward(plan, leaves, keep_for_backward=False)
-        return self._rebuild(plan, outputs)
+        return self._rebuild(plan, self.runner.call(plan, leaves))
 
     @staticmethod
     def _rebuild(plan, outputs):

@@ -207,6 +207,16 @@ class GraphRunner:
         return total.to(micro[0].outputs[loss_name].dtype)
 
     # --- differentiable call ---------------------------------------------------------------
+    def call(self, plan, leaves) -> list:
+        """The graph outputs of a call: through autograd when a gradient can flow, else plain."""
+        params = plan.captured.params
+        tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if torch.is_grad_enabled() and (any(p.requires_grad for p in params)
+                                        or any(t.requires_grad for t in tensor_leaves)):
+            return list(PipelineCall.apply(self, plan, leaves, len(params), *params, *tensor_leaves))
+        outputs, _ = self.call_forward(plan, leaves, keep_for_backward=False)
+        return outputs
+
     def call_forward(self, plan, leaves, keep_for_backward: bool):
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
