@@ -1,7 +1,5 @@
-"""Small graph helpers shared by the passes: impurity, dead code, sub-graph extraction."""
+"""Small graph helpers shared by the passes: impurity, dead code, copies, device retargeting."""
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.fx as fx
@@ -59,21 +57,6 @@ def map_devices(value, mapping):
     if isinstance(value, dict):
         return {k: map_devices(v, mapping) for k, v in value.items()}
     return value
-
-
-def extract(gm: fx.GraphModule, nodes: list, inputs: list, outputs: list, name: str = "Stage") -> fx.GraphModule:
-    """A GraphModule running `nodes` (in order) from `inputs` (as placeholders) to `outputs`."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        p = g.placeholder(n.name)
-        p.meta = copy.copy(n.meta)
-        env[n] = p
-    for n in nodes:
-        env[n] = g.node_copy(n, lambda x: env[x])
-    g.output(tuple(env[o] for o in outputs))
-    g.lint()
-    return fx.GraphModule(gm, g, class_name=name)
 
 
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

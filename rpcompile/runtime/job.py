@@ -212,6 +212,11 @@ class JobContext:
             self.step.param_grads[self.job_index] = {i: self.dev.download(g) for i, g in self.grad_acc.items()}
 
 
+def _prefetch(step: StepState, dev, job_index: int, stage) -> None:
+    dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
+                 step.host_weights, step.ready)
+
+
 def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program, next_on_device=None) -> None:
     """Run one stage job over every microbatch; failures are recorded on the step.
 
@@ -224,8 +229,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
         if waiting and (id(step), job_index) not in dev.prefetched:
             # Refresh and upload this job's weights while its inputs are still being made;
             # a job that can start at once takes them in program order, overlapping compute.
-            dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
-                         step.host_weights, step.ready)
+            _prefetch(step, dev, job_index, stage)
         ctx = JobContext(step, job_index, prev_job, stage, role, dev)
         if next_on_device is not None:
             nj, nst = next_on_device
@@ -233,8 +237,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
                 t = step.tracer.now()
                 step.tracer.add(dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
                                 issued_by=job_index, worker=dev.worker_index)
-            dev.prefetch((id(step), nj), [(i, step.params[i]) for i in nst.params], step.dtype, step.host_weights,
-                         step.ready)
+            _prefetch(step, dev, nj, nst)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
                 program(ctx, mb)
