@@ -118,11 +118,12 @@ class Plan:
     __repr__ = __str__
 
     def to_json(self) -> dict:
+        rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
                 "memory_budget": self.memory_budget, "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
-                "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(),
-                "stages": self.stage_rows()}
+                "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),
+                "stages": rows}
 
     def dump(self, path: str) -> None:
         """Write plan.json and every stage's forward, backward and program graphs as .py files."""
