@@ -37,6 +37,9 @@ class Config:
     lm_head_shards: vocabulary shards of the LM head (None: chosen from the cost model,
         0: leave the head whole).
     optimizer_mode: "exact" (gradients land, then the user steps) or "overlapped".
+    peer_transfers: a boundary activation the next stage job reads goes GPU to GPU where peer
+        access exists (the host still gets a copy if a later job reads it), instead of through
+        host memory.
     """
 
     devices: Sequence[str] = ("cpu",)
@@ -49,6 +52,7 @@ class Config:
     compile_stages: Optional[bool] = None   # Inductor for stage compute; None: on for GPUs
     dump_dir: Optional[str] = None
     max_jobs: Optional[int] = None
+    peer_transfers: bool = False
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):

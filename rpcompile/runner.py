@@ -23,7 +23,7 @@ class GraphRunner:
 
     def __init__(self, config):
         self.config = config
-        self.executor = Executor(config.devices)
+        self.executor = Executor(config.devices, config.peer_transfers)
         self._programs: dict = {}
         self._counters: dict = {}
         self._warned_static = False

@@ -1,11 +1,16 @@
 """The stage programs read as what a job does; their printed form is pinned by golden files."""
+import copy
 import json
+import operator
 import os
 
 import torch
 import torch.nn.functional as F
 
 import rpcompile
+from rpcompile.passes.codegen import order_transfers
+from rpcompile.runtime import ops as rp
+from rpcompile.runtime.fake import trace_job
 
 from models import MLP
 
@@ -37,19 +42,60 @@ def test_stage_programs_match_golden():
         assert text == f.read(), "stage programs changed; rerun with RPCOMPILE_UPDATE_GOLDEN=1 if intended"
 
 
+def _targets(program):
+    return [n.target for n in program.graph.nodes if n.op == "call_function"]
+
+
 def test_program_order_and_print_readable():
     cm = _compiled_mlp()
     kinds = [st.kind for st in cm.plan.stages]
     assert kinds[0] == "fwd" and "fused" in kinds and kinds[-1] == "bwd"
     for st in cm.plan.stages:
-        code = st.program.code
-        assert code.index("wait(") < code.index("compute(") < code.index("done(")
-        if "fetch(" in code and "weight(" in code:
-            assert code.index("fetch(") < code.index("weight("), "activations are uploaded before weights"
+        t = _targets(st.program)
+        assert t[0] is rp.wait and t[-1] is rp.done
+        assert t.index(rp.prefetch_next) < t.index(rp.compute)
+        acts = [i for i, x in enumerate(t) if x in (rp.fetch, rp.upload_input)]
+        weights = [i for i, x in enumerate(t) if x is rp.upload_weight]
+        assert weights and max(acts, default=-1) < min(weights) < t.index(rp.prefetch_next), \
+            "activations are uploaded before weights, the next job's prefetch after both"
+        # transfer and event ops are torch.library custom ops with schemas
+        assert all(isinstance(x, torch._ops.OpOverload) and x.namespace == "rpcompile"
+                   for x in t if x not in (rp.compute, operator.getitem))
     fused = next(st for st in cm.plan.stages if st.kind == "fused")
-    assert "loss_seed(" in fused.program.code and "accumulate_grads(" in fused.program.code
+    assert "loss_seed.default(" in fused.program.code and "accumulate_grads.default(" in fused.program.code
     assert "vjp(" in fused.backward.code
     assert isinstance(cm.stages[1].program.print_readable(print_output=False), str)
+
+
+def test_order_transfers_pass_moves_uploads_up():
+    """The pass puts activation uploads first, then weights, then the prefetch, after the wait."""
+    cm = _compiled_mlp()
+    st = next(s for s in cm.plan.stages if s.kind == "bwd")
+    g = copy.deepcopy(st.program.graph)
+    nodes = list(g.nodes)
+    done = next(n for n in nodes if n.target is rp.done)
+    for n in nodes:        # shuffle: every upload moved just before `done` (still a valid graph)
+        if n.target in (rp.fetch, rp.upload_weight, rp.prefetch_next):
+            users = list(n.users)
+            if all(u.target is not rp.compute for u in users):
+                done.prepend(n)
+    order_transfers(g)
+    g.lint()
+    assert _targets(torch.fx.GraphModule(st.program, g)) == _targets(st.program)
+
+
+def test_trace_job_keeps_program_ops_in_order():
+    """A stage job traced with fake tensors: aten compute between the program's ops, in order."""
+    cm = _compiled_mlp()
+    for st in cm.plan.stages:
+        gm = trace_job(cm, st.index)
+        traced = [n.target for n in gm.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "namespace", None) == "rpcompile"]
+        assert traced == [x for x in _targets(st.program) if x not in (rp.compute, operator.getitem)]
+        matmuls = sum(n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) for n in gm.graph.nodes)
+        assert matmuls >= 1, "the compute graph traced into aten ops"
+        if st.kind != "fwd":   # the backward's matmuls (input and weight gradients) are there too
+            assert matmuls >= 2
 
 
 def test_dump_writes_graphs_and_plan(tmp_path):

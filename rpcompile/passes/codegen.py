@@ -78,6 +78,7 @@ class Stage:
     handed_on: set = field(default_factory=set)        # outputs later jobs read
     fqn: dict = field(default_factory=dict)            # param/buffer input name -> its name in the model
     param_slices: dict = field(default_factory=dict)   # input name -> (param index, first row, end row)
+    tensors: set = field(default_factory=set)          # input/output names whose values are tensors
 
     @property
     def program(self) -> fx.GraphModule:
@@ -120,7 +121,7 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     seeds = [g.placeholder(f"grad_{o}") for o in grad_outputs]
     args = []
     for n in inputs:
-        if n.name in grad_inputs:
+        if n.name in grad_inputs or n.name in params:
             ph[n.name] = g.call_function(rp.grad_leaf, (ph[n.name],))
         args.append(ph[n.name])
     if key is not None:
@@ -194,6 +195,7 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
                    input_leaf={n.name: n.meta["rp_index"] for n in reads if "rp_index" in n.meta},
                    param_slices={n.name: sliced[n] for n in reads if n in sliced},
                    handed_on={n.name for n in outputs} if kind == "fwd" else set(),
+                   tensors={n.name for n in reads + outputs if isinstance(n.meta.get("example_value"), torch.Tensor)},
                    fqn={**{n.name: n.meta["rp_name"] for n in reads if "rp_name" in n.meta},
                         **{n.name: n.meta["rp_param_slice_fqn"] for n in sliced}})
         if kind != "fwd":
@@ -209,33 +211,36 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
 
 
 def build_program(st: Stage, role: str) -> fx.GraphModule:
-    """The per-microbatch program of a stage job in `role` ("fwd", "fused" or "bwd")."""
-    g = fx.Graph()
+    """The per-microbatch program of a stage job in `role` ("fwd", "fused" or "bwd"): the
+    transfer and event ops (Note [program ops]) around the compute call, in the order they run."""
+    g = _ProgramGraph()
     root = torch.nn.Module()
     root.forward_graph = st.forward
     if st.backward is not None:
         root.backward_graph = st.backward
     job, mb = g.placeholder("job"), g.placeholder("mb")
+
+    def op(tensor_op, value_op, name, *args):
+        return g.call_function(tensor_op if name in st.tensors else value_op, args)
+
     g.call_function(rp.wait, (job, mb))
     vals = {}
-    # Activations first: they are on the critical path; weights may already be resident.
     for name in st.inputs:
         kind = st.kinds[name]
         if kind == "act":
-            vals[name] = g.call_function(rp.fetch, (job, mb, name))
+            vals[name] = op(rp.fetch, rp.fetch_value, name, job, mb, name)
         elif kind == "input":
-            vals[name] = g.call_function(rp.user_input, (job, mb, st.input_leaf[name]))
+            vals[name] = op(rp.upload_input, rp.input_value, name, job, mb, st.input_leaf[name])
         elif kind == "sym":
             vals[name] = g.call_function(rp.sym, (job, mb, name))
-    for name in st.inputs:
-        kind = st.kinds[name]
-        if kind == "param":
-            vals[name] = g.call_function(rp.weight, (job, st.fqn[name]))
+        elif kind == "param":
+            vals[name] = g.call_function(rp.upload_weight, (job, st.fqn[name]))
         elif kind == "param_slice":
             _, start, stop = st.param_slices[name]
-            vals[name] = g.call_function(rp.weight_rows, (job, st.fqn[name], start, stop))
+            vals[name] = g.call_function(rp.upload_weight_rows, (job, st.fqn[name], start, stop))
         elif kind == "buffer":
-            vals[name] = g.call_function(rp.buffer, (job, st.fqn[name]))
+            vals[name] = g.call_function(rp.upload_buffer, (job, st.fqn[name]))
+    g.call_function(rp.prefetch_next, (job, mb))
     args = [vals[name] for name in st.inputs]
     if st.random:
         args.append(g.call_function(rp.rng_key, (job, mb)))
@@ -244,9 +249,9 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
         for i, name in enumerate(st.outputs):
             v = g.call_function(operator.getitem, (res, i))
             if name in st.graph_outputs:
-                g.call_function(rp.output, (job, mb, name, v))
+                op(rp.download_output, rp.output_value, name, job, mb, name, v)
             if name in st.handed_on:
-                g.call_function(rp.offload, (job, mb, name, v))
+                op(rp.offload, rp.offload_value, name, job, mb, name, v)
     elif st.grad_outputs:
         if role == "fused":
             seeds = [g.call_function(rp.loss_seed, (job, mb))]
@@ -258,13 +263,43 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
         if role == "fused":
             for i, name in enumerate(st.outputs):
                 if name in st.graph_outputs:
-                    g.call_function(rp.output, (job, mb, name, g.call_function(operator.getitem, (outs, i))))
+                    op(rp.download_output, rp.output_value, name, job, mb, name,
+                       g.call_function(operator.getitem, (outs, i)))
         for j, name in enumerate(st.grad_inputs):
             g.call_function(rp.offload_grad, (job, mb, name, g.call_function(operator.getitem, (grads, j))))
         n_in = len(st.grad_inputs)
-        pgrads = tuple(g.call_function(operator.getitem, (grads, n_in + k)) for k in range(len(st.grad_params)))
+        pgrads = [g.call_function(operator.getitem, (grads, n_in + k)) for k in range(len(st.grad_params))]
         g.call_function(rp.accumulate_grads, (job, pgrads))
     g.call_function(rp.done, (job, mb))
     g.output(None)
+    order_transfers(g)
     g.lint()
     return fx.GraphModule(root, g, class_name=f"Stage{st.index}_{role}_program")
+
+
+class _ProgramGraph(fx.Graph):
+    """Names a program's nodes after their ops (`fetch`, not `fetch_default`)."""
+
+    def call_function(self, the_function, args=None, kwargs=None, type_expr=None, name=None):
+        if name is None and isinstance(the_function, torch._ops.OpOverload):
+            name = the_function._opname
+        return self.create_node("call_function", the_function, args, kwargs, name=name, type_expr=type_expr)
+
+
+_ACTIVATION_UPLOADS = {rp.fetch, rp.fetch_value, rp.upload_input, rp.input_value, rp.sym}
+_WEIGHT_UPLOADS = {rp.upload_weight, rp.upload_weight_rows, rp.upload_buffer}
+
+
+def order_transfers(g: fx.Graph) -> None:
+    """Order a program's uploads: after the wait, activations first (they are on the critical
+    path), then weights, then the prefetch of the next job's weights (queued behind this job's
+    on the weights stream, so it is issued as early as double buffering allows)."""
+    nodes = list(g.nodes)
+    waited = next(n for n in nodes if n.target is rp.wait)
+    acts = [n for n in nodes if n.target in _ACTIVATION_UPLOADS]
+    weights = [n for n in nodes if n.target in _WEIGHT_UPLOADS]
+    prefetch = [n for n in nodes if n.target is rp.prefetch_next]
+    anchor = waited
+    for n in acts + weights + prefetch:
+        anchor.append(n)
+        anchor = n

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.utils import _pytree as pytree
@@ -56,16 +57,23 @@ class DeviceRuntime:
     only after the events of the copies that used it have completed.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, peer_transfers: bool = False):
         self.device = device
         self.is_cpu = device.type == "cpu"
-        self.prefetched: dict = {}
+        self.prefetched: dict = {}       # (step, job) -> Future of {param key: (device tensor, event)}
         self.worker_index = 0
+        self.peer_transfers = peer_transfers and not self.is_cpu
+        self._held: list = []            # (tensor, event): kept alive until a peer's copy has read it
+        self._held_lock = threading.Lock()
         if not self.is_cpu:
             self.compute = torch.cuda.Stream(device)
             self.weights_in = torch.cuda.Stream(device)
             self.acts_in = torch.cuda.Stream(device)
             self.out = torch.cuda.Stream(device)
+            # Refreshing pinned working copies is host work (fp32 -> bf16): a thread of its own
+            # does it and queues the uploads, so the worker thread never stops issuing compute.
+            self.uploader = ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-upload-{device}",
+                                               initializer=torch.cuda.set_device, initargs=(device,))
 
     def __repr__(self):
         return f"DeviceRuntime({self.device})"
@@ -79,7 +87,9 @@ class DeviceRuntime:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.compute)
 
-    def _copy_in(self, stream, t, want):
+    def _copy_in(self, stream, t, want, wait=True):
+        """Copy t to this device on `stream`; compute waits for it now (wait) or the caller
+        makes it wait on the returned event when the value is used."""
         if isinstance(t, Pending):
             t.wait_on(stream)
             t = t.tensor
@@ -88,8 +98,9 @@ class DeviceRuntime:
         d.record_stream(self.compute)
         ev = torch.cuda.Event()
         ev.record(stream)
-        self.compute.wait_event(ev)
-        return d
+        if wait:
+            self.compute.wait_event(ev)
+        return d, ev
 
     def upload(self, value, dtype=None, stream=None):
         """Host value (tensors inside tuples too) to this device; floating tensors cast to dtype."""
@@ -100,31 +111,64 @@ class DeviceRuntime:
             want = dtype if (dtype is not None and base.is_floating_point()) else base.dtype
             if self.is_cpu:
                 return base if base.dtype == want else base.to(dtype=want)
-            return self._copy_in(stream or self.acts_in, t, want)
+            return self._copy_in(stream or self.acts_in, t, want)[0]
         return pytree.tree_map(move, value, is_leaf=lambda v: isinstance(v, Pending))
 
-    def upload_weight(self, param, dtype, host_weights, rows=None):
+    def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):
         """A parameter's working copy (or that of rows [start, stop)) on this device, from its
-        pinned copy on a GPU."""
+        pinned copy on a GPU; with wait=False, (tensor, event the compute must wait on)."""
         want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
         if self.is_cpu:
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
-            return p if p.dtype == want else p.to(want)
-        entry = host_weights.get(param, want, rows)
-        d = self._copy_in(self.weights_in, entry[1], want)
-        ev = torch.cuda.Event()
-        ev.record(self.weights_in)
-        entry[2] = ev
-        return d
+            p = p if p.dtype == want else p.to(want)
+            return p if wait else (p, None)
+        with host_weights.refreshed(param, want, rows) as entry:
+            d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
+            entry[2] = ev
+        return d if wait else (d, ev)
 
     def prefetch(self, key, params, dtype, host_weights, ready=None):
-        """Start uploading a later job's weights now, on the weights stream (double buffering).
+        """Start uploading a job's weights now, on the weights stream (double buffering); the
+        uploader thread refreshes their pinned copies first.
 
         ready(p) says whether p is free of a pending optimizer step; others are left to be
         uploaded when the job reads them, so a prefetch never blocks the job running now."""
-        if not self.is_cpu and params:
-            self.prefetched[key] = {i: self.upload_weight(p, dtype, host_weights) for i, p in params
-                                    if ready is None or ready(p)}
+        if self.is_cpu or not params or key in self.prefetched:
+            return
+        self.prefetched[key] = self.uploader.submit(
+            lambda: {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in params
+                     if ready is None or ready(p)})
+
+    def take_prefetched(self, future: Future, key):
+        """A weight a prefetch uploaded (compute now waits for its copy), or None."""
+        got = future.result().pop(key, None)
+        if got is None:
+            return None
+        d, ev = got
+        self.compute.wait_event(ev)
+        return d
+
+    def peer_copy(self, src, ready):
+        """A device-to-device copy of src (another GPU's tensor) once `ready` completed there;
+        returns (copy, event that marks the end of the read of src)."""
+        self.acts_in.wait_event(ready)
+        with torch.cuda.stream(self.acts_in):
+            d = src.to(self.device, non_blocking=True)
+        d.record_stream(self.compute)
+        done = torch.cuda.Event()
+        done.record(self.acts_in)
+        self.compute.wait_event(done)
+        return d, done
+
+    def hold(self, tensor, event):
+        """Keep `tensor` (of this device) allocated until `event` (a peer's copy of it) completed."""
+        with self._held_lock:
+            self._held = [(t, e) for t, e in self._held if not e.query()] + [(tensor, event)]
+
+    def can_reach(self, other) -> bool:
+        """Whether a boundary activation may go from `other` to this device directly."""
+        return (self.peer_transfers and other is not self and not other.is_cpu
+                and torch.cuda.can_device_access_peer(self.device, other.device))
 
     def download(self, value):
         """Device value to host memory (detached); on a GPU a Pending pinned copy."""

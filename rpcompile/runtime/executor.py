@@ -10,7 +10,7 @@ import threading
 import weakref
 
 from .device import DeviceRuntime
-from .job import StepState, run_job
+from .job import JobLinks, StepState, run_job
 
 
 class _Worker:
@@ -41,8 +41,8 @@ def _stop(queues):
 class Executor:
     """Worker threads for the devices of a Config, and the round-robin offset."""
 
-    def __init__(self, devices):
-        self.devices = [DeviceRuntime(d) for d in devices]
+    def __init__(self, devices, peer_transfers: bool = False):
+        self.devices = [DeviceRuntime(d, peer_transfers) for d in devices]
         for i, d in enumerate(self.devices):
             d.worker_index = i
         self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
@@ -64,14 +64,18 @@ class Executor:
         finished = []
         self.placements = []
         prev = None
+        reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
         for k, (j, stage, role) in enumerate(jobs):
             d = devices[k]
             worker = self.workers[d]
             program = programs[k]
-            nxt = (jobs[k + n][0], jobs[k + n][1]) if k + n < len(jobs) else None
+            links = JobLinks(next_on_device=(jobs[k + n][0], jobs[k + n][1]) if k + n < len(jobs) else None,
+                             next_dev=self.workers[devices[k + 1]].dev if k + 1 < len(jobs) else None,
+                             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
+                             later_reads=frozenset().union(*reads[k + 2:]))
             ev = threading.Event()
-            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program, nxt=nxt:
-                             run_job(step, j, prev, stage, role, w.dev, p, nxt), ev))
+            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program, links=links:
+                             run_job(step, j, prev, stage, role, w.dev, p, links), ev))
             finished.append(ev)
             self.placements.append((j, stage.index, role, d))
             prev = j

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import StageError
+from . import ops
 from .device import Pending, resolve
 
 
@@ -54,6 +55,7 @@ class StepState:
     ready: Any = None                                  # ready(param): no pending optimizer step (non-blocking)
     loss_weights: Any = None                           # call mode: how the loss output combines
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
+    peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -66,19 +68,38 @@ class StepState:
                 e.set()
 
 
-class JobContext:
-    """What the ops of a stage program act on: one stage job on one device in one step."""
+@dataclass
+class JobLinks:
+    """What a job knows of its neighbours in the chain (for prefetch and peer transfers)."""
 
-    def __init__(self, step: StepState, job_index: int, prev_job: Optional[int], stage, role: str, dev):
+    next_on_device: Any = None        # (job index, stage) this device runs next: its weights are prefetched
+    next_dev: Any = None              # DeviceRuntime of the next job in the chain
+    next_reads: frozenset = frozenset()    # names the next job reads
+    later_reads: frozenset = frozenset()   # names any job after the next one reads
+
+
+class JobContext:
+    """What the ops of a stage program act on: one stage job on one device in one step.
+    `handle` is what the program's ops take as `job` (Note [program ops])."""
+
+    def __init__(self, step: StepState, job_index: int, prev_job: Optional[int], stage, role: str, dev,
+                 links: Optional[JobLinks] = None):
         self.step, self.job_index, self.prev_job = step, job_index, prev_job
         self.stage, self.role, self.dev = stage, role, dev
+        self.links = links or JobLinks()
         self.weights: dict = {}
         self.buffers: dict = {}
         self.write_back: list = []
         self.grad_acc: dict = {}
         self.microbatch = None
         self._rng = None
-        self.prefetched = dev.prefetched.pop((id(step), job_index), {})
+        self._prefetch_issued = False
+        self.prefetched = dev.prefetched.pop((id(step), job_index), None)
+        self.handle = ops.register(self)
+
+    def close(self):
+        self.release_rng()
+        ops.unregister(self.handle)
 
     # --- tracing ---------------------------------------------------------------------------
     def span(self, stream_name, name, fn, mb=None, **attrs):
@@ -130,15 +151,13 @@ class JobContext:
             p = self.step.params[index]
             if self.step.gate is not None:
                 self.step.gate(p)
-            w = self.prefetched.pop(key, None)
+            w = None if self.prefetched is None else self.dev.take_prefetched(self.prefetched, key)
             if w is None:
                 numel = p.numel() if rows is None else (rows[1] - rows[0]) * p[0].numel()
                 itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
                 w = self.span("weights_in", "upload_weight",
                               lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows),
                               param=name, bytes=numel * itemsize)
-            if self.role != "fwd" and p.requires_grad:
-                w = w.detach().requires_grad_(True)
             self.weights[key] = w
         return w
 
@@ -156,7 +175,27 @@ class JobContext:
             self.buffers[index] = b
         return b
 
+    def prefetch_next(self, mb):
+        """Queue the next job's weights on this device behind this job's own (once per job)."""
+        if self._prefetch_issued or self.links.next_on_device is None:
+            return
+        self._prefetch_issued = True
+        nj, nst = self.links.next_on_device
+        tracer = self.step.tracer
+        if tracer is not None:
+            t = tracer.now()
+            tracer.add(self.dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
+                       issued_by=self.job_index, worker=self.dev.worker_index)
+        _prefetch(self.step, self.dev, nj, nst)
+
     def fetch(self, mb, name):
+        peer = self.step.peer.pop((mb, name), None)
+        if peer is not None and peer[2] is not self.dev:
+            src, ready, src_dev = peer
+            out = self.span("acts_in", "fetch_peer", lambda: self.dev.peer_copy(src, ready), mb, value=name,
+                            bytes=nbytes(src), source=str(src_dev.device))
+            src_dev.hold(src, out[1])    # the source stays allocated until the copy has read it
+            return out[0]
         host = self.step.micro[mb].acts[name]
         return self.span("acts_in", "fetch", lambda: self.dev.upload(host), mb, value=name, bytes=nbytes(host))
 
@@ -175,13 +214,25 @@ class JobContext:
 
     def fetch_grad(self, mb, name):
         g = self.step.micro[mb].grads.get(name)
-        return None if g is None else self.dev.upload(g)
+        if g is None:   # no gradient reached it: an empty tensor says so (vjp skips it)
+            return torch.empty(0, device=self.dev.device)
+        return self.dev.upload(g)
 
     def loss_seed(self, mb):
         return torch.full((), self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
 
     # --- outputs ---------------------------------------------------------------------------
     def offload(self, mb, name, value):
+        links = self.links
+        if (isinstance(value, torch.Tensor) and name in links.next_reads and links.next_dev is not None
+                and links.next_dev.can_reach(self.dev)):
+            # Peer path (Config.peer_transfers): the next job copies it device to device; the
+            # host gets a copy only if a later job (a backward's checkpoint) reads it too.
+            ready = torch.cuda.Event()
+            ready.record(self.dev.compute)
+            self.step.peer[(mb, name)] = (value.detach(), ready, self.dev)
+            if name not in links.later_reads:
+                return
         self.step.micro[mb].acts[name] = self.span("out", "offload", lambda: self.dev.download(value), mb,
                                                    value=name, bytes=nbytes(value))
 
@@ -217,30 +268,17 @@ def _prefetch(step: StepState, dev, job_index: int, stage) -> None:
                  step.host_weights, step.ready)
 
 
-def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program, next_on_device=None) -> None:
-    """Run one stage job over every microbatch; failures are recorded on the step.
-
-    next_on_device: (job index, stage) of the job this device runs next, whose weights are
-    prefetched while this one computes.
-    """
+def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program,
+            links: Optional[JobLinks] = None) -> None:
+    """Run one stage job over every microbatch; failures are recorded on the step."""
     ctx = None
     try:
-        waiting = prev_job is not None and not step.done_events[prev_job][0].is_set()
-        if waiting and (id(step), job_index) not in dev.prefetched:
-            # Refresh and upload this job's weights while its inputs are still being made;
-            # a job that can start at once takes them in program order, overlapping compute.
-            _prefetch(step, dev, job_index, stage)
-        ctx = JobContext(step, job_index, prev_job, stage, role, dev)
-        if next_on_device is not None:
-            nj, nst = next_on_device
-            if step.tracer is not None:
-                t = step.tracer.now()
-                step.tracer.add(dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
-                                issued_by=job_index, worker=dev.worker_index)
-            _prefetch(step, dev, nj, nst)
+        # This job's weights, unless the job before it on this device already queued them.
+        _prefetch(step, dev, job_index, stage)
+        ctx = JobContext(step, job_index, prev_job, stage, role, dev, links)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
-                program(ctx, mb)
+                program(ctx.handle, mb)
             ctx.finish()
     except Aborted:
         pass
@@ -252,5 +290,4 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
         step.fail(err)
     finally:
         if ctx is not None:
-            ctx.release_rng()
-
+            ctx.close()

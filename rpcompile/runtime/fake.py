@@ -1,0 +1,79 @@
+"""A stage job traced with fake tensors: the whole job as one aten graph, ops in program order.
+
+`trace_job(cm, stage_index)` runs a stage's program under `make_fx` with a FakeJob behind
+the job handle: the program ops' fake implementations (Note [program ops]) hand out fake
+tensors shaped like the values the real job would see (sizes at the capture's example
+shapes), and the compute graph traces into aten ops. Nothing is uploaded or run.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import ops
+
+
+def _concrete(size):
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _fake_like(ev, device):
+    return torch.empty([_concrete(s) for s in ev.shape], dtype=ev.dtype, device=device)
+
+
+class FakeJob:
+    """Stands behind a job handle while a program is traced with fake tensors."""
+
+    def __init__(self, stage, role, device):
+        self.stage, self.role, self.device = stage, role, device
+        graph = stage.forward.graph
+        self.values = {n.name: n.meta.get("example_value") for n in graph.nodes if n.op == "placeholder"}
+        out = next(n for n in graph.nodes if n.op == "output")
+        self.values.update({name: v.meta.get("example_value") for name, v in zip(stage.outputs, out.args[0])})
+        self.by_fqn = {fqn: name for name, fqn in stage.fqn.items()}
+        self.by_leaf = {index: name for name, index in stage.input_leaf.items() if stage.kinds[name] == "input"}
+
+    def fake(self, kind, *args):
+        if kind in ("weight", "buffer"):
+            name = self.by_fqn[args[0]]
+        elif kind == "weight_rows":
+            name = next(n for n, (_, a, b) in self.stage.param_slices.items()
+                        if self.stage.fqn[n] == args[0] and (a, b) == (args[1], args[2]))
+        elif kind == "input":
+            name = self.by_leaf[args[1]]
+        elif kind == "seed":
+            return torch.empty((), dtype=torch.float32, device=self.device)
+        else:                       # act, grad: (mb, name)
+            name = args[1]
+        return _fake_like(self.values[name], self.device)
+
+    def span(self, stream, name, fn, mb=None, **attrs):
+        return fn()
+
+    def sym(self, mb, name):
+        return _concrete(self.values[name])
+
+    def rng_key(self, mb):
+        return 0
+
+
+def trace_job(cm, stage_index: int, role=None, device=None) -> torch.fx.GraphModule:
+    """The aten graph of one microbatch of a stage job (program ops kept, in program order)."""
+    plan = cm.plan
+    if plan is None:
+        raise RuntimeError("trace_job needs a plan: run cm.train_step(...) or cm(...) once first")
+    stage = plan.stages[stage_index]
+    role = role or stage.kind
+    device = torch.device(device) if device is not None else cm.config.devices[0]
+    from ..passes.graph_utils import retarget   # the uncompiled program, on `device`
+    program = retarget(stage.programs[role], {plan.captured.capture_device.type: device})
+    handle = ops.register(FakeJob(stage, role, device))
+    previous = getattr(ops._local, "reseed", None)
+    ops._local.reseed = lambda key, position: None
+    try:
+        grad = torch.enable_grad() if role != "fwd" else torch.no_grad()
+        with grad:
+            return make_fx(lambda: program(handle, 0), tracing_mode="fake")()
+    finally:
+        ops._local.reseed = previous
+        ops.unregister(handle)
