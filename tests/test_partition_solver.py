@@ -69,7 +69,7 @@ def check_plan(plan: StagePlan, segs, cut_bytes, *, num_devices, num_microbatche
         if memory_budget is not None:
             assert m <= memory_budget
     J = plan.num_jobs
-    est = max(plan.job_times) * max(J / num_devices, 1 + (J - 1) / num_microbatches)
+    est = max(plan.job_times) * max(math.ceil(J / num_devices), 1 + (J - 1) / num_microbatches)
     assert plan.est_time == pytest.approx(est, rel=1e-12, abs=1e-300)
 
 
@@ -282,18 +282,18 @@ def test_max_jobs_cap_is_mentioned_when_it_binds():
 
 
 def test_uniform_segments_balanced():
-    # 8 segments, fwd 1 s, bwd 3 s, N=2, M=4. f(J) = J/2 for J >= 3, so est = T*J/2.
-    # Best: fused [6, 8) (6 s/mb), one forward stage [0, 6) (6 s/mb), three backward
-    # stages of two segments (6 s/mb each): every job takes 4 * 6 = 24 s, J = 5, est = 60.
+    # 8 segments, fwd 1 s, bwd 3 s, N=2, M=4. f(J) = ceil(J/2) for J >= 3 (the busiest
+    # device runs ceil(J/2) jobs). J = 5 or 6 reach T = 24 s (6 s/mb) but f = 3: est 72;
+    # J = 4 reaches T = 36 s (9 s/mb) with f = 2: est 72 too, and ties go to fewer jobs.
+    # Lexicographically first: forward [0, 5), fused [5, 8) (9 s/mb), backward [2, 5), [0, 2).
     segs = [Segment(1.0, 3.0, 0, 0, 0)] * 8
     plan = solve_stages(segs, [0] * 9, num_devices=2, num_microbatches=4)
-    assert plan.fwd_bounds == ((0, 6),)
-    assert plan.fused == (6, 8)
-    assert plan.bwd_bounds == ((4, 6), (2, 4), (0, 2))
-    assert plan.job_times == (24.0,) * 5
-    assert plan.est_time == 60.0
-    assert list(plan.jobs()) == [("fwd", (0, 6)), ("fused", (6, 8)), ("bwd", (4, 6)),
-                                 ("bwd", (2, 4)), ("bwd", (0, 2))]
+    assert plan.fwd_bounds == ((0, 5),)
+    assert plan.fused == (5, 8)
+    assert plan.bwd_bounds == ((2, 5), (0, 2))
+    assert plan.job_times == (20.0, 36.0, 36.0, 24.0)
+    assert plan.est_time == 72.0
+    assert list(plan.jobs()) == [("fwd", (0, 5)), ("fused", (5, 8)), ("bwd", (2, 5)), ("bwd", (0, 2))]
     assert plan == brute_force_stages(segs, [0] * 9, num_devices=2, num_microbatches=4)
 
 

@@ -26,7 +26,7 @@ Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and
 (2*P because the running stage's weights and the prefetched next stage's weights are both
 resident.) With J jobs and T the slowest job, a step takes about
 
-    est_time = T * max(J / N, 1 + (J - 1) / M)
+    est_time = T * max(ceil(J / N), 1 + (J - 1) / M)
 
 the larger of the device-capacity bound and the critical path of a chain of J jobs over M
 microbatches. The best plan minimises est_time; ties go to fewer jobs, then to the
@@ -145,9 +145,11 @@ class StagePlan:
 
 
 def _est_factor(num_jobs: int, num_devices: int, num_microbatches: int) -> float:
-    # Device-capacity bound (J jobs shared by N devices) vs. critical path of a chain of J
-    # jobs where job k+1 can start its first microbatch once job k finished its first one.
-    return max(num_jobs / num_devices, 1 + (num_jobs - 1) / num_microbatches)
+    # Device-capacity bound vs. critical path of a chain of J jobs where job k+1 can start
+    # its first microbatch once job k finished its first one. The busiest device runs
+    # ceil(J / N) jobs: steps do not overlap (the first forward job reads the parameters whose
+    # gradients the last backward job makes), so a remainder is not shared with the next step.
+    return max(math.ceil(num_jobs / num_devices), 1 + (num_jobs - 1) / num_microbatches)
 
 
 # ----------------------------------------------------------------------------- cost tables
