@@ -78,6 +78,10 @@ class DeviceRuntime:
     def __repr__(self):
         return f"DeviceRuntime({self.device})"
 
+    def close(self):
+        if not self.is_cpu:
+            self.uploader.shutdown(wait=False)
+
     def stream_named(self, name):
         return {"compute": self.compute, "weights_in": self.weights_in, "acts_in": self.acts_in, "out": self.out}[name]
 
@@ -127,17 +131,26 @@ class DeviceRuntime:
             entry[2] = ev
         return d if wait else (d, ev)
 
-    def prefetch(self, key, params, dtype, host_weights, ready=None):
+    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None):
         """Start uploading a job's weights now, on the weights stream (double buffering); the
-        uploader thread refreshes their pinned copies first.
+        uploader thread refreshes their pinned copies first. The tracer gets one span per job.
 
         ready(p) says whether p is free of a pending optimizer step; others are left to be
         uploaded when the job reads them, so a prefetch never blocks the job running now."""
         if self.is_cpu or not params or key in self.prefetched:
             return
-        self.prefetched[key] = self.uploader.submit(
-            lambda: {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in params
-                     if ready is None or ready(p)})
+
+        def upload_all():
+            start = tracer.cuda_mark(self.weights_in) if tracer is not None else None
+            got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in params
+                   if ready is None or ready(p)}
+            if tracer is not None:
+                nbytes = sum(d.numel() * d.element_size() for d, _ in got.values())
+                tracer.add(self.device, "weights_in", "prefetch_weights", start, tracer.cuda_mark(self.weights_in),
+                           worker=self.worker_index, bytes=nbytes, params=len(got), **(attrs or {}))
+            return got
+
+        self.prefetched[key] = self.uploader.submit(upload_all)
 
     def take_prefetched(self, future: Future, key):
         """A weight a prefetch uploaded (compute now waits for its copy), or None."""

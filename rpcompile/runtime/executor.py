@@ -33,9 +33,11 @@ class _Worker:
                 finished.set()
 
 
-def _stop(queues):
+def _stop(queues, devices):
     for q in queues:
         q.put(None)
+    for d in devices:
+        d.close()
 
 
 class Executor:
@@ -47,7 +49,7 @@ class Executor:
             d.worker_index = i
         self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
         # Worker threads end when the compiled model (and with it this executor) goes away.
-        weakref.finalize(self, _stop, [w.jobs for w in self.workers])
+        weakref.finalize(self, _stop, [w.jobs for w in self.workers], list(self.devices))
         self.offset = 0
         self.placements: list = []   # (job index, stage index, role, device index) of the last run
 

@@ -265,7 +265,7 @@ class JobContext:
 
 def _prefetch(step: StepState, dev, job_index: int, stage) -> None:
     dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
-                 step.host_weights, step.ready)
+                 step.host_weights, step.ready, step.tracer, {"stage": stage.index, "job": job_index})
 
 
 def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program,
