@@ -26,7 +26,8 @@ import torch
 
 GiB = 2**30
 PEAK_FLOPS_PER_GPU = 790e12          # bf16 matmul, measured per H100/H200 (ANCHORS.md)
-LR = 1e-5
+LR = 1e-5                            # every system's optimizer: the same AdamW (see adamw_kwargs)
+WEIGHT_DECAY = 0.01                  # torch.optim.AdamW's default, decoupled; RoundPipe's Adam is told the same
 
 
 # --- models -------------------------------------------------------------------------------
@@ -158,6 +159,22 @@ def batch_ids(vocab: int, n_seqs: int, seq_len: int, step: int, rank: int = 0, s
     return torch.randint(0, vocab, (n_seqs, seq_len), generator=g)
 
 
+def step_batch(spec: "RunSpec", step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """This process's share of the global batch of optimizer step `step`: the global batch is
+    the same for every system (same seed, same step), and a process of `world` (FSDP2's ranks)
+    takes its contiguous slice of n_seqs / world sequences, so the ranks together train on
+    exactly what a one-process system trains on."""
+    ids = batch_ids(spec.spec.vocab, spec.n_seqs, spec.seq_len, step=step, seed=spec.seed)
+    n_local = spec.n_seqs // world
+    return ids[rank * n_local:(rank + 1) * n_local]
+
+
+def adamw_kwargs(spec: "RunSpec") -> dict:
+    """The optimizer hyperparameters every system uses (AdamW: Adam with decoupled weight decay;
+    betas and eps at torch's defaults), so loss curves are comparable step for step."""
+    return {"lr": spec.lr, "weight_decay": WEIGHT_DECAY}
+
+
 def microbatches(ids: torch.Tensor, m: int) -> list:
     """(chunk, weight) pairs: weight = the chunk's share of the batch's counted tokens, so
     sum(weight * mean loss of chunk) is the mean loss of the whole batch."""
@@ -194,7 +211,8 @@ class RunSpec:
     steps: int = 5
     warmup: int = 2
     seed: int = 0
-    mode: str = "throughput"           # or "maxseq"
+    mode: str = "throughput"           # or "maxseq", or "losscurve" (steps from step 1, warmup 0)
+    lr: float = LR
     result_path: str = ""
     # max-sequence search
     mem_cap_gib: float = 24.0
@@ -346,7 +364,10 @@ class Trainer:
 
 def run_trainer(make_trainer: Callable, spec: RunSpec, rec: Optional[Recorder], *, rank: int = 0, world: int = 1,
                 devices=None, reduce_max: Optional[Callable] = None, reduce_mean: Optional[Callable] = None) -> None:
-    """Build the trainer and run spec.mode ("throughput" or "maxseq"), recording as it goes.
+    """Build the trainer and run spec.mode ("throughput", "losscurve" or "maxseq"), recording as it goes.
+
+    "losscurve" is the throughput loop with no warm-up: every optimizer step from the first one
+    is recorded (its loss and time), for the loss-parity comparison between systems.
 
     devices: the CUDA devices this process uses (default: all visible in CUDA mode).
     reduce_max / reduce_mean: lists of floats across ranks (multi-process systems).
@@ -370,6 +391,8 @@ def run_trainer(make_trainer: Callable, spec: RunSpec, rec: Optional[Recorder], 
     if spec.mode == "maxseq":
         _max_seq_search(trainer, spec, rec, rank, devices, reduce_max)
     else:
+        if spec.mode == "losscurve":
+            spec = dataclasses.replace(spec, warmup=0)
         _throughput(trainer, spec, rec, rank, world, devices, reduce_max, reduce_mean)
     try:
         info = trainer.info()
@@ -394,8 +417,7 @@ def _transformers_version() -> str:
 def _throughput(trainer, spec, rec, rank, world, devices, reduce_max, reduce_mean) -> None:
     n_local = spec.n_seqs // world
     total = spec.warmup + spec.steps
-    batches = [batch_ids(spec.spec.vocab, n_local, spec.seq_len, step=i, rank=rank, seed=spec.seed)
-               for i in range(total)]
+    batches = [step_batch(spec, i, rank, world) for i in range(total)]
     steps: list = []
     rec.update(phase="warmup", steps=steps, tokens_per_step=n_local * world * spec.seq_len)
     t_first = t_start = time.perf_counter()

@@ -54,37 +54,53 @@ def rel(a, b):
 
 
 def parity(args):
+    """tiny Qwen3 against eager on CUDA: 1 and 2 GPUs, eager / Inductor stages, the peer path
+    (Config.peer_transfers) and the overlapped optimizer on 2 GPUs."""
     res = {}
     dev = "cuda:0"
-    ngpu = torch.cuda.device_count()
+    two = min(2, torch.cuda.device_count())
+    variants = [(1, False, False, False), (1, True, False, False), (two, False, False, False),
+                (two, True, False, False)]
+    if two == 2:
+        variants += [(2, False, True, False), (2, True, True, True)]
+    if args.quick:   # the 2-GPU runtime paths only, eager stage compute
+        variants = [(two, False, False, False), (two, False, True, False), (two, False, True, True)]
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        for gpus in sorted({1, min(2, ngpu)}):
-            for inductor in (False, True):
-                model = tiny_qwen3()
-                ref = copy.deepcopy(model).to(dev)
-                cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
-                                       memory_budget="6MiB", compile_stages=inductor)
-                cm = rpcompile.compile(model, cfg)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-                losses, ref_losses, grad_err = [], [], None
-                for step in range(3):
-                    b = batch(6, 64, 512, seed=step)
-                    loss = cm.train_step(**b)
-                    bd = {k: v.to(dev) for k, v in b.items()}
-                    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-                        lr_ = ref(**bd).loss
-                    lr_.backward()
-                    if step == 0:
-                        grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
-                    losses.append(loss.item())
-                    ref_losses.append(lr_.item())
-                    opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
-                perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
-                key = f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
-                res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
-                            "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr}
-                print(key, json.dumps(res[key]), flush=True)
+        for gpus, inductor, peer, overlapped in dict.fromkeys(variants):
+            model = tiny_qwen3()
+            ref = copy.deepcopy(model).to(dev)
+            cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
+                                   memory_budget="6MiB", compile_stages=inductor, peer_transfers=peer,
+                                   optimizer_mode="overlapped" if overlapped else "exact")
+            cm = rpcompile.compile(model, cfg)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            if overlapped:
+                cm.attach_optimizer(opt)
+            losses, ref_losses, grad_err, peer_fetches = [], [], None, 0
+            for step in range(3):
+                b = batch(6, 64, 512, seed=step)
+                loss = cm.train_step(**b)
+                peer_fetches += sum(s["name"] == "fetch_peer" for s in cm.last_trace)
+                bd = {k: v.to(dev) for k, v in b.items()}
+                with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                    lr_ = ref(**bd).loss
+                lr_.backward()
+                if step == 0 and not overlapped:
+                    grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+                losses.append(loss.item())
+                ref_losses.append(lr_.item())
+                if not overlapped:
+                    opt.step(), opt.zero_grad()
+                opt_ref.step(), opt_ref.zero_grad()
+            cm.synchronize()
+            perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+            key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
+                   f"{'_peer' if peer else ''}{'_overlapped' if overlapped else ''}")
+            res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
+                        "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr,
+                        "peer_fetches": peer_fetches}
+            print(key, json.dumps(res[key]), flush=True)
     return res
 
 
@@ -186,27 +202,83 @@ class _NoStep:
         pass
 
 
+class _Head(torch.nn.Module):
+    """Qwen3-1.7B's LM head and transformers' causal-LM loss, alone: the head's own memory."""
+
+    def __init__(self, hidden=2048, vocab=151936):
+        super().__init__()
+        self.vocab = vocab
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, hidden_states, labels):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        return ForCausalLMLoss(self.lm_head(hidden_states), labels, self.vocab)
+
+
+def _stage_compute_s(trace, steps_jobs):
+    """Per stage job: seconds of its compute spans (all microbatches) in the traced step."""
+    per = {}
+    for s in trace:
+        if s["stream"] == "compute":
+            per[s["stage"]] = per.get(s["stage"], 0.0) + s["end_s"] - s["start_s"]
+    return [round(per.get(i, 0.0) * 1e3, 1) for i in range(steps_jobs)]
+
+
 def lmhead(args):
-    """Peak memory and stage-time balance of the head with and without the split pass."""
+    """The head with and without the split pass: (1) peak GPU memory of the head alone for one
+    microbatch (fwd + bwd, one fused job); (2) estimated and measured stage-job times of the
+    whole Qwen3-1.7B model under a memory budget that cuts it into several jobs."""
     out = {}
     seq, n, M = args.seq_len, args.tokens // args.seq_len, args.microbatches
+    budget = args.budget or "30GiB"
+    shards_used = None
     for shards in (0, None):
+        key = "unsplit" if shards == 0 else "split"
         model = qwen3_1_7b()
         cfg = rpcompile.Config(devices=["cuda:0"], num_microbatches=M, dtype=torch.bfloat16, lm_head_shards=shards,
-                               memory_budget=args.budget)
+                               memory_budget=budget, compile_stages=args.inductor)
         cm = rpcompile.compile(model, cfg)
-        torch.cuda.reset_peak_memory_stats(0)
-        t0 = time.time()
-        loss = cm.train_step(**batch(n, seq, 151936))
-        dt = time.time() - t0
+        for step in range(2):   # the second step is measured
+            torch.cuda.reset_peak_memory_stats(0)
+            t0 = time.time()
+            loss = cm.train_step(**batch(n, seq, 151936))
+            dt = time.time() - t0
         rows = cm.plan.stage_rows()
-        key = "unsplit" if shards == 0 else "split"
-        out[key] = {"loss": loss.item(), "step_s": dt, "peak_gpu_gib": torch.cuda.max_memory_allocated(0) / 2**30,
-                    "stage_est_ms": [round(r["est_time_s"] * 1e3, 2) for r in rows],
+        est = [r["est_time_s"] for r in rows]
+        meas = _stage_compute_s(cm.last_trace, len(rows))
+        if shards is None:
+            shards_used = max((max(r["lm_head_shards"]) + 1 for r in rows if r["lm_head_shards"]), default=0)
+        out[key] = {"loss": loss.item(), "step_s": dt, "budget": str(budget),
+                    "peak_gpu_gib": torch.cuda.max_memory_allocated(0) / 2**30,
+                    "kinds": [r["kind"] for r in rows],
+                    "stage_est_ms": [round(e * 1e3, 1) for e in est], "stage_measured_ms": meas,
                     "shards": [r["lm_head_shards"] for r in rows],
-                    "max_over_mean_est": max(r["est_time_s"] for r in rows) / (sum(r["est_time_s"] for r in rows) / len(rows))}
+                    "max_over_mean_est": max(est) / (sum(est) / len(est)),
+                    "max_over_mean_measured": max(meas) / (sum(meas) / len(meas))}
         print(key, json.dumps(out[key]), flush=True)
         del cm, model
+    # The head alone, one microbatch of tokens (n // M sequences), one fused job.
+    tokens = (n // M) * seq
+    for shards in (0, shards_used or 5):
+        key = f"head_only_k{shards}"
+        head = _Head()
+        cfg = rpcompile.Config(devices=["cuda:0"], num_microbatches=1, dtype=torch.bfloat16, lm_head_shards=shards,
+                               compile_stages=False)
+        cm = rpcompile.compile(head, cfg)
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(n // M, seq, 2048, generator=g)
+        labels = torch.randint(0, 151936, (n // M, seq), generator=g)
+        for step in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(0)
+            base = torch.cuda.memory_allocated(0)
+            loss = cm.train_step(hidden_states=h, labels=labels)
+            torch.cuda.synchronize()
+        out[key] = {"tokens": tokens, "loss": loss.item(), "stages": len(cm.plan.stages),
+                    "peak_gpu_gib": (torch.cuda.max_memory_allocated(0) - base) / 2**30,
+                    "logits_bf16_gib": tokens * 151936 * 2 / 2**30}
+        print(key, json.dumps(out[key]), flush=True)
+        del cm, head
     return out
 
 
@@ -220,6 +292,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--systems", default="rpcompile,eager")
     ap.add_argument("--inductor", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="parity: 2-GPU runtime paths only, no Inductor")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--budget", default=None)

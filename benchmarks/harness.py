@@ -11,6 +11,10 @@ a child (failure, out-of-memory, timeout, a crash that takes the process down), 
 records it with the tail of its stderr and goes on; the JSON and the markdown section are
 rewritten after every system, so an interrupted run still leaves its results.
 
+--loss-steps N is the loss-parity mode: every system trains the same initial model (same seed)
+on the same batches with the same AdamW for N optimizer steps, no warm-up (step 1 is the first),
+and the section compares each system's loss at every step with eager's.
+
 --max-seq-search finds, per system, the longest single sequence that trains under a per-GPU
 memory cap (24 GiB by default), doubling and then bisecting in steps of 1,024 inside one child;
 a child that dies on a probe is restarted with what it had established.
@@ -29,7 +33,7 @@ import time
 from typing import Optional
 
 from . import report
-from .common import (GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
+from .common import (LR, GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
                      utilisation)
 from .systems import get_system
 
@@ -38,6 +42,26 @@ DEFAULT_RP_SITE = os.path.expanduser("~/.cache/rpcompile-bench/rp_site")   # set
 PAGE = os.sysconf("SC_PAGE_SIZE")
 BASE_PROCESS_BYTES = 3 * GiB        # CUDA context, libraries, allocator slack per process
 HOST_GUARD = 0.93                   # kill a child whose process group passes this share of RAM
+DEFAULT_WARMUP = 2
+MAX_ROTATION_WARMUP = 8             # the most GPUs of one host here
+LOSS_RTOL = 2.0**-7                 # see report.loss_parity
+
+
+def default_warmup(name: str, gpus: int, given: Optional[int] = None) -> int:
+    """Warm-up steps of a system: --warmup when given, else DEFAULT_WARMUP, and for systems whose
+    stage jobs rotate over the GPUs (rpcompile) at least one step per GPU.
+
+    Note [warm-up covers every (stage, GPU) pair]: rpcompile hands stage job k of step s to GPU
+    (s·J + k) mod N (J stage jobs, N GPUs), and a stage's Inductor code compiles for a GPU the
+    first time the stage runs there. Over steps 0..N-1 the offsets s·J mod N take every value
+    they will ever take (N / gcd(J, N) distinct ones; all N when J mod N != 0), so N warm-up
+    steps leave no compilation in the timed steps. J is known only after the first step, so the
+    default takes N, capped at MAX_ROTATION_WARMUP."""
+    if given is not None:
+        return given
+    if get_system(name).rotates_over_gpus:
+        return max(DEFAULT_WARMUP, min(gpus, MAX_ROTATION_WARMUP))
+    return DEFAULT_WARMUP
 
 
 # --- command line -------------------------------------------------------------------------
@@ -51,7 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-step", type=int, default=65536)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first (compilation)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed optimizer steps first (compilation); default {DEFAULT_WARMUP}, and for rpcompile "
+                        f"systems at least one per GPU (at most {MAX_ROTATION_WARMUP}): see default_warmup")
     p.add_argument("--systems", default="rpcompile,eager,roundpipe,fsdp2")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
                    help="markdown file the section is appended to ('' for none)")
@@ -60,6 +86,13 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole invocation (0: no limit)")
     p.add_argument("--log-dir", default="", help="children's stdout/stderr (default: next to --json, else a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=LR, help="AdamW learning rate of every system")
+    p.add_argument("--loss-steps", type=int, default=0, metavar="N",
+                   help="loss-parity mode: N optimizer steps from step 1 (no warm-up), every step's loss compared")
+    p.add_argument("--loss-reference", default="eager", help="the system the others' losses are compared with")
+    p.add_argument("--loss-rtol", type=float, default=LOSS_RTOL,
+                   help="loss parity holds when |loss - reference loss| <= rtol * |reference loss| at every step "
+                        "(default 2^-7: two units of bf16 rounding)")
     p.add_argument("--rp-site", default=os.environ.get("RP_SITE", DEFAULT_RP_SITE),
                    help="where setup_device.sh installed RoundPipe and transformers 4.57")
     p.add_argument("--no-fit-check", action="store_true",
@@ -81,6 +114,10 @@ def parse_args(argv=None):
     for s in args.systems:
         get_system(s)
     get_model(args.model)
+    if args.loss_steps < 0 or (args.loss_steps and args.max_seq_search):
+        p.error("--loss-steps takes N >= 1 and does not go with --max-seq-search")
+    if args.warmup is not None and args.warmup < 0:
+        p.error("--warmup takes N >= 0")
     if not args.render and not args.max_seq_search:
         n_seqs = args.tokens_per_step // args.seq_len
         if n_seqs < 1 or n_seqs % args.gpus:
@@ -190,7 +227,9 @@ class Harness:
         self.log_dir = args.log_dir or (os.path.join(json_dir, "logs") if json_dir else
                                         tempfile.mkdtemp(prefix="rpbench-"))
         os.makedirs(self.log_dir, exist_ok=True)
-        self.tag = f"{time.strftime('%Y%m%d-%H%M%S')}_{args.model}_{args.gpus}g" + ("_maxseq" if args.max_seq_search else "")
+        self.mode = "maxseq" if args.max_seq_search else "losscurve" if args.loss_steps else "throughput"
+        self.tag = f"{time.strftime('%Y%m%d-%H%M%S')}_{args.model}_{args.gpus}g" + (
+            "" if self.mode == "throughput" else f"_{self.mode}")
         self.machine = probe_machine(args.device)
         self.results: list = []
         self._md_base = None
@@ -201,21 +240,35 @@ class Harness:
         a, m = self.args, self.machine
         card = (m["names"][0] if m.get("names") else "no GPU") if a.device == "cuda" else "CPU"
         settings = {k: getattr(a, k) for k in ("model", "device", "gpus", "seq_len", "microbatches", "steps", "warmup",
-                                                "timeout", "budget", "seed", "mem_cap_gib", "maxseq_start",
+                                                "timeout", "budget", "seed", "lr", "mem_cap_gib", "maxseq_start",
                                                 "maxseq_limit")}
         settings["systems"] = a.systems
+        if self.mode == "losscurve":
+            settings.update(steps=a.loss_steps, warmup=0, loss_steps=a.loss_steps, loss_reference=a.loss_reference,
+                            loss_rtol=a.loss_rtol)
+        else:
+            # per system: --warmup, or default_warmup's choice (rpcompile: a step per GPU)
+            settings["warmup_by_system"] = {s: default_warmup(s, a.gpus, a.warmup) for s in a.systems}
+            settings["warmup"] = a.warmup if a.warmup is not None else max(settings["warmup_by_system"].values(),
+                                                                           default=DEFAULT_WARMUP)
         settings["options"] = a.options
         settings["tokens_per_step"] = max(1, a.tokens_per_step // a.seq_len) * a.seq_len
         meta = {"date": self.date, "card": card,
-                "gpus": a.gpus, "mode": "maxseq" if a.max_seq_search else "throughput", "settings": settings,
+                "gpus": a.gpus, "mode": self.mode, "settings": settings,
                 "n_params": self.n_params, "peak_tflops_per_gpu": PEAK_FLOPS_PER_GPU / 1e12, "env": m,
                 "command": "python -m benchmarks.harness " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("harness.py") else "",
                 "log_dir": self.log_dir, "elapsed_s": round(time.time() - self.t0, 1)}
-        if a.device == "cuda" and not a.max_seq_search:
+        if a.device == "cuda" and self.mode == "throughput":
             meta["ceiling_tokens_per_s"] = utilisation(0.0, self.spec, a.seq_len, a.gpus, self.n_params)["ceiling_tokens_per_s"]
         return meta
 
     def write(self) -> None:
+        if self.mode == "losscurve":
+            ref, parity = report.loss_parity(self.results, self.args.loss_reference, self.args.loss_rtol)
+            for r in self.results:
+                r.pop("loss_parity", None)
+                if r.get("system") in parity:
+                    r["loss_parity"] = parity[r["system"]]
         run = {"meta": self.meta(), "results": self.results}
         if self.args.json:
             if self._json_runs is None:
@@ -249,7 +302,8 @@ class Harness:
         if m.get("count", 0) < a.gpus:
             return {"status": "failed", "reason": f"asked for {a.gpus} GPU(s), {m.get('count', 0)} visible"
                                                   + (f" ({m['probe_error']})" if m.get("probe_error") else "")}
-        if a.gpus > 1 and not sysm.multi_gpu:
+        if a.gpus > 1 and not sysm.multi_gpu and self.mode != "losscurve":
+            # (a loss curve does not depend on the GPUs: there the one-GPU baseline runs on the first)
             return {"status": "skipped", "reason": f"skipped: {name} is the one-GPU resident baseline"}
         if sysm.env == "roundpipe" and not os.path.isdir(os.path.join(a.rp_site, "roundpipe")):
             return {"status": "failed", "reason": f"RoundPipe is not installed in {a.rp_site}: run benchmarks/setup_device.sh"}
@@ -292,10 +346,13 @@ class Harness:
 
     def make_spec(self, name: str, result_path: str, **extra) -> RunSpec:
         a = self.args
-        return RunSpec(system=name, model=a.model, device=a.device, gpus=a.gpus, seq_len=a.seq_len,
-                       tokens_per_step=a.tokens_per_step, microbatches=a.microbatches, steps=a.steps,
-                       warmup=a.warmup, seed=a.seed, mode="maxseq" if a.max_seq_search else "throughput",
-                       result_path=result_path, mem_cap_gib=a.mem_cap_gib, maxseq_start=a.maxseq_start,
+        losscurve = self.mode == "losscurve"
+        gpus = 1 if losscurve and a.device == "cuda" and not get_system(name).multi_gpu else a.gpus
+        return RunSpec(system=name, model=a.model, device=a.device, gpus=gpus, seq_len=a.seq_len,
+                       tokens_per_step=a.tokens_per_step, microbatches=a.microbatches,
+                       steps=a.loss_steps if losscurve else a.steps,
+                       warmup=0 if losscurve else default_warmup(name, a.gpus, a.warmup), seed=a.seed, lr=a.lr,
+                       mode=self.mode, result_path=result_path, mem_cap_gib=a.mem_cap_gib, maxseq_start=a.maxseq_start,
                        maxseq_limit=a.maxseq_limit, options={**dict(get_system(name).options), **a.options},
                        **extra)
 
@@ -381,8 +438,10 @@ class Harness:
         if raw.get("n_params") and raw["n_params"] != self.n_params:
             r["notes"].append(f"model has {raw['n_params']:,} parameters, the formula {self.n_params:,}")
         steps = raw.get("steps") or []
+        # every optimizer step's loss, warm-up steps included: losses[0] is step 1
         r["losses"] = [s["loss"] for s in steps]
         r["losses_finite"] = all(_finite(x) for x in r["losses"])
+        r["warmup_steps"] = sum(1 for s in steps if not s.get("timed"))
         timed = [s for s in steps if s.get("timed") and "s" in s]
         tokens = raw.get("tokens_per_step") or max(1, a.tokens_per_step // a.seq_len) * a.seq_len
         r["tokens_per_step"] = tokens
@@ -394,6 +453,13 @@ class Harness:
             r["s_per_step"] = sum(s["s"] for s in timed) / len(timed)
             r["partial"] = True
             r["notes"].append(f"partial: {len(timed)} of {a.steps} timed steps")
+        if self.mode == "losscurve":
+            # no warm-up: the step times include compilation, so no throughput is claimed
+            r.pop("s_per_step", None)
+            r.pop("partial", None)
+            r["notes"] = [n for n in r["notes"] if not n.startswith("partial:")]
+            if 0 < len(r["losses"]) < a.loss_steps:
+                r["notes"].append(f"{len(r['losses'])} of {a.loss_steps} steps")
         if r.get("s_per_step"):
             r["tokens_per_s"] = tokens / r["s_per_step"]
             if a.device == "cuda":
@@ -410,7 +476,17 @@ class Harness:
         if info.get("trace"):
             r["trace"] = info["trace"]
             if info["trace"].get("bytes"):
-                r["pcie_bytes_per_step_trace"] = sum(info["trace"]["bytes"].values())
+                # host <-> GPU copies; device-to-device ones (Config.peer_transfers: "fetch_peer") apart
+                by_name = info["trace"]["bytes"]
+                r["pcie_bytes_per_step_trace"] = sum(v for k, v in by_name.items() if "peer" not in k)
+                peer = sum(v for k, v in by_name.items() if "peer" in k)
+                if peer:
+                    r["peer_bytes_per_step_trace"] = peer
+            busy = {d: v.get("compute_busy_frac") for d, v in (info["trace"].get("devices") or {}).items()
+                    if v.get("compute_busy_frac") is not None}
+            if busy:
+                r["compute_busy_frac"] = busy
+                r["notes"].append("compute busy (last step) " + ", ".join(f"{d} {100 * f:.0f}%" for d, f in busy.items()))
         r["setup_s"] = (raw.get("build_s") or 0) + (raw.get("warmup_s") or 0) or None
         return r
 

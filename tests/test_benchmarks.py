@@ -1,7 +1,10 @@
-"""The benchmark harness: FLOP formula, table writer, max-length search, and the harness end to
-end on CPU (rpcompile and eager on the tiny model; GPU-only systems reported as skipped; a
-failing, a slow and a crashing pretend system recorded without stopping the harness)."""
+"""The benchmark harness: FLOP formula, table writer, max-length search, loss parity, rpcompile's
+options and trace summary, and the harness end to end on CPU (rpcompile and eager on the tiny
+model; GPU-only systems reported as skipped; a failing, a slow and a crashing pretend system
+recorded without stopping the harness)."""
+import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -10,6 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # `pytest` as well as `python -m pytest`
 from benchmarks import common, harness, report  # noqa: E402
+from benchmarks.systems import SYSTEMS, get_system  # noqa: E402
+from benchmarks.systems import rpcompile_runner  # noqa: E402
 
 
 # --- FLOPs and parameter counts ----------------------------------------------------------------
@@ -137,6 +142,13 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["timed_steps_done"] == 2
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
+    devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
+    assert set(devices) == {"0:cpu", "1:cpu"}
+    for d in devices.values():
+        assert 0 < d["compute_busy_frac"] <= 1 and d["weights_in_exposed_s"] >= 0
+    assert sum(d["bytes"].get("acts_in", 0) for d in devices.values()) > 0
+    assert "compute busy (last step) 0:cpu" in md
+    assert res["rpcompile"]["warmup_steps"] == 1 and meta["settings"]["warmup_by_system"]["rpcompile"] == 1
     # same weights, same batches: the first loss agrees (bf16 compute both ways)
     assert res["rpcompile"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=0.05)
     for name in ("roundpipe", "fsdp2"):
@@ -167,3 +179,149 @@ def test_max_seq_search_restarts_a_child_that_dies(tmp_path, how):
     assert r["status"] == "ok" and r["max_seq"] == 2048 and r["maxseq_fail"] == 3072 and r["launches"] == 2
     assert [(p["seq_len"], p["ok"]) for p in r["probes"]] == [(1024, True), (2048, True), (4096, False), (3072, False)]
     assert meta["mode"] == "maxseq" and "max sequence length" in md
+
+
+# --- the same data, optimizer and warm-up for every system --------------------------------------
+def test_every_process_trains_its_slice_of_one_global_batch():
+    # FSDP2's ranks used to draw their own batches; now they split the batch every system trains
+    spec = common.RunSpec(system="fsdp2", model="tiny", seq_len=8, tokens_per_step=64, lr=3e-4)
+    whole = common.step_batch(spec, step=3)
+    assert whole.shape == (8, 8) and whole.equal(common.batch_ids(512, 8, 8, step=3))
+    assert torch_cat([common.step_batch(spec, 3, rank, 2) for rank in range(2)]).equal(whole)
+    assert not common.step_batch(spec, 4).equal(whole)
+    assert common.adamw_kwargs(spec) == {"lr": 3e-4, "weight_decay": common.WEIGHT_DECAY}
+
+
+def torch_cat(parts):
+    import torch
+    return torch.cat(parts)
+
+
+def test_default_warmup_gives_rpcompile_a_step_per_gpu():
+    # stage job k of step s runs on GPU (s*J + k) mod N: N steps see every (stage, GPU) pair
+    for name in ("rpcompile", "rpcompile-overlapped", "rpcompile-p2p", "rpcompile-overlapped-p2p"):
+        assert get_system(name).rotates_over_gpus
+        assert [harness.default_warmup(name, n) for n in (1, 2, 3, 4, 8, 16)] == [2, 2, 3, 4, 8, 8]
+        assert harness.default_warmup(name, 4, given=1) == 1                   # --warmup wins
+    assert harness.default_warmup("eager", 4) == harness.default_warmup("roundpipe", 8) == 2
+    assert harness.parse_args(["--model", "tiny", "--gpus", "4", "--tokens-per-step", "8192"]).warmup is None
+
+
+# --- rpcompile's options ------------------------------------------------------------------------
+@dataclasses.dataclass
+class _ConfigWithPeers:
+    optimizer_mode: str = "exact"
+    peer_transfers: bool = False
+
+
+@dataclasses.dataclass
+class _ConfigWithoutPeers:
+    optimizer_mode: str = "exact"
+
+
+def test_rpcompile_options_become_config_fields():
+    def spec(name, **extra):
+        return common.RunSpec(system=name, model="tiny", options={**dict(get_system(name).options), **extra})
+
+    assert rpcompile_runner.config_options(spec("rpcompile"), _ConfigWithPeers) == ({}, [])
+    kw, notes = rpcompile_runner.config_options(spec("rpcompile-p2p"), _ConfigWithPeers)
+    assert kw == {"peer_transfers": True} and "peer_transfers=True" in notes[0]
+    kw, notes = rpcompile_runner.config_options(spec("rpcompile-overlapped-p2p"), _ConfigWithPeers)
+    assert kw == {"optimizer_mode": "overlapped", "peer_transfers": True} and len(notes) == 2
+    kw, _ = rpcompile_runner.config_options(spec("rpcompile", rpcompile_peer="1"), _ConfigWithPeers)
+    assert kw == {"peer_transfers": True}                                    # --option rpcompile_peer=1
+    # without the field only the option that needs it fails, and says why
+    assert rpcompile_runner.config_options(spec("rpcompile-overlapped"), _ConfigWithoutPeers)[0] == {
+        "optimizer_mode": "overlapped"}
+    with pytest.raises(RuntimeError, match="no peer_transfers field"):
+        rpcompile_runner.config_options(spec("rpcompile-p2p"), _ConfigWithoutPeers)
+    assert SYSTEMS["rpcompile-p2p"].module == SYSTEMS["rpcompile"].module
+    # and against the real Config: the field once the lead's rpcompile has it, else the clear error
+    import rpcompile
+    if "peer_transfers" in {f.name for f in dataclasses.fields(rpcompile.Config)}:
+        kw, _ = rpcompile_runner.config_options(spec("rpcompile-p2p"), rpcompile.Config)
+        assert rpcompile.Config(devices=["cpu", "cpu"], **kw).peer_transfers is True
+    else:
+        with pytest.raises(RuntimeError, match="no peer_transfers field"):
+            rpcompile_runner.config_options(spec("rpcompile-p2p"), rpcompile.Config)
+
+
+def test_trace_summary_per_device():
+    def span(dev, stream, start, end, worker=0, **kw):
+        return {"device": dev, "stream": stream, "name": "x", "start_s": start, "end_s": end, "worker": worker, **kw}
+
+    spans = [  # the step runs from 0 to 10 s
+        span("cuda:0", "weights_in", 0.0, 2.0, bytes=100), span("cuda:0", "weights_in", 3.0, 5.0, bytes=50),
+        span("cuda:0", "compute", 1.0, 4.0), span("cuda:0", "compute", 3.5, 6.0),     # overlapping: 1-6 s
+        span("cuda:0", "acts_in", 1.0, 1.5, bytes=7), span("cuda:0", "host", 0.0, 9.0),
+        span("cuda:1", "compute", 6.0, 10.0, worker=1), span("cuda:1", "out", 9.0, 9.5, worker=1, bytes=3),
+    ]
+    t = rpcompile_runner.trace_summary(spans)
+    assert t["step_span_s"] == 10.0 and t["spans"] == len(spans)
+    d0, d1 = t["devices"]["cuda:0"], t["devices"]["cuda:1"]
+    assert d0["compute_busy_s"] == pytest.approx(5.0) and d0["compute_busy_frac"] == pytest.approx(0.5)
+    # uploads 0-2 and 3-5 s: 1-2 and 3-5 under compute, 0-1 exposed
+    assert d0["weights_in_s"] == pytest.approx(4.0) and d0["weights_in_overlapped_s"] == pytest.approx(3.0)
+    assert d0["weights_in_exposed_s"] == pytest.approx(1.0)
+    assert d0["bytes"] == {"weights_in": 150, "acts_in": 7}
+    assert d1["compute_busy_frac"] == pytest.approx(0.4) and d1["weights_in_s"] == 0 and d1["bytes"] == {"out": 3}
+    # CPU "devices" share the name "cpu": told apart by worker
+    cpu = rpcompile_runner.trace_summary([span("cpu", "compute", 0, 1, worker=0), span("cpu", "compute", 0, 2, worker=1)])
+    assert set(cpu["devices"]) == {"0:cpu", "1:cpu"}
+
+
+# --- loss parity --------------------------------------------------------------------------------
+def test_loss_parity_and_its_table():
+    results = [
+        {"system": "rpcompile", "status": "ok", "losses": [12.00, 11.90, 11.795]},
+        {"system": "eager", "status": "ok", "losses": [12.00, 11.91, 11.79]},
+        {"system": "far", "status": "ok", "losses": [12.00, 11.70, 11.80]},
+        {"system": "nan", "status": "ok", "losses": [12.00, float("nan"), 11.80]},
+        {"system": "short", "status": "timeout", "losses": [12.00]},
+        {"system": "skipped", "status": "skipped", "reason": "skipped: needs CUDA"},
+    ]
+    ref, p = report.loss_parity(results, "eager", rtol=2.0**-7)
+    assert ref == "eager" and set(p) == {"rpcompile", "eager", "far", "nan", "short"}
+    assert p["rpcompile"]["max_abs_diff"] == pytest.approx(0.01) and p["rpcompile"]["max_abs_diff_step"] == 2
+    assert p["rpcompile"]["within_tol"] and p["rpcompile"]["all_finite"]
+    assert not p["far"]["within_tol"] and p["far"]["max_rel_diff"] == pytest.approx(0.21 / 11.91)
+    assert not p["nan"]["within_tol"] and not p["nan"]["all_finite"] and p["nan"]["max_abs_diff"] is None
+    assert not p["short"]["within_tol"] and p["short"]["steps_compared"] == 1       # not every step done
+    assert report.loss_parity(results, "missing")[0] == "rpcompile"                  # first with losses
+    assert report.loss_columns(20) == [1, 2, 5, 10, 20] and report.loss_columns(3) == [1, 2, 3]
+
+    meta = {"mode": "losscurve", "settings": {"model": "qwen3-1.7b", "loss_steps": 3, "loss_reference": "eager",
+                                              "loss_rtol": 2.0**-7, "lr": 1e-5, "seq_len": 2048}}
+    text = report.render_run({"meta": meta, "results": results})
+    assert "loss parity" in text.splitlines()[0] and "3 optimizer steps from step 1 (no warm-up)" in text
+    rows = {c[0]: c for c in ([x.strip() for x in re.split(r"(?<!\\)\|", l)[1:-1]]
+                              for l in text.splitlines() if l.startswith("| "))}
+    col = {name: i for i, name in enumerate(rows["system"])}
+    assert rows["rpcompile"][col["loss @2"]] == "11.9000" and rows["rpcompile"][col["within tol"]] == "yes"
+    assert rows["eager"][col["within tol"]] == "(reference)" and rows["far"][col["within tol"]] == "NO"
+    assert rows["nan"][col["all finite"]] == "NO" and rows["skipped"][col["notes"]] == "skipped: needs CUDA"
+    assert "eager's loss moved -0.2100 from step 1 to step 3" in text
+
+
+def test_loss_parity_mode_on_cpu(tmp_path):
+    res, md, meta = _harness(tmp_path, "--gpus", "2", "--seq-len", "32", "--tokens-per-step", "256",
+                             "--microbatches", "2", "--loss-steps", "5", "--timeout", "120",
+                             "--systems", "rpcompile,eager,roundpipe")
+    assert meta["mode"] == "losscurve" and meta["settings"]["loss_steps"] == 5 and meta["settings"]["lr"] == common.LR
+    eager = res["eager"]["losses"]
+    for name in ("rpcompile", "eager"):
+        r = res[name]
+        assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
+        assert len(r["losses"]) == 5 and all(math.isfinite(x) for x in r["losses"])
+        assert r["warmup_steps"] == 0 and "tokens_per_s" not in r           # no warm-up, no throughput claim
+        assert r["loss_parity"]["reference"] == "eager" and r["loss_parity"]["within_tol"]
+    # Same initial weights, same batches, same AdamW: the curves differ only by rounding (eager: fp32
+    # weights under bf16 autocast; rpcompile: bf16 working copies). The loss is a mean over 256
+    # tokens, so it differs far less than bf16's 2^-8 relative rounding (about 1e-4 here). Held to
+    # a tenth of how far eager's loss moves from one step to the next (~0.01: each step a new random
+    # batch), the check also fails if a system trains on other batches or skips an update.
+    swing = max(abs(b - a) for a, b in zip(eager, eager[1:]))
+    assert swing > 0.005
+    assert res["rpcompile"]["loss_parity"]["max_abs_diff"] < 0.1 * swing
+    assert res["roundpipe"]["status"] == "skipped"
+    assert "· loss parity" in md and "| rpcompile | ok |" in md and "(reference)" in md and "within tol:" in md

@@ -22,16 +22,27 @@ class System:
     gpu_bytes_per_param: float
     label: str
     options: tuple = ()       # (key, value) pairs put into RunSpec.options (before --option)
+    # Stage jobs rotate over the GPUs, and each (stage, GPU) pair compiles its Inductor code on
+    # its first use: the default warm-up is then at least one step per GPU (harness.default_warmup).
+    rotates_over_gpus: bool = False
+
+
+def _rpcompile(name: str, label: str, **options) -> System:
+    """rpcompile with options (rpcompile_runner.config_options turns them into Config fields)."""
+    return System(name, "benchmarks.systems.rpcompile_runner", needs_cuda=False, multi_gpu=True, env="default",
+                  host_bytes_per_param=16 + 2, gpu_bytes_per_param=0, label=label,
+                  options=tuple(sorted(options.items())), rotates_over_gpus=True)
 
 
 SYSTEMS = {
-    "rpcompile": System("rpcompile", "benchmarks.systems.rpcompile_runner", needs_cuda=False, multi_gpu=True,
-                        env="default", host_bytes_per_param=16 + 2, gpu_bytes_per_param=0,
-                        label="rpcompile (host fp32 master + AdamW(fused), bf16 stages)"),
-    "rpcompile-overlapped": System("rpcompile-overlapped", "benchmarks.systems.rpcompile_runner", needs_cuda=False,
-                                   multi_gpu=True, env="default", host_bytes_per_param=16 + 2, gpu_bytes_per_param=0,
-                                   label="rpcompile, Config(optimizer_mode='overlapped') + cm.attach_optimizer(AdamW)",
-                                   options=(("rpcompile_overlapped", "1"),)),
+    "rpcompile": _rpcompile("rpcompile", "rpcompile (host fp32 master + AdamW(fused), bf16 stages)"),
+    "rpcompile-overlapped": _rpcompile("rpcompile-overlapped",
+                                       "rpcompile, Config(optimizer_mode='overlapped') + cm.attach_optimizer(AdamW)",
+                                       rpcompile_overlapped="1"),
+    "rpcompile-p2p": _rpcompile("rpcompile-p2p", "rpcompile, Config(peer_transfers=True)", rpcompile_peer="1"),
+    "rpcompile-overlapped-p2p": _rpcompile("rpcompile-overlapped-p2p",
+                                           "rpcompile, Config(optimizer_mode='overlapped', peer_transfers=True)",
+                                           rpcompile_overlapped="1", rpcompile_peer="1"),
     "eager": System("eager", "benchmarks.systems.eager", needs_cuda=False, multi_gpu=False, env="default",
                     host_bytes_per_param=0, gpu_bytes_per_param=16,
                     label="resident eager PyTorch, 1 GPU, HF checkpointing, bf16 autocast, fp32 AdamW(fused)"),
@@ -39,6 +50,10 @@ SYSTEMS = {
                         env="roundpipe", host_bytes_per_param=16 + 2 + 2,
                         label="RoundPipe 0.1.1 (bf16 model, fp32 optim copy + its CPU Adam)",
                         gpu_bytes_per_param=0),
+    "roundpipe-sync": System("roundpipe-sync", "benchmarks.systems.roundpipe_runner", needs_cuda=True, multi_gpu=True,
+                             env="roundpipe", host_bytes_per_param=16 + 2 + 2,
+                             label="RoundPipe 0.1.1, model.step(is_async=False): no 1-step-stale parameters",
+                             gpu_bytes_per_param=0, options=(("roundpipe_sync", "1"),)),
     "fsdp2": System("fsdp2", "benchmarks.systems.fsdp2", needs_cuda=True, multi_gpu=True, env="default",
                     host_bytes_per_param=16 + 4, gpu_bytes_per_param=0,
                     label="FSDP2 + CPUOffloadPolicy, bf16/fp32 mixed precision, checkpointing, CPU AdamW(fused)"),

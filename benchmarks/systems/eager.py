@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import LR, Trainer, accumulate_and_step, build_model, count_params, enable_checkpointing
+from ..common import Trainer, accumulate_and_step, adamw_kwargs, build_model, count_params, enable_checkpointing
 
 
 class EagerTrainer(Trainer):
@@ -18,8 +18,8 @@ class EagerTrainer(Trainer):
                                  max_positions=spec.max_positions, seed=spec.seed)
         enable_checkpointing(self.model)
         self.n_params = count_params(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
-        self.m = spec.microbatches if spec.mode == "throughput" else 1
+        self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)
+        self.m = spec.microbatches if spec.mode != "maxseq" else 1
 
     def step(self, ids):
         return accumulate_and_step(self.model, self.opt, ids, self.m, self.dev, autocast=True)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..common import (LR, Recorder, RunSpec, Trainer, accumulate_and_step, build_model, count_params,
+from ..common import (Recorder, RunSpec, Trainer, accumulate_and_step, adamw_kwargs, build_model, count_params,
                       enable_checkpointing, run_trainer)
 
 
@@ -38,8 +38,8 @@ class FSDP2Trainer(Trainer):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
-        self.m = spec.microbatches if spec.mode == "throughput" else 1
+        self.opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(spec), fused=True)
+        self.m = spec.microbatches if spec.mode != "maxseq" else 1
 
     def step(self, ids):
         # FSDP2's MixedPrecisionPolicy casts to bf16 itself: no autocast

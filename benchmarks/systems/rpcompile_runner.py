@@ -5,16 +5,43 @@
     loss = cm.train_step(input_ids=ids, labels=ids); opt.step(); opt.zero_grad()
 
 The host masters are the model's fp32 parameters; AdamW(fused=True) steps them on the CPU.
-System "rpcompile-overlapped" (option rpcompile_overlapped=1) uses Config(optimizer_mode=
-"overlapped") and cm.attach_optimizer(opt): rpcompile steps AdamW in a host thread beside the
-next step's jobs (RoundPipe's step is asynchronous too). With --device cpu the same runs on CPU
-"devices" (threads), for the tests.
+Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) become Config fields:
+  rpcompile_overlapped=1  Config(optimizer_mode="overlapped") and cm.attach_optimizer(opt):
+                          rpcompile steps AdamW in a host thread beside the next step's jobs
+                          (RoundPipe's step is asynchronous too); system "rpcompile-overlapped"
+  rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
+                          where peer access exists; system "rpcompile-p2p"
+With --device cpu the same runs on CPU "devices" (threads), for the tests.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..common import GiB, LR, Trainer, build_model, count_params
+from ..common import GiB, Trainer, adamw_kwargs, build_model, count_params
+
+
+def _on(options: dict, key: str) -> bool:
+    return str(options.get(key, "0")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def config_options(spec, config_cls) -> tuple:
+    """(Config keyword arguments, notes) that spec.options ask for. A field is passed only when
+    its option is given, so an rpcompile whose Config lacks it still runs the other systems; an
+    option whose field is missing is an error that says so."""
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    kwargs, notes = {}, []
+    if _on(spec.options, "rpcompile_overlapped"):
+        kwargs["optimizer_mode"] = "overlapped"
+        notes.append("Config(optimizer_mode='overlapped')")
+    if _on(spec.options, "rpcompile_peer"):
+        if "peer_transfers" not in fields:
+            raise RuntimeError("--option rpcompile_peer=1 asks for Config(peer_transfers=True), but this "
+                               "rpcompile's Config has no peer_transfers field")
+        kwargs["peer_transfers"] = True
+        notes.append("Config(peer_transfers=True)")
+    return kwargs, notes
 
 
 class RPCompileTrainer(Trainer):
@@ -31,14 +58,14 @@ class RPCompileTrainer(Trainer):
         extra = {}
         if spec.mode == "maxseq" and on_gpu:
             extra["memory_budget"] = int(spec.mem_cap_gib * GiB)    # plan for the capped card
-        m = spec.microbatches if spec.mode == "throughput" else 1
+        m = spec.microbatches if spec.mode != "maxseq" else 1
+        options, self.notes = config_options(spec, rpcompile.Config)
+        extra.update(options)
         # overlapped: rpcompile steps the optimizer itself in a host thread, beside the next step
-        self.overlapped = str(spec.options.get("rpcompile_overlapped", "0")) == "1"
-        if self.overlapped:
-            extra["optimizer_mode"] = "overlapped"
+        self.overlapped = extra.get("optimizer_mode") == "overlapped"
         self.config = rpcompile.Config(devices=devices, num_microbatches=m, dtype=torch.bfloat16, **extra)
         self.cm = rpcompile.compile(self.model, config=self.config)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, fused=True)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)
         if self.overlapped:
             self.cm.attach_optimizer(self.opt)
 
@@ -62,10 +89,12 @@ class RPCompileTrainer(Trainer):
             self.opt.zero_grad(set_to_none=True)
 
     def info(self):
-        out = {"config": {"devices": [str(d) for d in self.config.devices],
+        out = {"notes": list(self.notes),
+               "config": {"devices": [str(d) for d in self.config.devices],
                           "num_microbatches": self.config.num_microbatches, "dtype": "bfloat16",
                           "memory_budget": self.config.memory_budget,
-                          "optimizer_mode": self.config.optimizer_mode}}
+                          "optimizer_mode": self.config.optimizer_mode,
+                          "peer_transfers": getattr(self.config, "peer_transfers", None)}}
         plan = self.cm.plan
         if plan is not None:
             rows = plan.stage_rows()
@@ -86,24 +115,89 @@ class RPCompileTrainer(Trainer):
 
 def trace_summary(spans) -> dict:
     """cm.last_trace (the executed schedule of the last step: span dicts with device, stream,
-    name, start_s, end_s) summed per stream and span name: busy seconds and counts, bytes where
-    spans carry them. Weights, activations in and results out are the PCIe streams."""
+    name, start_s, end_s, and bytes on transfers) summed per stream and span name (busy seconds,
+    counts, bytes) and, under "devices", per device:
+
+      compute_busy_s / compute_busy_frac: union of the compute spans, and its share of the step
+          (first span start to last span end over all devices);
+      weights_in_s, weights_in_overlapped_s, weights_in_exposed_s: union of the weight uploads,
+          split into the part that ran while compute was busy and the part it did not (exposed);
+      bytes: total bytes per stream (weights_in, acts_in, out); the per-name totals above tell
+          host uploads ("acts_in/fetch") from device-to-device copies ("acts_in/fetch_peer").
+
+    Only spans the runtime records are counted (a transfer that is not traced is not there)."""
     busy, count, nbytes = {}, {}, {}
     first, last = float("inf"), 0.0
+    per_dev: dict = {}                 # device key -> stream -> [(start, end)]
+    dev_bytes: dict = {}               # device key -> stream -> bytes
+    keys = _device_keys(spans)
     for sp in spans:
         key = f"{sp.get('stream')}/{sp.get('name')}"
         start, end = float(sp.get("start_s", 0.0)), float(sp.get("end_s", 0.0))
         busy[key] = busy.get(key, 0.0) + max(0.0, end - start)
         count[key] = count.get(key, 0) + 1
         first, last = min(first, start), max(last, end)
+        dev = keys[(sp.get("worker"), str(sp.get("device")))]
+        per_dev.setdefault(dev, {}).setdefault(str(sp.get("stream")), []).append((start, end))
         for k, v in sp.items():
-            if "bytes" in k and isinstance(v, (int, float)):
+            if "bytes" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
                 nbytes[key] = nbytes.get(key, 0) + v
-    out = {"spans": len(spans), "step_span_s": max(0.0, last - first) if spans else 0.0,
-           "busy_s": busy, "count": count}
+                streams = dev_bytes.setdefault(dev, {})
+                streams[str(sp.get("stream"))] = streams.get(str(sp.get("stream")), 0) + v
+    step = max(0.0, last - first) if spans else 0.0
+    out = {"spans": len(spans), "step_span_s": step, "busy_s": busy, "count": count}
     if nbytes:
         out["bytes"] = nbytes
+    devices = {}
+    for dev, streams in sorted(per_dev.items()):
+        compute = _union(streams.get("compute", []))
+        weights = _union(streams.get("weights_in", []))
+        comp_s, w_s = _length(compute), _length(weights)
+        overlap = _overlap(weights, compute)
+        devices[dev] = {"compute_busy_s": comp_s, "compute_busy_frac": comp_s / step if step > 0 else None,
+                        "weights_in_s": w_s, "weights_in_overlapped_s": overlap,
+                        "weights_in_exposed_s": max(0.0, w_s - overlap), "bytes": dev_bytes.get(dev, {})}
+    out["devices"] = devices
     return out
+
+
+def _device_keys(spans) -> dict:
+    """(worker, device) -> the name a device goes by: the device string (cuda:0), or with the
+    worker index where several workers share one (CPU "devices": 0:cpu, 1:cpu)."""
+    pairs = sorted({(sp.get("worker"), str(sp.get("device"))) for sp in spans}, key=lambda p: (str(p[0]), p[1]))
+    shared = {d for d in {p[1] for p in pairs} if sum(1 for p in pairs if p[1] == d) > 1}
+    return {(w, d): f"{w}:{d}" if d in shared else d for w, d in pairs}
+
+
+def _union(intervals) -> list:
+    """Sorted, disjoint [start, end) intervals covering the same time as `intervals`."""
+    out = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _length(merged) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def _overlap(a, b) -> float:
+    """Seconds two merged interval lists share."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def make_trainer(spec, rank=0, world=1):
