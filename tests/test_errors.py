@@ -1,5 +1,6 @@
 """Bad input gets a clear error in the caller's thread, and a failed step changes nothing."""
 import copy
+import os
 
 import pytest
 import torch
@@ -142,3 +143,26 @@ def test_failure_while_building_programs_does_not_strand_workers(monkeypatch):
     monkeypatch.setattr(cm.runner, "program_for", real)
     model.zero_grad()
     assert torch.isfinite(cm.train_step(**batch))      # would hang if workers were stranded
+
+
+def test_process_exits_cleanly_with_live_workers(tmp_path):
+    """A script that trains and exits with the compiled model still alive ends with status 0
+    (worker threads ending during interpreter shutdown used to abort the process)."""
+    import subprocess
+    import sys
+    script = tmp_path / "train_and_exit.py"
+    script.write_text(
+        "import sys, torch, torch.nn.functional as F, rpcompile\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from models import MLP\n"
+        "m = MLP(depth=2)\n"
+        "cm = rpcompile.compile(m, rpcompile.Config(devices=['cpu', 'cpu'], num_microbatches=2,\n"
+        "                      loss_fn=F.mse_loss, optimizer_mode='overlapped'))\n"
+        "cm.attach_optimizer(torch.optim.AdamW(m.parameters()))\n"
+        "cm.train_step(torch.randn(4, 8), target=torch.randn(4, 4))\n"
+        "print('trained')\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "trained" in res.stdout and "terminate called" not in res.stderr

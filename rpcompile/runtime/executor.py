@@ -33,11 +33,17 @@ class _Worker:
                 finished.set()
 
 
-def _stop(queues, devices):
-    for q in queues:
-        q.put(None)
+def _stop(workers, devices):
+    for w in workers:
+        w.jobs.put(None)
     for d in devices:
         d.close()
+    # Wait for the threads to end while the interpreter is whole: a worker thread that ends
+    # during interpreter shutdown (this runs at exit too) aborts the process in its C++
+    # thread-local destructors ("terminate called without an active exception").
+    for w in workers:
+        if w.thread is not threading.current_thread():
+            w.thread.join(timeout=10)
 
 
 class Executor:
@@ -49,7 +55,7 @@ class Executor:
             d.worker_index = i
         self.workers = [_Worker(d, f"rpcompile-{d.device}-{i}") for i, d in enumerate(self.devices)]
         # Worker threads end when the compiled model (and with it this executor) goes away.
-        weakref.finalize(self, _stop, [w.jobs for w in self.workers], list(self.devices))
+        weakref.finalize(self, _stop, list(self.workers), list(self.devices))
         self.offset = 0
         self.placements: list = []   # (job index, stage index, role, device index) of the last run
 
