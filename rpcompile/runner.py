@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from .passes.graph_utils import retarget
+from .passes.regions import compile_regions
 from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
@@ -54,12 +55,19 @@ class GraphRunner:
 
     @staticmethod
     def _compiled(prog):
-        """The program with its compute graphs compiled by Inductor (AOTAutograd for backward)."""
+        """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
+        cut at repeated blocks such as decoder layers (passes/regions.py): identical layers of
+        the program, forward and recompute alike, share one compiled piece."""
         prog = retarget(prog, {})   # a private copy whose children we may replace
+        shared: dict = {}
+
+        def inductor(gm):
+            return torch.compile(gm, dynamic=None)
+
         if hasattr(prog, "forward_graph"):
-            prog.forward_graph = WarmupGuard(torch.compile(prog.forward_graph, dynamic=None))
+            prog.forward_graph = WarmupGuard(compile_regions(prog.forward_graph, inductor, shared))
         if hasattr(prog, "backward_graph"):
-            prog.backward_graph.compute = torch.compile(prog.backward_graph.compute, dynamic=None)
+            prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
             prog.backward_graph = WarmupGuard(prog.backward_graph)
         return prog
 
