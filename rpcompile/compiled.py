@@ -107,17 +107,19 @@ class CompiledModel(torch.nn.Module):
 
     # --- optimizer -------------------------------------------------------------------------
     def attach_optimizer(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32):
-        """Overlapped mode (Config(optimizer_mode="overlapped")): rpcompile steps `optimizer`
-        itself, in a host thread, right after each train_step's gradients land; the next step's
-        jobs wait only for the parameters they read (Note [overlapped optimizer]). Clipping by
+        """Overlapped and delayed modes (Config(optimizer_mode="overlapped" / "delayed")):
+        rpcompile steps `optimizer` itself, in a host thread, right after each train_step's
+        gradients land; the next step's jobs wait only for the parameters they read (Note
+        [overlapped optimizer]), or in delayed mode not at all (Note [delayed optimizer]). Clipping by
         global norm (`max_grad_norm`) and `lr_scheduler.step()` happen there too, so do not
         call them (or `optimizer.step()`) yourself; call `cm.synchronize()` before reading
         parameters or optimizer state."""
         from .runtime.optimizer import OverlappedOptimizer
-        if self.config.optimizer_mode != "overlapped":
-            raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped'); in exact mode call "
-                             "optimizer.step() yourself after train_step")
+        if self.config.optimizer_mode == "exact":
+            raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "
+                             "mode call optimizer.step() yourself after train_step")
         self.synchronize()
+        self.runner.reset_delay()
         self.runner.overlapped = OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler,
                                                      max_grad_norm=max_grad_norm, chunks=chunks)
 
@@ -142,9 +144,9 @@ class CompiledModel(torch.nn.Module):
             kwargs = {**kwargs, _TARGET: target}
         elif target is not None:
             raise InputError("train_step got target=... but no loss_fn: give Config(loss_fn=...) or loss_fn=...")
-        if self.config.optimizer_mode == "overlapped" and self.runner.overlapped is None:
-            raise InputError("Config(optimizer_mode='overlapped') needs cm.attach_optimizer(optimizer) before "
-                             "train_step")
+        if self.config.optimizer_mode != "exact" and self.runner.overlapped is None:
+            raise InputError(f"Config(optimizer_mode={self.config.optimizer_mode!r}) needs "
+                             "cm.attach_optimizer(optimizer) before train_step")
         plan, leaves = self._plan("train", args, kwargs, loss_fn)
         if grad_scale is None:
             grad_scale = 1.0

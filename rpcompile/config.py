@@ -36,7 +36,11 @@ class Config:
     loss_fn: loss_fn(output, target) when the model does not return its own loss.
     lm_head_shards: vocabulary shards of the LM head (None: chosen from the cost model,
         0: leave the head whole).
-    optimizer_mode: "exact" (gradients land, then the user steps) or "overlapped".
+    optimizer_mode: "exact" (gradients land, then the user steps), "overlapped" (rpcompile
+        steps the attached optimizer beside the next step, whose jobs wait for the parameters
+        they read: results equal exact mode) or "delayed" (the next step does not wait: step t
+        computes its gradients at the parameters after optimizer steps 0..t-2, one step of
+        delay as RoundPipe's asynchronous step; deterministic, not equal to eager training).
     peer_transfers: a boundary activation the next stage job reads goes GPU to GPU where peer
         access exists (the host still gets a copy if a later job reads it), instead of through
         host memory.
@@ -75,8 +79,8 @@ class Config:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"Config.num_microbatches={self.num_microbatches!r}: give an int >= 1")
         self.memory_budget = parse_bytes(self.memory_budget)
-        if self.optimizer_mode not in ("exact", "overlapped"):
-            raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact' or 'overlapped'")
+        if self.optimizer_mode not in ("exact", "overlapped", "delayed"):
+            raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact', 'overlapped' or 'delayed'")
 
     @property
     def on_gpu(self) -> bool:

@@ -16,7 +16,7 @@ from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
 from .runtime.trace import Tracer
 from .runtime.warmup import WarmupGuard
-from .runtime.weights import HostWeights
+from .runtime.weights import DelayedWeights, HostWeights
 
 
 class GraphRunner:
@@ -31,6 +31,8 @@ class GraphRunner:
         self.host_weights = HostWeights()
         self.last_tracer = None
         self.overlapped = None          # runtime.optimizer.OverlappedOptimizer once attached
+        self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
+        self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -138,18 +140,35 @@ class GraphRunner:
             return loss_weights
         return self._row_weights(plan, micro)
 
-    def new_step(self, plan, micro) -> StepState:
+    def new_step(self, plan, micro, host_weights=None) -> StepState:
+        """The state of one step; host_weights: where its weights are read (delayed mode's
+        copies), else the live parameters through the runner's pinned copies."""
         cap = plan.captured
         dtype = self.config.compute_dtype if cap.capture_device.type == "meta" else None
         rng_base = 0
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
+        waits = self.overlapped is not None and host_weights is None
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
-                         host_weights=self.host_weights,
-                         gate=self.overlapped.wait_param if self.overlapped is not None else None,
-                         ready=self.overlapped.is_ready if self.overlapped is not None else None,
+                         host_weights=host_weights or self.host_weights,
+                         gate=self.overlapped.wait_param if waits else None,
+                         ready=self.overlapped.is_ready if waits else None,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
+
+    def _delayed_weights(self, plan) -> DelayedWeights:
+        """The two copies of delayed mode, made from the parameters as they are when the first
+        step (or a step with parameters the copies lack) starts."""
+        params = plan.captured.params
+        if self.delayed is None or not self.delayed.covers(params):
+            self.overlapped.synchronize()
+            dtype = self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
+            self.delayed = DelayedWeights(params, dtype, pin=self.config.on_gpu)
+        return self.delayed
+
+    def reset_delay(self):
+        """A newly attached optimizer starts the delay again from the parameters as they are."""
+        self.delayed, self.delayed_steps = None, 0
 
     def run_jobs(self, plan, step, jobs):
         if step.tracer is None:
@@ -185,7 +204,14 @@ class GraphRunner:
         weights = self.loss_weights(plan, micro)
         for mbatch, w in zip(micro, weights):
             mbatch.seed = w * grad_scale
-        step = self.new_step(plan, micro)
+        delayed = self.config.optimizer_mode == "delayed"
+        if delayed:
+            # Note [delayed optimizer]: step t reads copy t % 2, which optimizer step t - 2 wrote.
+            t = self.delayed_steps
+            self.overlapped.wait_completed(t - 1)
+            step = self.new_step(plan, micro, host_weights=self._delayed_weights(plan).view(t % 2))
+        else:
+            step = self.new_step(plan, micro)
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
@@ -200,8 +226,16 @@ class GraphRunner:
             params = plan.captured.params
             order = _use_order(plan)
             dtype = step.dtype
-            refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
-            self.overlapped.submit([(params[i], grads[i].to(params[i].dtype)) for i in order if i in grads], refresh)
+            others = ()
+            if delayed:
+                slot = self.delayed_steps % 2
+                refresh = lambda p: self.delayed.write(p, slot)   # noqa: E731
+                others = [p for i, p in enumerate(params) if i not in grads]
+                self.delayed_steps += 1
+            else:
+                refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
+            self.overlapped.submit([(params[i], grads[i].to(params[i].dtype)) for i in order if i in grads],
+                                   refresh, others)
         else:
             with torch.no_grad():
                 for i, g in grads.items():

@@ -199,7 +199,8 @@ def torch_cat(parts):
 
 def test_default_warmup_gives_rpcompile_a_step_per_gpu():
     # stage job k of step s runs on GPU (s*J + k) mod N: N steps see every (stage, GPU) pair
-    for name in ("rpcompile", "rpcompile-overlapped", "rpcompile-p2p", "rpcompile-overlapped-p2p"):
+    for name in ("rpcompile", "rpcompile-overlapped", "rpcompile-delayed", "rpcompile-p2p",
+                 "rpcompile-overlapped-p2p"):
         assert get_system(name).rotates_over_gpus
         assert [harness.default_warmup(name, n) for n in (1, 2, 3, 4, 8, 16)] == [2, 2, 3, 4, 8, 8]
         assert harness.default_warmup(name, 4, given=1) == 1                   # --warmup wins
@@ -228,6 +229,8 @@ def test_rpcompile_options_become_config_fields():
     assert kw == {"peer_transfers": True} and "peer_transfers=True" in notes[0]
     kw, notes = rpcompile_runner.config_options(spec("rpcompile-overlapped-p2p"), _ConfigWithPeers)
     assert kw == {"optimizer_mode": "overlapped", "peer_transfers": True} and len(notes) == 2
+    kw, notes = rpcompile_runner.config_options(spec("rpcompile-delayed"), _ConfigWithPeers)
+    assert kw == {"optimizer_mode": "delayed"} and "one step late" in notes[0]
     kw, _ = rpcompile_runner.config_options(spec("rpcompile", rpcompile_peer="1"), _ConfigWithPeers)
     assert kw == {"peer_transfers": True}                                    # --option rpcompile_peer=1
     # without the field only the option that needs it fails, and says why

@@ -147,7 +147,7 @@ def test_failure_while_building_programs_does_not_strand_workers(monkeypatch):
 
 def test_process_exits_cleanly_with_live_workers(tmp_path):
     """A script that trains and exits with the compiled model still alive ends with status 0
-    (worker threads ending during interpreter shutdown used to abort the process)."""
+    (worker and optimizer threads ending during interpreter shutdown used to abort it)."""
     import subprocess
     import sys
     script = tmp_path / "train_and_exit.py"
@@ -163,6 +163,7 @@ def test_process_exits_cleanly_with_live_workers(tmp_path):
         "print('trained')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "trained" in res.stdout and "terminate called" not in res.stderr
+    for _ in range(3):      # the abort depended on timing: about one run in three before the fix
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "trained" in res.stdout and "terminate called" not in res.stderr

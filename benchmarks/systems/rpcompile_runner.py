@@ -9,6 +9,9 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_overlapped=1  Config(optimizer_mode="overlapped") and cm.attach_optimizer(opt):
                           rpcompile steps AdamW in a host thread beside the next step's jobs
                           (RoundPipe's step is asynchronous too); system "rpcompile-overlapped"
+  rpcompile_delayed=1     Config(optimizer_mode="delayed"): like overlapped, but the next step
+                          does not wait for the optimizer (one step of delay, as RoundPipe's
+                          default asynchronous step); system "rpcompile-delayed"
   rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
                           where peer access exists; system "rpcompile-p2p"
 With --device cpu the same runs on CPU "devices" (threads), for the tests.
@@ -35,6 +38,9 @@ def config_options(spec, config_cls) -> tuple:
     if _on(spec.options, "rpcompile_overlapped"):
         kwargs["optimizer_mode"] = "overlapped"
         notes.append("Config(optimizer_mode='overlapped')")
+    if _on(spec.options, "rpcompile_delayed"):
+        kwargs["optimizer_mode"] = "delayed"
+        notes.append("Config(optimizer_mode='delayed'): gradients applied one step late, as RoundPipe's async step")
     if _on(spec.options, "rpcompile_peer"):
         if "peer_transfers" not in fields:
             raise RuntimeError("--option rpcompile_peer=1 asks for Config(peer_transfers=True), but this "
@@ -62,7 +68,7 @@ class RPCompileTrainer(Trainer):
         options, self.notes = config_options(spec, rpcompile.Config)
         extra.update(options)
         # overlapped: rpcompile steps the optimizer itself in a host thread, beside the next step
-        self.overlapped = extra.get("optimizer_mode") == "overlapped"
+        self.overlapped = extra.get("optimizer_mode") in ("overlapped", "delayed")
         self.config = rpcompile.Config(devices=devices, num_microbatches=m, dtype=torch.bfloat16, **extra)
         self.cm = rpcompile.compile(self.model, config=self.config)
         self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)

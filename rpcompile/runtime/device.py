@@ -122,13 +122,17 @@ class DeviceRuntime:
         """A parameter's working copy (or that of rows [start, stop)) on this device, from its
         pinned copy on a GPU; with wait=False, (tensor, event the compute must wait on)."""
         want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
-        if self.is_cpu:
+        if self.is_cpu and not getattr(host_weights, "snapshot", False):
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             p = p if p.dtype == want else p.to(want)
             return p if wait else (p, None)
+        if self.is_cpu:        # a delayed-mode copy: rewritten only after this step ended
+            with host_weights.refreshed(param, want, rows) as entry:
+                p = entry[1]
+            return p if wait else (p, None)
         with host_weights.refreshed(param, want, rows) as entry:
             d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
-            entry[2] = ev
+            host_weights.mark_upload(entry, ev)
         return d if wait else (d, ev)
 
     def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None):

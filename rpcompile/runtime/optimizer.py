@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 
 import torch
 
@@ -21,9 +22,13 @@ class OverlappedOptimizer:
         self.chunks = chunks
         self._ready: dict = {}                  # id(param) -> threading.Event
         self._queue: queue.Queue = queue.Queue()
+        self._completed = 0                     # submissions stepped (or failed)
+        self._completed_cond = threading.Condition()
         self._error = None
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
+        # Ended and joined at exit while the interpreter is whole (see executor._stop).
+        weakref.finalize(self, _stop_thread, self._queue, self._thread)
 
     def _event(self, p):
         ev = self._ready.get(id(p))
@@ -42,12 +47,19 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, grads: list, refresh=None):
-        """Step [(param, grad), ...] (grads in use order) in the background."""
+    def submit(self, grads: list, refresh=None, others=()):
+        """Step [(param, grad), ...] (grads in use order) in the background; refresh(p) after
+        each parameter is stepped, and for each of `others` (parameters without a gradient)."""
         self.raise_if_failed()
         for p, _ in grads:
             self._event(p).clear()
-        self._queue.put((grads, refresh))
+        self._queue.put((grads, refresh, list(others)))
+
+    def wait_completed(self, count: int):
+        """Block until at least `count` submissions have been stepped."""
+        with self._completed_cond:
+            self._completed_cond.wait_for(lambda: self._completed >= count)
+        self.raise_if_failed()
 
     def synchronize(self):
         """Wait until every submitted step is done (before reading parameters or optimizer state)."""
@@ -61,14 +73,24 @@ class OverlappedOptimizer:
 
     def _loop(self):
         while True:
-            grads, refresh = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            grads, refresh, others = item
             try:
                 self._step(grads, refresh)
+                if refresh is not None:
+                    for p in others:
+                        refresh(p)
             except BaseException as exc:  # surfaced in the caller's thread by the next call
                 self._error = exc
             finally:
                 for p, _ in grads:
                     self._event(p).set()
+                with self._completed_cond:
+                    self._completed += 1
+                    self._completed_cond.notify_all()
                 self._queue.task_done()
 
     def _step(self, grads, refresh):
@@ -89,3 +111,9 @@ class OverlappedOptimizer:
                 self._event(p).set()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+
+
+def _stop_thread(q, thread):
+    q.put(None)
+    if thread is not threading.current_thread():
+        thread.join(timeout=10)

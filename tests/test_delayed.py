@@ -1,0 +1,127 @@
+"""Delayed optimizer mode: step t's gradients are taken at the parameters after optimizer
+steps 0..t-2 (Note [delayed optimizer]); checked against that recurrence written in eager."""
+import copy
+
+import pytest
+import torch
+
+import rpcompile
+
+from models import lm_batch, qwen3
+from parity import close
+
+
+def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None):
+    """The delayed recurrence in plain PyTorch: losses per step and the final parameters."""
+    live = copy.deepcopy(model)
+    opt = torch.optim.AdamW(live.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma) if gamma else None
+    # snapshots[t]: the parameters step t computes at (after optimizer steps 0..t-2)
+    snapshots = [copy.deepcopy(live.state_dict()), copy.deepcopy(live.state_dict())]
+    work = copy.deepcopy(model)
+    losses = []
+    for t, batch in enumerate(batches):
+        work.load_state_dict(snapshots[t])
+        work.zero_grad()
+        loss = work(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        for p, q in zip(live.parameters(), work.parameters()):
+            p.grad = q.grad.clone()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(live.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        snapshots.append(copy.deepcopy(live.state_dict()))   # what step t + 2 computes at
+    return losses, live
+
+
+@pytest.mark.parametrize("devices,microbatches,clip,gamma", [(1, 1, None, None), (2, 3, 0.5, 0.5), (3, 2, None, None)])
+def test_delayed_mode_follows_the_one_step_delay_recurrence(devices, microbatches, clip, gamma):
+    model = qwen3(tied=True)
+    batches = [lm_batch(seed=s) for s in range(5)]
+    ref_losses, ref = _eager_delayed(model, batches, 1e-3, clip, gamma)
+    cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget="300KiB",
+                           optimizer_mode="delayed")
+    cm = rpcompile.compile(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma) if gamma else None
+    cm.attach_optimizer(opt, lr_scheduler=sched, max_grad_norm=clip, chunks=3)
+    for t, batch in enumerate(batches):
+        close(cm.train_step(**batch), ref_losses[t], 1e-5, 1e-6, f"loss at step {t}")
+    cm.synchronize()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-6, name)
+    # the delay is real: undelayed training differs from step 1 on (step 1 sees the initial
+    # parameters here, the parameters after step 0 there)
+    plain = _eager_plain(qwen3(tied=True), batches[:2], 1e-3)
+    assert torch.equal(plain[0], ref_losses[0]) and (plain[1] - ref_losses[1]).abs() > 2e-6   # 4 ulps of the loss
+
+
+def _eager_plain(model, batches, lr):
+    """Plain (undelayed) training losses, to show the delay is real."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_delayed_mode_does_not_wait_for_the_optimizer():
+    """A slow optimizer: the next step starts at once (it reads the copies of two steps ago)."""
+    import threading
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   optimizer_mode="delayed"))
+    release = threading.Event()
+
+    class HeldSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            release.wait(30)
+            return super().step(closure)
+
+    cm.attach_optimizer(HeldSGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    cm.train_step(**lm_batch(seed=0))
+    cm.train_step(**lm_batch(seed=1))      # would block forever in overlapped mode
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the optimizer is still held"
+    release.set()
+    cm.train_step(**lm_batch(seed=2))      # waits for optimizer step 0 only
+    cm.synchronize()
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeypatch):
+    from rpcompile.runtime.job import JobContext
+
+    def run(fail_at=None):
+        model = qwen3(seed=3)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                       memory_budget="300KiB", optimizer_mode="delayed"))
+        cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses = []
+        for t in range(4):
+            if t == fail_at:
+                real = JobContext.accumulate_grads
+
+                def faulty(self, grads):
+                    raise RuntimeError("injected")
+                monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+                with pytest.raises(rpcompile.StageError):
+                    cm.train_step(**lm_batch(seed=t))
+                monkeypatch.setattr(JobContext, "accumulate_grads", real)
+            losses.append(cm.train_step(**lm_batch(seed=t)))
+        cm.synchronize()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    losses_a, params_a = run()
+    losses_b, params_b = run(fail_at=2)
+    for a, b in zip(losses_a, losses_b):
+        assert torch.equal(a, b)
+    for a, b in zip(params_a, params_b):
+        assert torch.equal(a, b)
