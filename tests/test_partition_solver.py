@@ -30,9 +30,10 @@ def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh):
     S = sum(s.saved_bytes for s in segs[i:j])
     secs = sum((s.fwd_s if kind == "fwd" else s.bwd_s) for s in segs[i:j])
     t = max(M * secs, (P + M * (cut_bytes[i] + cut_bytes[j])) / bw) + ovh
-    mem = 2 * P + 2 * (cut_bytes[i] + cut_bytes[j])
+    X = max(s.peak_bytes for s in segs[i:j])
+    mem = 2 * P + 2 * (cut_bytes[i] + cut_bytes[j]) + X
     if kind != "fwd":
-        mem += G + S
+        mem += G + S + X
     return t, mem
 
 
@@ -85,7 +86,7 @@ def random_case(seed):
         b = (rng.choice([1, 2, 3]) * f) if ints else f * rng.uniform(1.5, 4.0)
         p = rng.choice([0, 1, 2, 4]) * 1000 if ints else rng.randint(0, 5000)
         segs.append(Segment(float(f), float(b), p, rng.randint(0, p) if p else 0,
-                            rng.randint(0, 3000)))
+                            rng.randint(0, 3000), rng.choice([0, rng.randint(0, 4000)])))
     cut_bytes = [rng.choice([0, 10, 100, 5000]) if rng.random() < 0.5 else rng.randint(0, 500)
                  for _ in range(n + 1)]
     kw = dict(num_devices=rng.randint(1, 4), num_microbatches=rng.randint(1, 5))

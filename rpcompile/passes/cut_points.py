@@ -115,7 +115,7 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
     segments = []
     for a, b in zip(cuts, cuts[1:]):
         fwd = bwd = 0.0
-        saved = 0
+        saved = peak = 0
         params = {}
         for n in lv.body[a:b]:
             cost = n.meta.get("rp_cost")
@@ -123,10 +123,13 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
                 f, fb = node_seconds(cost, bindings, peak_flops=hw.peak_flops, mem_bw=hw.mem_bw)
                 fwd, bwd = fwd + f, bwd + fb
                 saved += int(evaluate(cost.saved_bytes, bindings))
+                if not cost.is_view:
+                    peak = max(peak, int(evaluate(cost.out_bytes, bindings)))
             for key, nbytes, numel, grad in params_read(n):
                 params[key] = (nbytes, numel, grad)
         pbytes = sum(v[0] for v in params.values())
         gbytes = sum(4 * v[1] for v in params.values() if v[2])
-        segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved))
+        segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved,
+                                peak_bytes=peak))
     cut_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in lv.live[p]) for p in cuts]
     return segments, cut_bytes

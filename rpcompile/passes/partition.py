@@ -20,8 +20,10 @@ Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and
     bwd/fused job time = max(M * sum bwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
     (A_p = cut_bytes[p]: the activations, or their gradients, a job moves over the host link
     for each microbatch at its two boundaries, beside its weights)
-    fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j])
-    bwd/fused job memory = 2*P + G + S + 2*(cut_bytes[i] + cut_bytes[j])
+    fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j]) + X
+    bwd/fused job memory = 2*P + G + S + 2*(cut_bytes[i] + cut_bytes[j]) + 2*X
+    (X: the largest peak_bytes of the stage's segments: the working memory of its biggest op,
+    e.g. an unsplit LM head's fp32 logits; in the backward that value and its gradient)
 
 (2*P because the running stage's weights and the prefetched next stage's weights are both
 resident.) With J jobs and T the slowest job, a step takes about
@@ -84,6 +86,7 @@ class Segment:
     param_bytes: int  # device bytes of the parameters the segment reads
     grad_bytes: int  # device bytes of the gradients of those parameters (accumulated on device)
     saved_bytes: int  # bytes saved for backward by the segment, per microbatch
+    peak_bytes: int = 0  # largest value the segment makes (its gradient is as large), per microbatch
 
 
 class PlanningError(ValueError):
@@ -206,7 +209,7 @@ class _Costs:
                 v = getattr(s, name)
                 if not (math.isfinite(v) and v >= 0):
                     raise ValueError(f"segment {k}: {name} must be finite and >= 0, got {v!r}")
-            for name in ("param_bytes", "grad_bytes", "saved_bytes"):
+            for name in ("param_bytes", "grad_bytes", "saved_bytes", "peak_bytes"):
                 if getattr(s, name) < 0:
                     raise ValueError(f"segment {k}: {name} must be >= 0")
         if any(b < 0 for b in cut_bytes):
@@ -230,6 +233,7 @@ class _Costs:
 
         fwd_s, bwd_s = col("fwd_s", _F64), col("bwd_s", _F64)
         pb, gb, sb = col("param_bytes", _I64), col("grad_bytes", _I64), col("saved_bytes", _I64)
+        xb = col("peak_bytes", _I64)
         cb = torch.tensor(self.cut_bytes, dtype=_I64)
         pos = torch.arange(n + 1)
         n1, bw, ovh, M = n + 1, float(upload_bw), float(job_overhead_s), self.M
@@ -246,14 +250,21 @@ class _Costs:
                 out[:, 1:] = torch.where(take, x, 0).cumsum(dim=1)
                 return out
 
+            def range_max(x):
+                # R[i, j] = max(x[i], ..., x[j-1]); 0 where j <= i (x >= 0).
+                out = torch.zeros(take.shape[0], n1, dtype=x.dtype)
+                out[:, 1:] = torch.where(take, x, 0).cummax(dim=1).values
+                return out
+
             P = range_sums(pb)
+            X = range_max(xb)
             # the host link carries the weights once and the boundary values per microbatch
             upload = (P.to(_F64) + M * (cb[r, None] + cb[None, :]).to(_F64)) / bw
             ends = 2 * (cb[r, None] + cb[None, :])
             self.time["fwd"][r] = torch.maximum(M * range_sums(fwd_s), upload) + ovh
             self.time["bwd"][r] = torch.maximum(M * range_sums(bwd_s), upload) + ovh
-            self.mem["fwd"][r] = 2 * P + ends
-            self.mem["bwd"][r] = 2 * P + range_sums(gb) + range_sums(sb) + ends
+            self.mem["fwd"][r] = 2 * P + ends + X
+            self.mem["bwd"][r] = 2 * P + range_sums(gb) + range_sums(sb) + ends + 2 * X
         # Memory values are integers, so ``mem <= budget`` <=> ``mem <= floor(budget)``:
         # comparing int64 with an int keeps the test exact for any budget type.
         self._set_budget(None if memory_budget is None else math.floor(memory_budget))
@@ -537,6 +548,9 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         S = sum(s.saved_bytes for s in segs)
         what += f", {_gib(G)} GiB gradients, {_gib(S)} GiB saved for backward per microbatch"
     what += f", 2 x {_gib(ends)} GiB activations across its boundaries"
+    X = max(s.peak_bytes for s in segs)
+    if X:
+        what += f", {'2 x ' if kind != 'fwd' else ''}{_gib(X)} GiB for its largest value"
     names = {"fwd": "forward", "bwd": "backward", "fused": "fused last"}
     fixes = ("use more microbatches (less activation memory per microbatch), lower-precision "
              "weights and gradients, or more legal cut points inside segments "
