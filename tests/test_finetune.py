@@ -145,6 +145,22 @@ def test_rpcompile_losses_match_eager(tmp_path):
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
+def test_optimizer_modes(tmp_path, captured):
+    """--optimizer overlapped trains exactly as exact; delayed lands each step's gradients one
+    step late (same first two losses as a run from the same start, then its own curve)."""
+    for mode in ("exact", "overlapped", "delayed"):
+        assert run("--steps", 4, "--save", tmp_path / mode, "--optimizer", mode, *SMALL) == 0
+    exact, overlapped, delayed = (losses_of(tmp_path / m) for m in ("exact", "overlapped", "delayed"))
+    assert overlapped == pytest.approx(exact, rel=0, abs=1e-6)
+    a, b = captured[0].state_dict(), captured[1].state_dict()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert delayed[0] == pytest.approx(exact[0], rel=0, abs=1e-6)        # both at the initial weights
+    assert all(torch.isfinite(torch.tensor(delayed))) and delayed[1] != pytest.approx(exact[1], rel=0, abs=1e-6)
+    state = checkpoint.read_state(tmp_path / "delayed")["optimizer"]["state"]
+    assert all(int(s["step"]) == 4 for s in state.values())               # every step was applied
+    assert main(["--optimizer", "delayed", "--engine", "eager"]) == 2
+
+
 # -- bad arguments and data: one line, exit code 2 -----------------------------------------
 
 def _bad_jsonl(tmp_path):

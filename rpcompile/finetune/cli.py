@@ -35,6 +35,7 @@ class Options:
     seed: int
     engine: str
     resume_state: dict | None = None
+    optimizer: str = "exact"   # rpcompile's optimizer_mode: exact, overlapped or delayed
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run saved in DIR exactly where it stopped (model, data, "
                         "seed and batch shape come from the checkpoint)")
     p.add_argument("--seed", metavar="N", type=_seed, help=f"random seed (default: {DEFAULT_SEED})")
+    p.add_argument("--optimizer", choices=["exact", "overlapped", "delayed"], default="exact",
+                   help="when AdamW steps: exact (after each step, results equal plain PyTorch), "
+                        "overlapped (in a host thread beside the next step, same results), delayed "
+                        "(the next step does not wait: gradients land one step late, as RoundPipe's "
+                        "asynchronous step; a --resume starts the delay again) (default: exact)")
     p.add_argument("--engine", choices=["rpcompile", "eager"], default="rpcompile",
                    help=argparse.SUPPRESS)  # eager: a plain-PyTorch stand-in, for testing
     return p
@@ -169,6 +175,9 @@ def parse_args(argv=None) -> Options:
                          f"(every microbatch needs at least one row)")
     if a.seq_len is not None and a.seq_len < 2:
         raise UsageError(f"--seq-len {a.seq_len}: needs at least 2 tokens (one to predict the next)")
+    if a.optimizer != "exact" and a.engine == "eager":
+        raise UsageError(f"--optimizer {a.optimizer}: only rpcompile steps the optimizer itself; the eager "
+                         "stand-in takes --optimizer exact")
     steps = a.steps or DEFAULT_STEPS
     if state is not None and steps <= state["step"]:
         raise UsageError(f"--steps {steps}: the checkpoint in {a.resume} is already at step {state['step']}; "
@@ -179,7 +188,8 @@ def parse_args(argv=None) -> Options:
                    steps=steps, lr=lr, dtype=a.dtype, lora=a.lora,
                    save=a.save.absolute() if a.save else None, save_every=a.save_every,
                    resume=a.resume.absolute() if a.resume else None,
-                   seed=DEFAULT_SEED if a.seed is None else a.seed, engine=a.engine, resume_state=state)
+                   seed=DEFAULT_SEED if a.seed is None else a.seed, engine=a.engine, resume_state=state,
+                   optimizer=a.optimizer)
 
 
 def _reconcile_with_checkpoint(a, state: dict) -> None:

@@ -22,7 +22,7 @@ from .errors import RunError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def compile_model(model, engine: str, devices: list[str], microbatches: int, dtype):
+def compile_model(model, engine: str, devices: list[str], microbatches: int, dtype, optimizer_mode="exact"):
     if engine == "eager":
         return _EagerCompiled(model, devices, microbatches, dtype)
     try:
@@ -31,7 +31,8 @@ def compile_model(model, engine: str, devices: list[str], microbatches: int, dty
         compile_fn, config_cls = rpcompile.compile, rpcompile.Config
     except (ImportError, AttributeError) as e:
         raise RunError(f"the rpcompile compiler core is not available ({type(e).__name__}: {e})") from None
-    return compile_fn(model, config=config_cls(devices=devices, num_microbatches=microbatches, dtype=dtype))
+    return compile_fn(model, config=config_cls(devices=devices, num_microbatches=microbatches, dtype=dtype,
+                                               optimizer_mode=optimizer_mode))
 
 
 def engine_errors(engine: str) -> tuple:

@@ -34,7 +34,7 @@ def run(opts: Options) -> int:
     total, trainable = models.count_params(model)
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
-    cm = compile_model(model, opts.engine, opts.devices, opts.microbatches, dtype)
+    cm = compile_model(model, opts.engine, opts.devices, opts.microbatches, dtype, opts.optimizer)
     compiler_errors = engine_errors(opts.engine)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=opts.lr)
@@ -47,13 +47,17 @@ def run(opts: Options) -> int:
             group["lr"] = opts.lr
         _set_rng_state(state["rng"])
         step, sampler.cursor, losses = state["step"], state["cursor"], list(state["losses"])
+    stepped_by_rpcompile = opts.optimizer != "exact"   # overlapped / delayed: rpcompile steps AdamW
+    if stepped_by_rpcompile:
+        cm.attach_optimizer(opt)
 
     lora = f", LoRA rank {opts.lora}" if opts.lora else ""
     print(f"{PROG}: model {opts.model} ({type(_base(model)).__name__}, {total / 1e6:.2f}M params, "
           f"{trainable / 1e6:.2f}M trained{lora}; {origin})")
     print(f"  data: {tokens.description}; tokenizer: {tokenizer.name}")
     print(f"  devices: {','.join(opts.devices)}; batch {opts.batch_size} x {opts.seq_len} tokens in "
-          f"{opts.microbatches} microbatches; compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}; "
+          f"{opts.microbatches} microbatches; compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}"
+          f"{'' if opts.optimizer == 'exact' else f' ({opts.optimizer})'}; "
           f"steps {step + 1}..{opts.steps}" + (f" (resumed from {opts.resume})" if state else ""))
     print("  the first step captures and plans the model ...", flush=True)
 
@@ -65,6 +69,8 @@ def run(opts: Options) -> int:
 
     def save(step: int) -> None:
         nonlocal saved_step
+        if stepped_by_rpcompile:
+            cm.synchronize()          # the optimizer's pending step, before reading its state
         notes: list[str] = []
         payload = {"step": step, "cursor": sampler.cursor, "losses": list(losses),
                    "optimizer": opt.state_dict(), "rng": _rng_state(), "run": run_info}
@@ -93,8 +99,9 @@ def run(opts: Options) -> int:
                 loss = cm.train_step(input_ids=input_ids, labels=labels)
             except compiler_errors as e:  # the compiler's own errors name the stage, device, fix
                 raise RunError(f"rpcompile could not run step {step + 1}: {type(e).__name__}: {e}") from e
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if not stepped_by_rpcompile:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             step += 1
             losses.append(float(loss))
@@ -118,6 +125,8 @@ def run(opts: Options) -> int:
     finally:
         if progress is not None:
             progress.close()
+    if stepped_by_rpcompile:
+        cm.synchronize()
     if opts.save:
         save(step)
 
