@@ -239,14 +239,12 @@ def test_rpcompile_options_become_config_fields():
     with pytest.raises(RuntimeError, match="no peer_transfers field"):
         rpcompile_runner.config_options(spec("rpcompile-p2p"), _ConfigWithoutPeers)
     assert SYSTEMS["rpcompile-p2p"].module == SYSTEMS["rpcompile"].module
-    # and against the real Config: the field once the lead's rpcompile has it, else the clear error
+    # and against the real Config
     import rpcompile
-    if "peer_transfers" in {f.name for f in dataclasses.fields(rpcompile.Config)}:
-        kw, _ = rpcompile_runner.config_options(spec("rpcompile-p2p"), rpcompile.Config)
-        assert rpcompile.Config(devices=["cpu", "cpu"], **kw).peer_transfers is True
-    else:
-        with pytest.raises(RuntimeError, match="no peer_transfers field"):
-            rpcompile_runner.config_options(spec("rpcompile-p2p"), rpcompile.Config)
+    kw, _ = rpcompile_runner.config_options(spec("rpcompile-p2p"), rpcompile.Config)
+    assert rpcompile.Config(devices=["cpu", "cpu"], **kw).peer_transfers is True
+    kw, _ = rpcompile_runner.config_options(spec("rpcompile-delayed"), rpcompile.Config)
+    assert rpcompile.Config(devices=["cpu", "cpu"], **kw).optimizer_mode == "delayed"
 
 
 def test_trace_summary_per_device():
