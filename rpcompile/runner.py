@@ -230,7 +230,7 @@ class GraphRunner:
             if delayed:
                 slot = self.delayed_steps % 2
                 refresh = lambda p: self.delayed.write(p, slot)   # noqa: E731
-                others = [p for i, p in enumerate(params) if i not in grads]
+                others = [p for i, p in enumerate(params) if i not in grads and p.requires_grad]
                 self.delayed_steps += 1
             else:
                 refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None

@@ -27,7 +27,7 @@ def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None):
         loss.backward()
         losses.append(loss.detach())
         for p, q in zip(live.parameters(), work.parameters()):
-            p.grad = q.grad.clone()
+            p.grad = None if q.grad is None else q.grad.clone()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(live.parameters(), max_grad_norm)
         opt.step()
@@ -125,3 +125,23 @@ def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeyp
         assert torch.equal(a, b)
     for a, b in zip(params_a, params_b):
         assert torch.equal(a, b)
+
+
+def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
+    """A LoRA-like run: frozen parameters are copied once (not twice) and never rewritten."""
+    model = qwen3(seed=5)
+    frozen = [p for n, p in model.named_parameters() if "mlp" in n]
+    for p in frozen:
+        p.requires_grad_(False)
+    before = [p.detach().clone() for p in frozen]
+    ref_losses, ref = _eager_delayed(model, [lm_batch(seed=s) for s in range(3)], 1e-3)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   optimizer_mode="delayed"))
+    cm.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    for t in range(3):
+        close(cm.train_step(**lm_batch(seed=t)), ref_losses[t], 1e-5, 1e-6, f"loss at step {t}")
+    cm.synchronize()
+    assert all(torch.equal(p, b) for p, b in zip(frozen, before))
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
+    assert cm.runner.delayed.nbytes() == 2 * trainable + frozen_bytes

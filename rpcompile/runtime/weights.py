@@ -77,12 +77,13 @@ class DelayedWeights:
             src = p.detach()
             want = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
             slots = []
-            for _ in range(2):
+            # A frozen parameter (a LoRA base) never changes: one copy serves both parities.
+            for _ in range(2 if p.requires_grad else 1):
                 t = torch.empty(src.shape, dtype=want, pin_memory=pin)
                 with torch.no_grad():
                     t.copy_(src)
                 slots.append([t, [], threading.Lock()])
-            self._copies[id(p)] = slots
+            self._copies[id(p)] = slots * (1 if p.requires_grad else 2)
 
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
@@ -102,7 +103,8 @@ class DelayedWeights:
                 tensor.copy_(param.detach())
 
     def nbytes(self) -> int:
-        return sum(s[0].numel() * s[0].element_size() for slots in self._copies.values() for s in slots)
+        tensors = {id(s[0]): s[0] for slots in self._copies.values() for s in slots}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class _SlotView:
