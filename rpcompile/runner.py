@@ -5,6 +5,7 @@ Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of 
 """
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -156,6 +157,43 @@ class GraphRunner:
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
+    def _early_steps(self, plan, step, jobs) -> set:
+        """Overlapped mode without clipping: hand a parameter to the optimizer as soon as the
+        last job making its gradient has finished (Note [overlapped optimizer]); returns the
+        set of parameter indices handed over, filled while the step runs."""
+        producers: dict = {}
+        for k, st, role in jobs:
+            if role != "fwd":
+                for key in st.grad_params:
+                    producers.setdefault(key[0] if isinstance(key, tuple) else key, set()).add(k)
+        params, dtype = plan.captured.params, step.dtype
+        refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
+        order = {i: n for n, i in enumerate(_use_order(plan))}
+        handed: set = set()
+        lock = threading.Lock()
+
+        def on_job_done(job):
+            with lock:
+                ready = []
+                for i, waiting in producers.items():
+                    if job in waiting:
+                        waiting.discard(job)
+                        if not waiting:
+                            ready.append(i)
+                handed.update(ready)
+            # The last job's parameters go with the step's final submission, after all jobs.
+            if ready and job != jobs[-1][0]:
+                ready.sort(key=order.get)
+                self.overlapped.submit(
+                    [(params[i], lambda i=i: self.param_grads(step, only={i})[i].to(params[i].dtype))
+                     for i in ready], refresh, early=True)
+            elif ready:
+                with lock:
+                    handed.difference_update(ready)
+
+        step.on_job_done = on_job_done
+        return handed
+
     def _delayed_weights(self, plan) -> DelayedWeights:
         """The two copies of delayed mode, made from the parameters as they are when the first
         step (or a step with parameters the copies lack) starts."""
@@ -181,12 +219,16 @@ class GraphRunner:
         return None if self.last_tracer is None else self.last_tracer.spans()
 
     @staticmethod
-    def param_grads(step) -> dict:
+    def param_grads(step, only=None, skip=()) -> dict:
         """Host gradient per parameter index, summed over the jobs in job order (a job that
-        took only rows of a parameter, keyed (index, start, stop), adds into those rows)."""
+        took only rows of a parameter, keyed (index, start, stop), adds into those rows);
+        only the indices in `only` (all if None), none of those in `skip`."""
         totals = {}
         for j in sorted(step.param_grads):
             for key, g in step.param_grads[j].items():
+                index = key[0] if isinstance(key, tuple) else key
+                if (only is not None and index not in only) or index in skip:
+                    continue
                 g = resolve(g)
                 if isinstance(key, tuple):
                     i, start, stop = key
@@ -212,16 +254,22 @@ class GraphRunner:
             step = self.new_step(plan, micro, host_weights=self._delayed_weights(plan).view(t % 2))
         else:
             step = self.new_step(plan, micro)
+        jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
+        early = None
+        if not delayed and self.overlapped is not None and self.overlapped.splits_steps:
+            early = self._early_steps(plan, step, jobs)
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
-            self.run_jobs(plan, step, [(k, st, st.kind) for k, st in enumerate(plan.stages)])
+            self.run_jobs(plan, step, jobs)
         except BaseException:
             with torch.no_grad():
                 for i, s in saved.items():
                     plan.captured.buffers[i].copy_(s)
+            if early is not None:
+                self.overlapped.rollback()
             raise
-        grads = self.param_grads(step)
+        grads = self.param_grads(step, skip=early or ())
         if self.overlapped is not None:
             params = plan.captured.params
             order = _use_order(plan)

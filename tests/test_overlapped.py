@@ -68,3 +68,64 @@ def test_next_step_waits_for_the_parameters_it_reads():
         loss_ref.backward()
         opt_ref.step(), opt_ref.zero_grad()
         close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
+
+
+def test_without_clipping_parameters_are_stepped_while_later_jobs_run():
+    """No clipping: a stage's parameters go to the optimizer when the last job making their
+    gradients ends (several submissions per step); results stay exact."""
+    model = qwen3(tied=False, layers=3)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="overlapped"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm.attach_optimizer(opt)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        batch = lm_batch(seed=step)
+        close(cm.train_step(**batch), ref(**batch).loss.detach(), 1e-5, 1e-6, f"loss at step {step}")
+        ref(**batch).loss.backward()
+        opt_ref.step(), opt_ref.zero_grad()
+    cm.synchronize()
+    assert len(cm.plan.stages) >= 3
+    assert cm.runner.overlapped._completed > 3, "every step was handed over in one piece"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-6, name)
+
+
+def test_a_step_failing_after_early_optimizer_steps_changes_nothing(monkeypatch):
+    from rpcompile.runtime.job import JobContext
+
+    model = qwen3(tied=False, layers=3)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="overlapped"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm.attach_optimizer(opt)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(2):
+        batch = lm_batch(seed=step)
+        if step == 1:       # the last job fails after the others' parameters were handed over
+            cm.synchronize()
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+            last = len(cm.plan.stages) - 1
+            real = JobContext.accumulate_grads
+
+            def faulty(self, grads):
+                if self.stage.index == last:
+                    raise RuntimeError("injected")
+                return real(self, grads)
+            monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+            with pytest.raises(rpcompile.StageError):
+                cm.train_step(**batch)
+            monkeypatch.setattr(JobContext, "accumulate_grads", real)
+            cm.synchronize()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach(), params[n]), n
+                assert all(torch.equal(opt.state[p][k], v) for k, v in state[n].items()), n
+        cm.train_step(**batch)
+        ref(**batch).loss.backward()
+        opt_ref.step(), opt_ref.zero_grad()
+    cm.synchronize()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-6, name)

@@ -6,6 +6,13 @@ optimizer chunk by chunk in the order the next forward reads the parameters, ref
 chunk's pinned working copies, and marks the chunk ready; the next step's jobs wait only for
 the parameters they read. Then it steps the LR scheduler. Per-parameter optimizers
 (SGD, Adam, AdamW, ...) give exactly the results of `clip; opt.step(); sched.step()`.
+
+Without clipping, a parameter's step does not depend on other gradients, so the runner hands
+over each parameter as soon as the last job that makes its gradient has finished (`early`
+submissions), while later backward jobs still run. A step that then fails must leave
+parameters and optimizer state as they were: early submissions keep an undo copy of each
+parameter and its optimizer state, restored by `rollback()` and dropped by the step's final
+submission.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ class OverlappedOptimizer:
         self._ready: dict = {}                  # id(param) -> threading.Event
         self._queue: queue.Queue = queue.Queue()
         self._completed = 0                     # submissions stepped (or failed)
+        self._undo: list = []                   # (param, its values, its optimizer state) of early steps
         self._completed_cond = threading.Condition()
         self._error = None
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
@@ -47,13 +55,35 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, grads: list, refresh=None, others=()):
+    def submit(self, grads: list, refresh=None, others=(), *, early=False):
         """Step [(param, grad), ...] (grads in use order) in the background; refresh(p) after
-        each parameter is stepped, and for each of `others` (parameters without a gradient)."""
-        self.raise_if_failed()
+        each parameter is stepped, and for each of `others` (parameters without a gradient).
+        A grad may be a callable that returns it (resolved in the optimizer thread).
+        early: part of a step still running (no clipping, no scheduler step, undo copies kept);
+        the step's last submission is not early."""
+        if not early:
+            self.raise_if_failed()
         for p, _ in grads:
             self._event(p).clear()
-        self._queue.put((grads, refresh, list(others)))
+        self._queue.put((grads, refresh, list(others), early))
+
+    @property
+    def splits_steps(self) -> bool:
+        """Whether a step may be handed over in parts (no clipping needs all gradients first)."""
+        return self.max_grad_norm is None
+
+    def rollback(self):
+        """After a failed step: wait for its early submissions, then put back the parameters
+        and optimizer state they changed."""
+        self._queue.join()
+        with torch.no_grad():
+            for p, value, state in reversed(self._undo):
+                p.copy_(value)
+                if state is None:
+                    self.optimizer.state.pop(p, None)
+                else:
+                    self.optimizer.state[p] = state
+        self._undo = []
 
     def wait_completed(self, count: int):
         """Block until at least `count` submissions have been stepped."""
@@ -77,9 +107,9 @@ class OverlappedOptimizer:
             if item is None:
                 self._queue.task_done()
                 return
-            grads, refresh, others = item
+            grads, refresh, others, early = item
             try:
-                self._step(grads, refresh)
+                self._step(grads, refresh, early)
                 if refresh is not None:
                     for p in others:
                         refresh(p)
@@ -93,7 +123,14 @@ class OverlappedOptimizer:
                     self._completed_cond.notify_all()
                 self._queue.task_done()
 
-    def _step(self, grads, refresh):
+    def _keep_undo(self, chunk):
+        for p, _ in chunk:
+            state = self.optimizer.state.get(p)
+            saved = None if state is None else {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            self._undo.append((p, p.detach().clone(), saved))
+
+    def _step(self, grads, refresh, early=False):
+        grads = [(p, g() if callable(g) else g) for p, g in grads]
         scale = 1.0
         if self.max_grad_norm is not None:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for _, g in grads]))
@@ -101,6 +138,8 @@ class OverlappedOptimizer:
         size = max(1, -(-len(grads) // self.chunks))
         for start in range(0, len(grads), size):
             chunk = grads[start:start + size]
+            if early:
+                self._keep_undo(chunk)
             for p, g in chunk:
                 p.grad = g if scale == 1.0 else g * scale
             self.optimizer.step()
@@ -109,6 +148,9 @@ class OverlappedOptimizer:
                 if refresh is not None:
                     refresh(p)
                 self._event(p).set()
+        if early:
+            return
+        self._undo = []        # the step succeeded: its early parts stay
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
