@@ -70,16 +70,21 @@ def test_next_step_waits_for_the_parameters_it_reads():
         close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
 
 
-def test_without_clipping_parameters_are_stepped_while_later_jobs_run():
-    """No clipping: a stage's parameters go to the optimizer when the last job making their
-    gradients ends (several submissions per step); results stay exact."""
+def _three_layer_overlapped():
+    """A model, its eager twin, the compiled model (overlapped, no clipping) and both AdamWs."""
     model = qwen3(tied=False, layers=3)
     ref = copy.deepcopy(model)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
                                                    memory_budget="300KiB", optimizer_mode="overlapped"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cm.attach_optimizer(opt)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    return model, ref, cm, opt, torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+
+def test_without_clipping_parameters_are_stepped_while_later_jobs_run():
+    """No clipping: a stage's parameters go to the optimizer when the last job making their
+    gradients ends (several submissions per step); results stay exact."""
+    model, ref, cm, opt, opt_ref = _three_layer_overlapped()
     for step in range(3):
         batch = lm_batch(seed=step)
         close(cm.train_step(**batch), ref(**batch).loss.detach(), 1e-5, 1e-6, f"loss at step {step}")
@@ -95,13 +100,7 @@ def test_without_clipping_parameters_are_stepped_while_later_jobs_run():
 def test_a_step_failing_after_early_optimizer_steps_changes_nothing(monkeypatch):
     from rpcompile.runtime.job import JobContext
 
-    model = qwen3(tied=False, layers=3)
-    ref = copy.deepcopy(model)
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                   memory_budget="300KiB", optimizer_mode="overlapped"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cm.attach_optimizer(opt)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model, ref, cm, opt, opt_ref = _three_layer_overlapped()
     for step in range(2):
         batch = lm_batch(seed=step)
         if step == 1:       # the last job fails after the others' parameters were handed over
