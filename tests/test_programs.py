@@ -114,3 +114,17 @@ def test_dump_env_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("RPCOMPILE_DUMP", str(tmp_path))
     _compiled_mlp()
     assert (tmp_path / "train" / "plan.json").exists()
+
+
+def test_trace_job_on_a_transformers_model():
+    """Size symbols, rotary tables, masks and the split LM head trace with fake tensors too."""
+    from models import lm_batch, qwen3
+    cm = rpcompile.compile(qwen3(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                     memory_budget="300KiB"))
+    cm.train_step(**lm_batch())
+    assert len(cm.plan.stages) >= 3
+    for st in cm.plan.stages:
+        gm = trace_job(cm, st.index)
+        traced = [n.target for n in gm.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "namespace", None) == "rpcompile"]
+        assert traced == [x for x in _targets(st.program) if getattr(x, "namespace", None) == "rpcompile"]
