@@ -145,7 +145,7 @@ class GraphRunner:
         """The state of one step; host_weights: where its weights are read (delayed mode's
         copies), else the live parameters through the runner's pinned copies."""
         cap = plan.captured
-        dtype = self.config.compute_dtype if cap.capture_device.type == "meta" else None
+        dtype = self._working_dtype(plan)
         rng_base = 0
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
@@ -157,6 +157,17 @@ class GraphRunner:
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
+    def _working_dtype(self, plan):
+        """The devices' dtype for weights and inputs (None: as they are, for graphs captured
+        on real tensors by the dynamo backend)."""
+        return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
+
+    def _pinned_refresh(self, dtype):
+        """refresh(p) for the optimizer thread: p's pinned working copy, rewritten after its step."""
+        if not (self.config.on_gpu and dtype):
+            return None
+        return lambda p: self.host_weights.get(p, dtype)
+
     def _early_steps(self, plan, step, jobs) -> set:
         """Overlapped mode without clipping: hand a parameter to the optimizer as soon as the
         last job making its gradient has finished (Note [overlapped optimizer]); returns the
@@ -166,8 +177,8 @@ class GraphRunner:
             if role != "fwd":
                 for key in st.grad_params:
                     producers.setdefault(key[0] if isinstance(key, tuple) else key, set()).add(k)
-        params, dtype = plan.captured.params, step.dtype
-        refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
+        params = plan.captured.params
+        refresh = self._pinned_refresh(step.dtype)
         order = {i: n for n, i in enumerate(_use_order(plan))}
         handed: set = set()
         lock = threading.Lock()
@@ -200,8 +211,7 @@ class GraphRunner:
         params = plan.captured.params
         if self.delayed is None or not self.delayed.covers(params):
             self.overlapped.synchronize()
-            dtype = self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
-            self.delayed = DelayedWeights(params, dtype, pin=self.config.on_gpu)
+            self.delayed = DelayedWeights(params, self._working_dtype(plan), pin=self.config.on_gpu)
         return self.delayed
 
     def reset_delay(self):
@@ -273,7 +283,6 @@ class GraphRunner:
         if self.overlapped is not None:
             params = plan.captured.params
             order = _use_order(plan)
-            dtype = step.dtype
             others = ()
             if delayed:
                 slot = self.delayed_steps % 2
@@ -281,7 +290,7 @@ class GraphRunner:
                 others = [p for i, p in enumerate(params) if i not in grads and p.requires_grad]
                 self.delayed_steps += 1
             else:
-                refresh = (lambda p: self.host_weights.get(p, dtype)) if (self.config.on_gpu and dtype) else None
+                refresh = self._pinned_refresh(step.dtype)
             self.overlapped.submit([(params[i], grads[i].to(params[i].dtype)) for i in order if i in grads],
                                    refresh, others)
         else:
