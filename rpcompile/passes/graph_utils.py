@@ -1,11 +1,29 @@
-"""Small graph helpers shared by the passes: impurity, dead code, copies, device retargeting."""
+"""Small graph helpers shared by the passes: impurity, dead code, copies, device retargeting,
+cross-entropy arguments."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 _SIDE_EFFECT_FUNCTIONS = {torch._C._log_api_usage_once}
+_CROSS_ENTROPY = inspect.signature(F.cross_entropy)
+
+
+def bind_cross_entropy(node: fx.Node):
+    """The arguments of an `F.cross_entropy` node by name, defaults filled in (None for other
+    nodes or calls that do not bind)."""
+    if node.op != "call_function" or node.target is not F.cross_entropy:
+        return None
+    try:
+        bound = _CROSS_ENTROPY.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def is_impure(node: fx.Node) -> bool:

@@ -67,7 +67,6 @@ runs after this pass, so the new nodes are costed like any other.
 
 from __future__ import annotations
 
-import inspect
 import math
 import operator
 import re
@@ -79,6 +78,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+
+from .graph_utils import bind_cross_entropy
 
 __all__ = [
     "LMHead",
@@ -92,7 +93,6 @@ MAX_SHARDS = 64
 
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 _CE_TARGETS = (F.cross_entropy,)
-_CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 
 # --------------------------------------------------------------------------- records
@@ -242,15 +242,6 @@ def _chain_op(node: fx.Node, vocab: int) -> tuple[str | None, str | None]:
     return None, f"unsupported op {_op_name(node)} ({node.name}) between the head and the loss"
 
 
-def _bind_ce(node: fx.Node) -> dict[str, Any] | None:
-    try:
-        bound = _CE_SIGNATURE.bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
 # --------------------------------------------------------------------------- finding
 
 
@@ -265,7 +256,7 @@ def _find_heads(gm: fx.GraphModule) -> list[LMHead]:
 
 
 def _match(ce: fx.Node) -> LMHead | None:
-    args = _bind_ce(ce)
+    args = bind_cross_entropy(ce)
     if args is None or not isinstance(args["input"], fx.Node):
         return None
     # walk back from the loss input to a projection, through single-input ops

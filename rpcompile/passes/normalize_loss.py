@@ -15,9 +15,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from .graph_utils import output_values
+from .graph_utils import bind_cross_entropy, output_values
 
 
 @dataclass
@@ -30,16 +29,14 @@ class LossScale:
 
 def mean_cross_entropy(node: fx.Node):
     """(input, target, ignore_index) when `node` is a plain mean cross-entropy, else None."""
-    if node.op != "call_function" or node.target is not F.cross_entropy:
+    bound = bind_cross_entropy(node)
+    if bound is None:
         return None
-    names = ["input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"]
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs)
-    if bound.get("weight") is not None or bound.get("size_average") is not None or bound.get("reduce") is not None:
+    if bound["weight"] is not None or bound["size_average"] is not None or bound["reduce"] is not None:
         return None
-    if bound.get("reduction", "mean") != "mean" or bound.get("label_smoothing", 0.0) != 0.0:
+    if bound["reduction"] != "mean" or bound["label_smoothing"] != 0.0:
         return None
-    return bound["input"], bound["target"], bound.get("ignore_index", -100)
+    return bound["input"], bound["target"], bound["ignore_index"]
 
 
 def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int) -> Optional[fx.GraphModule]:
