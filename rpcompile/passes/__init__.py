@@ -9,6 +9,10 @@
       -> solve_stages       exact DP over forward / fused / backward stages (passes/partition.py)
       -> build_stages       forward and recompute+backward graphs per stage (passes/codegen.py)
       -> build_program      per-stage programs of transfer, event and compute nodes (passes/codegen.py)
+      -> order_transfers    in each program: activation uploads, then weights, then the next job's prefetch
+
+On GPUs the runner then compiles each stage's compute with Inductor, one repeated block (decoder
+layer) at a time (passes/regions.py).
 """
 from __future__ import annotations
 
@@ -134,9 +138,8 @@ def _describe_io(plan: Plan) -> None:
         if n.op != "placeholder":
             continue
         ev = n.meta.get("example_value")
-        if n.meta.get("rp_kind") == "input" and isinstance(ev, torch.Tensor) and ev.dim() >= 1:
-            if batch is not None and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch:
-                plan.split_leaves.add(n.meta["rp_index"])
+        if n.meta.get("rp_kind") == "input" and _on_batch_dim(ev, batch):
+            plan.split_leaves.add(n.meta["rp_index"])
     batched_static = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
                       and n.meta["rp_index"] not in plan.split_leaves and _leading(n) is not None
                       and _leading(n) == _batch_hint(cap)]
@@ -151,11 +154,16 @@ def _describe_io(plan: Plan) -> None:
     for v in output_values(gm.graph):
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
-                raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
+            raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
                                "returns tensors only: return it as a tensor or compute it outside the model")
         plan.graph_outputs.append(v.name)
-        plan.output_batched.append(bool(batch is not None and isinstance(ev, torch.Tensor) and ev.dim() >= 1
-                                        and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch))
+        plan.output_batched.append(_on_batch_dim(ev, batch))
+
+
+def _on_batch_dim(ev, batch) -> bool:
+    """Whether dim 0 of the value ev is the batch symbol (the value is split per microbatch)."""
+    return (batch is not None and isinstance(ev, torch.Tensor) and ev.dim() >= 1
+            and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch)
 
 
 def _batch_hint(cap):
