@@ -51,7 +51,7 @@ class Plan:
     def est_step_time(self) -> float:
         return self.stage_plan.est_time
 
-    def _numel(self, key) -> int:
+    def param_numel(self, key) -> int:
         """Elements of parameter `key`, or of its rows when key is (index, start, stop)."""
         params = self.captured.params
         if isinstance(key, tuple):
@@ -72,7 +72,7 @@ class Plan:
             fwd = sum(evaluate(n.meta["rp_cost"].fwd_flops, self.bindings) for n in nodes if "rp_cost" in n.meta)
             bwd = sum(evaluate(n.meta["rp_cost"].bwd_flops, self.bindings) for n in nodes if "rp_cost" in n.meta)
             flops = fwd if st.kind == "fwd" else fwd + bwd + (fwd if st.kind == "bwd" else 0.0)
-            rows_of = [(key[0], self._numel(key)) for key in st.param_slices.values()]
+            rows_of = [(key[0], self.param_numel(key)) for key in st.param_slices.values()]
             n_params = sum(params[i].numel() for i in st.params) + sum(n for _, n in rows_of)
             pbytes = (sum(params[i].numel() * itemsize[i] for i in st.params)
                       + sum(n * itemsize[i] for i, n in rows_of))
@@ -90,7 +90,7 @@ class Plan:
         """Bytes a step moves over the host link for weights (up) and fp32 gradients (down)."""
         rows = rows or self.stage_rows()
         up = sum(r["param_bytes"] for r in rows)
-        down = sum(4 * self._numel(key) for st in self.stages for key in st.grad_params)
+        down = sum(4 * self.param_numel(key) for st in self.stages for key in st.grad_params)
         return {"weights_up": up, "grads_down": down}
 
     def __str__(self) -> str:

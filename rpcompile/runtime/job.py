@@ -154,7 +154,7 @@ class JobContext:
                 self.step.gate(p)
             w = None if self.prefetched is None else self.dev.take_prefetched(self.prefetched, key)
             if w is None:
-                numel = p.numel() if rows is None else (rows[1] - rows[0]) * p[0].numel()
+                numel = self.step.plan.param_numel(key)
                 itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
                 w = self.span("weights_in", "upload_weight",
                               lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows),
