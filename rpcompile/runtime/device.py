@@ -126,11 +126,9 @@ class DeviceRuntime:
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             p = p if p.dtype == want else p.to(want)
             return p if wait else (p, None)
-        if self.is_cpu:        # a delayed-mode copy: rewritten only after this step ended
-            with host_weights.refreshed(param, want, rows) as entry:
-                p = entry[1]
-            return p if wait else (p, None)
         with host_weights.refreshed(param, want, rows) as entry:
+            if self.is_cpu:    # a delayed-mode copy: rewritten only after this step ended
+                return entry[1] if wait else (entry[1], None)
             d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
             host_weights.mark_upload(entry, ev)
         return d if wait else (d, ev)

@@ -53,9 +53,6 @@ class HostWeights:
         with self.refreshed(param, dtype, rows) as entry:
             return entry
 
-    def nbytes(self) -> int:
-        return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None)
-
 
 class DelayedWeights:
     """Two host copies of every parameter for Config(optimizer_mode="delayed").
