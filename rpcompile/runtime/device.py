@@ -106,7 +106,7 @@ class DeviceRuntime:
             self.compute.wait_event(ev)
         return d, ev
 
-    def upload(self, value, dtype=None, stream=None):
+    def upload(self, value, dtype=None):
         """Host value (tensors inside tuples too) to this device; floating tensors cast to dtype."""
         def move(t):
             base = t.tensor if isinstance(t, Pending) else t
@@ -115,7 +115,7 @@ class DeviceRuntime:
             want = dtype if (dtype is not None and base.is_floating_point()) else base.dtype
             if self.is_cpu:
                 return base if base.dtype == want else base.to(dtype=want)
-            return self._copy_in(stream or self.acts_in, t, want)[0]
+            return self._copy_in(self.acts_in, t, want)[0]
         return pytree.tree_map(move, value, is_leaf=lambda v: isinstance(v, Pending))
 
     def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):

@@ -104,13 +104,14 @@ class JobContext:
 
     # --- tracing ---------------------------------------------------------------------------
     def span(self, stream_name, name, fn, mb=None, **attrs):
-        """Run fn() (which enqueues work on `stream_name`) and record it in the step's trace."""
+        """Run fn() (which enqueues work on `stream_name`, or for "host" does host work) and
+        record it in the step's trace."""
         tracer = self.step.tracer
         if tracer is None:
             return fn()
         attrs = {"stage": self.stage.index, "role": self.role, "job": self.job_index, "microbatch": mb,
                  "worker": self.dev.worker_index, **attrs}
-        if self.dev.is_cpu:
+        if self.dev.is_cpu or stream_name == "host":
             t0 = tracer.now()
             out = fn()
             tracer.add(self.dev.device, stream_name, name, t0, tracer.now(), **attrs)
@@ -124,13 +125,8 @@ class JobContext:
     # --- synchronisation -------------------------------------------------------------------
     def wait(self, mb):
         self.microbatch = mb
-        tracer = self.step.tracer
-        t0 = tracer.now() if tracer is not None else None
-        if self.prev_job is not None:
-            self.step.done_events[self.prev_job][mb].wait()
-        if tracer is not None:
-            tracer.add(self.dev.device, "host", "wait", t0, tracer.now(), stage=self.stage.index, role=self.role,
-                       job=self.job_index, microbatch=mb, worker=self.dev.worker_index)
+        ready = self.step.done_events[self.prev_job][mb].wait if self.prev_job is not None else (lambda: None)
+        self.span("host", "wait", ready, mb)
         if self.step.error is not None:
             raise Aborted()
 
@@ -182,11 +178,7 @@ class JobContext:
             return
         self._prefetch_issued = True
         nj, nst = self.links.next_on_device
-        tracer = self.step.tracer
-        if tracer is not None:
-            t = tracer.now()
-            tracer.add(self.dev.device, "host", "prefetch_issue", t, t, stage=nst.index, job=nj,
-                       issued_by=self.job_index, worker=self.dev.worker_index)
+        self.span("host", "prefetch_issue", lambda: None, mb, stage=nst.index, job=nj, issued_by=self.job_index)
         _prefetch(self.step, self.dev, nj, nst)
 
     def fetch(self, mb, name):
