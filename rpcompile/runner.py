@@ -184,6 +184,8 @@ class GraphRunner:
         lock = threading.Lock()
 
         def on_job_done(job):
+            if job == jobs[-1][0]:   # the last job's parameters go with the step's final submission
+                return
             with lock:
                 ready = []
                 for i, waiting in producers.items():
@@ -192,15 +194,11 @@ class GraphRunner:
                         if not waiting:
                             ready.append(i)
                 handed.update(ready)
-            # The last job's parameters go with the step's final submission, after all jobs.
-            if ready and job != jobs[-1][0]:
+            if ready:
                 ready.sort(key=order.get)
                 self.overlapped.submit(
                     [(params[i], lambda i=i: self.param_grads(step, only={i})[i].to(params[i].dtype))
                      for i in ready], refresh, early=True)
-            elif ready:
-                with lock:
-                    handed.difference_update(ready)
 
         step.on_job_done = on_job_done
         return handed
