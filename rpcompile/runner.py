@@ -277,6 +277,10 @@ class GraphRunner:
             if early is not None:
                 self.overlapped.rollback()
             raise
+        finally:
+            # on_job_done's submissions refer to the step: drop the cycle, or every step's host
+            # gradients and activations live until the cyclic garbage collector runs.
+            step.on_job_done = None
         grads = self.param_grads(step, skip=early or ())
         if self.overlapped is not None:
             params = plan.captured.params

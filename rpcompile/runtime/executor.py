@@ -30,6 +30,8 @@ class _Worker:
             try:
                 fn()
             finally:
+                # Drop the job (and the step it refers to) before blocking for the next one.
+                item = fn = None
                 finished.set()
 
 
