@@ -55,48 +55,61 @@ def rel(a, b):
 
 def parity(args):
     """tiny Qwen3 against eager on CUDA: 1 and 2 GPUs, eager / Inductor stages, the peer path
-    (Config.peer_transfers) and the overlapped optimizer on 2 GPUs."""
+    (Config.peer_transfers), the overlapped optimizer and the delayed one on 2 GPUs (against
+    eager run as the delayed recurrence: step t's gradient at the parameters of step t - 1)."""
     res = {}
     dev = "cuda:0"
     two = min(2, torch.cuda.device_count())
-    variants = [(1, False, False, False), (1, True, False, False), (two, False, False, False),
-                (two, True, False, False)]
+    variants = [(1, False, False, "exact"), (1, True, False, "exact"), (two, False, False, "exact"),
+                (two, True, False, "exact")]
     if two == 2:
-        variants += [(2, False, True, False), (2, True, True, True)]
+        variants += [(2, False, True, "exact"), (2, True, True, "overlapped"), (2, True, False, "delayed")]
     if args.quick:   # the 2-GPU runtime paths only, eager stage compute
-        variants = [(two, False, False, False), (two, False, True, False), (two, False, True, True)]
+        variants = [(two, False, False, "exact"), (two, False, True, "exact"), (two, False, True, "overlapped"),
+                    (two, False, False, "delayed")]
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        for gpus, inductor, peer, overlapped in dict.fromkeys(variants):
+        for gpus, inductor, peer, mode in dict.fromkeys(variants):
             model = tiny_qwen3()
             ref = copy.deepcopy(model).to(dev)
             cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
                                    memory_budget="6MiB", compile_stages=inductor, peer_transfers=peer,
-                                   optimizer_mode="overlapped" if overlapped else "exact")
+                                   optimizer_mode=mode)
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-            if overlapped:
+            if mode != "exact":
                 cm.attach_optimizer(opt)
             losses, ref_losses, grad_err, peer_fetches = [], [], None, 0
+            previous = [p.detach().clone() for p in ref.parameters()]   # delayed: step t - 1's parameters
             for step in range(3):
                 b = batch(6, 64, 512, seed=step)
                 loss = cm.train_step(**b)
                 peer_fetches += sum(s["name"] == "fetch_peer" for s in cm.last_trace)
                 bd = {k: v.to(dev) for k, v in b.items()}
+                current = [p.detach().clone() for p in ref.parameters()]
+                if mode == "delayed":
+                    with torch.no_grad():
+                        for p, q in zip(ref.parameters(), previous):
+                            p.copy_(q)
                 with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                     lr_ = ref(**bd).loss
                 lr_.backward()
-                if step == 0 and not overlapped:
+                if mode == "delayed":
+                    with torch.no_grad():
+                        for p, q in zip(ref.parameters(), current):
+                            p.copy_(q)
+                    previous = current
+                if step == 0 and mode == "exact":
                     grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
                 losses.append(loss.item())
                 ref_losses.append(lr_.item())
-                if not overlapped:
+                if mode == "exact":
                     opt.step(), opt.zero_grad()
                 opt_ref.step(), opt_ref.zero_grad()
             cm.synchronize()
             perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
-                   f"{'_peer' if peer else ''}{'_overlapped' if overlapped else ''}")
+                   f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr,
                         "peer_fetches": peer_fetches}

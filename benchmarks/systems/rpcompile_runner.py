@@ -14,6 +14,9 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
                           default asynchronous step); system "rpcompile-delayed"
   rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
                           where peer access exists; system "rpcompile-p2p"
+  rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
+  rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
+                          and as a Chrome trace beside it (.chrome.json), for where each device waits
 With --device cpu the same runs on CPU "devices" (threads), for the tests.
 """
 from __future__ import annotations
@@ -47,6 +50,9 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no peer_transfers field")
         kwargs["peer_transfers"] = True
         notes.append("Config(peer_transfers=True)")
+    if spec.options.get("rpcompile_max_jobs"):
+        kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
+        notes.append(f"Config(max_jobs={kwargs['max_jobs']})")
     return kwargs, notes
 
 
@@ -66,6 +72,7 @@ class RPCompileTrainer(Trainer):
             extra["memory_budget"] = int(spec.mem_cap_gib * GiB)    # plan for the capped card
         m = spec.microbatches if spec.mode != "maxseq" else 1
         options, self.notes = config_options(spec, rpcompile.Config)
+        self.system, self.trace_dir = spec.system, spec.options.get("rpcompile_trace_dir")
         extra.update(options)
         # overlapped: rpcompile steps the optimizer itself in a host thread, beside the next step
         self.overlapped = extra.get("optimizer_mode") in ("overlapped", "delayed")
@@ -116,7 +123,23 @@ class RPCompileTrainer(Trainer):
             trace, out["trace_error"] = None, f"{type(e).__name__}: {e}"
         if trace:
             out["trace"] = trace_summary(trace)
+            if self.trace_dir:
+                out["trace_files"] = _write_trace(trace, self.trace_dir, f"{self.system}_{len(self.config.devices)}g")
         return out
+
+
+def _write_trace(spans, directory, stem) -> list:
+    import json
+    import os
+
+    from rpcompile.runtime.trace import chrome_trace
+
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, f"{stem}.json"), os.path.join(directory, f"{stem}.chrome.json")]
+    for path, data in zip(paths, (spans, chrome_trace(spans))):
+        with open(path, "w") as f:
+            json.dump(data, f, default=str)
+    return paths
 
 
 def trace_summary(spans) -> dict:
