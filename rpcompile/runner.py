@@ -5,6 +5,7 @@ Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of 
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -34,6 +35,7 @@ class GraphRunner:
         self.overlapped = None          # runtime.optimizer.OverlappedOptimizer once attached
         self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
         self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
+        self.next_prefetch = None       # (plan, step number, device, key) of the next step's first upload
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -45,7 +47,7 @@ class GraphRunner:
             if src != device:
                 prog = retarget(prog, {src.type: device})
             if self._use_inductor(stage):
-                prog = self._compiled(prog)
+                prog = self._compiled(prog, self.config.inductor_options)
             self._programs[key] = prog
         return prog
 
@@ -57,7 +59,7 @@ class GraphRunner:
         return bool(on) and not stage.random
 
     @staticmethod
-    def _compiled(prog):
+    def _compiled(prog, options=None):
         """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
         cut at repeated blocks such as decoder layers (passes/regions.py): identical layers of
         the program, forward and recompute alike, share one compiled piece."""
@@ -65,7 +67,7 @@ class GraphRunner:
         shared: dict = {}
 
         def inductor(gm):
-            return torch.compile(gm, dynamic=None)
+            return torch.compile(gm, dynamic=None, options=options)
 
         if hasattr(prog, "forward_graph"):
             prog.forward_graph = WarmupGuard(compile_regions(prog.forward_graph, inductor, shared))
@@ -212,9 +214,29 @@ class GraphRunner:
             self.delayed = DelayedWeights(params, self._working_dtype(plan), pin=self.config.on_gpu)
         return self.delayed
 
+    def _upload_first_job(self, plan, t):
+        """Delayed mode: step t's first job reads copy t % 2, final once optimizer step t - 2 is
+        done, so its weights go up now (the uploader waits for that step), while the host ends
+        step t - 1, rather than when step t starts."""
+        dev = self.executor.next_device()
+        params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
+        opt, key = self.overlapped, ("next step", t)
+        dev.prefetch(key, params, self._working_dtype(plan), self.delayed.view(t % 2),
+                     before=lambda: opt.wait_completed(t - 1, raise_errors=False))
+        self.next_prefetch = (plan, t, dev, key)
+
+    def _adopt_first_upload(self, pending, plan, step, t):
+        """Hand the upload _upload_first_job started to step t's first job, if it is the same job."""
+        if pending is None:
+            return
+        was_plan, was_t, dev, key = pending
+        future = dev.prefetched.pop(key, None)
+        if future is not None and was_plan is plan and was_t == t and dev is self.executor.next_device():
+            dev.prefetched[(id(step), 0)] = future
+
     def reset_delay(self):
         """A newly attached optimizer starts the delay again from the parameters as they are."""
-        self.delayed, self.delayed_steps = None, 0
+        self.delayed, self.delayed_steps, self.next_prefetch = None, 0, None
 
     def run_jobs(self, plan, step, jobs):
         if step.tracer is None:
@@ -225,6 +247,12 @@ class GraphRunner:
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
         return None if self.last_tracer is None else self.last_tracer.spans()
+
+    @staticmethod
+    def grad_indices(step, skip=()) -> set:
+        """Indices of the parameters the step's jobs made gradients for (without waiting for them)."""
+        return {key[0] if isinstance(key, tuple) else key for grads in step.param_grads.values()
+                for key in grads} - set(skip)
 
     @staticmethod
     def param_grads(step, only=None, skip=()) -> dict:
@@ -258,8 +286,10 @@ class GraphRunner:
         if delayed:
             # Note [delayed optimizer]: step t reads copy t % 2, which optimizer step t - 2 wrote.
             t = self.delayed_steps
+            first_upload, self.next_prefetch = self.next_prefetch, None
             self.overlapped.wait_completed(t - 1)
             step = self.new_step(plan, micro, host_weights=self._delayed_weights(plan).view(t % 2))
+            self._adopt_first_upload(first_upload, plan, step, t)
         else:
             step = self.new_step(plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
@@ -281,21 +311,27 @@ class GraphRunner:
             # on_job_done's submissions refer to the step: drop the cycle, or every step's host
             # gradients and activations live until the cyclic garbage collector runs.
             step.on_job_done = None
-        grads = self.param_grads(step, skip=early or ())
         if self.overlapped is not None:
             params = plan.captured.params
             order = _use_order(plan)
+            have = self.grad_indices(step, skip=early or ())
+            # The optimizer thread waits for the gradients' downloads, not this one: the next
+            # step's jobs start while the last job's gradients are still coming down.
+            grads = functools.cache(lambda: self.param_grads(step, skip=early or ()))
             others = ()
             if delayed:
                 slot = self.delayed_steps % 2
                 refresh = lambda p: self.delayed.write(p, slot)   # noqa: E731
-                others = [p for i, p in enumerate(params) if i not in grads and p.requires_grad]
+                others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
                 self.delayed_steps += 1
             else:
                 refresh = self._pinned_refresh(step.dtype)
-            self.overlapped.submit([(params[i], grads[i].to(params[i].dtype)) for i in order if i in grads],
+            self.overlapped.submit([(params[i], lambda i=i: grads()[i].to(params[i].dtype)) for i in order if i in have],
                                    refresh, others)
+            if delayed:
+                self._upload_first_job(plan, self.delayed_steps)
         else:
+            grads = self.param_grads(step, skip=early or ())
             with torch.no_grad():
                 for i, g in grads.items():
                     p = plan.captured.params[i]

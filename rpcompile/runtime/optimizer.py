@@ -85,11 +85,13 @@ class OverlappedOptimizer:
                     self.optimizer.state[p] = state
         self._undo = []
 
-    def wait_completed(self, count: int):
-        """Block until at least `count` submissions have been stepped."""
+    def wait_completed(self, count: int, raise_errors: bool = True):
+        """Block until at least `count` submissions have been stepped (and raise a failure of
+        theirs here, unless raise_errors is False: it is then left for the caller's thread)."""
         with self._completed_cond:
             self._completed_cond.wait_for(lambda: self._completed >= count)
-        self.raise_if_failed()
+        if raise_errors:
+            self.raise_if_failed()
 
     def synchronize(self):
         """Wait until every submitted step is done (before reading parameters or optimizer state)."""
@@ -107,21 +109,25 @@ class OverlappedOptimizer:
             if item is None:
                 self._queue.task_done()
                 return
-            grads, refresh, others, early = item
-            try:
-                self._step(grads, refresh, early)
-                if refresh is not None:
-                    for p in others:
-                        refresh(p)
-            except BaseException as exc:  # surfaced in the caller's thread by the next call
-                self._error = exc
-            finally:
-                for p, _ in grads:
-                    self._event(p).set()
-                with self._completed_cond:
-                    self._completed += 1
-                    self._completed_cond.notify_all()
-                self._queue.task_done()
+            self._run(*item)
+            # The submission (its gradients, and the step they come from) is dropped before waiting.
+            item = None
+            with self._completed_cond:
+                self._completed += 1
+                self._completed_cond.notify_all()
+            self._queue.task_done()
+
+    def _run(self, grads, refresh, others, early):
+        try:
+            self._step(grads, refresh, early)
+            if refresh is not None:
+                for p in others:
+                    refresh(p)
+        except BaseException as exc:  # surfaced in the caller's thread by the next call
+            self._error = exc
+        finally:
+            for p, _ in grads:
+                self._event(p).set()
 
     def _keep_undo(self, chunk):
         for p, _ in chunk:
