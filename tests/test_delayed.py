@@ -145,3 +145,51 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     assert cm.runner.delayed.nbytes() == 2 * trainable + frozen_bytes
+
+
+def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
+    """Delayed mode starts the upload of the next step's first job at the end of a step, on
+    the device that will run that job, from the copy that step reads, after the optimizer step
+    that writes it; the next step's first job uses that upload."""
+    from concurrent.futures import Future
+
+    from rpcompile.runtime.device import DeviceRuntime
+    from rpcompile.runtime.job import JobContext
+
+    uploads, firsts = [], []
+
+    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
+        if isinstance(key[0], str):           # CPU devices upload nothing: stand in for the upload
+            before()
+            done = Future()
+            done.set_result({})
+            self.prefetched[key] = done
+            uploads.append((key[1], self, host_weights.slot, done))
+
+    real_init = JobContext.__init__
+
+    def init(self, step, job_index, *args, **kwargs):
+        real_init(self, step, job_index, *args, **kwargs)
+        if job_index == 0:
+            firsts.append((self.dev, self.prefetched))
+
+    monkeypatch.setattr(DeviceRuntime, "prefetch", prefetch)
+    monkeypatch.setattr(JobContext, "__init__", init)
+    model = qwen3(tied=False, layers=3)
+    ref = copy.deepcopy(model)
+    batches = [lm_batch(seed=s) for s in range(3)]
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="delayed"))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = [cm.train_step(**b) for b in batches]
+    cm.synchronize()
+    assert len(cm.plan.stages) % 2 != 0, "pick a plan whose first job moves between devices"
+    assert [(t, slot) for t, _, slot, _ in uploads] == [(1, 1), (2, 0), (3, 1)]
+    assert firsts[0][1] is None
+    devices = {id(dev) for dev, _ in firsts}
+    assert len(devices) > 1
+    for (t, dev, _, future), (first_dev, taken) in zip(uploads, firsts[1:]):
+        assert first_dev is dev and taken is future, f"step {t}'s first job did not get its upload"
+    ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
+    for t, (a, b) in enumerate(zip(losses, ref_losses)):
+        close(a, b, 1e-5, 1e-6, f"loss at step {t}")

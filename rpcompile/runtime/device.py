@@ -133,16 +133,19 @@ class DeviceRuntime:
             host_weights.mark_upload(entry, ev)
         return d if wait else (d, ev)
 
-    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None):
+    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
         """Start uploading a job's weights now, on the weights stream (double buffering); the
         uploader thread refreshes their pinned copies first. The tracer gets one span per job.
 
         ready(p) says whether p is free of a pending optimizer step; others are left to be
-        uploaded when the job reads them, so a prefetch never blocks the job running now."""
+        uploaded when the job reads them, so a prefetch never blocks the job running now.
+        before(), if given, runs first in the uploader thread (it may wait)."""
         if self.is_cpu or not params or key in self.prefetched:
             return
 
         def upload_all():
+            if before is not None:
+                before()
             start = tracer.cuda_mark(self.weights_in) if tracer is not None else None
             got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in params
                    if ready is None or ready(p)}

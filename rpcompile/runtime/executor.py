@@ -61,12 +61,17 @@ class Executor:
         self.offset = 0
         self.placements: list = []   # (job index, stage index, role, device index) of the last run
 
+    def next_device(self) -> DeviceRuntime:
+        """The device the next run's first job goes to."""
+        return self.workers[self.offset % len(self.workers)].dev
+
     def run(self, step: StepState, jobs: list, programs_for) -> None:
         """Run [(job index, stage, role), ...] as a chain; raise the first failure here."""
         n = len(self.workers)
         step.done_events.update({j: [threading.Event() for _ in step.micro] for j, _, _ in jobs})
-        for w in self.workers:
-            w.dev.prefetched.clear()
+        for w in self.workers:   # uploads queued for earlier steps are not this step's
+            for key in [k for k in w.dev.prefetched if k[0] != id(step)]:
+                del w.dev.prefetched[key]
         # Every program exists before any job is handed out: a failure here must not leave
         # workers waiting on jobs that were never queued.
         devices = [(self.offset + k) % n for k in range(len(jobs))]
