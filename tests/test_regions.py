@@ -1,4 +1,5 @@
 """Regional compilation: stage graphs cut at decoder layers, identical layers compiled once."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -105,3 +106,24 @@ def test_pipelined_stages_chain_gradients_through_pieces(monkeypatch):
              for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None))
              if g is not None and "rp_regions" in getattr(getattr(g.inner, "compute", g.inner), "meta", {})]
     assert len(split) >= 3
+
+
+def test_inductor_options_reach_torch_compile(monkeypatch):
+    """Config.inductor_options is what every stage piece is compiled with (aot_eager stands in
+    for Inductor, which the options are for)."""
+    seen = []
+    compile_ = torch.compile
+
+    def spy(gm, **kw):
+        if "backend" in kw:        # the capture's own call
+            return compile_(gm, **kw)
+        seen.append(kw.pop("options", None))
+        return compile_(gm, **{**kw, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", spy)
+    config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True,
+                              inductor_options={"cpp_wrapper": True})
+    train_both(qwen3(layers=2), [lm_batch()], config, steps=1, min_stages=1)
+    assert seen and all(o == {"cpp_wrapper": True} for o in seen)
+    with pytest.raises(ValueError, match="inductor_options"):
+        rpcompile.Config(inductor_options="cpp_wrapper")

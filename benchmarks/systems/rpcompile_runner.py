@@ -15,6 +15,7 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
                           where peer access exists; system "rpcompile-p2p"
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
+  rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
                           and as a Chrome trace beside it (.chrome.json), for where each device waits
 With --device cpu the same runs on CPU "devices" (threads), for the tests.
@@ -53,6 +54,10 @@ def config_options(spec, config_cls) -> tuple:
     if spec.options.get("rpcompile_max_jobs"):
         kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
         notes.append(f"Config(max_jobs={kwargs['max_jobs']})")
+    if spec.options.get("rpcompile_inductor"):
+        import json
+        kwargs["inductor_options"] = json.loads(spec.options["rpcompile_inductor"])
+        notes.append(f"Config(inductor_options={kwargs['inductor_options']})")
     return kwargs, notes
 
 
