@@ -78,6 +78,7 @@ def _three_layer_overlapped():
                                                    memory_budget="300KiB", optimizer_mode="overlapped"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cm.attach_optimizer(opt)
+    cm.runner.early_hand_over = True
     return model, ref, cm, opt, torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
 
@@ -124,6 +125,17 @@ def test_finished_steps_are_freed_without_the_garbage_collector(mode):
     finally:
         gc.enable()
     assert alive == 0, f"{alive} finished steps are still alive"
+
+
+def test_by_default_a_step_goes_to_the_optimizer_in_one_piece():
+    model = qwen3(tied=False, layers=3)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="overlapped"))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        cm.train_step(**lm_batch(seed=step))
+    cm.synchronize()
+    assert len(cm.plan.stages) >= 3 and cm.runner.overlapped._completed == 2
 
 
 def test_a_step_failing_after_early_optimizer_steps_changes_nothing(monkeypatch):

@@ -7,9 +7,10 @@ chunk's pinned working copies, and marks the chunk ready; the next step's jobs w
 the parameters they read. Then it steps the LR scheduler. Per-parameter optimizers
 (SGD, Adam, AdamW, ...) give exactly the results of `clip; opt.step(); sched.step()`.
 
-Without clipping, a parameter's step does not depend on other gradients, so the runner hands
-over each parameter as soon as the last job that makes its gradient has finished (`early`
-submissions), while later backward jobs still run. A step that then fails must leave
+Without clipping, a parameter's step does not depend on other gradients, so the runner can
+hand over each parameter as soon as the last job that makes its gradient has finished (`early`
+submissions; GraphRunner.early_hand_over, off by default: its undo copies cost more than it
+saves), while later backward jobs still run. A step that then fails must leave
 parameters and optimizer state as they were: early submissions keep an undo copy of each
 parameter and its optimizer state, restored by `rollback()` and dropped by the step's final
 submission.
