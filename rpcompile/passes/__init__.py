@@ -74,7 +74,8 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
     try:
         sp = solve_stages(segments, cut_bytes, num_devices=len(config.devices),
                           num_microbatches=config.num_microbatches, memory_budget=budget,
-                          upload_bw=hw.upload_bw, max_jobs=config.max_jobs)
+                          upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
+                          max_jobs=config.max_jobs)
     except PlanningError as e:
         raise PlanningError(f"no stage plan fits: {e}", min_budget=e.min_budget, stage=e.stage) from None
     jobs = [(kind, (cuts[i], cuts[j])) for kind, (i, j) in sp.jobs()]
