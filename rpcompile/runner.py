@@ -236,7 +236,7 @@ class GraphRunner:
         was_plan, was_t, dev, key = pending
         future = dev.prefetched.pop(key, None)
         if future is not None and was_plan is plan and was_t == t and dev is self.executor.next_device():
-            dev.prefetched[(id(step), 0)] = future
+            step.first_upload = (dev, future)
 
     def reset_delay(self):
         """A newly attached optimizer starts the delay again from the parameters as they are."""

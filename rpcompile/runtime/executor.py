@@ -69,9 +69,11 @@ class Executor:
         """Run [(job index, stage, role), ...] as a chain; raise the first failure here."""
         n = len(self.workers)
         step.done_events.update({j: [threading.Event() for _ in step.micro] for j, _, _ in jobs})
-        for w in self.workers:   # uploads queued for earlier steps are not this step's
-            for key in [k for k in w.dev.prefetched if k[0] != id(step)]:
-                del w.dev.prefetched[key]
+        for w in self.workers:
+            w.dev.prefetched.clear()
+        if step.first_upload is not None:   # started before the step, for its first job
+            dev, future = step.first_upload
+            dev.prefetched[(id(step), jobs[0][0])] = future
         # Every program exists before any job is handed out: a failure here must not leave
         # workers waiting on jobs that were never queued.
         devices = [(self.offset + k) % n for k in range(len(jobs))]

@@ -57,6 +57,7 @@ class StepState:
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
     on_job_done: Any = None                            # on_job_done(job index) after a job's gradients are out
+    first_upload: Any = None                           # (device, future): the first job's weights, sent before the step
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
