@@ -35,7 +35,7 @@ class GraphRunner:
         self.overlapped = None          # runtime.optimizer.OverlappedOptimizer once attached
         self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
         self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
-        self.next_prefetch = None       # (plan, step number, device, key) of the next step's first upload
+        self.next_prefetch = None       # (plan, device, key) of the next step's first upload
         # Overlapped mode: hand parameters to the optimizer while later jobs still run (_early_steps).
         # Off: its undo copies (12 bytes per parameter handed over early, taken every step) cost
         # more than the overlap gains: Qwen3-1.7B on 2 H200s, 34.2K tokens/s with it, 40.2K without.
@@ -182,7 +182,7 @@ class GraphRunner:
         for k, st, role in jobs:
             if role != "fwd":
                 for key in st.grad_params:
-                    producers.setdefault(key[0] if isinstance(key, tuple) else key, set()).add(k)
+                    producers.setdefault(_param_index(key), set()).add(k)
         params = plan.captured.params
         refresh = self._pinned_refresh(step.dtype)
         order = {i: n for n, i in enumerate(_use_order(plan))}
@@ -227,15 +227,15 @@ class GraphRunner:
         opt, key = self.overlapped, ("next step", t)
         dev.prefetch(key, params, self._working_dtype(plan), self.delayed.view(t % 2),
                      before=lambda: opt.wait_completed(t - 1, raise_errors=False))
-        self.next_prefetch = (plan, t, dev, key)
+        self.next_prefetch = (plan, dev, key)
 
     def _adopt_first_upload(self, pending, plan, step, t):
         """Hand the upload _upload_first_job started to step t's first job, if it is the same job."""
         if pending is None:
             return
-        was_plan, was_t, dev, key = pending
+        was_plan, dev, key = pending
         future = dev.prefetched.pop(key, None)
-        if future is not None and was_plan is plan and was_t == t and dev is self.executor.next_device():
+        if future is not None and was_plan is plan and key == ("next step", t) and dev is self.executor.next_device():
             step.first_upload = (dev, future)
 
     def reset_delay(self):
@@ -255,8 +255,7 @@ class GraphRunner:
     @staticmethod
     def grad_indices(step, skip=()) -> set:
         """Indices of the parameters the step's jobs made gradients for (without waiting for them)."""
-        return {key[0] if isinstance(key, tuple) else key for grads in step.param_grads.values()
-                for key in grads} - set(skip)
+        return {_param_index(key) for grads in step.param_grads.values() for key in grads} - set(skip)
 
     @staticmethod
     def param_grads(step, only=None, skip=()) -> dict:
@@ -266,7 +265,7 @@ class GraphRunner:
         totals = {}
         for j in sorted(step.param_grads):
             for key, g in step.param_grads[j].items():
-                index = key[0] if isinstance(key, tuple) else key
+                index = _param_index(key)
                 if (only is not None and index not in only) or index in skip:
                     continue
                 g = resolve(g)
@@ -414,6 +413,11 @@ class GraphRunner:
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         return self.param_grads(step), input_grads
+
+
+def _param_index(key) -> int:
+    """The parameter a gradient key names: an index, or (index, start, stop) for rows of it."""
+    return key[0] if isinstance(key, tuple) else key
 
 
 def _use_order(plan) -> list:
