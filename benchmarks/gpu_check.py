@@ -53,6 +53,13 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def _load(model, values):
+    """Set model's parameters to values (a list in parameters() order)."""
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), values):
+            p.copy_(v)
+
+
 def parity(args):
     """tiny Qwen3 against eager on CUDA: 1 and 2 GPUs, eager / Inductor stages, the peer path
     (Config.peer_transfers), the overlapped optimizer and the delayed one on 2 GPUs (against
@@ -86,18 +93,14 @@ def parity(args):
                 loss = cm.train_step(**b)
                 peer_fetches += sum(s["name"] == "fetch_peer" for s in cm.last_trace)
                 bd = {k: v.to(dev) for k, v in b.items()}
-                current = [p.detach().clone() for p in ref.parameters()]
-                if mode == "delayed":
-                    with torch.no_grad():
-                        for p, q in zip(ref.parameters(), previous):
-                            p.copy_(q)
+                if mode == "delayed":   # the gradient at the previous step's parameters
+                    current = [p.detach().clone() for p in ref.parameters()]
+                    _load(ref, previous)
                 with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
                     lr_ = ref(**bd).loss
                 lr_.backward()
                 if mode == "delayed":
-                    with torch.no_grad():
-                        for p, q in zip(ref.parameters(), current):
-                            p.copy_(q)
+                    _load(ref, current)
                     previous = current
                 if step == 0 and mode == "exact":
                     grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))

@@ -2,13 +2,15 @@
 (`--option rpcompile_trace_dir=D`): per job, its device, compute start/end per microbatch, and
 the hop of each microbatch (previous job's compute end -> this job's compute start).
 
-    python benchmarks/trace_hops.py D/rpcompile-delayed_4g.json
+    python -m benchmarks.trace_hops D/rpcompile-delayed_4g.json
 """
 from __future__ import annotations
 
 import json
 import sys
 from collections import defaultdict
+
+from .systems.rpcompile_runner import trace_summary
 
 
 def summarize(spans: list) -> str:
@@ -34,14 +36,11 @@ def summarize(spans: list) -> str:
         w = next(iter(mbs.values()))[2]
         lines.append(f"{job:3d} {w!s:>6} {min(s for s, _, _ in mbs.values()):12.3f} "
                      f"{max(e for _, e, _ in mbs.values()):9.3f} {busy:10.3f}  " + " ".join(f"{x:6.1f}" for x in h))
-    by_worker = defaultdict(float)
-    for mbs in compute.values():
-        for s, e, w in mbs.values():
-            by_worker[w] += e - s
     first = min(s for mbs in compute.values() for s, _, _ in mbs.values())
     last = max(e for mbs in compute.values() for _, e, _ in mbs.values())
-    lines.append(f"compute span {last - first:.3f} s; busy per worker "
-                 + ", ".join(f"{w}: {b:.3f} s" for w, b in sorted(by_worker.items(), key=lambda x: str(x[0]))))
+    busy = trace_summary(spans)["devices"]
+    lines.append(f"compute span {last - first:.3f} s; compute busy per device "
+                 + ", ".join(f"{d}: {v['compute_busy_s']:.3f} s" for d, v in busy.items()))
     if hops:
         hops.sort()
         lines.append(f"hops: {len(hops)}, median {hops[len(hops) // 2]:.1f} ms, max {hops[-1]:.1f} ms")

@@ -326,3 +326,16 @@ def test_loss_parity_mode_on_cpu(tmp_path):
     assert res["rpcompile"]["loss_parity"]["max_abs_diff"] < 0.1 * swing
     assert res["roundpipe"]["status"] == "skipped"
     assert "· loss parity" in md and "| rpcompile | ok |" in md and "(reference)" in md and "within tol:" in md
+
+
+def test_trace_hops_reports_each_microbatchs_hop_between_jobs():
+    from benchmarks.trace_hops import summarize
+
+    def compute(job, mb, worker, start, end):
+        return {"device": f"cuda:{worker}", "stream": "compute", "name": "forward", "start_s": start,
+                "end_s": end, "job": job, "microbatch": mb, "worker": worker}
+    spans = [compute(0, 0, 0, 0.0, 0.1), compute(0, 1, 0, 0.1, 0.2),
+             compute(1, 0, 1, 0.15, 0.25), compute(1, 1, 1, 0.25, 0.35)]
+    text = summarize(spans)
+    assert "  50.0" in text and "hops: 2, median 50.0 ms, max 50.0 ms" in text
+    assert "compute span 0.350 s" in text and "cuda:0: 0.200 s" in text and "cuda:1: 0.200 s" in text

@@ -134,17 +134,18 @@ class RPCompileTrainer(Trainer):
 
 
 def _write_trace(spans, directory, stem) -> list:
+    """The spans as JSON (for trace_hops.py) and as a Chrome trace, in directory."""
     import json
     import os
 
-    from rpcompile.runtime.trace import chrome_trace
+    from rpcompile.runtime.trace import write_chrome_trace
 
     os.makedirs(directory, exist_ok=True)
-    paths = [os.path.join(directory, f"{stem}.json"), os.path.join(directory, f"{stem}.chrome.json")]
-    for path, data in zip(paths, (spans, chrome_trace(spans))):
-        with open(path, "w") as f:
-            json.dump(data, f, default=str)
-    return paths
+    spans_path, chrome_path = os.path.join(directory, f"{stem}.json"), os.path.join(directory, f"{stem}.chrome.json")
+    with open(spans_path, "w") as f:
+        json.dump(spans, f, default=str)
+    write_chrome_trace(spans, chrome_path)
+    return [spans_path, chrome_path]
 
 
 def trace_summary(spans) -> dict:
