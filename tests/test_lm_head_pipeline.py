@@ -16,11 +16,10 @@ def test_split_head_parity_across_stages(make, tied, shards, vocab):
     batches = [lm_batch(vocab=vocab, seed=s) for s in range(3)]
     for b in batches:
         b["labels"][1, ::2] = -100
-    # Loss and gradients are checked at the default tolerances. After AdamW steps the vocabulary
-    # rows of tokens that never occur carry gradients of ~1e-9 (softmax normaliser only); Adam
-    # divides by their sqrt(v), so the summation order of the online log-sum-exp shows up as
-    # ~2e-6 in those rows: the parameter check allows 1e-5 absolute here.
-    cm = train_both(make(tied=tied, vocab=vocab), batches, cfg, param_atol=1e-5)
+    # Gradients relative to the largest one, parameters after SGD with momentum (parity.py): the
+    # rows of tokens that never occur carry gradients of ~1e-9, whose summation-order noise in the
+    # online log-sum-exp an AdamW step would amplify to ~lr.
+    cm = train_both(make(tied=tied, vocab=vocab), batches, cfg)
     rows = cm.plan.stage_rows()
     placed = {k for r in rows if r["kind"] != "bwd" for k in r["lm_head_shards"]}
     assert placed == set(range(shards)), "every shard is computed by a forward-side stage"
