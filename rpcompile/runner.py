@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.regions import compile_regions
 from .runtime.device import resolve
@@ -82,31 +83,35 @@ class GraphRunner:
 
     # --- microbatches ----------------------------------------------------------------------
     def split(self, plan, leaves) -> list:
-        """Per microbatch: the leaves (batched ones sliced on dim 0) and the size symbols."""
+        """Per microbatch: the leaves (batched ones sliced on dim 0, every tensor contiguous) and
+        the size symbols (Note [batched inputs])."""
         M = self.config.num_microbatches
         batched = [i for i in sorted(plan.split_leaves) if isinstance(leaves[i], torch.Tensor)]
+        leaves = [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if not batched:
             if M > 1 and not self._warned_static:
                 warnings.warn("rpcompile: the captured graph has a static batch size, so the batch is not split "
                               "into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
                               "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
                 self._warned_static = True
-            M = 1
+            M, B = 1, None
         else:
             B = leaves[batched[0]].shape[0]
             for i in batched:
                 if leaves[i].shape[0] != B:
-                    raise ValueError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "
-                                     f"(input leaf {i}); all batched inputs must have the same dim 0")
+                    raise InputError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "
+                                     f"(input leaf {i}); all batched inputs must have the same dim 0, or name the "
+                                     "ones that are not batched in Config(unbatched_inputs=[...])")
             M = max(1, min(M, B))
-        chunks = {i: torch.tensor_split(leaves[i], M) for i in batched}
+        chunks = {i: [c.contiguous() for c in torch.tensor_split(leaves[i], M)] for i in batched}
         micro = []
         for m in range(M):
             mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]
             syms = {}
             for name, src in plan.sym_sources.items():
                 syms[name] = src if isinstance(src, int) else mleaves[src[0]].shape[src[1]]
-            micro.append(Microbatch(mleaves, syms))
+            rows = mleaves[batched[0]].shape[0] if batched else None
+            micro.append(Microbatch(mleaves, syms, rows=rows))
         return micro
 
     def _counter(self, plan):
