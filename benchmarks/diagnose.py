@@ -155,13 +155,16 @@ def main(argv=None):
         summ = trace_summary(spans) if spans else {"devices": {}}
         hops = _hops(spans)
         tok = a.tokens_per_step * len(times) / sum(times)
-        results[variant] = {"tokens_per_s": tok, "step_s": times,
+        opt_t = list(getattr(cm.runner.overlapped, "timings", []) or [])[-a.steps:]
+        opt_mean = {k: sum(t[k] for t in opt_t) / len(opt_t) for k in opt_t[0]} if opt_t else {}
+        results[variant] = {"tokens_per_s": tok, "step_s": times, "optimizer_s": opt_mean,
                             "busy": {d: v["compute_busy_frac"] for d, v in summ["devices"].items()},
                             "hop_ms_median": hops[len(hops) // 2] if hops else None,
                             "hop_ms_max": hops[-1] if hops else None}
         print(f"== {variant}: {tok:,.0f} tokens/s; steps " + " ".join(f"{t:.2f}" for t in times)
               + "; busy " + " ".join(f"{d}={v:.2f}" for d, v in results[variant]["busy"].items() if v is not None)
-              + (f"; hops median {hops[len(hops) // 2]:.1f} ms max {hops[-1]:.1f} ms" if hops else ""), flush=True)
+              + (f"; hops median {hops[len(hops) // 2]:.1f} ms max {hops[-1]:.1f} ms" if hops else "")
+              + ("; optimizer " + " ".join(f"{k}={v:.3f}" for k, v in opt_mean.items()) if opt_mean else ""), flush=True)
         if variant == "base" and spans:
             print(summarize(spans), flush=True)
             with open(os.path.join(a.out, "base_trace.json"), "w") as f:

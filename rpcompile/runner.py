@@ -5,8 +5,6 @@ Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of 
 """
 from __future__ import annotations
 
-import functools
-import threading
 import warnings
 
 import torch
@@ -14,7 +12,7 @@ import torch
 from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.regions import compile_regions
-from .runtime.device import resolve
+from .runtime.device import Pending, resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
 from .runtime.trace import Tracer
@@ -37,10 +35,6 @@ class GraphRunner:
         self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
         self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
         self.next_prefetch = None       # (plan, device, key) of the next step's first upload
-        # Overlapped mode: hand parameters to the optimizer while later jobs still run (_early_steps).
-        # Off: its undo copies (12 bytes per parameter handed over early, taken every step) cost
-        # more than the overlap gains: Qwen3-1.7B on 2 H200s, 34.2K tokens/s with it, 40.2K without.
-        self.early_hand_over = False
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -174,45 +168,11 @@ class GraphRunner:
         return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
 
     def _pinned_refresh(self, dtype):
-        """refresh(p) for the optimizer thread: p's pinned working copy, rewritten after its step."""
+        """refresh(params) for the optimizer thread: their pinned working copies, rewritten
+        after their step (one call for a chunk: Note [few calls per step])."""
         if not (self.config.on_gpu and dtype):
             return None
-        return lambda p: self.host_weights.get(p, dtype)
-
-    def _early_steps(self, plan, step, jobs) -> set:
-        """Overlapped mode without clipping: hand a parameter to the optimizer as soon as the
-        last job making its gradient has finished (Note [overlapped optimizer]); returns the
-        set of parameter indices handed over, filled while the step runs."""
-        producers: dict = {}
-        for k, st, role in jobs:
-            if role != "fwd":
-                for key in st.grad_params:
-                    producers.setdefault(_param_index(key), set()).add(k)
-        params = plan.captured.params
-        refresh = self._pinned_refresh(step.dtype)
-        order = {i: n for n, i in enumerate(_use_order(plan))}
-        handed: set = set()
-        lock = threading.Lock()
-
-        def on_job_done(job):
-            if job == jobs[-1][0]:   # the last job's parameters go with the step's final submission
-                return
-            with lock:
-                ready = []
-                for i, waiting in producers.items():
-                    if job in waiting:
-                        waiting.discard(job)
-                        if not waiting:
-                            ready.append(i)
-                handed.update(ready)
-            if ready:
-                ready.sort(key=order.get)
-                self.overlapped.submit(
-                    [(params[i], lambda i=i: self.param_grads(step, only={i})[i].to(params[i].dtype))
-                     for i in ready], refresh, early=True)
-
-        step.on_job_done = on_job_done
-        return handed
+        return lambda params: self.host_weights.refresh_many(params, dtype)
 
     def _delayed_weights(self, plan) -> DelayedWeights:
         """The two copies of delayed mode, made from the parameters as they are when the first
@@ -258,22 +218,22 @@ class GraphRunner:
         return None if self.last_tracer is None else self.last_tracer.spans()
 
     @staticmethod
-    def grad_indices(step, skip=()) -> set:
+    def grad_indices(step) -> set:
         """Indices of the parameters the step's jobs made gradients for (without waiting for them)."""
-        return {_param_index(key) for grads in step.param_grads.values() for key in grads} - set(skip)
+        return {_param_index(key) for grads in step.param_grads.values() for key in grads}
 
     @staticmethod
-    def param_grads(step, only=None, skip=()) -> dict:
+    def param_grads(step) -> dict:
         """Host gradient per parameter index, summed over the jobs in job order (a job that
-        took only rows of a parameter, keyed (index, start, stop), adds into those rows);
-        only the indices in `only` (all if None), none of those in `skip`."""
+        took only rows of a parameter, keyed (index, start, stop), adds into those rows). One
+        wait per job: its downloads run in order on one stream, so the last one's completion
+        covers the rest (Note [few calls per step])."""
         totals = {}
         for j in sorted(step.param_grads):
-            for key, g in step.param_grads[j].items():
-                index = _param_index(key)
-                if (only is not None and index not in only) or index in skip:
-                    continue
-                g = resolve(g)
+            grads = step.param_grads[j]
+            resolve(list(grads.values())[-1:])
+            for key, g in grads.items():
+                g = g.tensor if isinstance(g, Pending) else g
                 if isinstance(key, tuple):
                     i, start, stop = key
                     if i not in totals:
@@ -301,9 +261,6 @@ class GraphRunner:
         else:
             step = self.new_step(plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
-        early = None
-        if not delayed and self.early_hand_over and self.overlapped is not None and self.overlapped.splits_steps:
-            early = self._early_steps(plan, step, jobs)
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
@@ -312,38 +269,34 @@ class GraphRunner:
             with torch.no_grad():
                 for i, s in saved.items():
                     plan.captured.buffers[i].copy_(s)
-            if early is not None:
-                self.overlapped.rollback()
             raise
-        finally:
-            # on_job_done's submissions refer to the step: drop the cycle, or every step's host
-            # gradients and activations live until the cyclic garbage collector runs.
-            step.on_job_done = None
         if self.overlapped is not None:
             params = plan.captured.params
-            order = _use_order(plan)
-            have = self.grad_indices(step, skip=early or ())
+            have = self.grad_indices(step)
+            order = [i for i in _use_order(plan) if i in have]
             # The optimizer thread waits for the gradients' downloads, not this one: the next
             # step's jobs start while the last job's gradients are still coming down.
-            grads = functools.cache(lambda: self.param_grads(step, skip=early or ()))
-            others = ()
+            def grads():
+                totals = self.param_grads(step)
+                return [_as(totals[i], params[i].dtype) for i in order]
+            others, chunks = (), None
             if delayed:
                 slot = self.delayed_steps % 2
-                refresh = lambda p: self.delayed.write(p, slot)   # noqa: E731
+                refresh = lambda ps: self.delayed.write_many(ps, slot)   # noqa: E731
                 others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
+                chunks = 1         # nothing waits for single parameters: one optimizer step
                 self.delayed_steps += 1
             else:
                 refresh = self._pinned_refresh(step.dtype)
-            self.overlapped.submit([(params[i], lambda i=i: grads()[i].to(params[i].dtype)) for i in order if i in have],
-                                   refresh, others)
+            self.overlapped.submit([params[i] for i in order], grads, refresh, others, chunks=chunks)
             if delayed:
                 self._upload_first_job(plan, self.delayed_steps)
         else:
-            grads = self.param_grads(step, skip=early or ())
+            grads = self.param_grads(step)
             with torch.no_grad():
                 for i, g in grads.items():
                     p = plan.captured.params[i]
-                    g = g.to(p.dtype)
+                    g = _as(g, p.dtype)
                     p.grad = g if p.grad is None else p.grad.add_(g)
         loss_name = plan.graph_outputs[0]
         for m in micro:
@@ -418,6 +371,11 @@ class GraphRunner:
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         return self.param_grads(step), input_grads
+
+
+def _as(t, dtype):
+    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _param_index(key) -> int:

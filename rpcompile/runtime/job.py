@@ -57,7 +57,6 @@ class StepState:
     loss_weights: Any = None                           # call mode: how the loss output combines
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
-    on_job_done: Any = None                            # on_job_done(job index) after a job's gradients are out
     first_upload: Any = None                           # (device, future): the first job's weights, sent before the step
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -297,8 +296,6 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
             for mb in range(len(step.micro)):
                 program(ctx.handle, mb)
             ctx.finish()
-        if step.on_job_done is not None and step.error is None:
-            step.on_job_done(job_index)
     except Aborted:
         pass
     except BaseException as exc:  # reported in the caller's thread by the executor
