@@ -159,3 +159,36 @@ def test_a_failing_step_changes_nothing(monkeypatch):
     cm.synchronize()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-4, 1e-6, name)
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "delayed"])
+def test_the_optimizer_holds_gradients_not_the_step(mode):
+    """While the optimizer thread still works on a step's gradients, the step itself (its
+    activations, checkpoints and their pinned buffers) is already gone."""
+    import gc
+    import threading
+
+    from rpcompile.runtime.job import StepState
+
+    release = threading.Event()
+
+    class BlockedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            release.wait(timeout=60)
+            return super().step(closure)
+
+    model = qwen3(tied=True, layers=2)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode=mode))
+    cm.attach_optimizer(BlockedSGD(model.parameters(), lr=0.1))
+    gc.collect()
+    gc.disable()
+    try:
+        cm.train_step(**lm_batch(seed=0))
+        assert cm.runner.overlapped._completed == 0, "the optimizer step should still be blocked"
+        alive = sum(type(o) is StepState for o in gc.get_objects())
+    finally:
+        release.set()
+        gc.enable()
+    cm.synchronize()
+    assert alive == 0, f"{alive} steps are held while the optimizer works on their gradients"
