@@ -1,10 +1,15 @@
 """The schedule of a run is data built before it runs: placement, links and the printed form
-are checked here without threads."""
+are checked here without threads; one run on CPU devices checks that it is what ran."""
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+import rpcompile
+from rpcompile.runtime.job import JobContext
 from rpcompile.runtime.schedule import JobAction, Schedule, build_schedule
+
+from models import lm_batch, qwen3
 
 
 def _chain(kinds, inputs=None):
@@ -120,3 +125,68 @@ def test_schedule_is_plain_data():
         build_schedule(FOUR, 0, 0)
     empty = build_schedule([], 3, 2)
     assert str(empty) == "" and empty.next_offset == 2
+
+
+def _expected_text(placements):
+    letters = {"fwd": "F", "fused": "FB", "bwd": "B"}
+    return " ".join(f"{stage}{letters[role]}@{device}" for _, stage, role, device in placements)
+
+
+def test_printed_schedule_is_what_ran_on_cpu_devices(monkeypatch):
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB"))
+    assert cm.last_schedule is None
+    batch = lm_batch()
+    cm.train_step(**batch)
+    first = cm.last_schedule
+    J = len(cm.plan.stages)
+    assert J >= 3
+    assert str(first) == _expected_text(cm.last_placements)
+    assert [a.device for a in first.actions] == [k % 2 for k in range(J)]
+    assert [a.role for a in first.actions] == [st.kind for st in cm.plan.stages]
+    # every job ran on the worker its action names (read off the trace)
+    for a in first.actions:
+        spans = [s for s in cm.last_trace if s.get("job") == a.job and s["name"] in
+                 ("forward", "forward+backward", "recompute+backward")]
+        assert spans and all(s["worker"] == a.device for s in spans)
+
+    cm.train_step(**batch)
+    second = cm.last_schedule
+    assert second.offset == first.next_offset == J % 2
+    assert str(second) == _expected_text(cm.last_placements)
+    model.zero_grad()
+
+    # a failing job: the StageError carries the schedule with that job marked
+    target = cm.plan.stages[-2].index
+    real = JobContext.accumulate_grads
+
+    def faulty(job, grads):
+        if job.stage.index == target and job.microbatch == 1:
+            raise RuntimeError("injected fault")
+        return real(job, grads)
+
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    with pytest.raises(rpcompile.StageError) as e:
+        cm.train_step(**batch)
+    err = e.value
+    failed = cm.last_schedule
+    assert failed.offset == second.next_offset
+    marked = next(a for a in failed.actions if a.stage == target)
+    assert err.job == marked.job and err.stage == target and err.microbatch == 1
+    assert err.schedule == failed.render(failed=marked.job)
+    assert f"[{marked} failed]" in err.schedule and err.schedule.count("failed]") == 1
+    lines = str(err).splitlines()
+    assert "injected fault" in lines[0] and lines[-1] == f"schedule: {err.schedule}"
+    assert isinstance(err.__cause__, RuntimeError)
+    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+
+    # a differentiable call runs two schedules: the forward (F) and the backward (B)
+    out = cm(**batch)
+    fwd = cm.last_schedule
+    assert str(fwd) == _expected_text(cm.last_placements) and all(a.role == "fwd" for a in fwd.actions)
+    out.loss.backward()
+    bwd = cm.last_schedule
+    assert bwd.offset == fwd.next_offset and all(a.role == "bwd" for a in bwd.actions)
+    assert str(bwd) == _expected_text(cm.last_placements)
+    assert torch.isfinite(out.loss)
