@@ -92,7 +92,13 @@ class CompiledModel(torch.nn.Module):
     @property
     def last_placements(self):
         """(job index, stage index, role, device index) of every job of the last run."""
-        return list(self.runner.executor.placements)
+        return self.runner.executor.placements
+
+    @property
+    def last_schedule(self):
+        """The schedule of the last run (runtime/schedule.py): `print(cm.last_schedule)` shows
+        its jobs as stage, role and device, e.g. `0F@0 1F@1 2FB@0 3B@1` (None before the first)."""
+        return self.runner.executor.last_schedule
 
     def dump(self, path: str) -> None:
         """Write every plan's stage graphs (.py), plan.json, plan.txt and, after a step, the

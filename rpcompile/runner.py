@@ -15,6 +15,7 @@ from .passes.regions import compile_regions
 from .runtime.device import Pending, resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
+from .runtime.schedule import build_schedule
 from .runtime.trace import Tracer
 from .runtime.warmup import WarmupGuard
 from .runtime.weights import DelayedWeights, HostWeights
@@ -209,10 +210,13 @@ class GraphRunner:
         self.delayed, self.delayed_steps, self.next_prefetch = None, 0, None
 
     def run_jobs(self, plan, step, jobs):
+        """Run [(job index, stage, role), ...] as a chain: its schedule is built first
+        (runtime/schedule.py, continuing the rotation), then executed."""
         if step.tracer is None:
             step.tracer = Tracer(self.config.devices)
         self.last_tracer = step.tracer
-        self.executor.run(step, jobs, lambda st, role, dev: self.program_for(plan, st, role, dev))
+        schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset)
+        self.executor.run(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
 
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
