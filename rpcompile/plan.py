@@ -47,6 +47,7 @@ class Plan:
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
+    host_memory: Any = None                              # passes.host_memory.HostMemory
 
     @property
     def est_step_time(self) -> float:
@@ -115,6 +116,8 @@ class Plan:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         out = [head, fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
         out += [fmt.format(*l) for l in lines]
+        if self.host_memory is not None:
+            out.append(self.host_memory.summary())
         return "\n".join(out)
 
     __repr__ = __str__
@@ -125,6 +128,7 @@ class Plan:
                 "memory_budget": self.memory_budget, "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),
+                "host_memory": None if self.host_memory is None else dict(self.host_memory.rows()),
                 "stages": rows}
 
     def dump(self, path: str) -> None:

@@ -10,6 +10,7 @@
       -> build_stages       forward and recompute+backward graphs per stage (passes/codegen.py)
       -> build_program      per-stage programs of transfer, event and compute nodes (passes/codegen.py)
       -> order_transfers    in each program: activation uploads, then weights, then the next job's prefetch
+      -> host_memory        the host bytes a step needs, by kind (passes/host_memory.py)
 
 On GPUs the runner then compiles each stage's compute with Inductor, one repeated block (decoder
 layer) at a time (passes/regions.py).
@@ -28,6 +29,7 @@ from .batch import attach_row_checks, check_splittable, find_batch
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
+from .host_memory import host_memory
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
@@ -91,6 +93,7 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
                 memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head, batch=batch)
     _describe_io(plan)
     attach_row_checks(stages, batch, plan.sym_sources)
+    plan.host_memory = host_memory(plan, config.compute_dtype, config.on_gpu, config.optimizer_mode)
     plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
                                    if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
                                    and any(is_impure(u) for u in n.users)})
