@@ -128,9 +128,8 @@ class CompiledModel(torch.nn.Module):
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "
                              "mode call optimizer.step() yourself after train_step")
         self.synchronize()
-        self.runner.reset_delay()
-        self.runner.overlapped = OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler,
-                                                     max_grad_norm=max_grad_norm, chunks=chunks)
+        self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
+                                               chunks=chunks))
 
     def synchronize(self) -> None:
         """Wait for the overlapped optimizer's pending work (no-op in exact mode)."""
