@@ -166,7 +166,7 @@ class GraphRunner:
     def _working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured
         on real tensors by the dynamo backend)."""
-        return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
+        return self.config.compute_dtype if plan.captured.on_copies else None
 
     def _pinned_refresh(self, dtype):
         """refresh(params) for the optimizer thread: their pinned working copies, rewritten
