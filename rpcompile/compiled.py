@@ -65,7 +65,7 @@ class CompiledModel(torch.nn.Module):
         if plan is None:
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
             cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap,
-                               unbatched=self.config.unbatched_inputs)
+                               device=self.config.devices[0], unbatched=self.config.unbatched_inputs)
             loss_output = 0 if loss_fn is not None else None
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
             self._plans[key] = plan

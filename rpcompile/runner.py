@@ -22,6 +22,17 @@ from .runtime.modes import ExactMode, mode_for, sum_param_grads
 from .runtime.weights import HostWeights
 
 
+def _counter_arg(plan, mbatch, node):
+    """A loss counter's argument: a size, a call leaf, or a host weight (class weights)."""
+    kind = node.meta.get("rp_kind")
+    if kind == "sym":
+        return mbatch.syms[node.name]
+    if kind in ("param", "buffer"):
+        host = plan.captured.params if kind == "param" else plan.captured.buffers
+        return host[node.meta["rp_index"]].detach()
+    return mbatch.leaves[node.meta["rp_index"]]
+
+
 class GraphRunner:
     """Executes the plans of one compiled model on the devices of its Config."""
 
@@ -127,14 +138,15 @@ class GraphRunner:
     def loss_weights(self, plan, micro) -> list:
         """d(batch loss)/d(microbatch loss output) per microbatch (Note [whole-batch loss])."""
         scale = plan.loss_scale
+        if scale is not None and scale.kind == "sum":
+            return [1.0] * len(micro)
         if scale is not None and scale.kind == "tokens":
             counter = self._counter(plan)
             names = [n for n in counter.graph.nodes if n.op == "placeholder"]
             counts = []
             for mbatch in micro:
-                args = [mbatch.syms[n.name] if n.meta.get("rp_kind") == "sym" else mbatch.leaves[n.meta["rp_index"]]
-                        for n in names]
-                counts.append(int(counter(*args)))
+                args = [_counter_arg(plan, mbatch, n) for n in names]
+                counts.append(float(counter(*args)))
             total = sum(counts)
             return [1.0 / total if total else float("nan")] * len(micro)
         return self._row_weights(plan, micro)
@@ -175,7 +187,7 @@ class GraphRunner:
     def working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured
         on real tensors by the dynamo backend)."""
-        return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
+        return self.config.compute_dtype if plan.captured.on_copies else None
 
     def pinned_refresh(self, dtype):
         """refresh(params) for the optimizer thread: their pinned working copies, rewritten
