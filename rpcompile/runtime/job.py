@@ -272,7 +272,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
         ctx = JobContext(step, job_index, prev_job, stage, role, dev, links)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
-                program(ctx.handle, mb)
+                program.forward(ctx.handle, mb)   # not program(...): see ops.compute
             ctx.finish()
         if step.on_job_done is not None and step.error is None:
             step.on_job_done(job_index)
