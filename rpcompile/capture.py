@@ -14,6 +14,7 @@ and `meta["rp_index"]` (its index among the captured params, buffers or call lea
 from __future__ import annotations
 
 import itertools
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -41,15 +42,16 @@ class Captured:
     in_spec: Any = None     # pytree spec of (args, kwargs) for rpcompile.compile calls
     out_spec: Any = None    # pytree spec of the model output; None: flat graph outputs
     out_leaves: list = field(default_factory=list)     # ("out", i) or ("const", value)
-    batch_symbol: Optional[sympy.Symbol] = None
-    batch_size: Optional[int] = None                   # batch size at capture
+    batch_size: Optional[int] = None                   # batch size at capture (None: the dynamo backend's)
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
-def _meta_like(t: torch.Tensor, dtype) -> torch.Tensor:
+def _meta_like(t: torch.Tensor, dtype, contiguous: bool = False) -> torch.Tensor:
     dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+    if contiguous:   # call inputs: the runner hands every microbatch over contiguous
+        return torch.empty(t.shape, dtype=dt, device="meta")
     return torch.empty_strided(t.shape, t.stride(), dtype=dt, device="meta")
 
 
@@ -139,17 +141,23 @@ def batch_size_of(leaves) -> Optional[int]:
 
 
 def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
-                 wrap=None, dynamic_batch: bool = True) -> Captured:
-    """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies."""
+                 wrap=None, dynamic_batch: bool = True, unbatched=()) -> Captured:
+    """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies.
+
+    Dim 0 of every tensor argument whose dim 0 is the batch size is dynamic (Note [batched
+    inputs] in passes/batch.py), except those `unbatched` names (Config.unbatched_inputs)."""
+    from .passes.batch import is_unbatched, leaf_names
     leaves, in_spec = flatten_call(args, kwargs)
+    labels = leaf_names(args, kwargs)
     batch = batch_size_of(leaves)
     meta_leaves = []
-    for leaf in leaves:
+    for leaf, name in zip(leaves, labels):
         if isinstance(leaf, torch.Tensor):
-            m = _meta_like(leaf, dtype)
+            m = _meta_like(leaf, dtype, contiguous=True)
             if leaf.requires_grad and m.is_floating_point():
                 m.requires_grad_(True)
-            if dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch:
+            if (dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch
+                    and not is_unbatched(name, unbatched)):
                 torch._dynamo.maybe_mark_dynamic(m, 0)
             meta_leaves.append(m)
         else:
@@ -203,25 +211,15 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
             node.meta["rp_name"] = names[index_of[id(host)]]
         elif id(ex) in id_to_leaf:
             node.meta["rp_kind"], node.meta["rp_index"] = "input", id_to_leaf[id(ex)]
+            node.meta["rp_leaf_name"] = labels[id_to_leaf[id(ex)]]
             # Dynamo may report meta inputs as requiring grad; the user's tensor says.
             node.meta["rp_requires_grad"] = bool(leaves[id_to_leaf[id(ex)]].requires_grad)
         else:
             raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
                                f"the call (a tensor created outside forward and closed over?): register it "
                                f"as a buffer of the module or pass it as an argument")
-    _find_batch_symbol(cap)
     _map_outputs(cap, out, got["dummies"])
     return cap
-
-
-def _find_batch_symbol(cap: Captured):
-    for node in cap.placeholders():
-        ev = node.meta.get("example_value")
-        if node.meta.get("rp_kind") == "input" and isinstance(ev, torch.Tensor) and ev.dim() >= 1:
-            expr = _sym_expr(ev.shape[0])
-            if isinstance(expr, sympy.Symbol):
-                cap.batch_symbol = expr
-                break
 
 
 def _map_outputs(cap: Captured, out, dummies):
@@ -262,7 +260,23 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
         else:
             node.meta["rp_kind"], node.meta["rp_index"] = "input", i
             node.meta["rp_requires_grad"] = bool(getattr(ex, "requires_grad", False))
+            node.meta["rp_leaf_name"], node.meta["rp_module_state"] = _dynamo_input_name(source_name)
         if isinstance(ex, torch.Tensor) and ex.device.type != "meta":
             cap.capture_device = ex.device
-    _find_batch_symbol(cap)
     return cap
+
+
+def _dynamo_input_name(source: str) -> tuple:
+    """(readable name, whether it is module state) of a dynamo input source such as
+    "L['kwargs']['input_ids']" (-> "input_ids") or "L['args'][0]._modules['emb'].norm_type"
+    (module state: an attribute of a module, never a batched argument)."""
+    module_state = bool(re.search(r"\]\.", source)) or source.startswith("L['self']")
+    keys = re.findall(r"\[(?:'([^']*)'|(\d+))\]", source)
+    parts = [k or int(i) for k, i in keys]
+    if len(parts) >= 2 and parts[0] == "kwargs":
+        name = str(parts[1]) + "".join(f"[{p!r}]" for p in parts[2:])
+    elif len(parts) >= 2 and parts[0] == "args":
+        name = f"args[{parts[1]}]" + "".join(f"[{p!r}]" for p in parts[2:])
+    else:
+        name = str(parts[0]) if parts else source
+    return name, module_state

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import capture_call, flatten_call
+from .capture import batch_size_of, capture_call, flatten_call
 from .config import Config
 from .errors import InputError
 from .passes import compile_graph
@@ -46,9 +46,11 @@ class CompiledModel(torch.nn.Module):
 
     def _key(self, mode, leaves, spec, extra):
         sig = []
+        batch = batch_size_of(leaves)
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                shape = tuple(leaf.shape[1:]) if leaf.dim() >= 1 else ()
+                # dim 0 is free only where it is the batch size (an input split per microbatch)
+                shape = tuple(leaf.shape[1:]) if leaf.dim() >= 1 and leaf.shape[0] == batch else tuple(leaf.shape)
                 sig.append(("T", leaf.dtype, leaf.dim(), shape, leaf.requires_grad))
             else:
                 sig.append(("C", repr(leaf)))
@@ -62,7 +64,8 @@ class CompiledModel(torch.nn.Module):
         plan = self._plans.get(key)
         if plan is None:
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
-            cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap)
+            cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap,
+                               unbatched=self.config.unbatched_inputs)
             loss_output = 0 if loss_fn is not None else None
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
             self._plans[key] = plan

@@ -44,6 +44,9 @@ class Config:
     peer_transfers: a boundary activation the next stage job reads goes GPU to GPU where peer
         access exists (the host still gets a copy if a later job reads it), instead of through
         host memory.
+    unbatched_inputs: names of call arguments (keywords, or positional indices) whose tensors are
+        not split into microbatches although their dim 0 may equal the batch size; every other
+        tensor argument with dim 0 == the batch size is split (Note [batched inputs]).
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -61,6 +64,7 @@ class Config:
     max_jobs: Optional[int] = None
     peer_transfers: bool = False
     inductor_options: Optional[dict] = None
+    unbatched_inputs: Sequence = ()
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -83,6 +87,9 @@ class Config:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"Config.num_microbatches={self.num_microbatches!r}: give an int >= 1")
         self.memory_budget = parse_bytes(self.memory_budget)
+        if isinstance(self.unbatched_inputs, (str, int)):
+            self.unbatched_inputs = (self.unbatched_inputs,)
+        self.unbatched_inputs = tuple(self.unbatched_inputs)
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"Config.inductor_options={self.inductor_options!r}: give a dict of Inductor options, "
                              "e.g. {'cpp_wrapper': True}")

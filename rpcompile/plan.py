@@ -172,6 +172,7 @@ class Plan:
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
+    batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
 
     @property
     def est_step_time(self) -> float:

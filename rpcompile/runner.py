@@ -5,15 +5,14 @@ Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of 
 """
 from __future__ import annotations
 
-import functools
-import threading
 import warnings
 
 import torch
 
+from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.regions import compile_regions
-from .runtime.device import resolve
+from .runtime.device import Pending, resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
 from .runtime.trace import Tracer
@@ -36,10 +35,7 @@ class GraphRunner:
         self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
         self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
         self.next_prefetch = None       # (plan, device, key) of the next step's first upload
-        # Overlapped mode: hand parameters to the optimizer while later jobs still run (_early_steps).
-        # Off: its undo copies (12 bytes per parameter handed over early, taken every step) cost
-        # more than the overlap gains: Qwen3-1.7B on 2 H200s, 34.2K tokens/s with it, 40.2K without.
-        self.early_hand_over = False
+        self._grad_buffers: dict = {}   # param index -> host buffer the optimizer thread sums rows into
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -82,31 +78,35 @@ class GraphRunner:
 
     # --- microbatches ----------------------------------------------------------------------
     def split(self, plan, leaves) -> list:
-        """Per microbatch: the leaves (batched ones sliced on dim 0) and the size symbols."""
+        """Per microbatch: the leaves (batched ones sliced on dim 0, every tensor contiguous) and
+        the size symbols (Note [batched inputs])."""
         M = self.config.num_microbatches
         batched = [i for i in sorted(plan.split_leaves) if isinstance(leaves[i], torch.Tensor)]
+        leaves = [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if not batched:
             if M > 1 and not self._warned_static:
                 warnings.warn("rpcompile: the captured graph has a static batch size, so the batch is not split "
                               "into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
                               "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
                 self._warned_static = True
-            M = 1
+            M, B = 1, None
         else:
             B = leaves[batched[0]].shape[0]
             for i in batched:
                 if leaves[i].shape[0] != B:
-                    raise ValueError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "
-                                     f"(input leaf {i}); all batched inputs must have the same dim 0")
+                    raise InputError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "
+                                     f"(input leaf {i}); all batched inputs must have the same dim 0, or name the "
+                                     "ones that are not batched in Config(unbatched_inputs=[...])")
             M = max(1, min(M, B))
-        chunks = {i: torch.tensor_split(leaves[i], M) for i in batched}
+        chunks = {i: [c.contiguous() for c in torch.tensor_split(leaves[i], M)] for i in batched}
         micro = []
         for m in range(M):
             mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]
             syms = {}
             for name, src in plan.sym_sources.items():
                 syms[name] = src if isinstance(src, int) else mleaves[src[0]].shape[src[1]]
-            micro.append(Microbatch(mleaves, syms))
+            rows = mleaves[batched[0]].shape[0] if batched else None
+            micro.append(Microbatch(mleaves, syms, rows=rows))
         return micro
 
     def _counter(self, plan):
@@ -169,45 +169,11 @@ class GraphRunner:
         return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
 
     def _pinned_refresh(self, dtype):
-        """refresh(p) for the optimizer thread: p's pinned working copy, rewritten after its step."""
+        """refresh(params) for the optimizer thread: their pinned working copies, rewritten
+        after their step (one call for a chunk: Note [few calls per step])."""
         if not (self.config.on_gpu and dtype):
             return None
-        return lambda p: self.host_weights.get(p, dtype)
-
-    def _early_steps(self, plan, step, jobs) -> set:
-        """Overlapped mode without clipping: hand a parameter to the optimizer as soon as the
-        last job making its gradient has finished (Note [overlapped optimizer]); returns the
-        set of parameter indices handed over, filled while the step runs."""
-        producers: dict = {}
-        for k, st, role in jobs:
-            if role != "fwd":
-                for key in st.grad_params:
-                    producers.setdefault(_param_index(key), set()).add(k)
-        params = plan.captured.params
-        refresh = self._pinned_refresh(step.dtype)
-        order = {i: n for n, i in enumerate(_use_order(plan))}
-        handed: set = set()
-        lock = threading.Lock()
-
-        def on_job_done(job):
-            if job == jobs[-1][0]:   # the last job's parameters go with the step's final submission
-                return
-            with lock:
-                ready = []
-                for i, waiting in producers.items():
-                    if job in waiting:
-                        waiting.discard(job)
-                        if not waiting:
-                            ready.append(i)
-                handed.update(ready)
-            if ready:
-                ready.sort(key=order.get)
-                self.overlapped.submit(
-                    [(params[i], lambda i=i: self.param_grads(step, only={i})[i].to(params[i].dtype))
-                     for i in ready], refresh, early=True)
-
-        step.on_job_done = on_job_done
-        return handed
+        return lambda params: self.host_weights.refresh_many(params, dtype)
 
     def _delayed_weights(self, plan) -> DelayedWeights:
         """The two copies of delayed mode, made from the parameters as they are when the first
@@ -253,30 +219,14 @@ class GraphRunner:
         return None if self.last_tracer is None else self.last_tracer.spans()
 
     @staticmethod
-    def grad_indices(step, skip=()) -> set:
+    def grad_indices(step) -> set:
         """Indices of the parameters the step's jobs made gradients for (without waiting for them)."""
-        return {_param_index(key) for grads in step.param_grads.values() for key in grads} - set(skip)
+        return {_param_index(key) for grads in step.param_grads.values() for key in grads}
 
     @staticmethod
-    def param_grads(step, only=None, skip=()) -> dict:
-        """Host gradient per parameter index, summed over the jobs in job order (a job that
-        took only rows of a parameter, keyed (index, start, stop), adds into those rows);
-        only the indices in `only` (all if None), none of those in `skip`."""
-        totals = {}
-        for j in sorted(step.param_grads):
-            for key, g in step.param_grads[j].items():
-                index = _param_index(key)
-                if (only is not None and index not in only) or index in skip:
-                    continue
-                g = resolve(g)
-                if isinstance(key, tuple):
-                    i, start, stop = key
-                    if i not in totals:
-                        totals[i] = torch.zeros(step.params[i].shape, dtype=g.dtype)
-                    totals[i][start:stop] += g
-                else:
-                    totals[key] = g if key not in totals else totals[key] + g
-        return totals
+    def param_grads(step) -> dict:
+        """Host gradient per parameter index of a step's jobs (see sum_param_grads)."""
+        return sum_param_grads(step.param_grads, step.params)
 
     # --- train step ------------------------------------------------------------------------
     def train_step(self, plan, leaves, grad_scale: float = 1.0) -> torch.Tensor:
@@ -296,9 +246,6 @@ class GraphRunner:
         else:
             step = self.new_step(plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
-        early = None
-        if not delayed and self.early_hand_over and self.overlapped is not None and self.overlapped.splits_steps:
-            early = self._early_steps(plan, step, jobs)
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
@@ -307,38 +254,45 @@ class GraphRunner:
             with torch.no_grad():
                 for i, s in saved.items():
                     plan.captured.buffers[i].copy_(s)
-            if early is not None:
-                self.overlapped.rollback()
             raise
         finally:
-            # on_job_done's submissions refer to the step: drop the cycle, or every step's host
-            # gradients and activations live until the cyclic garbage collector runs.
-            step.on_job_done = None
+            # A step's activations are dead once its jobs ended: their pinned blocks go back to
+            # the caching host allocator now, for the next step, not when the optimizer is done
+            # with the step's gradients (on 4 GPUs the next step's downloads otherwise waited
+            # 100-300 ms each for fresh pinned memory while the optimizer ran).
+            for m in micro:
+                m.acts.clear()
+                m.grads.clear()
         if self.overlapped is not None:
             params = plan.captured.params
-            order = _use_order(plan)
-            have = self.grad_indices(step, skip=early or ())
+            have = self.grad_indices(step)
+            order = [i for i in _use_order(plan) if i in have]
+            job_grads, reuse = step.param_grads, self._grad_buffers
+
             # The optimizer thread waits for the gradients' downloads, not this one: the next
-            # step's jobs start while the last job's gradients are still coming down.
-            grads = functools.cache(lambda: self.param_grads(step, skip=early or ()))
-            others = ()
+            # step's jobs start while the last job's gradients are still coming down. It holds
+            # the gradients only, never the step.
+            def grads():
+                totals = sum_param_grads(job_grads, params, reuse)
+                return [_as(totals[i], params[i].dtype) for i in order]
+            others, chunks = (), None
             if delayed:
                 slot = self.delayed_steps % 2
-                refresh = lambda p: self.delayed.write(p, slot)   # noqa: E731
+                refresh = lambda ps: self.delayed.write_many(ps, slot)   # noqa: E731
                 others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
+                chunks = 1         # nothing waits for single parameters: one optimizer step
                 self.delayed_steps += 1
             else:
                 refresh = self._pinned_refresh(step.dtype)
-            self.overlapped.submit([(params[i], lambda i=i: grads()[i].to(params[i].dtype)) for i in order if i in have],
-                                   refresh, others)
+            self.overlapped.submit([params[i] for i in order], grads, refresh, others, chunks=chunks)
             if delayed:
                 self._upload_first_job(plan, self.delayed_steps)
         else:
-            grads = self.param_grads(step, skip=early or ())
+            grads = self.param_grads(step)
             with torch.no_grad():
                 for i, g in grads.items():
                     p = plan.captured.params[i]
-                    g = g.to(p.dtype)
+                    g = _as(g, p.dtype)
                     p.grad = g if p.grad is None else p.grad.add_(g)
         loss_name = plan.graph_outputs[0]
         for m in micro:
@@ -413,6 +367,42 @@ class GraphRunner:
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         return self.param_grads(step), input_grads
+
+
+def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
+    """Host gradient per parameter index from {job: {key: download}}, summed over the jobs (a
+    job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
+
+    One wait per job: a job's downloads run in order on one stream, so the last one's
+    completion covers the rest (Note [few calls per step]). A whole-parameter gradient is
+    taken first and rows are added into it in place (it is this step's own download); a
+    parameter with rows only is summed into a buffer of `reuse` (kept across steps by the
+    optimizer thread, which is done with it before the next step's sum) or a new one."""
+    for grads in job_grads.values():
+        resolve(list(grads.values())[-1:])
+    entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
+               for key, g in job_grads[j].items()]
+    totals = {}
+    for key, g in entries:
+        if not isinstance(key, tuple):
+            totals[key] = g if key not in totals else totals[key] + g
+    for key, g in entries:
+        if isinstance(key, tuple):
+            i, start, stop = key
+            if i not in totals:
+                buf = None if reuse is None else reuse.get(i)
+                if buf is None or buf.shape != params[i].shape or buf.dtype != g.dtype:
+                    buf = torch.empty(params[i].shape, dtype=g.dtype)
+                    if reuse is not None:
+                        reuse[i] = buf
+                totals[i] = buf.zero_()
+            totals[i][start:stop] += g
+    return totals
+
+
+def _as(t, dtype):
+    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _param_index(key) -> int:

@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from ..errors import CaptureError
 from ..plan import Plan
+from .batch import attach_row_checks, check_splittable, find_batch
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
@@ -64,9 +65,11 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
         lm_head = gm.meta.get("rp_lm_head")
     gm = annotate_costs(gm)
 
+    batch = find_batch(gm, cap.batch_size, config.unbatched_inputs)
+    check_splittable(batch, config.num_microbatches)
     hw = Hardware.h100() if config.on_gpu else Hardware.cpu()
-    micro = _planned_microbatch(cap, config)
-    bindings = _bindings(gm, cap, micro)
+    micro = _planned_microbatch(batch, config)
+    bindings = _bindings(gm, batch, micro)
     lv = liveness(gm)
     cuts = legal_cuts(gm, lv, bindings)
     segments, cut_bytes = segment_table(gm, lv, cuts, bindings, hw)
@@ -85,23 +88,24 @@ def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
         st.programs = {role: build_program(st, role) for role in roles}
     plan = Plan(mode=mode, gm=gm, captured=cap, stages=stages, stage_plan=sp, cuts=cuts, bindings=bindings,
                 num_devices=len(config.devices), num_microbatches=config.num_microbatches,
-                memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head)
+                memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head, batch=batch)
     _describe_io(plan)
+    attach_row_checks(stages, batch, plan.sym_sources)
     plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
                                    if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
                                    and any(is_impure(u) for u in n.users)})
     return plan
 
 
-def _bindings(gm, cap, micro: int) -> dict:
+def _bindings(gm, batch, micro: int) -> dict:
     """Values of the graph's size symbols to plan at: the planned microbatch for the batch."""
     out = {}
     for n in gm.graph.nodes:
         ev = n.meta.get("example_value") if n.op == "placeholder" else None
         if isinstance(ev, torch.SymInt) and ev.node.expr.is_Symbol:
             out[ev.node.expr.name] = ev.node.hint
-    if cap.batch_symbol is not None:
-        out[cap.batch_symbol.name] = micro
+    for s in batch.symbols:
+        out[s.name] = micro
     return out
 
 
@@ -116,10 +120,10 @@ def _single_scalar_output(gm: fx.GraphModule) -> int:
     return scalars[0]
 
 
-def _planned_microbatch(cap, config) -> int:
-    if cap.batch_size is None:
-        return 1
-    return max(1, math.ceil(cap.batch_size / config.num_microbatches))
+def _planned_microbatch(batch, config) -> int:
+    if not batch.size or not batch.leaves:
+        return batch.size or 1
+    return max(1, math.ceil(batch.size / config.num_microbatches))
 
 
 def _memory_budget(config):
@@ -133,22 +137,12 @@ def _memory_budget(config):
 
 def _describe_io(plan: Plan) -> None:
     """Which call leaves are split per microbatch, where each size symbol is read, and the outputs."""
-    cap, gm = plan.captured, plan.gm
-    batch = cap.batch_symbol
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        ev = n.meta.get("example_value")
-        if n.meta.get("rp_kind") == "input" and _on_batch_dim(ev, batch):
-            plan.split_leaves.add(n.meta["rp_index"])
-    batched_static = [n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
-                      and n.meta["rp_index"] not in plan.split_leaves and _leading(n) is not None
-                      and _leading(n) == _batch_hint(cap)]
-    if plan.split_leaves and batched_static:
-        # Splitting some batched inputs but not others would pair rows wrongly: run whole.
-        warnings.warn(f"rpcompile: the model specialised the batch size of {batched_static}; the batch is not "
-                      "split into microbatches")
-        plan.split_leaves.clear()
+    gm, batch = plan.gm, plan.batch
+    plan.split_leaves = set(batch.leaves)
+    if not plan.split_leaves and batch.fixed and plan.num_microbatches > 1:
+        warnings.warn(f"rpcompile: the captured graph fixed the batch size of {batch.fixed}, so the batch is not "
+                      "split into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
+                      "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get("rp_kind") == "sym":
             plan.sym_sources[n.name] = _sym_source(gm, n.meta["rp_expr"])
@@ -158,32 +152,7 @@ def _describe_io(plan: Plan) -> None:
             raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
                                "returns tensors only: return it as a tensor or compute it outside the model")
         plan.graph_outputs.append(v.name)
-        plan.output_batched.append(_on_batch_dim(ev, batch))
-
-
-def _on_batch_dim(ev, batch) -> bool:
-    """Whether dim 0 of the value ev is the batch symbol (the value is split per microbatch)."""
-    return (batch is not None and isinstance(ev, torch.Tensor) and ev.dim() >= 1
-            and isinstance(ev.shape[0], torch.SymInt) and ev.shape[0].node.expr == batch)
-
-
-def _batch_hint(cap):
-    if cap.batch_size is not None:
-        return cap.batch_size
-    return None if cap.batch_symbol is None else _hint_of(cap.gm, cap.batch_symbol)
-
-
-def _hint_of(gm, symbol):
-    for n in gm.graph.nodes:
-        ev = n.meta.get("example_value") if n.op == "placeholder" else None
-        if isinstance(ev, torch.SymInt) and ev.node.expr == symbol:
-            return ev.node.hint
-    return None
-
-
-def _leading(node):
-    ev = node.meta.get("example_value")
-    return ev.shape[0] if isinstance(ev, torch.Tensor) and ev.dim() >= 1 and isinstance(ev.shape[0], int) else None
+        plan.output_batched.append(ev.dim() >= 1 and batch.is_batch_dim(ev.shape[0]))
 
 
 def _sym_source(gm, expr):

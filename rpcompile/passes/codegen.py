@@ -79,6 +79,7 @@ class Stage:
     fqn: dict = field(default_factory=dict)            # param/buffer input name -> its name in the model
     param_slices: dict = field(default_factory=dict)   # input name -> (param index, first row, end row)
     tensors: set = field(default_factory=set)          # input/output names whose values are tensors
+    row_checks: dict = field(default_factory=dict)     # name -> fn(rows, syms): dim 0 a microbatch's value must have
 
     @property
     def program(self) -> fx.GraphModule:

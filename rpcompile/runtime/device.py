@@ -130,7 +130,7 @@ class DeviceRuntime:
             if self.is_cpu:    # a delayed-mode copy: rewritten only after this step ended
                 return entry[1] if wait else (entry[1], None)
             d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
-            host_weights.mark_upload(entry, ev)
+            host_weights.mark_upload(entry, ev, self.weights_in)
         return d if wait else (d, ev)
 
     def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import StageError
+from ..errors import InputError, StageError
 from . import ops
 from .device import Pending, resolve
 
@@ -30,6 +30,7 @@ class Aborted(Exception):
 class Microbatch:
     leaves: list                      # the call's leaves, batched ones sliced to this microbatch
     syms: dict                        # size symbol name -> value
+    rows: Optional[int] = None        # dim 0 of the batched inputs' slices (None: nothing is split)
     seed: float = 1.0                 # d(batch loss) / d(this microbatch's loss output)
     acts: dict = field(default_factory=dict)      # activations and checkpoints on the host
     grads: dict = field(default_factory=dict)     # gradients of activations on the host
@@ -56,7 +57,6 @@ class StepState:
     loss_weights: Any = None                           # call mode: how the loss output combines
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
-    on_job_done: Any = None                            # on_job_done(job index) after a job's gradients are out
     first_upload: Any = None                           # (device, future): the first job's weights, sent before the step
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -191,10 +191,31 @@ class JobContext:
             src_dev.hold(src, out[1])    # the source stays allocated until the copy has read it
             return out[0]
         host = self.step.micro[mb].acts[name]
+        self.check_rows(mb, name, host)
         return self.span("acts_in", "fetch", lambda: self.dev.upload(host), mb, value=name, bytes=nbytes(host))
 
     def user_input(self, mb, index):
-        return self.dev.upload(self.step.micro[mb].leaves[index], self.step.dtype)
+        value = self.step.micro[mb].leaves[index]
+        name = next((n for n, i in self.stage.input_leaf.items() if i == index and self.stage.kinds.get(n) == "input"),
+                    None)
+        if name is not None:
+            self.check_rows(mb, name, value)
+        return self.dev.upload(value, self.step.dtype)
+
+    def check_rows(self, mb, name, value):
+        """Note [batched inputs]: a batched value must have this microbatch's rows (never off)."""
+        expected = self.stage.row_checks.get(name)
+        value = value.tensor if isinstance(value, Pending) else value
+        if expected is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return
+        micro = self.step.micro[mb]
+        if micro.rows is None:
+            return
+        want = expected(micro.rows, micro.syms)
+        if value.shape[0] != want:
+            raise InputError(f"{name!r} has {value.shape[0]} rows on dim 0, but stage {self.stage.index} expects {want} "
+                             f"for microbatch {mb} ({micro.rows} rows of the batch): a batched value would be paired "
+                             "with the wrong rows")
 
     def sym(self, mb, name):
         return self.step.micro[mb].syms[name]
@@ -210,6 +231,7 @@ class JobContext:
         g = self.step.micro[mb].grads.get(name)
         if g is None:   # no gradient reached it: an empty tensor says so (vjp skips it)
             return torch.empty(0, device=self.dev.device)
+        self.check_rows(mb, f"grad of {name}", g)
         return self.dev.upload(g)
 
     def loss_seed(self, mb):
@@ -274,8 +296,6 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
             for mb in range(len(step.micro)):
                 program.forward(ctx.handle, mb)   # not program(...): see ops.compute
             ctx.finish()
-        if step.on_job_done is not None and step.error is None:
-            step.on_job_done(job_index)
     except Aborted:
         pass
     except BaseException as exc:  # reported in the caller's thread by the executor

@@ -1,0 +1,179 @@
+"""Where a multi-GPU rpcompile step loses its time: one process, one compile, several variants.
+
+    python -m benchmarks.diagnose --model qwen3-1.7b --gpus 4 --steps 6 --out $OUT
+
+Builds the model once, compiles it in `optimizer_mode="delayed"` (AdamW fused on the host),
+warms up one step per GPU, then times `--steps` steps under each variant, each a switch that
+takes one suspect out of the step:
+
+  base              as it runs
+  no_optimizer      the host AdamW step does nothing (the copies are still refreshed)
+  resident_weights  each device keeps every weight it uploaded once: no weight uploads
+  switch_0.5ms      sys.setswitchinterval(5e-4): the interpreter lock changes hands 10x as often
+
+and prints per variant: tokens/s, step seconds, each device's compute busy share and the hand-over
+gaps of the last step (a microbatch's compute end on one job to its start on the next). With
+`--pyspy`, py-spy samples the process during base's timed steps (threads, then --gil) into
+--out. The variants are instruments, not modes: they change results and live only here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+from .common import adamw_kwargs, batch_ids, build_model, get_model
+from .systems.rpcompile_runner import trace_summary
+from .trace_hops import summarize
+
+
+def _hops(spans) -> list:
+    compute = {}
+    for s in spans:
+        if s["stream"] == "compute" and s.get("job") is not None:
+            key = (s["job"], s.get("microbatch"))
+            a, b = compute.get(key, (s["start_s"], s["end_s"]))
+            compute[key] = (min(a, s["start_s"]), max(b, s["end_s"]))
+    return sorted((start - compute[(j - 1, mb)][1]) * 1e3 for (j, mb), (start, _) in compute.items()
+                  if (j - 1, mb) in compute)
+
+
+def _resident_weights():
+    """Patch DeviceRuntime so every weight is uploaded once per device and then reused."""
+    from rpcompile.runtime import device as device_mod
+    cls = device_mod.DeviceRuntime
+    orig_upload, orig_prefetch = cls.upload_weight, cls.prefetch
+    cache: dict = {}
+
+    def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):
+        key = (self.device, id(param), rows)
+        if key not in cache:
+            cache[key] = orig_upload(self, param, dtype, host_weights, rows, True)
+        return cache[key] if wait else (cache[key], None)
+
+    def take(self, future, key):
+        return None
+
+    cls.upload_weight, cls.prefetch = upload_weight, lambda self, *a, **k: None
+    cls.take_prefetched = take
+    return lambda: (setattr(cls, "upload_weight", orig_upload), setattr(cls, "prefetch", orig_prefetch))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-1.7b")
+    ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--tokens-per-step", type=int, default=65536)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--variants", default="base,no_optimizer,resident_weights,switch_0.5ms")
+    ap.add_argument("--mode", default="delayed")
+    ap.add_argument("--pyspy", action="store_true")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cpu", action="store_true", help="CPU devices (a smoke test of this script)")
+    a = ap.parse_args(argv)
+    import rpcompile
+
+    spec = get_model(a.model)
+    on_gpu = not a.cpu
+    model = build_model(spec, init_device="cuda:0" if on_gpu else "cpu", max_positions=a.seq_len)
+    devices = [f"cuda:{i}" for i in range(a.gpus)] if on_gpu else ["cpu"] * a.gpus
+    cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=a.microbatches,
+                                                   dtype=torch.bfloat16, optimizer_mode=a.mode))
+    opt = torch.optim.AdamW(model.parameters(), fused=on_gpu,
+                            **adamw_kwargs(argparse.Namespace(lr=1e-5)))
+    if a.mode != "exact":
+        cm.attach_optimizer(opt)
+    n_seqs = a.tokens_per_step // a.seq_len
+    step_no = [0]
+
+    def step():
+        ids = batch_ids(spec.vocab, n_seqs, a.seq_len, step=step_no[0])
+        step_no[0] += 1
+        loss = cm.train_step(input_ids=ids, labels=ids)
+        if a.mode == "exact":
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    t0 = time.perf_counter()
+    for _ in range(max(1, a.gpus)):
+        step()
+    cm.synchronize()
+    print(f"warm-up: {max(1, a.gpus)} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(cm.plan, flush=True)
+    results = {}
+    for variant in a.variants.split(","):
+        undo = None
+        if variant == "no_optimizer":
+            saved_step = opt.step
+            opt.step = lambda *args, **kw: None
+            undo = lambda: setattr(opt, "step", saved_step)   # noqa: E731
+        elif variant == "resident_weights":
+            undo = _resident_weights()
+        elif variant.startswith("switch_"):
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(float(variant.split("_")[1].rstrip("ms")) * 1e-3)
+            undo = lambda: sys.setswitchinterval(old)   # noqa: E731
+        elif variant != "base":
+            raise SystemExit(f"unknown variant {variant}")
+        step()       # a step to settle into the variant
+        cm.synchronize()
+        spy = None
+        if a.pyspy and variant == "base" and shutil.which("py-spy"):
+            spy = [subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--duration", "6", "--threads",
+                                     "--format", "raw", "--nonblocking", "-o", os.path.join(a.out, "pyspy_threads.txt")]
+                                    + extra, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                   for extra in (["--native"],)]
+        times = []
+        for _ in range(a.steps):
+            s = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        cm.synchronize()
+        times[-1] += time.perf_counter() - s
+        if spy:
+            for p in spy:
+                p.wait(timeout=60)
+            # a second sample, only the GIL holders, over the next steps
+            g = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--duration", "6", "--threads",
+                                  "--gil", "--format", "raw", "--nonblocking", "-o", os.path.join(a.out, "pyspy_gil.txt")],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            for _ in range(a.steps):
+                step()
+            cm.synchronize()
+            g.wait(timeout=60)
+        spans = cm.last_trace or []
+        summ = trace_summary(spans) if spans else {"devices": {}}
+        hops = _hops(spans)
+        tok = a.tokens_per_step * len(times) / sum(times)
+        opt_t = list(getattr(cm.runner.overlapped, "timings", []) or [])[-a.steps:]
+        opt_mean = {k: sum(t[k] for t in opt_t) / len(opt_t) for k in opt_t[0]} if opt_t else {}
+        results[variant] = {"tokens_per_s": tok, "step_s": times, "optimizer_s": opt_mean,
+                            "busy": {d: v["compute_busy_frac"] for d, v in summ["devices"].items()},
+                            "hop_ms_median": hops[len(hops) // 2] if hops else None,
+                            "hop_ms_max": hops[-1] if hops else None}
+        print(f"== {variant}: {tok:,.0f} tokens/s; steps " + " ".join(f"{t:.2f}" for t in times)
+              + "; busy " + " ".join(f"{d}={v:.2f}" for d, v in results[variant]["busy"].items() if v is not None)
+              + (f"; hops median {hops[len(hops) // 2]:.1f} ms max {hops[-1]:.1f} ms" if hops else "")
+              + ("; optimizer " + " ".join(f"{k}={v:.3f}" for k, v in opt_mean.items()) if opt_mean else ""), flush=True)
+        if variant == "base" and spans:
+            print(summarize(spans), flush=True)
+            with open(os.path.join(a.out, "base_trace.json"), "w") as f:
+                json.dump(spans, f, default=str)
+        if undo is not None:
+            undo()
+    with open(os.path.join(a.out, "diagnose.json"), "w") as f:
+        json.dump({"args": vars(a), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Which call inputs are batched, and what each stage checks of the batched values it reads.
+
+Note [batched inputs]: a step splits dim 0 of the batched call inputs into microbatches, and
+every stage job computes from its microbatch's slices only. A value derived from a batched
+input (an attention mask turned into a 4-d mask, position ids, rotary tables) is computed in
+the stage graphs from the sliced input, never cached across microbatches, so the one thing to
+get right is *which* inputs are split. The rule:
+
+- The batch size B is dim 0 of the first tensor argument (rpcompile.compile), or of the
+  first input whose dim 0 is dynamic (the dynamo backend).
+- Every tensor input with dim 0 == B is batched, unless the user names it in
+  `Config(unbatched_inputs=...)`. At capture each of them gets a dynamic dim 0 (dynamo may
+  give each its own symbol: an attention mask is `s75` while the ids are `s33`); all those
+  symbols are batch symbols, bound to the microbatch's rows.
+- An input with dim 0 == B whose size the captured graph fixed (the model specialised it),
+  or a batch symbol the graph also uses for another dimension (dynamo's duck sizing gave
+  equal sizes one symbol), cannot be split soundly: with more than one microbatch that is an
+  error naming the input, never a guess.
+
+At run time a stage job checks, before it uses a microbatch's value that the plan says is
+batched (an input, an activation, a gradient), that its dim 0 is what the plan's expression
+gives for that microbatch (`row_checks`). The check is not optional: a mismatch is a
+StageError naming the value and the stage.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..errors import InputError
+
+
+@dataclass
+class BatchInfo:
+    """What the capture says about the batch (see Note [batched inputs])."""
+
+    size: Optional[int] = None                          # B at capture
+    symbols: frozenset = frozenset()                    # sympy symbols of the batched inputs' dim 0
+    leaves: set = field(default_factory=set)            # call leaf indices split on dim 0
+    fixed: list = field(default_factory=list)           # names of inputs of dim 0 == B the graph fixed
+    shared: list = field(default_factory=list)          # (input name, dim): a batch symbol used elsewhere
+
+    def is_batch_dim(self, size) -> bool:
+        """Whether a size (int or SymInt) of a value is a batch symbol."""
+        return isinstance(size, torch.SymInt) and size.node.expr in self.symbols
+
+
+def leaf_names(args, kwargs) -> list:
+    """A readable name per pytree leaf of a call: `input_ids`, `args[0]`, `batch['mask']`."""
+    paths, _ = torch.utils._pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    names = []
+    for path, _ in paths:
+        top, rest = path[0].idx, path[1:]
+        if top == 0:
+            head = f"args[{rest[0].idx}]"
+        else:
+            head = str(rest[0].key)
+        names.append(head + "".join(str(k) for k in rest[1:]))
+    return names
+
+
+def is_unbatched(name: str, unbatched) -> bool:
+    """Whether a leaf name is one the user excluded from splitting (Config.unbatched_inputs):
+    the argument itself or anything inside it."""
+    for u in unbatched or ():
+        u = f"args[{u}]" if isinstance(u, int) else str(u)
+        if name == u or name.startswith(u + "[") or name.startswith(u + "."):
+            return True
+    return False
+
+
+def _input_name(node: fx.Node) -> str:
+    name = node.meta.get("rp_leaf_name")
+    if name:
+        return name
+    m = re.fullmatch(r"l_(?:kwargs_)?(.+?)_?", node.name)
+    return m.group(1) if m else node.name
+
+
+def _hint(size) -> int:
+    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
+
+
+def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> BatchInfo:
+    """The batched inputs of a captured graph (placeholders with rp_kind "input")."""
+    inputs = []
+    for n in gm.graph.nodes:
+        ev = n.meta.get("example_value") if n.op == "placeholder" else None
+        if (n.meta.get("rp_kind") == "input" and not n.meta.get("rp_module_state")
+                and isinstance(ev, torch.Tensor) and ev.dim() >= 1):
+            inputs.append((n, ev))
+    B = batch_size
+    if B is None:   # the dynamo backend: the first input whose dim 0 is dynamic
+        B = next((_hint(ev.shape[0]) for _, ev in inputs if isinstance(ev.shape[0], torch.SymInt)), None)
+    info = BatchInfo(size=B)
+    if B is None:
+        return info
+    symbols = set()
+    for n, ev in inputs:
+        name = _input_name(n)
+        if is_unbatched(name, unbatched):
+            continue
+        d0 = ev.shape[0]
+        if _hint(d0) != B:
+            continue
+        if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol:
+            info.leaves.add(n.meta["rp_index"])
+            symbols.add(d0.node.expr)
+        else:
+            info.fixed.append(name)
+    info.symbols = frozenset(symbols)
+    for n, ev in inputs:
+        for d, s in enumerate(ev.shape):
+            if d == 0 and n.meta["rp_index"] in info.leaves:
+                continue
+            if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & info.symbols:
+                info.shared.append((_input_name(n), d))
+    return info
+
+
+def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
+    """Raise an InputError where a split would pair rows wrongly (Note [batched inputs])."""
+    if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+        return
+    if info.fixed:
+        raise InputError(
+            f"input(s) {', '.join(map(repr, info.fixed))} have dim 0 of size {info.size}, the batch size, but the "
+            "captured graph fixed that size (the model code specialised it), so rpcompile cannot split them into "
+            f"{num_microbatches} microbatches beside the other batched inputs. If such an input is not batched, name "
+            "it in Config(unbatched_inputs=[...]); if it is, keep its dim 0 dynamic in the model (no branch or "
+            "reshape on the batch size), or use num_microbatches=1.")
+    if info.shared:
+        where = ", ".join(f"{name!r} dim {d}" for name, d in info.shared)
+        raise InputError(
+            f"the batch size {info.size} is also the size of {where}, and the capture gave them one symbol, so a "
+            f"microbatch would change both. Use a batch size that differs from the other dimensions, or mark only the "
+            "batch dimension dynamic (torch._dynamo.mark_dynamic(x, 0) instead of dynamic=True).")
+
+
+def _row_check(expr: sympy.Expr, info: BatchInfo, known: set) -> Optional[Callable]:
+    """fn(rows, syms) -> the dim 0 the plan expects of a value for a microbatch, or None when
+    dim 0 does not depend on the batch (or depends on a symbol no microbatch binds)."""
+    free = expr.free_symbols
+    if not free & info.symbols or not all(s in info.symbols or s.name in known for s in free):
+        return None
+    names = sorted(free, key=lambda s: s.name)
+    fn = sympy.lambdify(names, expr, modules=[{}, "math"])
+    batch = [s in info.symbols for s in names]
+
+    def expected(rows, syms):
+        return int(fn(*[rows if b else syms[s.name] for s, b in zip(names, batch)]))
+    return expected
+
+
+def attach_row_checks(stages, info: BatchInfo, sym_names) -> None:
+    """Per stage: {name: expected dim 0 for a microbatch} for every batched value it reads
+    (inputs, activations) and every gradient it reads (of its batched outputs)."""
+    known = set(sym_names)
+    for st in stages:
+        checks = {}
+        for p in st.forward.graph.nodes:
+            if p.op != "placeholder" or st.kinds.get(p.name) not in ("act", "input"):
+                continue
+            ev = p.meta.get("example_value")
+            if isinstance(ev, torch.Tensor) and ev.dim() >= 1 and isinstance(ev.shape[0], torch.SymInt):
+                fn = _row_check(ev.shape[0].node.expr, info, known)
+                if fn is not None:
+                    checks[p.name] = fn
+        for out in st.forward.graph.find_nodes(op="output"):
+            for v in torch.utils._pytree.tree_leaves(out.args[0]):
+                ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
+                if (v.name in st.grad_outputs and isinstance(ev, torch.Tensor) and ev.dim() >= 1
+                        and isinstance(ev.shape[0], torch.SymInt)):
+                    fn = _row_check(ev.shape[0].node.expr, info, known)
+                    if fn is not None:
+                        checks[f"grad of {v.name}"] = fn
+        st.row_checks = checks

@@ -1,0 +1,273 @@
+"""Batched inputs (Note [batched inputs] in passes/batch.py): every input with the batch size on
+dim 0 is split per microbatch, every stage sees exactly its microbatch's slices, and whatever
+cannot be split soundly is an error, never a silent wrong result."""
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.runtime import job as job_mod
+
+from models import llama, lm_batch, qwen3
+from parity import train_both
+
+
+def padded_batch(batch, seq, side, vocab=128, seed=0):
+    """ids, attention_mask and labels (-100 where the mask is 0) with padding on `side`:
+    "right", "left", or "one_token" (rows that are all padding but one token)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for r in range(batch):
+        n = int(torch.randint(1, seq + 1, (), generator=g)) if side != "one_token" else (1 if r % 2 == 0 else seq)
+        if side == "left":
+            mask[r, : seq - n] = 0
+        else:
+            mask[r, n:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[-1, :3] = -100          # ignored labels inside real tokens too
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("side,devices,microbatches,batch", [
+    ("right", 1, 2, 4),
+    ("right", 3, 4, 7),
+    ("left", 2, 3, 5),
+    ("one_token", 3, 4, 6),
+])
+def test_padded_batch_parity(side, devices, microbatches, batch):
+    """The issue's reproduction and its variants: the loss, the gradients and the parameters
+    after 3 SGD steps equal eager on the whole padded batch."""
+    cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches)
+    batches = [padded_batch(batch, 12, side, seed=s) for s in range(3)]
+    cm = train_both(llama(), batches, cfg, min_stages=0, check_every_step=True)
+    assert cm.plan.split_leaves == {0, 1, 2}, "input_ids, attention_mask and labels are all split"
+
+
+def test_padding_changes_the_loss():
+    """The test above can fail: a wrong mask (another microbatch's rows) gives another loss."""
+    model = llama()
+    b = padded_batch(4, 12, "right", seed=1)
+    wrong = dict(b, attention_mask=torch.cat([b["attention_mask"][:2]] * 2))
+    assert not torch.allclose(model(**b).loss, model(**wrong).loss)
+
+
+def test_packed_sequences_position_ids():
+    """Packed rows: position_ids restart inside a row, and transformers masks attention across
+    the packed sequences (without a KV cache: rpcompile passes use_cache=False, so the eager
+    reference does too; with a cache transformers skips the packing mask)."""
+    batch, seq = 5, 12
+    b = lm_batch(batch=batch, seq=seq)
+    pos = torch.arange(seq).repeat(batch, 1)
+    pos[:, 5:] -= 5           # a second sequence starts at 5
+    pos[2, 8:] -= 3           # and a third one in row 2
+    b.update(position_ids=pos, use_cache=False)
+    model = qwen3()
+    unpacked = dict(b, position_ids=torch.arange(seq).repeat(batch, 1))
+    assert not torch.allclose(model(**b).loss, model(**unpacked).loss), "packing changes the loss"
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=3)
+    cm = train_both(model, [b], cfg, min_stages=0)
+    assert cm.plan.split_leaves == {0, 1, 2}
+
+
+def _bert(seed=0):
+    from transformers import BertConfig, BertForMaskedLM
+    torch.manual_seed(seed)
+    return BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, type_vocab_size=2,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _mlm_loss(out, target):
+    return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("devices,microbatches", [(2, 3)])
+def test_token_type_ids_and_mask(devices, microbatches):
+    """An encoder with token_type_ids and an attention mask, batch of 5 split unevenly."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 100, (5, 10), generator=g)
+        tt = torch.zeros_like(ids)
+        tt[:, 5:] = 1
+        am = torch.ones_like(ids)
+        am[1, 7:] = 0
+        am[3, 2:] = 0
+        lab = ids.masked_fill(am == 0, -100)
+        lab[:, ::2] = -100
+        batches.append({"input_ids": ids, "attention_mask": am, "token_type_ids": tt, "target": lab})
+
+    def eager(m, b):
+        b = dict(b)
+        loss = _mlm_loss(m(**{k: v for k, v in b.items() if k != "target"}), b["target"])
+        loss.backward()
+        return loss
+
+    cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, loss_fn=_mlm_loss)
+    cm = train_both(_bert(), batches, cfg, eager_step=eager, min_stages=0,
+                    call=lambda cm, b: cm.train_step(**{k: v for k, v in b.items() if k != "target"},
+                                                     target=b["target"]))
+    assert len(cm.plan.split_leaves) == 4
+
+
+def test_vision_pixel_values():
+    from transformers import ViTConfig, ViTForImageClassification
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(ViTConfig(image_size=16, patch_size=8, num_channels=3, hidden_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                              num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    g = torch.Generator().manual_seed(1)
+    batches = [{"pixel_values": torch.randn(7, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (7,), generator=g)}
+               for _ in range(3)]
+    cfg = rpcompile.Config(devices=["cpu"] * 3, num_microbatches=4)
+    cm = train_both(vit, batches, cfg, min_stages=0)
+    assert cm.plan.split_leaves == {0, 1}
+
+
+class _RowModel(nn.Module):
+    """Rows are independent: x goes through `depth` layers; `a` gates layer `a_at` (deep in the
+    graph); `b` weights each row's loss only; `c` is added at the end."""
+
+    def __init__(self, depth, a_at):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(depth))
+        self.head = nn.Linear(8, 3)
+        self.a_at = a_at
+
+    def forward(self, x, a, b, c, y):
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h))
+            if i == self.a_at:
+                h = h * torch.sigmoid(a)
+        out = self.head(h) + c
+        return ((out - y) ** 2 * b[:, None]).mean()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_models_see_their_slices(seed, monkeypatch):
+    """Random depth, inputs used at random places, random batch, microbatches and devices: the
+    loss and gradients equal eager, and every user input a stage job reads is exactly the
+    slice of its microbatch."""
+    rnd = random.Random(seed)
+    depth, batch = rnd.randint(3, 6), rnd.randint(3, 9)
+    M, devices = rnd.randint(1, 4), rnd.randint(1, 3)
+    model = _RowModel(depth, rnd.randrange(depth))
+    g = torch.Generator().manual_seed(seed)
+    b = {"x": torch.randn(batch, 8, generator=g), "a": torch.randn(batch, 8, generator=g),
+         "b": torch.rand(batch, generator=g), "c": torch.randn(batch, 3, generator=g),
+         "y": torch.randn(batch, 3, generator=g)}
+    seen = []
+    real = job_mod.JobContext.user_input
+
+    def spy(self, mb, index):
+        value = real(self, mb, index)
+        seen.append((self.stage.index, mb, index, value.detach().clone() if isinstance(value, torch.Tensor) else value))
+        return value
+
+    monkeypatch.setattr(job_mod.JobContext, "user_input", spy)
+
+    def eager(m, batch_):
+        loss = m(**batch_)
+        loss.backward()
+        return loss
+
+    cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=M, memory_budget="8KiB")
+    cm = train_both(model, [b], cfg, eager_step=eager, steps=2, min_stages=0, call=lambda cm, bb: cm.train_step(**bb))
+    leaves = list(b.values())
+    micro = min(M, batch)
+    assert cm.plan.split_leaves == set(range(5))
+    assert seen, "no stage read a user input"
+    for stage, mb, index, value in seen:
+        want = torch.tensor_split(leaves[index], micro)[mb]
+        assert torch.equal(value, want), f"stage {stage}, microbatch {mb}: input {index} is not its slice"
+
+
+def test_rows_check_catches_a_wrong_slice(monkeypatch):
+    """The run-time safeguard: a batched value with another microbatch's row count is an error
+    naming the value and the stage (here the runner is made to hand every microbatch the whole
+    attention mask, the bug this guards against)."""
+    model = llama()
+    b = padded_batch(4, 12, "right")
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    real_split = cm.runner.split
+
+    def broken_split(plan, leaves):
+        micro = real_split(plan, leaves)
+        for m in micro:
+            m.leaves[1] = leaves[1]
+        return micro
+
+    monkeypatch.setattr(cm.runner, "split", broken_split)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(rpcompile.StageError, match=r"attention_mask.*4 rows.*expects 2") as info:
+        cm.train_step(**b)
+    assert "stage" in str(info.value)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+class _FixedBatch(nn.Module):
+    """`w` has the batch size on dim 0 by coincidence, and the model fixes its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, w, y):
+        scale = w.reshape(4, 1)       # a constant 4: dynamo specialises w's dim 0
+        return (((self.lin(x) - y) ** 2) * scale.mean()).mean()
+
+
+def test_fixed_batch_sized_input_is_an_error_unless_unbatched():
+    x, t = torch.randn(4, 6), torch.randn(4, 4)
+    w = torch.rand(4)
+    cm = rpcompile.compile(_FixedBatch(), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match=r"'w'.*unbatched_inputs"):
+        cm.train_step(x=x, w=w, y=t)
+
+    model = _FixedBatch()
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, unbatched_inputs=["w"]))
+    loss = cm.train_step(x=x, w=w, y=t)
+    expected = ref(x, w, t)
+    expected.backward()
+    assert cm.plan.split_leaves == {0, 2}
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_non_contiguous_inputs():
+    """ids[:4, :s] of a wider tensor (strides of the wide one) trains like its contiguous copy."""
+    wide = lm_batch(batch=6, seq=16)
+    b = {"input_ids": wide["input_ids"][:4, :12], "labels": wide["labels"][:4, :12]}
+    assert not b["input_ids"].is_contiguous()
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=3)
+    train_both(qwen3(), [b], cfg, min_stages=0, steps=1)
+
+
+def test_dynamo_backend_any_first_batch():
+    """torch.compile(backend=rpcompile.backend(...), dynamic=True): a first call with an odd
+    batch (3, split 2 + 1), then a batch of 1 (dynamo specialises it) and 5."""
+    torch._dynamo.reset()
+    model = llama()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2,
+                                                                                num_microbatches=2)),
+                             dynamic=True)
+    for batch in (3, 1, 5):
+        b = padded_batch(batch, 12, "right", seed=batch)
+        out = compiled(**b)
+        out.loss.backward()
+        expected = ref(**b).loss
+        expected.backward()
+        assert torch.allclose(out.loss, expected, rtol=1e-5), f"batch {batch}"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        scale = q.grad.abs().max()
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-4 * scale)
