@@ -242,7 +242,8 @@ class Plan:
 
     def symbol_legend(self) -> list:
         """(symbol, value costed at, what it is) for every size symbol the plan was costed at."""
-        batch = getattr(self.captured, "batch_symbol", None)
+        info = getattr(self, "batch", None)
+        batch = {str(s) for s in getattr(info, "symbols", ())} or {str(getattr(self.captured, "batch_symbol", None))}
         inputs = _input_names(self)
         out = []
         for name, value in sorted(self.bindings.items()):
@@ -254,9 +255,10 @@ class Plan:
                     continue
                 for d, size in enumerate(ev.shape):
                     if isinstance(size, torch.SymInt) and str(size.node.expr) == name:
-                        dims.setdefault(d, []).append(inputs.get(n.meta["rp_index"], n.name))
+                        leaf = inputs.get(n.meta["rp_index"]) or n.meta.get("rp_leaf_name") or n.name
+                        dims.setdefault(d, []).append(leaf)
             where = "; ".join(f"dim {d} of {', '.join(v)}" for d, v in sorted(dims.items())) or "a size of the inputs"
-            if batch is not None and name == str(batch):
+            if name in batch:
                 what = f"rows per microbatch ({where})"
             else:
                 what = f"a dynamic size: {where}"
