@@ -72,15 +72,20 @@ _ROOT = re.compile(r"""^[A-Za-z_]+\[[^\]]*\](?:\[[^\]]*\])*\.?""")
 _INDEX = re.compile(r"""\[\s*['"]?([^\]'"]+)['"]?\s*\]""")
 
 
+def _clean_path(path: str) -> str:
+    """`L['args'][0]._modules['model']._modules['layers']._modules['3']` -> `model.layers.3`."""
+    path = _ROOT.sub("", path, count=1)
+    path = re.sub(r"(?:^|\.)_(?:modules|parameters|buffers)\[", "[", path)
+    return ".".join(s for s in _INDEX.sub(r".\1", path).split(".") if s)
+
+
 def _module_path(node) -> str:
     """The innermost module a node was traced in, as the model names it (`model.layers.3.mlp`)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
     path = list(stack.values())[-1]
-    path = str(path[0] if isinstance(path, tuple) else path)
-    path = _ROOT.sub("", path, count=1)
-    return ".".join(s for s in _INDEX.sub(r".\1", path).split(".") if s)
+    return _clean_path(str(path[0] if isinstance(path, tuple) else path))
 
 
 class _ModuleNames:
@@ -88,9 +93,13 @@ class _ModuleNames:
     `model.embed_tokens, model.layers.0-6, model.layers.7 (self_attn)`, `lm_head shards 2-3/5`."""
 
     def __init__(self, body, param_names):
-        self.owners = {name.rsplit(".", 1)[0] for name in param_names if "." in name}   # own parameters
-        # a head tied to the embedding owns no parameter name of its own
-        self.owners.update(_module_path(n) for n in body if isinstance(n.meta.get("rp_lm_head"), dict))
+        names = [_clean_path(name) for name in param_names]
+        self.owners = {name.rsplit(".", 1)[0] for name in names if "." in name}   # own parameters
+        # a module reading a parameter it does not own (an LM head tied to the embedding) counts too
+        self.owners.update(_module_path(n) for n in body if isinstance(n.meta.get("rp_lm_head"), dict)
+                           or any(x.op == "placeholder" and x.meta.get("rp_kind") == "param"
+                                  for x in n.all_input_nodes))
+        self.owners.discard("")
         self.unit_of = {n: self._unit(_module_path(n)) for n in body}
         self.sizes: dict = {}
         for u in self.unit_of.values():
@@ -195,6 +204,10 @@ class Plan:
         itemsize = {n.meta["rp_index"]: n.meta["example_value"].element_size() for n in self.gm.graph.nodes
                     if n.op == "placeholder" and n.meta.get("rp_kind") == "param"}
         names = _ModuleNames(body, getattr(self.captured, "param_names", None) or [])
+        loss_node = None   # the node computing the loss (train mode: the only output)
+        if self.mode == "train" or self.loss_scale is not None:
+            i = self.loss_scale.output if self.loss_scale is not None else 0
+            loss_node = self.graph_outputs[i] if i < len(self.graph_outputs) else None
         for st, t, mem in zip(self.stages, self.stage_plan.job_times, self.stage_plan.job_memory):
             a, b = st.span
             nodes = body[a:b]
@@ -215,7 +228,7 @@ class Plan:
             rows.append({
                 "stage": st.index, "kind": st.kind, "positions": [a, b],
                 "first": nodes[0].name if nodes else "", "last": nodes[-1].name if nodes else "",
-                "modules": names.describe(nodes, loss=bool(st.graph_outputs) and st.kind != "fwd"),
+                "modules": names.describe(nodes, loss=loss_node is not None and loss_node in {n.name for n in nodes}),
                 "nodes": len(nodes), "params": n_params, "param_bytes": pbytes,
                 "grad_bytes": 4 * sum(self.param_numel(key) for key in getattr(st, "grad_params", [])),
                 "host_activation_bytes": int(host_act),

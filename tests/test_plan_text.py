@@ -44,6 +44,18 @@ def test_plan_names_module_ranges_units_and_symbols():
     assert cm.plan.to_json()["symbols"][sym]["value"] == 2
 
 
+def test_dynamo_backend_plan_names_modules_and_dynamic_sizes():
+    model = qwen3(layers=2)
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    batch = lm_batch(batch=4)
+    compiled(**batch).loss.backward()
+    text = str(backend.plans[-1])
+    assert "model.embed_tokens" in text and "lm_head" in text and "model.layers.0" in text
+    assert "_modules" not in text and "L['" not in text
+    assert "rows per microbatch" in text and "a dynamic size: dim 1 of" in text   # the sequence length
+
+
 class Classifier(nn.Module):
     def __init__(self):
         super().__init__()
