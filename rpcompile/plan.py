@@ -73,8 +73,10 @@ _INDEX = re.compile(r"""\[\s*['"]?([^\]'"]+)['"]?\s*\]""")
 
 
 def _clean_path(path: str) -> str:
-    """`L['args'][0]._modules['model']._modules['layers']._modules['3']` -> `model.layers.3`."""
+    """`L['args'][0]._modules['model']._modules['layers']._modules['3']` -> `model.layers.3`;
+    `L['model'].__dict__['_modules']['base_model'].model` -> `base_model.model`."""
     path = _ROOT.sub("", path, count=1)
+    path = re.sub(r"""(?:^|\.)__dict__\[['"]_(?:modules|parameters|buffers)['"]\]""", "", path)   # peft wrappers
     path = re.sub(r"(?:^|\.)_(?:modules|parameters|buffers)\[", "[", path)
     return ".".join(s for s in _INDEX.sub(r".\1", path).split(".") if s)
 

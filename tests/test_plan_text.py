@@ -162,3 +162,12 @@ def test_failing_step_prints_nothing_when_the_error_is_caught(capfd):
     sys.stderr.flush()
     out, err = capfd.readouterr()
     assert "FX-traced" not in err + out and err == "", err
+
+
+def test_module_paths_read_as_the_model_names_them():
+    from rpcompile.plan import _clean_path
+    assert _clean_path("L['model'].model.layers.3.mlp") == "model.layers.3.mlp"
+    assert _clean_path("L['self'].layers[3]") == "layers.3"
+    assert _clean_path("L['args'][0]._modules['model']._modules['layers']._modules['0']") == "model.layers.0"
+    assert _clean_path("L['model'].__dict__['_modules']['base_model'].__dict__['_modules']['model']"
+                       ".model.embed_tokens") == "base_model.model.model.embed_tokens"   # peft
