@@ -74,8 +74,11 @@ def run(opts: Options) -> int:
         else:
             print(line, file=file or sys.stdout, flush=True)
 
+    saving = None   # the step being saved, while a save runs
+
     def save(step: int) -> None:
-        nonlocal saved_step
+        nonlocal saved_step, saving
+        saving = step
         if stepped_by_rpcompile:
             cm.synchronize()          # the optimizer's pending step, before reading its state
         notes: list[str] = []
@@ -89,13 +92,16 @@ def run(opts: Options) -> int:
             keep = "the previous checkpoint there is intact" if existed else "nothing was written there"
             raise RunError(f"saving the step-{step} checkpoint to {opts.save} failed "
                            f"({e.strerror or e}); {keep}") from None
-        saved_step = step
+        saved_step, saving = step, None
         for note in notes:
             if note not in notes_shown:
                 notes_shown.add(note)
                 say(f"{PROG}: note: {note}")
 
     def on_ctrl_c() -> str:
+        if saving is not None:
+            return (f"\n{PROG}: Ctrl-C: finishing the save of step {saving} to {opts.save}. Press Ctrl-C "
+                    f"again to stop at once (the checkpoint there stays as it was).")
         what = (f"then saving the checkpoint to {opts.save}" if opts.save
                 else "then stopping; nothing will be saved (no --save)")
         return (f"\n{PROG}: Ctrl-C: finishing step {step + 1}, {what}. "
@@ -134,23 +140,27 @@ def run(opts: Options) -> int:
                 progress.update(step, losses[-1], n_tokens / dt, dt)
                 if opts.save and opts.save_every and step % opts.save_every == 0 and step < opts.steps:
                     save(step)
+            interrupted = stop.requested and step < opts.steps
+            if progress is not None:
+                progress.close()
+                progress = None
+            if stepped_by_rpcompile:
+                cm.synchronize()
+            if opts.save and step > (saved_step or 0):
+                save(step)      # a first Ctrl-C now lets the save finish
     except KeyboardInterrupt:   # a second Ctrl-C: stop now
         if progress is not None:
             progress.close()
             progress = None
         kept = (f"the checkpoint in {opts.save} is at step {saved_step}" if saved_step
                 else "nothing was saved")
-        print(f"{PROG}: stopped during step {step + 1}; {kept}", file=sys.stderr)
+        where = f"while saving step {saving}" if saving is not None else f"during step {step + 1}"
+        print(f"{PROG}: stopped {where}; {kept}", file=sys.stderr)
         raise  # main() ends with exit code 130
     finally:
         if progress is not None:
             progress.close()
             progress = None
-    interrupted = stop.requested
-    if stepped_by_rpcompile:
-        cm.synchronize()
-    if opts.save and step > (saved_step or 0):
-        save(step)
 
     if losses:
         tail = losses[-10:]
