@@ -394,6 +394,26 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path, 
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_schedule_picture_from_a_pipeline_trace(tmp_path):
+    """Two CPU devices, a fwd, a fused and a bwd job over two microbatches, with transfers and
+    waits: drawn with labelled bars and a legend (the picture itself is looked at by hand)."""
+    trace, t = [], 0.0
+    for job, role, worker in ((0, "fwd", 0), (1, "fused", 1), (2, "bwd", 0)):
+        for mb in range(2):
+            common = {"device": "cpu", "worker": worker, "job": job, "stage": job, "role": role, "microbatch": mb}
+            trace.append({**common, "stream": "acts_in", "name": "fetch", "start_s": t, "end_s": t + 0.001})
+            trace.append({**common, "stream": "compute", "name": role, "start_s": t + 0.001, "end_s": t + 0.01})
+            trace.append({**common, "stream": "out", "name": "offload", "start_s": t + 0.01, "end_s": t + 0.011})
+            t += 0.011
+        trace.append({**common, "stream": "host", "name": "wait", "microbatch": None, "start_s": t, "end_s": t + 0.002})
+
+    class Traced:
+        plan, last_trace = None, trace
+
+    assert plots.write_plots(tmp_path, [3.0, 2.5, 2.0], Traced()) == []
+    assert (tmp_path / "schedule.png").stat().st_size > 10_000
+
+
 def test_plots_without_trace_and_without_matplotlib(tmp_path, monkeypatch):
     class Plan:
         stages = [{"name": "fwd 0", "est_time_s": 1.0}, {"name": "bwd 0", "est_time_s": 3.0}]

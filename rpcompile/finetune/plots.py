@@ -5,6 +5,7 @@ note instead. The figures are drawn through matplotlib's object API (no pyplot g
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 NO_MATPLOTLIB = "matplotlib is not installed, so no loss.png or schedule.png (pip install matplotlib)"
@@ -113,6 +114,9 @@ def _draw_trace(fig, trace) -> None:
             yc, h = lanes[(d, "compute")]
             ax.barh(yc, width, left=start, height=h, color=_ROLES[role][0], edgecolor="black", lw=0.4)
             stage, mb = e.get("stage"), e.get("microbatch")
+            if mb is None:   # an engine that names its spans only: "forward mb0"
+                m = re.search(r"mb\s*(\d+)", str(e.get("name", "")))
+                mb = int(m.group(1)) if m else None
             label = f"s{stage} {role}" if stage is not None else role
             if mb is not None:
                 label += f"\nmb{mb}"
