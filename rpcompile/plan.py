@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
-from .passes.cost import evaluate
+from .passes.cost import _tensor_bytes, evaluate
 
 
 def _fmt_bytes(n: float) -> str:
@@ -23,6 +26,140 @@ def _fmt_flops(n: float) -> str:
         if abs(n) < 1000 or unit == "P":
             return f"{n:.3g}{unit}"
         n /= 1000
+
+
+def _fmt_count(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000 or unit == "B":
+            return f"{n:.0f}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+
+
+def _fmt_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _input_names(plan) -> dict:
+    """Call leaf index -> the name the user passed it under (`input_ids`, `args[0]`, `target`)."""
+    spec = getattr(plan.captured, "in_spec", None)
+    if spec is None:
+        return {}
+    try:
+        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+        flat, _ = pytree.tree_flatten_with_path(tree)
+    except Exception:   # an unusual spec: the plan still prints, with graph names
+        return {}
+    out = {}
+    for path, leaf in flat:
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        if len(keys) >= 2 and keys[0] == 0:
+            name = f"args[{keys[1]}]"
+        elif len(keys) >= 2:
+            name = "target" if keys[1] == "__rp_target__" else str(keys[1])
+        else:
+            name = f"input {leaf}"
+        out[leaf] = name + "".join(f"[{k!r}]" for k in keys[2:])
+    return out
+
+
+# A module path as dynamo records it in nn_module_stack: a root source (`L['model']`,
+# `L['self']`, `L['args'][0]`), then attributes and indices (`.layers.3`, `.layers[3]`).
+_ROOT = re.compile(r"""^[A-Za-z_]+\[[^\]]*\](?:\[[^\]]*\])*\.?""")
+_INDEX = re.compile(r"""\[\s*['"]?([^\]'"]+)['"]?\s*\]""")
+
+
+def _clean_path(path: str) -> str:
+    """`L['args'][0]._modules['model']._modules['layers']._modules['3']` -> `model.layers.3`;
+    `L['model'].__dict__['_modules']['base_model'].model` -> `base_model.model`."""
+    path = _ROOT.sub("", path, count=1)
+    path = re.sub(r"""(?:^|\.)__dict__\[['"]_(?:modules|parameters|buffers)['"]\]""", "", path)   # peft wrappers
+    path = re.sub(r"(?:^|\.)_(?:modules|parameters|buffers)\[", "[", path)
+    return ".".join(s for s in _INDEX.sub(r".\1", path).split(".") if s)
+
+
+def _module_path(node) -> str:
+    """The innermost module a node was traced in, as the model names it (`model.layers.3.mlp`)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    return _clean_path(str(path[0] if isinstance(path, tuple) else path))
+
+
+class _ModuleNames:
+    """Says which modules a run of graph nodes computes, in the model's own words:
+    `model.embed_tokens, model.layers.0-6, model.layers.7 (self_attn)`, `lm_head shards 2-3/5`."""
+
+    def __init__(self, body, param_names):
+        names = [_clean_path(name) for name in param_names]
+        self.owners = {name.rsplit(".", 1)[0] for name in names if "." in name}   # own parameters
+        # a module reading a parameter it does not own (an LM head tied to the embedding) counts too
+        self.owners.update(_module_path(n) for n in body if isinstance(n.meta.get("rp_lm_head"), dict)
+                           or any(x.op == "placeholder" and x.meta.get("rp_kind") == "param"
+                                  for x in n.all_input_nodes))
+        self.owners.discard("")
+        self.unit_of = {n: self._unit(_module_path(n)) for n in body}
+        self.sizes: dict = {}
+        for u in self.unit_of.values():
+            if u is not None:
+                self.sizes[u[:2]] = self.sizes.get(u[:2], 0) + 1
+
+    def _unit(self, path):
+        """(container, index, part) inside a numbered container, (path, None, None) for another
+        module with parameters, None for glue (masks, position ids, the model's own code)."""
+        segs = path.split(".") if path else []
+        for i, seg in enumerate(segs):
+            if seg.isdigit() and i > 0:
+                return (".".join(segs[:i]), int(seg), segs[i + 1] if i + 1 < len(segs) else None)
+        if path and path in self.owners:
+            return (path, None, None)
+        return None
+
+    def describe(self, nodes, loss: bool = False) -> str:
+        items: list = []    # [container, first, last, None] for whole blocks; [path, None, None, parts] else
+        seen = {}
+        for n in nodes:
+            u = self.unit_of.get(n)
+            if u is not None:
+                entry = seen.setdefault(u[:2], {"count": 0, "parts": [], "order": len(seen)})
+                entry["count"] += 1
+                if u[2] is not None and u[2] not in entry["parts"]:
+                    entry["parts"].append(u[2])
+        for (path, index), e in sorted(seen.items(), key=lambda kv: kv[1]["order"]):
+            whole = e["count"] >= self.sizes.get((path, index), 0)
+            if index is None:
+                items.append([path, None, None, None if whole else "part"])
+            elif whole and items and items[-1][0] == path and items[-1][3] is None and items[-1][2] == index - 1:
+                items[-1][2] = index
+            elif whole:
+                items.append([path, index, index, None])
+            else:
+                parts = e["parts"]
+                part = parts[0] if len(parts) == 1 else f"{parts[0]}..{parts[-1]}" if parts else "part"
+                items.append([f"{path}.{index}", None, None, part])
+        heads = [n.meta["rp_lm_head"] for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict)]
+        out = []
+        for path, first, last, part in items:
+            text = path if first is None else f"{path}.{first}" if first == last else f"{path}.{first}-{last}"
+            if heads and first is None and heads[0]["K"] > 1 and self._is_head(path, nodes):
+                ks = sorted({h["k"] + 1 for h in heads})   # which of the head's K vocabulary shards
+                K = heads[0]["K"]
+                text += f" shard {ks[0]}/{K}" if len(ks) == 1 else f" shards {ks[0]}-{ks[-1]}/{K}"
+            elif part is not None:
+                text += f" ({part})"
+            out.append(text)
+        if loss:
+            out.append("loss")
+        if not out:   # only glue: name the graph nodes
+            return f"{nodes[0].name} .. {nodes[-1].name}" if nodes else "(nothing)"
+        return ", ".join(out)
+
+    def _is_head(self, path, nodes) -> bool:
+        return any(_module_path(n) == path for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict))
 
 
 @dataclass
@@ -65,9 +202,15 @@ class Plan:
         """One dict per stage job: what `print(plan)` shows and `plan.json` holds."""
         rows = []
         body = [n for n in self.gm.graph.nodes if n.op not in ("placeholder", "output")]
+        by_name = {n.name: n for n in self.gm.graph.nodes}
         params = self.captured.params
         itemsize = {n.meta["rp_index"]: n.meta["example_value"].element_size() for n in self.gm.graph.nodes
                     if n.op == "placeholder" and n.meta.get("rp_kind") == "param"}
+        names = _ModuleNames(body, getattr(self.captured, "param_names", None) or [])
+        loss_node = None   # the node computing the loss (train mode: the only output)
+        if self.mode == "train" or self.loss_scale is not None:
+            i = self.loss_scale.output if self.loss_scale is not None else 0
+            loss_node = self.graph_outputs[i] if i < len(self.graph_outputs) else None
         for st, t, mem in zip(self.stages, self.stage_plan.job_times, self.stage_plan.job_memory):
             a, b = st.span
             nodes = body[a:b]
@@ -78,15 +221,33 @@ class Plan:
             n_params = sum(params[i].numel() for i in st.params) + sum(n for _, n in rows_of)
             pbytes = (sum(params[i].numel() * itemsize[i] for i in st.params)
                       + sum(n * itemsize[i] for i, n in rows_of))
-            shards = sorted({n.meta["rp_lm_head"]["k"] for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict)})
+            heads = [n.meta["rp_lm_head"] for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict)]
+            shards = sorted({h["k"] for h in heads})
+            # activations (fwd) or their gradients (fused, bwd) the job writes to host memory in
+            # a step: every microbatch's, at the planned microbatch size
+            sent = st.outputs if st.kind == "fwd" else [x for x in getattr(st, "grad_inputs", [])
+                                                        if st.kinds.get(x) in (None, "act", "input")]
+            host_act = self.num_microbatches * sum(self._value_bytes(by_name.get(x)) for x in sent)
             rows.append({
                 "stage": st.index, "kind": st.kind, "positions": [a, b],
                 "first": nodes[0].name if nodes else "", "last": nodes[-1].name if nodes else "",
+                "modules": names.describe(nodes, loss=loss_node is not None and loss_node in {n.name for n in nodes}),
                 "nodes": len(nodes), "params": n_params, "param_bytes": pbytes,
+                "grad_bytes": 4 * sum(self.param_numel(key) for key in getattr(st, "grad_params", [])),
+                "host_activation_bytes": int(host_act),
                 "flops_per_microbatch": flops, "est_time_s": t, "planned_memory": mem,
-                "lm_head_shards": shards,
+                "lm_head_shards": shards, "lm_head_num_shards": heads[0]["K"] if heads else 0,
             })
         return rows
+
+    def _value_bytes(self, node) -> float:
+        ev = node.meta.get("example_value") if node is not None else None
+        if not isinstance(ev, torch.Tensor):
+            return 0.0
+        try:
+            return evaluate(_tensor_bytes(ev), self.bindings)
+        except (ValueError, TypeError):
+            return 0.0
 
     def host_link_bytes(self, rows=None) -> dict:
         """Bytes a step moves over the host link for weights (up) and fp32 gradients (down)."""
@@ -95,37 +256,84 @@ class Plan:
         down = sum(4 * self.param_numel(key) for st in self.stages for key in st.grad_params)
         return {"weights_up": up, "grads_down": down}
 
+    def symbol_legend(self) -> list:
+        """(symbol, value costed at, what it is) for every size symbol the plan was costed at."""
+        info = getattr(self, "batch", None)
+        batch = {str(s) for s in getattr(info, "symbols", ())} or {str(getattr(self.captured, "batch_symbol", None))}
+        inputs = _input_names(self)
+        out = []
+        for name, value in sorted(self.bindings.items()):
+            dims: dict = {}
+            placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"]
+            for n in sorted(placeholders, key=lambda n: n.meta["rp_index"]):
+                ev = n.meta.get("example_value")
+                if not isinstance(ev, torch.Tensor):
+                    continue
+                for d, size in enumerate(ev.shape):
+                    if isinstance(size, torch.SymInt) and str(size.node.expr) == name:
+                        leaf = inputs.get(n.meta["rp_index"]) or n.meta.get("rp_leaf_name") or n.name
+                        dims.setdefault(d, []).append(leaf)
+            where = "; ".join(f"dim {d} of {', '.join(v)}" for d, v in sorted(dims.items())) or "a size of the inputs"
+            if name in batch:
+                what = f"rows per microbatch ({where})"
+            else:
+                what = f"a dynamic size: {where}"
+            out.append((name, int(value), what))
+        return out
+
     def __str__(self) -> str:
         rows = self.stage_rows()
         link = self.host_link_bytes(rows)
-        head = (f"rpcompile plan ({self.mode}): {len(self.stages)} stage jobs on {self.num_devices} device(s), "
-                f"{self.num_microbatches} microbatch(es), costed at {self.bindings or 'static shapes'}; "
-                f"estimated step {self.est_step_time * 1e3:.2f} ms; memory budget "
-                f"{_fmt_bytes(self.memory_budget) if self.memory_budget else 'unlimited'}; per step "
-                f"{_fmt_bytes(link['weights_up'])} of weights up, {_fmt_bytes(link['grads_down'])} of gradients down")
-        cols = ["stage", "kind", "nodes (first .. last)", "params", "param bytes", "FLOPs/mb", "est time", "memory"]
+        n_dev, M = self.num_devices, self.num_microbatches
+        legend = self.symbol_legend()
+        at = ", ".join(f"{s} = {v}" for s, v, _ in legend)
+        masters = sum(p.numel() * p.element_size() for p in self.captured.params)
+        head = [
+            f"rpcompile plan ({self.mode}): {len(rows)} stage job{'s' * (len(rows) != 1)} per step, handed round-robin "
+            f"to {n_dev} device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job"
+            + (f" (costed at {at})" if at else ""),
+            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model); device memory budget "
+            f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
+            f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
+            f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "
+            f"of fp32 gradients come down",
+        ]
+        cols = ["job", "kind", "modules", "params", "weights", "FLOPs/mb", "est time", "device mem", "host act"]
         lines = []
         for r in rows:
-            rng = f"{r['positions'][0]}-{r['positions'][1]} ({r['first']} .. {r['last']})"
-            if r["lm_head_shards"]:
-                rng += f" [lm_head shards {','.join(map(str, r['lm_head_shards']))}]"
-            lines.append([str(r["stage"]), r["kind"], rng, f"{r['params']:,}", _fmt_bytes(r["param_bytes"]),
-                          _fmt_flops(r["flops_per_microbatch"]), f"{r['est_time_s'] * 1e3:.3f} ms",
-                          _fmt_bytes(r["planned_memory"])])
+            lines.append([str(r["stage"]), r["kind"], r["modules"], _fmt_count(r["params"]), _fmt_bytes(r["param_bytes"]),
+                          _fmt_flops(r["flops_per_microbatch"]), _fmt_seconds(r["est_time_s"]),
+                          _fmt_bytes(r["planned_memory"]), _fmt_bytes(r["host_activation_bytes"])])
         widths = [max(len(c), *(len(l[i]) for l in lines)) for i, c in enumerate(cols)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        out = [head, fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
-        out += [fmt.format(*l) for l in lines]
+        out = head + [fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))]
+        out += [fmt.format(*l).rstrip() for l in lines]
         if self.host_memory is not None:
             out.append(self.host_memory.summary())
+        out.append("legend:")
+        out.append("  fwd: forward only (its input is kept on the host for the backward's recompute); fused: the last "
+                   "stage, forward + loss + backward in one job; bwd: recompute + backward, in reverse order (cut "
+                   "separately from the forward stages, so their module ranges differ)")
+        out.append(f"  job k of a step runs on device (offset + k) mod {n_dev}, the offset carrying over from step "
+                   f"to step; each job runs all {M} microbatches with its weights uploaded once")
+        out.append("  weights: the job's parameter bytes uploaded per step; FLOPs/mb: per microbatch (G = 10^9); "
+                   "device mem: planned peak on the device while the job runs; host act: activations (fwd) or "
+                   "their gradients (fused, bwd) the job writes to host memory per step")
+        for s, v, what in legend:
+            out.append(f"  {s} = {what}; costed at {v}")
         return "\n".join(out)
 
     __repr__ = __str__
+
+    def _master_dtype(self) -> str:
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in self.captured.params})
+        return ", ".join(dtypes) or "none"
 
     def to_json(self) -> dict:
         rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
                 "memory_budget": self.memory_budget, "bindings": {k: int(v) for k, v in self.bindings.items()},
+                "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),
                 "host_memory": None if self.host_memory is None else dict(self.host_memory.rows()),

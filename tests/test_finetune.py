@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,15 @@ def test_default_run_loss_falls_and_checkpoint_reloads(tmp_path, captured, capsy
     assert run("--steps", 12, "--seq-len", 64, "--save", out) == 0
     printed = capsys.readouterr().out
     assert "plan" in printed and "loss" in printed and "tokens/s" in printed
+    if ENGINE == "rpcompile" and not torch.cuda.is_available():
+        # the default shows the pipeline: two CPU devices, several stage jobs, the rotation
+        assert "devices: cpu:0, cpu:1" in printed
+        rotation = next(line for line in printed.splitlines() if line.startswith("step 1: job 0 fwd "))
+        jobs = rotation.split("; ")
+        assert len(jobs) >= 4 and " on cpu:0" in rotation and " on cpu:1" in rotation, rotation
+        assert "layers" in rotation and "fused" in rotation and "bwd" in rotation
+        assert "model.layers." in printed and "stage jobs per step" in printed
+        assert "expected: at least" in printed and "step 2 took" in printed
 
     losses = losses_of(out)
     assert len(losses) == 12
@@ -135,6 +145,61 @@ def test_lora_saves_adapter_the_peft_way(tmp_path, captured):
     trained_base = captured[0].get_base_model().state_dict()  # frozen: LoRA left it as it was
     frozen = {k.replace(".base_layer", ""): v for k, v in trained_base.items() if "lora_" not in k}
     assert frozen.keys() == fresh.keys() and all(torch.equal(frozen[k], fresh[k]) for k in fresh)
+
+
+def test_ctrl_c_with_save_finishes_the_step_saves_and_resumes(tmp_path):
+    """SIGINT (Ctrl-C) to the command as a user runs it: the step in flight finishes, the
+    checkpoint is written atomically, the command says where; the checkpoint resumes."""
+    out = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "rpcompile.finetune", "--steps", "1000", "--save", str(out),
+                             "--engine", ENGINE, *SMALL], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in proc.stdout:          # the first step (capture and plan) is done
+            if line.startswith("step 1 took"):
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Ctrl-C: finishing step" in stderr and "Traceback" not in stderr
+    step = checkpoint.read_state(out)["step"]
+    assert step >= 1 and f"the checkpoint in {out} is at step {step}" in stderr
+    assert f"--resume {out}" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]   # no half-written sibling
+
+    resumed = tmp_path / "resumed"
+    assert run("--resume", out, "--steps", step + 2, "--save", resumed) == 0
+    before, after = losses_of(out), losses_of(resumed)
+    assert len(after) == step + 2 and after[:step] == before
+
+
+def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    real = train.compile_model
+
+    def interrupted_at_step_2(*args, **kwargs):
+        cm = real(*args, **kwargs)
+        step = cm.train_step
+        calls = []
+
+        def train_step(**batch):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGINT)   # Ctrl-C while step 2 runs
+            return step(**batch)
+
+        cm.train_step = train_step
+        return cm
+
+    monkeypatch.setattr(train, "compile_model", interrupted_at_step_2)
+    assert run("--steps", 50, *SMALL) == 130
+    err = capsys.readouterr().err
+    assert "finishing step 2" in err and "stopped after step 2 of 50" in err
+    assert "nothing was saved" in err and "--save" in err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler put back
 
 
 def test_rpcompile_losses_match_eager(tmp_path):
@@ -226,6 +291,52 @@ def test_prompt_completion_masks_the_prompt(tmp_path):
     assert set(pair_labels[n_prompt + 3:]) == {data.IGNORE}
 
 
+def _padded_pairs(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q{i}: what follows {i}?" + " hm" * (i % 4),
+                                        "completion": f" {i + 1}, then {i + 2}." * (1 + i % 2)}) + "\n"
+                            for i in range(12)))
+    return path
+
+
+def test_padded_rows_get_an_attention_mask(tmp_path):
+    rows = data.tokenize(data.read_documents(_padded_pairs(tmp_path)), ByteTokenizer(), seq_len=48)
+    pad = rows.input_ids == ByteTokenizer.pad_token_id
+    assert rows.has_padding and pad.any(1).any() and not pad.any(1).all()   # short rows padded, long ones cut
+    assert torch.equal(rows.attention_mask, (~pad).long())    # 0 exactly on the padding
+    assert "padded rows" in rows.description
+    batch = rows.batch(torch.tensor([0, 3]))
+    assert torch.equal(batch["attention_mask"], rows.attention_mask[[0, 3]])
+    packed = data.tokenize(data.read_documents(None), ByteTokenizer(), seq_len=32)
+    assert not packed.has_padding and set(packed.batch(torch.tensor([0]))) == {"input_ids", "labels"}
+
+
+def test_attention_mask_reaches_the_model_and_losses_match_eager(tmp_path, monkeypatch):
+    path, seen = _padded_pairs(tmp_path), {}
+    real = train.compile_model
+
+    def keep(model, engine, *args, **kwargs):
+        if engine == "eager":   # a hook sees what the model is called with (rpcompile captures it instead)
+            def hook(module, args, kwargs):
+                seen.setdefault("eager", kwargs.get("attention_mask"))
+
+            model.register_forward_pre_hook(hook, with_kwargs=True)
+        cm = real(model, engine, *args, **kwargs)
+        seen[engine + " cm"] = cm
+        return cm
+
+    monkeypatch.setattr(train, "compile_model", keep)
+    small = ["--seq-len", "48", "--batch-size", "4", "--devices", "cpu,cpu", "--steps", "3"]
+    assert run("--data", path, "--save", tmp_path / "e", *small, engine="eager") == 0
+    assert run("--data", path, "--save", tmp_path / "r", *small, engine="rpcompile") == 0
+    assert seen["eager"] is not None and (seen["eager"] == 0).any()
+    inputs = [n.name for n in seen["rpcompile cm"].plan.gm.graph.nodes
+              if n.op == "placeholder" and n.meta.get("rp_kind") == "input"]
+    assert any("attention_mask" in name for name in inputs), inputs
+    eager, compiled = losses_of(tmp_path / "e"), losses_of(tmp_path / "r")
+    assert compiled == pytest.approx(eager, rel=1e-4)
+
+
 def test_sampler_position_is_one_integer():
     a = data.Sampler(10, 4, seed=3)
     straight = [a.next_indices().tolist() for _ in range(6)]  # crosses epochs
@@ -281,6 +392,26 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path, 
     assert main(["--save", str(tmp_path)]) == 2
     assert "refusing to replace" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_schedule_picture_from_a_pipeline_trace(tmp_path):
+    """Two CPU devices, a fwd, a fused and a bwd job over two microbatches, with transfers and
+    waits: drawn with labelled bars and a legend (the picture itself is looked at by hand)."""
+    trace, t = [], 0.0
+    for job, role, worker in ((0, "fwd", 0), (1, "fused", 1), (2, "bwd", 0)):
+        for mb in range(2):
+            common = {"device": "cpu", "worker": worker, "job": job, "stage": job, "role": role, "microbatch": mb}
+            trace.append({**common, "stream": "acts_in", "name": "fetch", "start_s": t, "end_s": t + 0.001})
+            trace.append({**common, "stream": "compute", "name": role, "start_s": t + 0.001, "end_s": t + 0.01})
+            trace.append({**common, "stream": "out", "name": "offload", "start_s": t + 0.01, "end_s": t + 0.011})
+            t += 0.011
+        trace.append({**common, "stream": "host", "name": "wait", "microbatch": None, "start_s": t, "end_s": t + 0.002})
+
+    class Traced:
+        plan, last_trace = None, trace
+
+    assert plots.write_plots(tmp_path, [3.0, 2.5, 2.0], Traced()) == []
+    assert (tmp_path / "schedule.png").stat().st_size > 10_000
 
 
 def test_plots_without_trace_and_without_matplotlib(tmp_path, monkeypatch):

@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='a text file, or JSONL with a "text" field or "prompt"/"completion" '
                         "per line (default: the built-in corpus)")
     p.add_argument("--devices", metavar="LIST",
-                   help="comma-separated, e.g. cpu,cpu or cuda:0,cuda:1 (default: every visible "
-                        "GPU, else cpu)")
+                   help="comma-separated, e.g. cpu,cpu or cuda:0,cuda:1; the stage jobs rotate over them "
+                        "(default: every visible GPU, else cpu,cpu: two CPU worker threads, so the "
+                        "pipeline shows)")
     p.add_argument("--microbatches", metavar="M", type=_positive_int,
                    help="microbatches per step (default: number of devices + 1, at least 2)")
     p.add_argument("--batch-size", metavar="B", type=_positive_int,
@@ -126,7 +127,9 @@ def parse_devices(text: str | None) -> list[str]:
 
     if text is None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+        # Two CPU "devices" (worker threads) without a GPU: the plan then has several stage jobs
+        # and the rotation is visible, which is what rpcompile is about.
+        return [f"cuda:{i}" for i in range(n)] or ["cpu", "cpu"]
     items = [s.strip().lower() for s in text.split(",")]
     if not all(items):
         raise UsageError(f"--devices {text!r}: expected a comma-separated list such as cpu,cpu or cuda:0,cuda:1")

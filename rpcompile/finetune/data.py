@@ -4,7 +4,8 @@ A plain text file is one document. A JSONL file holds one object per line: ``{"t
 (a document) or ``{"prompt": ..., "completion": ...}`` (loss on the completion only).
 Documents are packed: ``BOS doc EOS BOS doc EOS ...`` cut into rows of ``seq_len`` tokens.
 Prompt/completion pairs get a row each, padded with PAD, their prompt and padding masked
-out of the labels with -100.
+out of the labels with -100. ``attention_mask`` marks the real tokens of each row (1) and
+its padding (0); the command passes it to the model whenever the data has padding.
 
 The order of rows is a fresh permutation per epoch, drawn from ``seed`` and the epoch
 number only, so the whole data position is one integer (rows consumed so far): a resumed
@@ -93,10 +94,28 @@ class TokenData:
     input_ids: torch.Tensor   # [rows, seq_len], int64
     labels: torch.Tensor      # [rows, seq_len], int64, IGNORE where no loss
     description: str
-    fingerprint: str          # sha256 of both tensors: a resumed run checks it sees the same data
+    fingerprint: str          # sha256 of ids and labels: a resumed run checks it sees the same data
+    attention_mask: torch.Tensor | None = None   # [rows, seq_len], int64: 1 real token, 0 padding
+
+    def __post_init__(self):
+        if self.attention_mask is None:
+            self.attention_mask = torch.ones_like(self.input_ids)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def has_padding(self) -> bool:
+        return bool((self.attention_mask == 0).any())
+
+    def batch(self, rows: torch.Tensor) -> dict:
+        """The model's keyword arguments for these rows: input_ids and labels, and the
+        attention_mask when the data has padding anywhere (then every batch carries one, so
+        the model is captured once)."""
+        out = {"input_ids": self.input_ids[rows], "labels": self.labels[rows]}
+        if self.has_padding:
+            out["attention_mask"] = self.attention_mask[rows]
+        return out
 
 
 def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
@@ -105,6 +124,7 @@ def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
     pad = tokenizer.pad_token_id
     rows_ids: list[list[int]] = []
     rows_labels: list[list[int]] = []
+    rows_real: list[int] = []    # tokens before the padding, per row
 
     if docs.texts:
         stream: list[int] = []
@@ -113,9 +133,11 @@ def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
         if len(stream) < seq_len:  # too short for one row: one padded row
             rows_ids.append(stream + [pad] * (seq_len - len(stream)))
             rows_labels.append(stream + [IGNORE] * (seq_len - len(stream)))
+            rows_real.append(len(stream))
         for start in range(0, len(stream) - seq_len + 1, seq_len):
             rows_ids.append(stream[start:start + seq_len])
             rows_labels.append(rows_ids[-1])
+            rows_real.append(seq_len)
 
     skipped = 0
     for prompt, completion in docs.pairs:
@@ -126,12 +148,14 @@ def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
             continue
         rows_ids.append(ids + [pad] * (seq_len - len(ids)))
         rows_labels.append(labels + [IGNORE] * (seq_len - len(labels)))
+        rows_real.append(len(ids))
     if not rows_ids:
         raise UsageError(f"--data {docs.source}: every prompt is {seq_len} tokens or longer, "
                          f"so no completion token fits; raise --seq-len")
 
     input_ids = torch.tensor(rows_ids, dtype=torch.long)
     labels = torch.tensor(rows_labels, dtype=torch.long)
+    attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(rows_real)[:, None]).long()
     if int(input_ids.max()) >= tokenizer.vocab_size or int(input_ids.min()) < 0:
         raise UsageError(f"--data {docs.source}: the tokenizer produced ids outside its vocabulary")
     digest = hashlib.sha256(input_ids.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
@@ -141,9 +165,14 @@ def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
     if docs.pairs:
         what.append(f"{len(docs.pairs) - skipped} prompt/completion pairs"
                     + (f" ({skipped} skipped: prompt longer than --seq-len)" if skipped else ""))
+    padded = int((attention_mask == 0).any(1).sum())
     description = (f"{docs.source}: {', '.join(what)} -> {len(rows_ids)} rows of {seq_len} tokens "
-                   f"({int((labels[:, 1:] != IGNORE).sum()):,} predicted tokens)")
-    return TokenData(input_ids, labels, description, digest)
+                   f"({int((labels[:, 1:] != IGNORE).sum()):,} predicted tokens"
+                   + (f"; {padded} padded row{'s' * (padded != 1)}, passed with an attention_mask" if padded else "")
+                   + ")")
+    # the fingerprint covers ids and labels only (as before the mask existed), so checkpoints
+    # saved then still resume; the mask follows from the same data and tokenizer
+    return TokenData(input_ids, labels, description, digest, attention_mask)
 
 
 class Sampler:

@@ -2,7 +2,8 @@
 
 Everything the command needs from a compiled model is::
 
-    cm.train_step(input_ids=..., labels=...) -> detached scalar loss   # grads land in p.grad
+    cm.train_step(input_ids=..., labels=..., [attention_mask=...]) -> detached scalar loss
+                                              # grads land in p.grad; the mask where data is padded
     cm.plan                                   # printable stage table
     cm.last_trace                             # optional: [{device, stream, name, start_s, end_s}]
 
@@ -76,21 +77,24 @@ class _EagerCompiled:
         self.last_trace.append({"device": str(self.device), "stream": "compute", "name": name,
                                 "start_s": start - self._t0, "end_s": time.perf_counter() - self._t0})
 
-    def train_step(self, input_ids, labels):
+    def train_step(self, input_ids, labels, attention_mask=None):
         self.last_trace = []
+        M = self.num_microbatches
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-        chunks = list(zip(input_ids.tensor_split(self.num_microbatches),
-                          labels.tensor_split(self.num_microbatches)))
-        counts = [int((lab[:, 1:] != IGNORE).sum()) for _, lab in chunks]
+        masks = (attention_mask.to(self.device).tensor_split(M) if attention_mask is not None
+                 else [None] * M)
+        chunks = list(zip(input_ids.tensor_split(M), labels.tensor_split(M), masks))
+        counts = [int((lab[:, 1:] != IGNORE).sum()) for _, lab, _ in chunks]
         total = max(sum(counts), 1)
         loss_sum = torch.zeros((), device=self.device)
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
-        for i, ((ids, lab), n) in enumerate(zip(chunks, counts)):
+        for i, ((ids, lab, mask), n) in enumerate(zip(chunks, counts)):
             if n == 0 or ids.shape[0] == 0:
                 continue
             start = time.perf_counter()
+            extra = {} if mask is None else {"attention_mask": mask}
             with autocast:
-                loss = self.model(input_ids=ids, labels=lab).loss.float() * (n / total)
+                loss = self.model(input_ids=ids, labels=lab, **extra).loss.float() * (n / total)
             self._span(f"forward mb{i}", start)
             start = time.perf_counter()
             loss.backward()

@@ -5,6 +5,7 @@ note instead. The figures are drawn through matplotlib's object API (no pyplot g
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 NO_MATPLOTLIB = "matplotlib is not installed, so no loss.png or schedule.png (pip install matplotlib)"
@@ -15,10 +16,6 @@ _STAGE_VALUE_KEYS = ("est_time_s", "estimated_time_s", "time_s", "est_time", "es
                      "cost_s", "cost", "flops", "fwd_flops")
 _AXIS_LABELS = {"est_time_s": "estimated time of the stage job (s)", "time_s": "time of the stage job (s)",
                 "flops": "FLOPs", "fwd_flops": "forward FLOPs"}
-_KIND_COLORS = (("backward", "tab:orange"), ("bwd", "tab:orange"), ("forward", "tab:blue"),
-                ("fwd", "tab:blue"), ("upload", "tab:green"), ("prefetch", "tab:green"),
-                ("h2d", "tab:green"), ("download", "tab:purple"), ("offload", "tab:purple"),
-                ("d2h", "tab:purple"), ("optim", "tab:red"))
 
 
 def write_plots(directory, losses: list[float], cm) -> list[str]:
@@ -26,6 +23,7 @@ def write_plots(directory, losses: list[float], cm) -> list[str]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return [NO_MATPLOTLIB]
     directory = Path(directory)
@@ -42,6 +40,7 @@ def write_plots(directory, losses: list[float], cm) -> list[str]:
         ax.plot(steps, smooth, lw=2, label=f"mean of the last {window} steps")
         ax.legend()
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # steps are whole numbers
     ax.set_ylabel("training loss")
     ax.set_title("rpcompile-finetune: loss")
     ax.grid(alpha=0.3)
@@ -49,7 +48,8 @@ def write_plots(directory, losses: list[float], cm) -> list[str]:
     fig.savefig(directory / "loss.png")
 
     trace = getattr(cm, "last_trace", None)
-    fig = Figure(figsize=(10, 4), dpi=100)
+    devices = len({_device_label(e) for e in trace}) if trace else 1
+    fig = Figure(figsize=(12, 2.2 + 1.3 * devices), dpi=100)
     FigureCanvasAgg(fig)
     notes = []
     if trace:
@@ -62,30 +62,96 @@ def write_plots(directory, losses: list[float], cm) -> list[str]:
     return notes
 
 
-def _color(name: str) -> str:
-    name = name.lower()
-    return next((c for key, c in _KIND_COLORS if key in name), "tab:gray")
-
-
 def _device_label(e) -> str:
-    # Several CPU "devices" share the name "cpu": the worker index tells them apart.
-    return f"{e['device']} #{e['worker']}" if "worker" in e else str(e["device"])
+    # Several CPU "devices" share the name "cpu": the worker index tells them apart (cpu:0, cpu:1).
+    return f"{e['device']}:{e['worker']}" if "worker" in e and ":" not in str(e["device"]) else str(e["device"])
+
+
+# What the schedule picture draws: compute bars coloured by the job's role, and below each
+# device's compute lane, a thin lane of its transfers and a thin lane of its host-side waits.
+_ROLES = {"fwd": ("tab:blue", "forward (fwd stage job)"),
+          "fused": ("tab:green", "forward + loss + backward (fused last stage)"),
+          "bwd": ("tab:orange", "recompute + backward (bwd stage job)")}
+_TRANSFERS = {"weights_in": ("tab:purple", "weights up (host -> device)"),
+              "acts_in": ("tab:cyan", "activations up (host -> device)"),
+              "out": ("tab:brown", "activations and gradients down (device -> host)")}
+_HOST = ("0.6", "host: waiting for inputs or weights")
+
+
+def _role(e) -> str:
+    role = e.get("role")
+    if role in _ROLES:
+        return role
+    name = str(e.get("name", "")).lower()   # an engine that names its spans only
+    return "bwd" if "backward" in name and "forward" not in name else "fwd"
 
 
 def _draw_trace(fig, trace) -> None:
-    rows = sorted({(_device_label(e), str(e.get("stream", ""))) for e in trace})
+    from matplotlib.patches import Patch
+
+    devices = sorted({_device_label(e) for e in trace},
+                     key=lambda d: (d.split(":")[0], int(d.split(":")[1]) if d.split(":")[-1].isdigit() else 0))
     t0 = min(float(e["start_s"]) for e in trace)
+    t_end = max(float(e["end_s"]) for e in trace) - t0
     ax = fig.add_subplot()
+    # y positions: per device a compute lane (height 0.8), a transfer lane and a host lane (0.3 each)
+    lanes, ticks, y = {}, [], 0.0
+    for d in devices:
+        lanes[(d, "compute")] = (y, 0.8)
+        lanes[(d, "transfer")] = (y + 0.75, 0.3)
+        lanes[(d, "host")] = (y + 1.1, 0.3)
+        ticks += [(y, f"{d} compute"), (y + 0.75, f"{d} transfers"), (y + 1.1, f"{d} host")]
+        y += 1.8
+    axis_px = fig.get_figwidth() * fig.dpi * 0.8
+    computes = [e for e in trace if e.get("stream") == "compute"]
+    jobs = {}
     for e in trace:
-        y = rows.index((_device_label(e), str(e.get("stream", ""))))
         start, end = float(e["start_s"]) - t0, float(e["end_s"]) - t0
-        ax.barh(y, max(end - start, 1e-9), left=start, color=_color(str(e["name"])), edgecolor="black", lw=0.3)
-        if len(trace) <= 40:
-            ax.text(start + (end - start) / 2, y, str(e["name"]), ha="center", va="center", fontsize=6)
-    ax.set_yticks(range(len(rows)), [f"{d} {s}".strip() for d, s in rows])
-    ax.invert_yaxis()
+        width = max(end - start, t_end * 1e-4)
+        d, stream = _device_label(e), str(e.get("stream", ""))
+        if stream == "compute":
+            role = _role(e)
+            yc, h = lanes[(d, "compute")]
+            ax.barh(yc, width, left=start, height=h, color=_ROLES[role][0], edgecolor="black", lw=0.4)
+            stage, mb = e.get("stage"), e.get("microbatch")
+            if mb is None:   # an engine that names its spans only: "forward mb0"
+                m = re.search(r"mb\s*(\d+)", str(e.get("name", "")))
+                mb = int(m.group(1)) if m else None
+            label = f"s{stage} {role}" if stage is not None else role
+            if mb is not None:
+                label += f"\nmb{mb}"
+            if width / t_end * axis_px >= 26:
+                ax.text(start + width / 2, yc, label, ha="center", va="center", fontsize=6)
+            job = e.get("job")
+            if job is not None and (job not in jobs or start < jobs[job][0]):
+                jobs[job] = (start, yc - h / 2, stage, role)
+        elif stream in _TRANSFERS:
+            yc, h = lanes[(d, "transfer")]
+            ax.barh(yc, width, left=start, height=h, color=_TRANSFERS[stream][0], lw=0)
+        else:
+            yc, h = lanes[(d, "host")]
+            ax.barh(yc, width, left=start, height=h, color=_HOST[0], lw=0)
+    if len(jobs) <= 24:   # each stage job's start, above its first microbatch
+        for job, (start, top, stage, role) in jobs.items():
+            ax.text(start, top - 0.05, f"job {job}", ha="left", va="bottom", fontsize=6, color="0.2")
+    ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=7)
+    ax.set_ylim(y - 0.5, -0.8)
+    ax.set_xlim(0, t_end * 1.01)
     ax.set_xlabel("seconds since the step began")
-    ax.set_title("schedule of the last step, per device and stream (cm.last_trace)")
+    n_mb = len({e.get("microbatch") for e in computes if e.get("microbatch") is not None})
+    what = f"{len(jobs)} stage jobs" if jobs else f"{len(computes)} compute spans"
+    ax.set_title(f"the last step: {what}{f' x {n_mb} microbatches' if n_mb else ''} on {len(devices)} "
+                 f"device{'s' * (len(devices) != 1)} (cm.last_trace); bars: s<stage> <role>, mb<microbatch>",
+                 fontsize=9)
+    roles = sorted({_role(e) for e in computes}, key=list(_ROLES).index)
+    streams = [k for k in _TRANSFERS if any(e.get("stream") == k for e in trace)]
+    handles = ([Patch(color=_ROLES[r][0], label=_ROLES[r][1]) for r in roles]
+               + [Patch(color=_TRANSFERS[k][0], label=_TRANSFERS[k][1]) for k in streams]
+               + ([Patch(color=_HOST[0], label=_HOST[1])]
+                  if any(str(e.get("stream", "")) not in _TRANSFERS and e.get("stream") != "compute" for e in trace)
+                  else []))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(4, len(handles)),
+              fontsize=7, frameon=False)
 
 
 def _stage_value(stage):

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from . import checkpoint, data, models, plots
+from . import checkpoint, data, models, plots, report
 from .cli import PROG, Options
 from .engine import DTYPES, compile_model, engine_errors
 from .errors import RunError, UsageError
@@ -55,10 +55,11 @@ def run(opts: Options) -> int:
     print(f"{PROG}: model {opts.model} ({type(_base(model)).__name__}, {total / 1e6:.2f}M params, "
           f"{trainable / 1e6:.2f}M trained{lora}; {origin})")
     print(f"  data: {tokens.description}; tokenizer: {tokenizer.name}")
-    print(f"  devices: {','.join(opts.devices)}; batch {opts.batch_size} x {opts.seq_len} tokens in "
-          f"{opts.microbatches} microbatches; compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}"
+    print(f"  devices: {', '.join(report.device_labels(opts.devices))}; batch {opts.batch_size} x {opts.seq_len} "
+          f"tokens in {opts.microbatches} microbatches; compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}"
           f"{'' if opts.optimizer == 'exact' else f' ({opts.optimizer})'}; "
           f"steps {step + 1}..{opts.steps}" + (f" (resumed from {opts.resume})" if state else ""))
+    _estimate_before_first_step(opts, model, opts.steps - step)
     print("  the first step captures and plans the model ...", flush=True)
 
     run_info = {"model": opts.model, "lora": opts.lora, "seed": opts.seed, "seq_len": opts.seq_len,
@@ -67,8 +68,17 @@ def run(opts: Options) -> int:
     notes_shown: set[str] = set()
     saved_step = state["step"] if state else None
 
+    def say(line: str, file=None) -> None:
+        if progress is not None and file is None:
+            progress.write(line)
+        else:
+            print(line, file=file or sys.stdout, flush=True)
+
+    saving = None   # the step being saved, while a save runs
+
     def save(step: int) -> None:
-        nonlocal saved_step
+        nonlocal saved_step, saving
+        saving = step
         if stepped_by_rpcompile:
             cm.synchronize()          # the optimizer's pending step, before reading its state
         notes: list[str] = []
@@ -82,69 +92,146 @@ def run(opts: Options) -> int:
             keep = "the previous checkpoint there is intact" if existed else "nothing was written there"
             raise RunError(f"saving the step-{step} checkpoint to {opts.save} failed "
                            f"({e.strerror or e}); {keep}") from None
-        saved_step = step
+        saved_step, saving = step, None
         for note in notes:
             if note not in notes_shown:
                 notes_shown.add(note)
-                (progress.write if progress is not None else print)(f"{PROG}: note: {note}")
+                say(f"{PROG}: note: {note}")
+
+    def on_ctrl_c() -> str:
+        if saving is not None:
+            return (f"\n{PROG}: Ctrl-C: finishing the save of step {saving} to {opts.save}. Press Ctrl-C "
+                    f"again to stop at once (the checkpoint there stays as it was).")
+        what = (f"then saving the checkpoint to {opts.save}" if opts.save
+                else "then stopping; nothing will be saved (no --save)")
+        return (f"\n{PROG}: Ctrl-C: finishing step {step + 1}, {what}. "
+                f"Press Ctrl-C again to stop at once{', without saving it' if opts.save else ''}.")
 
     progress = None  # made after the first step, which prints the plan (rpcompile plans at the first call)
     started, first_step, first_step_s, steady_s, steady_tokens = time.perf_counter(), step + 1, None, 0.0, 0
+    stop = report.StopRequest(on_ctrl_c)
     try:
-        while step < opts.steps:
-            rows = sampler.next_indices()
-            input_ids, labels = tokens.input_ids[rows], tokens.labels[rows]
-            t0 = time.perf_counter()
-            try:
-                loss = cm.train_step(input_ids=input_ids, labels=labels)
-            except compiler_errors as e:  # the compiler's own errors name the stage, device, fix
-                raise RunError(f"rpcompile could not run step {step + 1}: {type(e).__name__}: {e}") from e
-            if not stepped_by_rpcompile:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            step += 1
-            losses.append(float(loss))
-            if progress is None:
-                first_step_s = dt
-                print(f"plan{' (eager stand-in, not rpcompile)' if opts.engine == 'eager' else ''}:")
-                print(cm.plan, flush=True)
-                progress = Progress(opts.steps, initial=step - 1)
-            else:
-                steady_s, steady_tokens = steady_s + dt, steady_tokens + input_ids.numel()
-            progress.update(step, losses[-1], input_ids.numel() / dt, dt)
-            if opts.save and opts.save_every and step % opts.save_every == 0 and step < opts.steps:
-                save(step)
-    except KeyboardInterrupt:
+        with stop:
+            while step < opts.steps and not stop.requested:
+                rows = sampler.next_indices()
+                batch = tokens.batch(rows)
+                t0 = time.perf_counter()
+                try:
+                    loss = cm.train_step(**batch)
+                except compiler_errors as e:  # the compiler's own errors name the stage, device, fix
+                    raise RunError(f"rpcompile could not run step {step + 1}: {type(e).__name__}: {e}") from e
+                if not stepped_by_rpcompile:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                dt = time.perf_counter() - t0
+                step += 1
+                losses.append(float(loss))
+                n_tokens = batch["input_ids"].numel()
+                if progress is None:
+                    first_step_s = dt
+                    print(f"plan{' (eager stand-in, not rpcompile)' if opts.engine == 'eager' else ''}:")
+                    print(cm.plan, flush=True)
+                    rotation = _after_first_step(cm, opts, step, dt)
+                    progress = Progress(opts.steps, initial=step - 1)
+                else:
+                    steady_s, steady_tokens = steady_s + dt, steady_tokens + n_tokens
+                    if step == first_step + 1:
+                        _after_second_step(cm, opts, step, dt, say, rotation)
+                progress.update(step, losses[-1], n_tokens / dt, dt)
+                if opts.save and opts.save_every and step % opts.save_every == 0 and step < opts.steps:
+                    save(step)
+            interrupted = stop.requested and step < opts.steps
+            if progress is not None:
+                progress.close()
+                progress = None
+            if stepped_by_rpcompile:
+                cm.synchronize()
+            if opts.save and step > (saved_step or 0):
+                save(step)      # a first Ctrl-C now lets the save finish
+    except KeyboardInterrupt:   # a second Ctrl-C: stop now
         if progress is not None:
             progress.close()
             progress = None
-        where = f"; the checkpoint in {opts.save} is at step {saved_step}" if saved_step else ""
-        print(f"{PROG}: stopped after step {step}{where}", file=sys.stderr)
+        kept = (f"the checkpoint in {opts.save} is at step {saved_step}" if saved_step
+                else "nothing was saved")
+        where = f"while saving step {saving}" if saving is not None else f"during step {step + 1}"
+        print(f"{PROG}: stopped {where}; {kept}", file=sys.stderr)
         raise  # main() ends with exit code 130
     finally:
         if progress is not None:
             progress.close()
-    if stepped_by_rpcompile:
-        cm.synchronize()
-    if opts.save:
-        save(step)
+            progress = None
 
-    tail = losses[-10:]
-    print(f"{PROG}: loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {step} "
-          f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
+    if losses:
+        tail = losses[-10:]
+        print(f"{PROG}: loss {losses[0]:.4f} at step 1 -> {losses[-1]:.4f} at step {len(losses)} "
+              f"(mean of the last {len(tail)}: {sum(tail) / len(tail):.4f})")
     timing = f"  {time.perf_counter() - started:.1f} s in all"
     if steady_tokens:
         timing += (f"; {steady_tokens / steady_s:,.0f} tokens/s, {steady_s / (step - first_step) * 1e3:.0f} ms/step "
                    f"after the first step, which took {first_step_s:.1f} s with capture and planning")
     print(timing)
-    if opts.save:
+    if opts.save and saved_step == step:
         kind = "LoRA adapter" if opts.lora else "model"
         pictures = "" if plots.NO_MATPLOTLIB in notes_shown else ", loss.png and schedule.png"
-        print(f"  saved the {kind}, its optimizer state{pictures} to {opts.save}")
-    else:
+        print(f"  saved the {kind} at step {step}, its optimizer state{pictures} to {opts.save}")
+    elif not opts.save:
         print("  nothing saved: pass --save DIR to keep the model, the loss curve and the schedule picture")
+    if interrupted:
+        if opts.save and saved_step == step:
+            print(f"{PROG}: stopped after step {step} of {opts.steps} (Ctrl-C); the checkpoint in {opts.save} is "
+                  f"at step {step}. Continue with: {PROG} --resume {opts.save} --save {opts.save}", file=sys.stderr)
+        else:
+            print(f"{PROG}: stopped after step {step} of {opts.steps} (Ctrl-C); nothing was saved, so this "
+                  f"progress is lost (pass --save DIR to keep a run you may stop)", file=sys.stderr)
+        return 130
     return 0
+
+
+def _estimate_before_first_step(opts: Options, model, remaining: int) -> None:
+    """On CPU: the step's FLOPs at this machine's measured matmul speed (a lower bound: the
+    model's other ops and the pipeline's hand-overs come on top)."""
+    if opts.devices[0] != "cpu":
+        return
+    recompute = opts.engine == "rpcompile" and len(opts.devices) > 1
+    flops = report.step_flops(model, opts.batch_size * opts.seq_len, opts.seq_len, recompute)
+    rate = report.cpu_flops_per_s()
+    per_step = flops / rate
+    print(f"  expected: at least {report.duration(per_step)} per step ({flops / 1e9:,.1f} GFLOP at this CPU's "
+          f"{rate / 1e9:.0f} GFLOP/s), {report.duration(per_step * remaining)} for {remaining} "
+          f"step{'s' * (remaining != 1)}, plus capture and planning in the first step")
+    hint = report.too_slow_hint(opts.devices, per_step * remaining)
+    if hint:
+        print(f"{PROG}: {hint}", flush=True)
+
+
+def _after_first_step(cm, opts: Options, step: int, dt: float):
+    """The rotation of the first step, the time it took and what the cost model expects."""
+    line = report.rotation_line(cm, step, opts.devices)
+    if line:
+        print(line)
+    remaining = opts.steps - step
+    est = getattr(getattr(cm, "plan", None), "est_step_time", None)
+    text = f"step {step} took {report.duration(dt)}, with capture and planning"
+    if est and remaining:
+        text += (f"; the cost model expects {report.duration(est)} for each later step "
+                 f"({remaining} more: about {report.duration(est * remaining)})")
+    print(text, flush=True)
+    return line.split(": ", 1)[1] if line else None
+
+
+def _after_second_step(cm, opts: Options, step: int, dt: float, say, rotation) -> None:
+    """The measured time of a step without capture, and the rotation again if its offset moved."""
+    line = report.rotation_line(cm, step, opts.devices)
+    if line and line.split(": ", 1)[1] != rotation:
+        say(line)
+    remaining = opts.steps - step
+    if remaining:
+        say(f"step {step} took {report.duration(dt)}: the {remaining} remaining step{'s' * (remaining != 1)} "
+            f"should take about {report.duration(dt * remaining)}")
+        hint = report.too_slow_hint(opts.devices, dt * remaining)
+        if hint:
+            say(f"{PROG}: {hint}")
 
 
 def _load_model(opts: Options):

@@ -127,7 +127,8 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
         args.append(ph[n.name])
     if key is not None:
         args.append(key)
-    res = g.call_module("compute", tuple(args))
+    # compute.forward(...), not self.compute(...): see ops.compute (no FX traceback on stderr)
+    res = g.call_method("forward", (g.get_attr("compute"), *args))
     outs = {o: g.call_function(operator.getitem, (res, i)) for i, o in enumerate(outputs)}
     wrt = tuple(ph[x] for x in grad_inputs) + tuple(ph[p] for p in params)
     grads = g.call_function(rp.vjp, (tuple(outs[o] for o in grad_outputs), wrt, tuple(seeds)))

@@ -510,7 +510,11 @@ class _Annotator:
             try:  # in-place ops cannot run on leaves that require grad: run on clones
                 return self._measure_once(node, flat_args, spec, in_rg, in_param, clone=True)
             except Exception:
-                if node.target not in self.warned:
+                # a node reading only 0-dim tensors (a module's scalar attribute, `.item()`) is
+                # cheap whatever it does: costing it as 0 loses nothing worth a warning
+                scalar = all(v.dim() == 0 for a in flat_args if isinstance(a, fx.Node)
+                             for v in _flat(_ev(a)) if isinstance(v, torch.Tensor))
+                if node.target not in self.warned and not scalar:
                     self.warned.add(node.target)
                     warnings.warn(f"annotate_costs: could not measure {node.format_node()} "
                                   f"({type(first).__name__}: {first}); costed as 0 FLOPs")

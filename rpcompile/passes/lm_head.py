@@ -554,7 +554,12 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None) -> fx.Graph
     summaries = []
     for head in _find_heads(gm):
         if head.reason is not None:
-            warnings.warn(f"split_lm_head: LM head left unsplit: {head.reason}", stacklevel=2)
+            # Worth a word only where splitting would pay: shards were asked for, or the head
+            # costs more than a layer (a classifier's small head is best whole anyway).
+            if num_shards is not None and num_shards > 1 or num_shards is None and estimate_num_shards(gm, head) > 1:
+                warnings.warn(f"split_lm_head: LM head left unsplit: {head.reason}; it runs whole, its full "
+                              "logits in one stage (Config(lm_head_shards=0) keeps it whole without this "
+                              "warning)", stacklevel=2)
             summaries.append(head.summary())
             continue
         K = num_shards if num_shards is not None else estimate_num_shards(gm, head)

@@ -295,7 +295,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
         ctx = JobContext(step, job_index, prev_job, stage, role, dev, links)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):
-                program(ctx.handle, mb)
+                program.forward(ctx.handle, mb)   # not program(...): see ops.compute
             ctx.finish()
     except Aborted:
         pass

@@ -177,7 +177,9 @@ def compute(job, mb, graph, *args):
     """Run a stage's compute graph on the device's compute stream."""
     ctx = _job(job)
     name = {"fwd": "forward", "fused": "forward+backward", "bwd": "recompute+backward"}[ctx.role]
-    return ctx.span("compute", name, lambda: graph(*args), mb)
+    # .forward, not graph(...): torch.fx's GraphModule.__call__ prints the generated code around
+    # a failing line to stderr, even when the caller catches the StageError that reports it
+    return ctx.span("compute", name, lambda: graph.forward(*args), mb)
 
 
 # --- inside compute graphs ----------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""What the command says about a run while it goes: which stage job ran where (the rotation),
+how long a step and the whole run will take, and Ctrl-C (finish the step, then stop)."""
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+HOURS_WARNING_S = 3600.0   # a run expected to take longer than this on CPU gets a warning
+
+
+# -- the rotation ---------------------------------------------------------------------------
+
+def device_labels(devices: list[str]) -> list[str]:
+    """Names of the devices of a plan: several CPU "devices" (worker threads) are cpu:0, cpu:1."""
+    return [f"cpu:{i}" if d == "cpu" and devices.count("cpu") > 1 else d for i, d in enumerate(devices)]
+
+
+def short_modules(text: str) -> str:
+    """`model.embed_tokens, model.layers.0-2, model.layers.3 (mlp)` -> `embed_tokens, layers 0-3`:
+    the last name of each module, layer ranges merged (a layer a stage holds in part counts)."""
+    out: list[str] = []
+    ranges: dict = {}           # container -> [first, last, position in out]
+    for item in (s.strip() for s in text.split(",")):
+        item = re.sub(r"\s*\(.*\)$", "", item)
+        m = re.fullmatch(r"(.+?)\.(\d+)(?:-(\d+))?", item)
+        if m:
+            name, first, last = m.group(1).rsplit(".", 1)[-1], int(m.group(2)), int(m.group(3) or m.group(2))
+            r = ranges.get(name)
+            if r is not None and r[2] == len(out) - 1 and first <= r[1] + 1:
+                r[1] = max(r[1], last)
+            else:
+                ranges[name] = [first, last, len(out)]
+                out.append(name)
+            continue
+        short = item.split(" ", 1)
+        short[0] = short[0].rsplit(".", 1)[-1]
+        item = " ".join(short)
+        if not out or out[-1] != item:
+            out.append(item)
+    for name, (first, last, pos) in ranges.items():
+        out[pos] = f"{name} {first}" if first == last else f"{name} {first}-{last}"
+    return ", ".join(out)
+
+
+def rotation_line(cm, step: int, devices: list[str]) -> str | None:
+    """`step 3: job 0 fwd embed_tokens, layers 0-3 on cpu:0; job 1 fused ... on cpu:1; ...`:
+    what each stage job of the last step held and the device it ran on (None: the engine does
+    not say)."""
+    placements = getattr(cm, "last_placements", None)
+    plan = getattr(cm, "plan", None)
+    rows = getattr(plan, "stage_rows", None)
+    if not placements or not callable(rows):
+        return None
+    modules = {r["stage"]: short_modules(r.get("modules") or f"{r['first']} .. {r['last']}") for r in rows()}
+    labels = device_labels(devices)
+    jobs = [f"job {job} {role} {modules.get(stage, f'stage {stage}')} on {labels[d] if d < len(labels) else d}"
+            for job, stage, role, d in placements]
+    return f"step {step}: " + "; ".join(jobs)
+
+
+# -- time ------------------------------------------------------------------------------------
+
+def duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:.0f} ms"
+    if seconds < 90:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def step_flops(model, tokens: int, seq_len: int, recompute: bool) -> float:
+    """FLOPs of one training step, roughly: 2 per parameter and token forward, 2 backward to
+    the activations, 2 more for the trained parameters' gradients, a second forward where
+    backward stages recompute; attention adds 12 x layers x width x seq_len per token."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is not None and (out is None or out.weight is not emb.weight):
+        total -= emb.weight.numel()      # a lookup, not a matmul (unless it is the tied LM head too)
+    per_token = 2 * total * (3 if recompute else 2) + 2 * trained
+    cfg = getattr(model, "config", None)
+    layers, heads = getattr(cfg, "num_hidden_layers", 0), getattr(cfg, "num_attention_heads", 0)
+    head_dim = getattr(cfg, "head_dim", None) or (getattr(cfg, "hidden_size", 0) // max(heads, 1))
+    per_token += 12 * layers * heads * head_dim * seq_len * (4 / 3 if recompute else 1)
+    return float(per_token * tokens)
+
+
+def cpu_flops_per_s() -> float:
+    """This machine's fp32 matmul speed with torch's threads, measured in about 0.1 s."""
+    a, b = torch.randn(768, 768), torch.randn(768, 768)
+    a @ b
+    n, start = 0, time.perf_counter()
+    while n < 3 or time.perf_counter() - start < 0.08:
+        a @ b
+        n += 1
+    return 2 * 768**3 * n / (time.perf_counter() - start)
+
+
+def too_slow_hint(devices: list[str], total_s: float) -> str | None:
+    if devices[0] != "cpu" or total_s < HOURS_WARNING_S:
+        return None
+    return (f"warning: this run will take about {duration(total_s)} on the CPU. For a first look, lower "
+            f"--steps, --batch-size or --seq-len (the time per step is about proportional to batch x seq-len), "
+            f"pick a smaller --model, or run on a GPU (--devices cuda:0)")
+
+
+# -- Ctrl-C ----------------------------------------------------------------------------------
+
+class StopRequest:
+    """While active (a `with` block in the main thread): the first Ctrl-C asks the loop to stop
+    after the step in flight (`requested`), a second one stops at once (KeyboardInterrupt)."""
+
+    def __init__(self, message):
+        self.message = message   # message() -> the line printed at the first Ctrl-C
+        self.requested = False
+        self._installed, self._previous = False, None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            self._restore()
+            raise KeyboardInterrupt
+        self.requested = True
+        print(self.message(), file=sys.stderr, flush=True)
+
+    def _restore(self):
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._installed = False
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+        return False
