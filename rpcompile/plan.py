@@ -185,6 +185,7 @@ class Plan:
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
+    passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass
 
     @property
     def est_step_time(self) -> float:
@@ -346,6 +347,12 @@ class Plan:
             json.dump(self.to_json(), f, indent=1)
         with open(os.path.join(path, "plan.txt"), "w") as f:
             f.write(str(self) + "\n")
+        if self.passes:
+            os.makedirs(os.path.join(path, "passes"), exist_ok=True)
+            for i, (name, show, text) in enumerate(self.passes):
+                ext = "py" if show in ("graph", "costs", "stages", "programs") else "txt"
+                with open(os.path.join(path, "passes", f"{i:02d}_{name}.{ext}"), "w") as f:
+                    f.write(text)
         for st in self.stages:
             graphs = {"forward": st.forward, "backward": st.backward, **{f"program_{r}": g for r, g in st.programs.items()}}
             for name, g in graphs.items():
