@@ -63,3 +63,26 @@ def test_planned_memory_counts_the_unsplit_logits_and_their_gradient():
     head = [r for r in rows[0] if r["kind"] != "fwd"][0]
     assert head["planned_memory"] >= 2 * logits + 2 * head["param_bytes"]
     assert max(r["planned_memory"] for r in rows[4]) < head["planned_memory"]
+
+
+def test_a_small_classifier_head_leaves_the_body_its_cuts():
+    """A split classification head (3 classes) adds many gaps carrying a few bytes; the limit
+    on a cut's live bytes comes from the body's gaps, so the CNN's blocks stay cuttable."""
+    from rpcompile.passes.cost import annotate_costs
+    from rpcompile.passes.cut_points import legal_cuts, liveness
+    from rpcompile.passes.lm_head import split_lm_head
+    from rpcompile.passes.normalize_loss import normalize_loss
+    from rpcompile.passes.outputs import keep_loss_output
+    from rpcompile.capture import capture_call
+    from zoo import image_batch, resnet
+
+    torch.manual_seed(0)
+    cap = capture_call(resnet(), (), image_batch(0, size=16), dtype=None)
+    gm = split_lm_head(normalize_loss(keep_loss_output(cap.gm, 0), 0), num_shards=3)
+    gm = annotate_costs(gm)
+    lv = liveness(gm)
+    pixels = next(n for n in cap.placeholders() if n.meta.get("rp_kind") == "input")
+    cuts = legal_cuts(gm, lv, {pixels.meta["example_value"].shape[0].node.expr.name: 2})
+    head = [p for p, n in enumerate(lv.body) if "rp_lm_head_part" in n.meta]
+    assert len(head) > 10
+    assert len([c for c in cuts if 0 < c < head[0]]) >= 4

@@ -123,3 +123,20 @@ def test_in_place_update_stays_with_the_value_it_writes():
     for n in setitems:
         made, written = lv.index[n.args[0]], lv.index[n]
         assert not any(made < c <= written for c in cm.plan.cuts)
+
+
+def test_no_cut_hands_over_a_tuple_of_tensors():
+    """topk's (values, indices) live between the topk and its getitems: a cut there handed the
+    tuple over without a gradient for its values (the router's weights: Qwen2-MoE trained with
+    wrong gradients below that layer)."""
+    from zoo import qwen2_moe
+    torch.manual_seed(0)
+    cap, gm = costed(qwen2_moe(), lm_batch(0))
+    lv = liveness(gm)
+
+    def tuple_live(p):
+        return any(isinstance(n.meta.get("example_value"), tuple) for n in lv.live[p])
+
+    cuts = legal_cuts(gm, lv, {batch_symbol(cap).name: 2})
+    assert any(tuple_live(p) for p in range(len(lv.body)))
+    assert len(cuts) > 3 and not any(tuple_live(p) for p in cuts)

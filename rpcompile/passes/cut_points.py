@@ -75,11 +75,19 @@ def liveness(gm: fx.GraphModule) -> Liveness:
 def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
     """Positions where a stage may end: 0, L and the gaps whose live bytes are near the minimum."""
     L = len(lv.body)
-    # A value of data-dependent size (Note [data-dependent sizes]) is never handed between stages.
-    blocked = _mutation_spans(lv) | {p for p in range(L + 1) if any(_data_dependent(n) for n in lv.live[p])}
+    # Never handed between stages: a value of data-dependent size (Note [data-dependent sizes]),
+    # or a tuple of tensors (topk's (values, indices)): stages hand over tensors and their
+    # gradients, and a tuple's tensors would reach the next stage without a way back for theirs.
+    blocked = _mutation_spans(lv) | {p for p in range(L + 1)
+                                     if any(_data_dependent(n) or _tensor_tuple(n) for n in lv.live[p])}
     live_bytes = [0 if p in blocked else sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes)
                   for p, nodes in enumerate(lv.live)]
     interior = [b for b in live_bytes[1:L] if b > 0]
+    # The median is the model's: the split LM head adds many gaps carrying a few small vectors
+    # (a classifier's head over 3 classes: tens of bytes), which would put every gap of the
+    # model's body above the limit.
+    body = [b for p, b in enumerate(live_bytes[1:L], start=1) if b > 0 and "rp_lm_head_part" not in lv.body[p].meta]
+    interior = body or interior
     if not interior:
         return [0, L]
     limit = CUT_SLACK * sorted(interior)[len(interior) // 2]
@@ -113,6 +121,12 @@ def _mutation_spans(lv: Liveness) -> set:
 def _data_dependent(node: fx.Node) -> bool:
     """The node's value has a size that depends on the data (an unbacked symbol)."""
     return bool(free_unbacked_symbols(node.meta.get("example_value")))
+
+
+def _tensor_tuple(node: fx.Node) -> bool:
+    ev = node.meta.get("example_value")
+    return not isinstance(ev, torch.Tensor) and any(isinstance(v, torch.Tensor)
+                                                     for v in torch.utils._pytree.tree_leaves(ev))
 
 
 def _view_bases(node: fx.Node) -> list:

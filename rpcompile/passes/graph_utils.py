@@ -28,14 +28,20 @@ def bind_cross_entropy(node: fx.Node):
 
 
 _SETITEM = {operator.setitem, torch.Tensor.__setitem__}
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                       operator.ilshift, operator.irshift, operator.imatmul}
 
 
 def mutated_values(node: fx.Node) -> list:
     """The graph values an in-place node writes into: x of `x[i] = v` (operator.setitem),
-    `x.add_(y)`, `torch.Tensor.add_(x, y)`, a mutable aten op's first argument, or an `out=`."""
+    `x += y` (operator.iadd), `x.add_(y)`, `torch.Tensor.add_(x, y)`, a mutable aten op's first argument, or an `out=`."""
     targets = []
     if node.op == "call_function" and node.target in _SETITEM:
         targets.append(node.args[0])
+    elif node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:   # x += y on a tensor
+        if isinstance(node.args[0], fx.Node) and isinstance(node.args[0].meta.get("example_value"), torch.Tensor):
+            targets.append(node.args[0])
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         if node.target._schema.is_mutable and node.args:
             targets.append(node.args[0])
