@@ -217,7 +217,7 @@ def _explain_dynamo_error(err: Exception) -> CaptureError:
         lib = _library_of(frames[-1].filename)
         hint = (f"It stopped inside {lib}, not in your code, at {_where(frames[-1])}")
         hint += (f", reached from your code at {_where(mine[-1])}." if mine else ".")
-        hint += (f" {need} The call is in {lib}'s code, so what can change is how the model is built or "
+        hint += (f" {need} The call is in the code of {lib}, so what can change is how the model is built or "
                  f"called. If torch.compile(model, fullgraph=True) captures the model, rpcompile should too: "
                  f"please report it to rpcompile. If not, another option of {lib} (another attention or experts "
                  f"implementation in the model's config, say) or another version of it may avoid the call; the "

@@ -183,3 +183,43 @@ def test_error_in_a_library_says_so_and_names_the_callers_line(tmp_path, monkeyp
     assert f"It stopped inside somelib, not in your code, at {lib / '__init__.py'}:3 in helper()" in hint
     assert f"reached from your code at {__file__}:" in hint and "somelib.helper(self.lin(x))" in hint
     assert "fullgraph=True" in hint and "report" in hint
+
+
+class VmapScan(nn.Module):
+    """torch.vmap inside forward (as Mamba's parallel scan): each layer combines pairs of rows
+    with a vmapped function."""
+
+    def __init__(self, d=8, layers=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            h = layer(x)
+            pairs = torch.stack([h, torch.roll(h, 1, dims=-1)])           # (2, rows, d)
+            h = torch.vmap(lambda a, b: a * torch.sigmoid(b), in_dims=(1, 1))(pairs, pairs.flip(0))
+            x = x + torch.tanh(h.sum(1))
+        return F.mse_loss(x, y)
+
+
+def test_vmap_inside_forward_trains_and_no_stage_splits_a_vmap():
+    from rpcompile.passes.cut_points import liveness
+    from rpcompile.passes.graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE
+
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(5, 8, generator=g), "y": torch.randn(5, 8, generator=g)} for _ in range(3)]
+
+    def eager(m, b):
+        loss = m(**b)
+        loss.backward()
+        return loss
+
+    from parity import TIGHT
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, memory_budget=TIGHT)
+    cm = train_both(VmapScan(), batches, cfg, eager_step=eager, min_stages=3)
+    lv = liveness(cm.plan.gm)
+    enters = [lv.index[n] for n in lv.body if n.target in FUNCTORCH_ENTER]
+    leaves = [lv.index[n] for n in lv.body if n.target in FUNCTORCH_LEAVE]
+    assert len(enters) == len(leaves) == 4
+    for a, b in zip(enters, leaves):
+        assert not any(a < c <= b for c in cm.plan.cuts)

@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import flop_counter as _fc
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .graph_utils import mutated_values
+from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
 
 __all__ = [
     "NodeCost",
@@ -296,6 +296,12 @@ _EXIT_AUTOCAST = getattr(torch.amp, "_exit_autocast", None)
 # grad-mode and autocast switches are tracked and replayed around the ops they enclose.
 _STATE_TARGETS = {torch._C._log_api_usage_once, torch._C._set_grad_enabled,
                   _ENTER_AUTOCAST, _EXIT_AUTOCAST} - {None}
+# torch.vmap inside the model (Note [functorch regions]): the level switches are state; moving a
+# tensor into or out of a batched level is a view (a gradient flows, no FLOPs). The ops between
+# are measured on plain tensors of the per-example shape their example values have.
+_FP = torch._functorch.predispatch
+_STATE_TARGETS |= FUNCTORCH_ENTER | FUNCTORCH_LEAVE | {getattr(_FP, "lazy_load_decompositions", None)} - {None}
+_BATCH_DIM_MOVES = {getattr(_FP, n) for n in ("_add_batch_dim", "_remove_batch_dim") if hasattr(_FP, n)}
 _DETACH = {"detach", torch.detach, torch.Tensor.detach}
 
 # Meta fakes are measured as CPU fakes: on meta, SDPA dispatches to its math decomposition while
@@ -465,6 +471,10 @@ class _Annotator:
         if not in_tensors or node.target in _STATE_TARGETS:
             self.rg[node] = [False] * len(flat_out)
             return NodeCost(**base)
+
+        if node.target in _BATCH_DIM_MOVES:
+            self.rg[node] = [isinstance(v, torch.Tensor) and _floating(v) and any_rg for v in flat_out]
+            return NodeCost(**base, requires_grad=any_rg, is_view=True)
 
         # views and no-op conversions: every output aliases an input; no FLOPs, nothing saved
         in_storages = {_storage_key(t) for t in in_tensors}

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .cost import Hardware, NodeCost, evaluate, node_seconds
-from .graph_utils import mutated_values
+from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
 from .partition import Segment
 
 # A gap whose live activations are at most this many times the median gap's is a cut.
@@ -78,8 +78,8 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
     # Never handed between stages: a value of data-dependent size (Note [data-dependent sizes]),
     # or a tuple of tensors (topk's (values, indices)): stages hand over tensors and their
     # gradients, and a tuple's tensors would reach the next stage without a way back for theirs.
-    blocked = _mutation_spans(lv) | {p for p in range(L + 1)
-                                     if any(_data_dependent(n) or _tensor_tuple(n) for n in lv.live[p])}
+    blocked = _mutation_spans(lv) | _functorch_regions(lv) | {
+        p for p in range(L + 1) if any(_data_dependent(n) or _tensor_tuple(n) for n in lv.live[p])}
     live_bytes = [0 if p in blocked else sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes)
                   for p, nodes in enumerate(lv.live)]
     interior = [b for b in live_bytes[1:L] if b > 0]
@@ -115,6 +115,19 @@ def _mutation_spans(lv: Liveness) -> set:
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
+    return blocked
+
+
+def _functorch_regions(lv: Liveness) -> set:
+    """Positions inside a torch.vmap (or jvp) region (Note [functorch regions])."""
+    blocked, depth = set(), 0
+    for p, node in enumerate(lv.body):
+        if depth > 0:
+            blocked.add(p)
+        if node.op == "call_function" and node.target in FUNCTORCH_ENTER:
+            depth += 1
+        elif node.op == "call_function" and node.target in FUNCTORCH_LEAVE:
+            depth = max(0, depth - 1)
     return blocked
 
 

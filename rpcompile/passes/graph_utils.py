@@ -33,6 +33,23 @@ _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itr
                        operator.ilshift, operator.irshift, operator.imatmul}
 
 
+def _functorch_switches():
+    from torch._functorch import predispatch as fp
+    enter = {getattr(fp, n) for n in ("_vmap_increment_nesting", "_jvp_increment_nesting", "_enter_dual_level")
+             if hasattr(fp, n)}
+    leave = {getattr(fp, n) for n in ("_vmap_decrement_nesting", "_jvp_decrement_nesting", "_exit_dual_level")
+             if hasattr(fp, n)}
+    return enter, leave
+
+
+# Note [functorch regions]: torch.vmap inside a model (Mamba's parallel scan; transformers' mask
+# functions) is captured as a region: _vmap_increment_nesting, ops on batched tensors between
+# _add_batch_dim and _remove_batch_dim, _vmap_decrement_nesting. The switches have no users
+# but must run (is_impure), a stage holds a region whole (cut_points), and the cost pass does
+# not re-run them.
+FUNCTORCH_ENTER, FUNCTORCH_LEAVE = _functorch_switches()
+
+
 def mutated_values(node: fx.Node) -> list:
     """The graph values an in-place node writes into: x of `x[i] = v` (operator.setitem),
     `x += y` (operator.iadd), `x.add_(y)`, `torch.Tensor.add_(x, y)`, a mutable aten op's first argument, or an `out=`."""
@@ -60,6 +77,8 @@ def is_impure(node: fx.Node) -> bool:
         return True
     if node.op == "call_function" and node.target in _SETITEM:
         return True   # x[i] = v: its value is None, its effect is on x (MoE layers invert a permutation so)
+    if node.op == "call_function" and (node.target in FUNCTORCH_ENTER or node.target in FUNCTORCH_LEAVE):
+        return True   # Note [functorch regions]
     if node.op == "call_method":
         name = node.target
         return name.endswith("_") and not name.endswith("__")
