@@ -2,9 +2,10 @@
 
 Two ways in share this file:
 - `capture_call(model, args, kwargs, ...)` for `rpcompile.compile`: the model is traced on
-  *meta* copies of its parameters, buffers and inputs in the compute dtype, so capturing a
+  *fake* copies of its parameters, buffers and inputs in the compute dtype, so capturing a
   32B model costs no memory and no compute, and dtype casts in the model code (RMSNorm's
-  upcast and cast back) are traced in the dtype that really runs.
+  upcast and cast back) are traced in the dtype that really runs. The copies report the
+  device the stages run on (Note [capture device]).
 - `from_dynamo(gm, example_inputs)` for `torch.compile(model, backend="rpcompile")`: dynamo
   hands us the graph and the real inputs.
 
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import itertools
 import re
+import logging
+import os
+import sysconfig
+import traceback
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,30 +44,47 @@ class Captured:
     param_names: list
     buffers: list           # host buffers (module attributes)
     buffer_names: list
-    capture_device: torch.device
+    capture_device: torch.device                       # the device type the graph's constants name
     in_spec: Any = None     # pytree spec of (args, kwargs) for rpcompile.compile calls
     out_spec: Any = None    # pytree spec of the model output; None: flat graph outputs
     out_leaves: list = field(default_factory=list)     # ("out", i) or ("const", value)
     batch_size: Optional[int] = None                   # batch size at capture (None: the dynamo backend's)
+    on_copies: bool = False  # traced on copies in the compute dtype (capture_call), not on real inputs
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
 
 
-def _meta_like(t: torch.Tensor, dtype, contiguous: bool = False) -> torch.Tensor:
-    dt = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-    if contiguous:   # call inputs: the runner hands every microbatch over contiguous
-        return torch.empty(t.shape, dtype=dt, device="meta")
-    return torch.empty_strided(t.shape, t.stride(), dtype=dt, device="meta")
+# Note [capture device]: the copies the model is traced on are fake tensors (no storage) that
+# report the device the stage jobs run on, not "meta". Model code branches on the device:
+# transformers' MoE layers count tokens per expert with torch.histc on floats on CPU and on
+# ints elsewhere (histc has no CPU kernel for ints), and list indexing such as x[..., [-2], :]
+# builds its index tensor on the indexed tensor's device, which fake tensor propagation accepts
+# for a CPU or CUDA tensor but not for a meta one. Traced on the real device type, the graph
+# takes the branches that run.
+class _FakeCopies:
+    """Makes storage-less copies of tensors, on `device`, floating ones in `dtype`."""
+
+    def __init__(self, device, dtype):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        self.mode = FakeTensorMode()
+        self.device, self.dtype = torch.device(device), dtype
+
+    def __call__(self, t: torch.Tensor, contiguous: bool = False) -> torch.Tensor:
+        dt = self.dtype if (self.dtype is not None and t.is_floating_point()) else t.dtype
+        with self.mode:
+            if contiguous:   # call inputs: the runner hands every microbatch over contiguous
+                return torch.empty(t.shape, dtype=dt, device=self.device)
+            return torch.empty_strided(t.shape, t.stride(), dtype=dt, device=self.device)
 
 
-class _SwapToMeta:
-    """Temporarily replace every parameter and buffer of a module tree by a meta copy."""
+class _SwapToCopies:
+    """Temporarily replace every parameter and buffer of a module tree by a fake copy."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self.model, self.dtype = model, dtype
-        self.meta_of: dict[int, torch.Tensor] = {}   # id(host tensor) -> meta copy
-        self.host_of: dict[int, tuple] = {}          # id(meta copy) -> (kind, host tensor, name)
+    def __init__(self, model: torch.nn.Module, copy: _FakeCopies):
+        self.model, self.copy = model, copy
+        self.copy_of: dict[int, torch.Tensor] = {}   # id(host tensor) -> its copy
+        self.host_of: dict[int, tuple] = {}          # id(copy) -> (kind, host tensor, name)
         self._undo = []
 
     def __enter__(self):
@@ -71,14 +94,14 @@ class _SwapToMeta:
                     if t is None:
                         continue
                     fqn = f"{mod_name}.{name}" if mod_name else name
-                    if id(t) not in self.meta_of:
-                        m = _meta_like(t, self.dtype)
+                    if id(t) not in self.copy_of:
+                        m = self.copy(t)
                         if kind == "param":
                             m = torch.nn.Parameter(m, requires_grad=t.requires_grad)
-                        self.meta_of[id(t)] = m
+                        self.copy_of[id(t)] = m
                         self.host_of[id(m)] = (kind, t, fqn)
                     self._undo.append((table, name, t))
-                    table[name] = self.meta_of[id(t)]
+                    table[name] = self.copy_of[id(t)]
         return self
 
     def __exit__(self, *exc):
@@ -113,13 +136,94 @@ def _dummy_outputs(gm: fx.GraphModule):
     return vals
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
+
+def _log_calls() -> set:
+    """Logging, warning and print functions: no-ops while capturing (Note [log calls])."""
+    fns = {print, warnings.warn, warnings.warn_explicit}
+    fns.update(getattr(logging, name) for name in _LOG_LEVELS)
+    # Logger methods, with those libraries add to the class (transformers' warning_once,
+    # info_once, warning_advice).
+    for name, fn in vars(logging.Logger).items():
+        if callable(fn) and (name in _LOG_LEVELS or name.split("_")[0] in _LOG_LEVELS):
+            fns.add(fn)
+    return fns
+
+
+# Note [log calls]: dynamo stops at a call of logging.Logger methods, logging.warning,
+# warnings.warn or print (a graph break), and model code is full of them, often in a library
+# (transformers' loss_function logs with logger.warning_once). The capture traces the model on
+# fake copies only to get its graph, so such a call has nothing to say: dynamo's
+# ignore_logging_functions makes each a no-op while tracing, and the run never makes it.
+def _capture_config():
+    ignored = set(torch._dynamo.config.ignore_logging_functions) | _log_calls()
+    return torch._dynamo.config.patch(ignore_logging_functions=ignored)
+
+
+_LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                                                      sysconfig.get_paths()["stdlib"]})
+_OWN_DIR = os.path.dirname(os.path.realpath(__file__))
+
+
+def _library_of(filename: str) -> Optional[str]:
+    """The installed package (or "the Python standard library") a source file belongs to, None
+    for the user's own code."""
+    path = os.path.realpath(filename)
+    parts = path.split(os.sep)
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts:
+            rest = parts[parts.index(marker) + 1:]
+            return rest[0].removesuffix(".py") if rest else marker
+    if any(path.startswith(d + os.sep) for d in _LIBRARY_DIRS):
+        return "the Python standard library"
+    if path.startswith(os.path.dirname(torch.__file__) + os.sep):
+        return "torch"
+    return None
+
+
+def _model_frames(err: Exception) -> list:
+    """The model's frames (outermost first) where capture stopped: dynamo's user stack, else the
+    traceback of an error raised while tracing; rpcompile's own frames left out."""
+    stack = getattr(err, "real_stack", None)
+    if not stack:
+        stack = traceback.extract_tb(err.__traceback__) if err.__traceback__ is not None else []
+        stack = [f for f in stack if _library_of(f.filename) != "torch"]
+    return [f for f in stack if not os.path.realpath(f.filename).startswith(_OWN_DIR + os.sep)]
+
+
+def _where(frame) -> str:
+    line = f": `{frame.line.strip()}`" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno} in {frame.name}(){line}"
+
+
 def _explain_dynamo_error(err: Exception) -> CaptureError:
+    """A CaptureError that says where the capture stopped, whether that is the user's code or a
+    library's, and what rpcompile needs there."""
     msg = str(err).strip()
     kind = type(err).__name__
-    hint = ("rpcompile needs the whole forward as one graph. Remove the Python-side effect or "
-            "data-dependent branch named above (e.g. .item(), print, a branch on tensor values, "
-            "an unsupported library call), or move it out of forward().")
-    return CaptureError(f"could not capture the model as one graph ({kind}): {msg}\n{hint}")
+    gb_type = getattr(err, "gb_type", None)
+    frames = _model_frames(err)
+    mine = [f for f in frames if _library_of(f.filename) is None]
+    need = ("rpcompile captures the forward (and the loss) as one graph, as torch.compile(model, "
+            "fullgraph=True) does, so every line it runs must be traceable: no .item() or Python branch on "
+            "a tensor's values, no call dynamo cannot trace.")
+    if not frames:
+        hint = f"{need} Find the call named above, in forward() or the loss."
+    elif _library_of(frames[-1].filename) is None:
+        hint = (f"It stopped in your code, at {_where(frames[-1])}. {need} Change that line: compute the "
+                "value with tensor ops (torch.where instead of an if on a tensor), or move the call out of forward().")
+    else:
+        lib = _library_of(frames[-1].filename)
+        hint = (f"It stopped inside {lib}, not in your code, at {_where(frames[-1])}")
+        hint += (f", reached from your code at {_where(mine[-1])}." if mine else ".")
+        hint += (f" {need} The call is in {lib}'s code, so what can change is how the model is built or "
+                 f"called. If torch.compile(model, fullgraph=True) captures the model, rpcompile should too: "
+                 f"please report it to rpcompile. If not, another option of {lib} (another attention or experts "
+                 f"implementation in the model's config, say) or another version of it may avoid the call; the "
+                 f"break is a bug to report to {lib}.")
+    head = f"{kind}: {gb_type}" if gb_type else kind
+    return CaptureError(f"could not capture the model as one graph ({head}): {msg}\n{hint}")
 
 
 def flatten_call(args, kwargs):
@@ -140,9 +244,10 @@ def batch_size_of(leaves) -> Optional[int]:
     return None
 
 
-def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
+def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
                  wrap=None, dynamic_batch: bool = True, unbatched=()) -> Captured:
-    """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on meta copies.
+    """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on fake copies
+    on `device` (the device the stages run on: Note [capture device]).
 
     Dim 0 of every tensor argument whose dim 0 is the batch size is dynamic (Note [batched
     inputs] in passes/batch.py), except those `unbatched` names (Config.unbatched_inputs)."""
@@ -150,10 +255,11 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
     leaves, in_spec = flatten_call(args, kwargs)
     labels = leaf_names(args, kwargs)
     batch = batch_size_of(leaves)
+    copies = _FakeCopies(device, dtype)
     meta_leaves = []
     for leaf, name in zip(leaves, labels):
         if isinstance(leaf, torch.Tensor):
-            m = _meta_like(leaf, dtype, contiguous=True)
+            m = copies(leaf, contiguous=True)
             if leaf.requires_grad and m.is_floating_point():
                 m.requires_grad_(True)
             if (dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch
@@ -180,7 +286,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
     n = next(_capture_ids)
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
-    with _SwapToMeta(model, dtype) as swap:
+    with _SwapToCopies(model, copies) as swap, _capture_config():
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
@@ -194,8 +300,8 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype,
 
     params, param_names, buffers, buffer_names = [], [], [], []
     index_of: dict[int, int] = {}
-    cap = Captured(gm, params, param_names, buffers, buffer_names, torch.device("meta"),
-                   in_spec=in_spec, batch_size=batch)
+    cap = Captured(gm, params, param_names, buffers, buffer_names, copies.device,
+                   in_spec=in_spec, batch_size=batch, on_copies=True)
     for node, ex in zip(cap.placeholders(), example_inputs):
         if isinstance(ex, (torch.SymInt, int)):
             _mark_sym(node, ex)

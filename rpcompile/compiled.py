@@ -65,7 +65,7 @@ class CompiledModel(torch.nn.Module):
         if plan is None:
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
             cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap,
-                               unbatched=self.config.unbatched_inputs)
+                               device=self.config.devices[0], unbatched=self.config.unbatched_inputs)
             loss_output = 0 if loss_fn is not None else None
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
             self._plans[key] = plan
@@ -92,7 +92,13 @@ class CompiledModel(torch.nn.Module):
     @property
     def last_placements(self):
         """(job index, stage index, role, device index) of every job of the last run."""
-        return list(self.runner.executor.placements)
+        return self.runner.executor.placements
+
+    @property
+    def last_schedule(self):
+        """The schedule of the last run (runtime/schedule.py): `print(cm.last_schedule)` shows
+        its jobs as stage, role and device, e.g. `0F@0 1F@1 2FB@0 3B@1` (None before the first)."""
+        return self.runner.executor.last_schedule
 
     def dump(self, path: str) -> None:
         """Write every plan's stage graphs (.py), plan.json, plan.txt and, after a step, the
@@ -122,9 +128,8 @@ class CompiledModel(torch.nn.Module):
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "
                              "mode call optimizer.step() yourself after train_step")
         self.synchronize()
-        self.runner.reset_delay()
-        self.runner.overlapped = OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler,
-                                                     max_grad_norm=max_grad_norm, chunks=chunks)
+        self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
+                                               chunks=chunks))
 
     def synchronize(self) -> None:
         """Wait for the overlapped optimizer's pending work (no-op in exact mode)."""

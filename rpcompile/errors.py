@@ -14,8 +14,18 @@ class InputError(RPCompileError, TypeError):
 
 
 class StageError(RPCompileError):
-    """A stage job failed on a device; names the stage, the microbatch and the device."""
+    """A stage job failed on a device; names the stage, the microbatch and the device, and
+    (`schedule`, raised in the caller's thread) the run's schedule with the failing job marked."""
 
-    def __init__(self, message, *, stage=None, microbatch=None, device=None):
-        super().__init__(message)
-        self.stage, self.microbatch, self.device = stage, microbatch, device
+    def __init__(self, message, *, stage=None, microbatch=None, device=None, job=None, schedule=None):
+        super().__init__(message if schedule is None else f"{message}\nschedule: {schedule}")
+        self.message = message
+        self.stage, self.microbatch, self.device, self.job = stage, microbatch, device, job
+        self.schedule = schedule
+
+    def with_schedule(self, schedule: str) -> "StageError":
+        """This error again, its message followed by the schedule line."""
+        err = StageError(self.message, stage=self.stage, microbatch=self.microbatch, device=self.device,
+                         job=self.job, schedule=schedule)
+        err.__cause__ = self.__cause__
+        return err

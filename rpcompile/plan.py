@@ -184,6 +184,8 @@ class Plan:
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
+    host_memory: Any = None                              # passes.host_memory.HostMemory
+    passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass
 
     @property
     def est_step_time(self) -> float:
@@ -307,6 +309,8 @@ class Plan:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         out = head + [fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))]
         out += [fmt.format(*l).rstrip() for l in lines]
+        if self.host_memory is not None:
+            out.append(self.host_memory.summary())
         out.append("legend:")
         out.append("  fwd: forward only (its input is kept on the host for the backward's recompute); fused: the last "
                    "stage, forward + loss + backward in one job; bwd: recompute + backward, in reverse order (cut "
@@ -333,6 +337,7 @@ class Plan:
                 "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),
+                "host_memory": None if self.host_memory is None else dict(self.host_memory.rows()),
                 "stages": rows}
 
     def dump(self, path: str) -> None:
@@ -342,6 +347,12 @@ class Plan:
             json.dump(self.to_json(), f, indent=1)
         with open(os.path.join(path, "plan.txt"), "w") as f:
             f.write(str(self) + "\n")
+        if self.passes:
+            os.makedirs(os.path.join(path, "passes"), exist_ok=True)
+            for i, (name, show, text) in enumerate(self.passes):
+                ext = "py" if show in ("graph", "costs", "stages", "programs") else "txt"
+                with open(os.path.join(path, "passes", f"{i:02d}_{name}.{ext}"), "w") as f:
+                    f.write(text)
         for st in self.stages:
             graphs = {"forward": st.forward, "backward": st.backward, **{f"program_{r}": g for r, g in st.programs.items()}}
             for name, g in graphs.items():

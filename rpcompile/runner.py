@@ -12,12 +12,25 @@ import torch
 from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.regions import compile_regions
-from .runtime.device import Pending, resolve
+from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.job import Microbatch, StepState
+from .runtime.schedule import build_schedule
 from .runtime.trace import Tracer
 from .runtime.warmup import WarmupGuard
-from .runtime.weights import DelayedWeights, HostWeights
+from .runtime.modes import ExactMode, mode_for, sum_param_grads
+from .runtime.weights import HostWeights
+
+
+def _counter_arg(plan, mbatch, node):
+    """A loss counter's argument: a size, a call leaf, or a host weight (class weights)."""
+    kind = node.meta.get("rp_kind")
+    if kind == "sym":
+        return mbatch.syms[node.name]
+    if kind in ("param", "buffer"):
+        host = plan.captured.params if kind == "param" else plan.captured.buffers
+        return host[node.meta["rp_index"]].detach()
+    return mbatch.leaves[node.meta["rp_index"]]
 
 
 class GraphRunner:
@@ -31,11 +44,17 @@ class GraphRunner:
         self._warned_static = False
         self.host_weights = HostWeights()
         self.last_tracer = None
-        self.overlapped = None          # runtime.optimizer.OverlappedOptimizer once attached
-        self.delayed = None             # runtime.weights.DelayedWeights (delayed mode)
-        self.delayed_steps = 0          # train steps since the optimizer was attached (delayed mode)
-        self.next_prefetch = None       # (plan, device, key) of the next step's first upload
-        self._grad_buffers: dict = {}   # param index -> host buffer the optimizer thread sums rows into
+        self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
+
+    @property
+    def overlapped(self):
+        """The attached optimizer's thread (runtime.optimizer.OverlappedOptimizer), or None."""
+        return self.mode.optimizer
+
+    def attach(self, optimizer) -> None:
+        """Overlapped and delayed modes: step `optimizer` (an OverlappedOptimizer) after each
+        train_step; a newly attached one starts the delay again from the parameters as they are."""
+        self.mode = mode_for(self.config, optimizer)
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -119,14 +138,15 @@ class GraphRunner:
     def loss_weights(self, plan, micro) -> list:
         """d(batch loss)/d(microbatch loss output) per microbatch (Note [whole-batch loss])."""
         scale = plan.loss_scale
+        if scale is not None and scale.kind == "sum":
+            return [1.0] * len(micro)
         if scale is not None and scale.kind == "tokens":
             counter = self._counter(plan)
             names = [n for n in counter.graph.nodes if n.op == "placeholder"]
             counts = []
             for mbatch in micro:
-                args = [mbatch.syms[n.name] if n.meta.get("rp_kind") == "sym" else mbatch.leaves[n.meta["rp_index"]]
-                        for n in names]
-                counts.append(int(counter(*args)))
+                args = [_counter_arg(plan, mbatch, n) for n in names]
+                counts.append(float(counter(*args)))
             total = sum(counts)
             return [1.0 / total if total else float("nan")] * len(micro)
         return self._row_weights(plan, micro)
@@ -147,86 +167,47 @@ class GraphRunner:
             return loss_weights
         return self._row_weights(plan, micro)
 
-    def new_step(self, plan, micro, host_weights=None) -> StepState:
+    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None) -> StepState:
         """The state of one step; host_weights: where its weights are read (delayed mode's
-        copies), else the live parameters through the runner's pinned copies."""
+        copies), else the live parameters through the runner's pinned copies; gate(p) waits
+        for p's pending optimizer step, ready(p) says whether it has none (overlapped mode;
+        a call in delayed mode reads the live parameters, so it waits for them too)."""
         cap = plan.captured
-        dtype = self._working_dtype(plan)
+        dtype = self.working_dtype(plan)
         rng_base = 0
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
-        waits = self.overlapped is not None and host_weights is None
+        if host_weights is None and gate is None and self.overlapped is not None:
+            gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
-                         host_weights=host_weights or self.host_weights,
-                         gate=self.overlapped.wait_param if waits else None,
-                         ready=self.overlapped.is_ready if waits else None,
+                         host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
-    def _working_dtype(self, plan):
+    def working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured
         on real tensors by the dynamo backend)."""
-        return self.config.compute_dtype if plan.captured.capture_device.type == "meta" else None
+        return self.config.compute_dtype if plan.captured.on_copies else None
 
-    def _pinned_refresh(self, dtype):
+    def pinned_refresh(self, dtype):
         """refresh(params) for the optimizer thread: their pinned working copies, rewritten
         after their step (one call for a chunk: Note [few calls per step])."""
         if not (self.config.on_gpu and dtype):
             return None
         return lambda params: self.host_weights.refresh_many(params, dtype)
 
-    def _delayed_weights(self, plan) -> DelayedWeights:
-        """The two copies of delayed mode, made from the parameters as they are when the first
-        step (or a step with parameters the copies lack) starts."""
-        params = plan.captured.params
-        if self.delayed is None or not self.delayed.covers(params):
-            self.overlapped.synchronize()
-            self.delayed = DelayedWeights(params, self._working_dtype(plan), pin=self.config.on_gpu)
-        return self.delayed
-
-    def _upload_first_job(self, plan, t):
-        """Delayed mode: step t's first job reads copy t % 2, final once optimizer step t - 2 is
-        done, so its weights go up now (the uploader waits for that step), while the host ends
-        step t - 1, rather than when step t starts."""
-        dev = self.executor.next_device()
-        params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
-        opt, key = self.overlapped, ("next step", t)
-        dev.prefetch(key, params, self._working_dtype(plan), self.delayed.view(t % 2),
-                     before=lambda: opt.wait_completed(t - 1, raise_errors=False))
-        self.next_prefetch = (plan, dev, key)
-
-    def _adopt_first_upload(self, pending, plan, step, t):
-        """Hand the upload _upload_first_job started to step t's first job, if it is the same job."""
-        if pending is None:
-            return
-        was_plan, dev, key = pending
-        future = dev.prefetched.pop(key, None)
-        if future is not None and was_plan is plan and key == ("next step", t) and dev is self.executor.next_device():
-            step.first_upload = (dev, future)
-
-    def reset_delay(self):
-        """A newly attached optimizer starts the delay again from the parameters as they are."""
-        self.delayed, self.delayed_steps, self.next_prefetch = None, 0, None
-
     def run_jobs(self, plan, step, jobs):
+        """Run [(job index, stage, role), ...] as a chain: its schedule is built first
+        (runtime/schedule.py, continuing the rotation), then executed."""
         if step.tracer is None:
             step.tracer = Tracer(self.config.devices)
         self.last_tracer = step.tracer
-        self.executor.run(step, jobs, lambda st, role, dev: self.program_for(plan, st, role, dev))
+        schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset)
+        self.executor.run(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
 
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
         return None if self.last_tracer is None else self.last_tracer.spans()
-
-    @staticmethod
-    def grad_indices(step) -> set:
-        """Indices of the parameters the step's jobs made gradients for (without waiting for them)."""
-        return {_param_index(key) for grads in step.param_grads.values() for key in grads}
-
-    @staticmethod
-    def param_grads(step) -> dict:
-        """Host gradient per parameter index of a step's jobs (see sum_param_grads)."""
-        return sum_param_grads(step.param_grads, step.params)
 
     # --- train step ------------------------------------------------------------------------
     def train_step(self, plan, leaves, grad_scale: float = 1.0) -> torch.Tensor:
@@ -235,16 +216,7 @@ class GraphRunner:
         weights = self.loss_weights(plan, micro)
         for mbatch, w in zip(micro, weights):
             mbatch.seed = w * grad_scale
-        delayed = self.config.optimizer_mode == "delayed"
-        if delayed:
-            # Note [delayed optimizer]: step t reads copy t % 2, which optimizer step t - 2 wrote.
-            t = self.delayed_steps
-            first_upload, self.next_prefetch = self.next_prefetch, None
-            self.overlapped.wait_completed(t - 1)
-            step = self.new_step(plan, micro, host_weights=self._delayed_weights(plan).view(t % 2))
-            self._adopt_first_upload(first_upload, plan, step, t)
-        else:
-            step = self.new_step(plan, micro)
+        step = self.mode.start(self, plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
@@ -263,37 +235,7 @@ class GraphRunner:
             for m in micro:
                 m.acts.clear()
                 m.grads.clear()
-        if self.overlapped is not None:
-            params = plan.captured.params
-            have = self.grad_indices(step)
-            order = [i for i in _use_order(plan) if i in have]
-            job_grads, reuse = step.param_grads, self._grad_buffers
-
-            # The optimizer thread waits for the gradients' downloads, not this one: the next
-            # step's jobs start while the last job's gradients are still coming down. It holds
-            # the gradients only, never the step.
-            def grads():
-                totals = sum_param_grads(job_grads, params, reuse)
-                return [_as(totals[i], params[i].dtype) for i in order]
-            others, chunks = (), None
-            if delayed:
-                slot = self.delayed_steps % 2
-                refresh = lambda ps: self.delayed.write_many(ps, slot)   # noqa: E731
-                others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
-                chunks = 1         # nothing waits for single parameters: one optimizer step
-                self.delayed_steps += 1
-            else:
-                refresh = self._pinned_refresh(step.dtype)
-            self.overlapped.submit([params[i] for i in order], grads, refresh, others, chunks=chunks)
-            if delayed:
-                self._upload_first_job(plan, self.delayed_steps)
-        else:
-            grads = self.param_grads(step)
-            with torch.no_grad():
-                for i, g in grads.items():
-                    p = plan.captured.params[i]
-                    g = _as(g, p.dtype)
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+        self.mode.finish(self, plan, step)
         loss_name = plan.graph_outputs[0]
         for m in micro:
             m.outputs = resolve(m.outputs)
@@ -366,59 +308,7 @@ class GraphRunner:
                 if all(p is not None for p in parts):
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
-        return self.param_grads(step), input_grads
-
-
-def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
-    """Host gradient per parameter index from {job: {key: download}}, summed over the jobs (a
-    job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
-
-    One wait per job: a job's downloads run in order on one stream, so the last one's
-    completion covers the rest (Note [few calls per step]). A whole-parameter gradient is
-    taken first and rows are added into it in place (it is this step's own download); a
-    parameter with rows only is summed into a buffer of `reuse` (kept across steps by the
-    optimizer thread, which is done with it before the next step's sum) or a new one."""
-    for grads in job_grads.values():
-        resolve(list(grads.values())[-1:])
-    entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
-               for key, g in job_grads[j].items()]
-    totals = {}
-    for key, g in entries:
-        if not isinstance(key, tuple):
-            totals[key] = g if key not in totals else totals[key] + g
-    for key, g in entries:
-        if isinstance(key, tuple):
-            i, start, stop = key
-            if i not in totals:
-                buf = None if reuse is None else reuse.get(i)
-                if buf is None or buf.shape != params[i].shape or buf.dtype != g.dtype:
-                    buf = torch.empty(params[i].shape, dtype=g.dtype)
-                    if reuse is not None:
-                        reuse[i] = buf
-                totals[i] = buf.zero_()
-            totals[i][start:stop] += g
-    return totals
-
-
-def _as(t, dtype):
-    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _param_index(key) -> int:
-    """The parameter a gradient key names: an index, or (index, start, stop) for rows of it."""
-    return key[0] if isinstance(key, tuple) else key
-
-
-def _use_order(plan) -> list:
-    """Parameter indices in the order the forward reads them (stage order, then graph order)."""
-    order, seen = [], set()
-    for st in plan.stages:
-        for i in list(st.params) + [key[0] for key in st.param_slices.values()]:
-            if i not in seen:
-                seen.add(i)
-                order.append(i)
-    return order
+        return sum_param_grads(step.param_grads, step.params), input_grads
 
 
 class PipelineCall(torch.autograd.Function):

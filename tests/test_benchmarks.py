@@ -163,8 +163,9 @@ def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):
     assert r["status"] == "failed" and "simulated failure in a step" in r["reason"]
     assert "simulated failure in a step" in r["stderr_tail"] and "<details>" in md
 
-    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.2", "--steps", "40",
-                         "--warmup", "1", "--timeout", "3")
+    # the child runs 60 s of steps; 10 s leave room for its imports on a loaded 2-core machine
+    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.3", "--steps", "200",
+                         "--warmup", "1", "--timeout", "10")
     r = res["simulated"]
     assert r["status"] == "timeout" and r.get("partial") and r["tokens_per_s"] > 0   # what it measured is kept
 

@@ -144,7 +144,7 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     assert all(torch.equal(p, b) for p, b in zip(frozen, before))
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
-    assert cm.runner.delayed.nbytes() == 2 * trainable + frozen_bytes
+    assert cm.runner.mode.copies.nbytes() == 2 * trainable + frozen_bytes
 
 
 def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):

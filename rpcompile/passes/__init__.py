@@ -1,23 +1,50 @@
 """The compiler, in order: every pass rpcompile runs between capture and runtime.
 
-    captured graph
-      -> keep_loss_output   train mode: the loss is the only output (passes/outputs.py)
-      -> normalize_loss     mean cross-entropy -> token sum + counter (passes/normalize_loss.py)
-      -> split_lm_head      vocabulary shards with an online log-sum-exp (passes/lm_head.py)
-      -> annotate_costs     FLOPs and bytes per node, sympy in the batch symbol (passes/cost.py)
-      -> liveness, legal_cuts, segment_table   where stages may end (passes/cut_points.py)
-      -> solve_stages       exact DP over forward / fused / backward stages (passes/partition.py)
-      -> build_stages       forward and recompute+backward graphs per stage (passes/codegen.py)
-      -> build_program      per-stage programs of transfer, event and compute nodes (passes/codegen.py)
-      -> order_transfers    in each program: activation uploads, then weights, then the next job's prefetch
+`compile_graph` runs PASSES, one after another, each a function from a CompileState to a
+CompileState; after each, the state's printable form is kept (`plan.passes`, and
+`cm.dump(dir)` writes them as passes/00_capture.py, 01_keep_loss_output.py, ...), so a model
+that fails is a diff between two files.
+
+    capture              the dynamo graph, copied (capture.py ran before: meta/fake copies)
+    keep_loss_output     train mode: the loss is the only output (passes/outputs.py)
+    normalize_loss       mean cross-entropy -> token sum + counter (passes/normalize_loss.py)
+    split_lm_head        vocabulary shards with an online log-sum-exp (passes/lm_head.py)
+    annotate_costs       FLOPs and bytes per node, sympy in the size symbols (passes/cost.py)
+    find_batch           which inputs are split per microbatch; planning bindings (passes/batch.py)
+    cut_points           liveness, legal cuts, segment costs (passes/cut_points.py)
+    solve_stages         exact DP over forward / fused / backward stages (passes/partition.py)
+    build_stages         forward and recompute+backward graphs per stage job (passes/codegen.py)
+    build_programs       per-job programs of transfer, event and compute ops, transfers ordered
+                         (activations, then weights, then the next job's prefetch) (passes/codegen.py)
+    describe_io          splits, size symbol sources, outputs, row checks (passes/batch.py)
+    host_memory          the host bytes a step needs, by kind (passes/host_memory.py)
 
 On GPUs the runner then compiles each stage's compute with Inductor, one repeated block (decoder
 layer) at a time (passes/regions.py).
+
+Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads them:
+
+    key                   written by                  read by
+    rp_kind, rp_index     capture                     every pass; codegen (what a stage reads)
+    rp_name               capture                     codegen (fqn of params/buffers), plan text
+    rp_leaf_name          capture                     batch (input names in errors and legends)
+    rp_module_state       capture (dynamo backend)    batch (module attributes are never batched)
+    rp_requires_grad      capture                     codegen (which inputs get gradients)
+    rp_expr               capture                     describe_io (size symbol sources)
+    rp_loss (gm.meta)     normalize_loss              compile_graph (the LossScale), runner
+    rp_lm_head            lm_head                     plan text, cost, partition
+    rp_lm_head_part       lm_head                     plan text
+    rp_param_slice(_fqn)  lm_head, codegen            codegen (a stage uploads only its rows)
+    rp_cost               annotate_costs              cut_points, partition, plan rows
+    rp_size_estimates     cost (data-dependent sizes) cost, cut_points
+    rp_regions            regions                     regions (repeated blocks compiled once)
 """
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -26,75 +53,200 @@ from ..errors import CaptureError
 from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs
+from .cost import Hardware, annotate_costs, evaluate
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
+from .host_memory import host_memory
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 
-__all__ = ["compile_graph", "PlanningError"]
+__all__ = ["compile_graph", "CompileState", "PASSES", "PlanningError"]
 
 
-def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
-    """Run every pass over a Captured graph and return the Plan with its stages and programs."""
-    gm = clone_graph_module(cap.gm)
-    if loss_output is None:
-        loss_output = loss_leaf_index(cap.out_spec, len(cap.out_leaves)) if cap.out_spec is not None else None
-        if loss_output is not None:
-            kind, idx = cap.out_leaves[loss_output]
-            loss_output = idx if kind == "out" else None
-    if loss_output is None:
+@dataclass
+class CompileState:
+    """What the passes hand each other; each pass fills in its fields."""
+
+    captured: Any                      # capture.Captured
+    config: Any                        # Config
+    mode: str                          # "train" (loss only) or "call" (all outputs)
+    loss_output: Optional[int] = None  # index of the loss among the graph outputs (None: no loss)
+    gm: Optional[fx.GraphModule] = None
+    loss_scale: Any = None             # normalize_loss.LossScale
+    lm_head: Any = None
+    batch: Any = None                  # batch.BatchInfo
+    bindings: dict = field(default_factory=dict)
+    hardware: Any = None
+    liveness: Any = None
+    cuts: list = field(default_factory=list)
+    segments: Any = None
+    cut_bytes: Any = None
+    budget: Optional[int] = None
+    stage_plan: Any = None             # partition.StagePlan
+    stages: list = field(default_factory=list)
+    plan: Optional[Plan] = None
+
+
+def capture(st: CompileState) -> CompileState:
+    """A private copy of the captured graph; the loss output located in it."""
+    cap = st.captured
+    st.gm = clone_graph_module(cap.gm)
+    if st.loss_output is None:
+        loss = loss_leaf_index(cap.out_spec, len(cap.out_leaves)) if cap.out_spec is not None else None
+        if loss is not None:
+            kind, idx = cap.out_leaves[loss]
+            st.loss_output = idx if kind == "out" else None
+    if st.loss_output is None:
         # No output structure (a dynamo backend's flat outputs): a mean cross-entropy output
         # is the loss.
-        loss_output = next((i for i, v in enumerate(output_values(gm.graph))
-                            if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
-    if mode == "train":
-        if loss_output is None:
-            loss_output = _single_scalar_output(gm)
-        gm = keep_loss_output(gm, loss_output)
-        loss_output = 0
-    loss_scale = None
-    if loss_output is not None:
-        gm = normalize_loss(gm, loss_output)
-        loss_scale = gm.meta["rp_loss"]
-    lm_head = None
-    if mode == "train" and config.lm_head_shards != 0:
-        from .lm_head import split_lm_head
-        gm = split_lm_head(gm, num_shards=config.lm_head_shards)
-        lm_head = gm.meta.get("rp_lm_head")
-    gm = annotate_costs(gm)
+        st.loss_output = next((i for i, v in enumerate(output_values(st.gm.graph))
+                               if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
+    return st
 
-    batch = find_batch(gm, cap.batch_size, config.unbatched_inputs)
-    check_splittable(batch, config.num_microbatches)
-    hw = Hardware.h100() if config.on_gpu else Hardware.cpu()
-    micro = _planned_microbatch(batch, config)
-    bindings = _bindings(gm, batch, micro)
-    lv = liveness(gm)
-    cuts = legal_cuts(gm, lv, bindings)
-    segments, cut_bytes = segment_table(gm, lv, cuts, bindings, hw)
-    budget = _memory_budget(config)
+
+def keep_loss_output_pass(st: CompileState) -> CompileState:
+    if st.mode == "train":
+        if st.loss_output is None:
+            st.loss_output = _single_scalar_output(st.gm)
+        st.gm = keep_loss_output(st.gm, st.loss_output)
+        st.loss_output = 0
+    return st
+
+
+def normalize_loss_pass(st: CompileState) -> CompileState:
+    if st.loss_output is not None:
+        st.gm = normalize_loss(st.gm, st.loss_output)
+        st.loss_scale = st.gm.meta["rp_loss"]
+    return st
+
+
+def split_lm_head_pass(st: CompileState) -> CompileState:
+    if st.mode == "train" and st.config.lm_head_shards != 0:
+        from .lm_head import split_lm_head
+        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards)
+        st.lm_head = st.gm.meta.get("rp_lm_head")
+    return st
+
+
+def annotate_costs_pass(st: CompileState) -> CompileState:
+    st.gm = annotate_costs(st.gm)
+    return st
+
+
+def find_batch_pass(st: CompileState) -> CompileState:
+    st.batch = find_batch(st.gm, st.captured.batch_size, st.config.unbatched_inputs)
+    check_splittable(st.batch, st.config.num_microbatches)
+    st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.config))
+    return st
+
+
+def cut_points(st: CompileState) -> CompileState:
+    st.hardware = Hardware.h100() if st.config.on_gpu else Hardware.cpu()
+    st.liveness = liveness(st.gm)
+    st.cuts = legal_cuts(st.gm, st.liveness, st.bindings)
+    st.segments, st.cut_bytes = segment_table(st.gm, st.liveness, st.cuts, st.bindings, st.hardware)
+    return st
+
+
+def solve_stages_pass(st: CompileState) -> CompileState:
+    config, hw = st.config, st.hardware
+    st.budget = _memory_budget(config)
     try:
-        sp = solve_stages(segments, cut_bytes, num_devices=len(config.devices),
-                          num_microbatches=config.num_microbatches, memory_budget=budget,
-                          upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
-                          max_jobs=config.max_jobs)
+        st.stage_plan = solve_stages(st.segments, st.cut_bytes, num_devices=len(config.devices),
+                                     num_microbatches=config.num_microbatches, memory_budget=st.budget,
+                                     upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
+                                     max_jobs=config.max_jobs)
     except PlanningError as e:
         raise PlanningError(f"no stage plan fits: {e}", min_budget=e.min_budget, stage=e.stage) from None
-    jobs = [(kind, (cuts[i], cuts[j])) for kind, (i, j) in sp.jobs()]
-    stages = build_stages(gm, lv, jobs)
-    for st in stages:
-        roles = {"fwd": ["fwd"], "fused": ["fused", "fwd", "bwd"], "bwd": ["bwd"]}[st.kind]
-        st.programs = {role: build_program(st, role) for role in roles}
-    plan = Plan(mode=mode, gm=gm, captured=cap, stages=stages, stage_plan=sp, cuts=cuts, bindings=bindings,
-                num_devices=len(config.devices), num_microbatches=config.num_microbatches,
-                memory_budget=budget, loss_scale=loss_scale, lm_head=lm_head, batch=batch)
+    return st
+
+
+def build_stages_pass(st: CompileState) -> CompileState:
+    jobs = [(kind, (st.cuts[i], st.cuts[j])) for kind, (i, j) in st.stage_plan.jobs()]
+    st.stages = build_stages(st.gm, st.liveness, jobs)
+    return st
+
+
+def build_programs(st: CompileState) -> CompileState:
+    for stage in st.stages:
+        roles = {"fwd": ["fwd"], "fused": ["fused", "fwd", "bwd"], "bwd": ["bwd"]}[stage.kind]
+        stage.programs = {role: build_program(stage, role) for role in roles}
+    return st
+
+
+def describe_io(st: CompileState) -> CompileState:
+    config, gm = st.config, st.gm
+    plan = Plan(mode=st.mode, gm=gm, captured=st.captured, stages=st.stages, stage_plan=st.stage_plan,
+                cuts=st.cuts, bindings=st.bindings, num_devices=len(config.devices),
+                num_microbatches=config.num_microbatches, memory_budget=st.budget, loss_scale=st.loss_scale,
+                lm_head=st.lm_head, batch=st.batch)
     _describe_io(plan)
-    attach_row_checks(stages, batch, plan.sym_sources)
+    attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
                                    if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
                                    and any(is_impure(u) for u in n.users)})
-    return plan
+    st.plan = plan
+    return st
+
+
+def host_memory_pass(st: CompileState) -> CompileState:
+    st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode)
+    return st
+
+
+# The compiler: (name, pass, what to print of the state after it). Printers: "graph" is the
+# graph as Python; the others summarise the fields the pass filled in.
+PASSES = [
+    ("capture", capture, "graph"),
+    ("keep_loss_output", keep_loss_output_pass, "graph"),
+    ("normalize_loss", normalize_loss_pass, "graph"),
+    ("split_lm_head", split_lm_head_pass, "graph"),
+    ("annotate_costs", annotate_costs_pass, "costs"),
+    ("find_batch", find_batch_pass, "batch"),
+    ("cut_points", cut_points, "cuts"),
+    ("solve_stages", solve_stages_pass, "stage_plan"),
+    ("build_stages", build_stages_pass, "stages"),
+    ("build_programs", build_programs, "programs"),
+    ("describe_io", describe_io, "io"),
+    ("host_memory", host_memory_pass, "plan"),
+]
+
+
+def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
+    """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed."""
+    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output)
+    printed = []
+    for name, run, show in PASSES:
+        st = run(st)
+        printed.append((name, show, _printable(st, show)))
+    st.plan.passes = [(name, show, text) for name, show, text in printed]
+    return st.plan
+
+
+def _printable(st: CompileState, show: str) -> str:
+    """The state after a pass, as text (graphs as Python, with costs or stages in comments)."""
+    if show == "graph":
+        return st.gm.graph.python_code("self").src
+    if show == "costs":
+        lines = [f"# {n.name}: fwd {c.fwd_flops} FLOPs, bwd {c.bwd_flops} FLOPs, out {c.out_bytes} B"
+                 for n in st.gm.graph.nodes if (c := n.meta.get("rp_cost")) is not None]
+        return "\n".join(lines) + "\n\n" + st.gm.graph.python_code("self").src
+    if show == "batch":
+        return f"# {st.batch}\n# planning bindings: {st.bindings}\n"
+    if show == "cuts":
+        return f"# legal cut positions ({len(st.cuts)}): {st.cuts}\n"
+    if show == "stage_plan":
+        return f"# {st.stage_plan}\n"
+    if show == "stages":
+        return "\n\n".join(s.forward.print_readable(print_output=False) for s in st.stages)
+    if show == "programs":
+        return "\n\n".join(g.print_readable(print_output=False) for s in st.stages for g in s.programs.values())
+    if show == "io":
+        p = st.plan
+        return (f"# split leaves {sorted(p.split_leaves)}; size symbols {p.sym_sources}; outputs {p.graph_outputs} "
+                f"(batched {p.output_batched}); mutated buffers {p.mutated_buffers}\n")
+    return str(st.plan) + "\n"
 
 
 def _bindings(gm, batch, micro: int) -> dict:

@@ -16,6 +16,8 @@ a plan can be re-evaluated for a new batch size by substitution (:func:`evaluate
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 import warnings
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -24,8 +26,11 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import flop_counter as _fc
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .graph_utils import mutated_values
 
 __all__ = [
     "NodeCost",
@@ -52,8 +57,41 @@ EXTRA_FLOP_FORMULAS: dict[Any, Callable] = {
 }
 
 
+# Note [MoE FLOPs]: a mixture-of-experts layer multiplies each token by its top-k experts only.
+# Grouped matmuls (torch._grouped_mm, what F.grouped_mm and transformers' default "grouped_mm"
+# experts run) take all tokens x top-k rows sorted by expert, the experts' stacked weights and
+# the group offsets: their work is rows x in x out, however the rows fall into groups, which is
+# tokens x top-k x one expert's FLOPs. The registry has no formula for them (counted 0).
+# transformers runs its own loop of mm as a custom op (transformers::grouped_mm_fallback) for
+# fp32 weights under compile; it gets the same formula. MoE layers written as a loop over
+# experts with torch.where / nonzero have data-dependent sizes: see Note [data-dependent sizes].
+def _grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped matmul of a (rows, k) or (groups, m, k) by b (groups, k, n) or (k, n)."""
+    if len(a_shape) == 3 and len(b_shape) == 2:      # (g, m, k) x (k, n) split over n
+        return 2 * a_shape[1] * a_shape[2] * b_shape[-1]
+    numel = 1
+    for d in a_shape:
+        numel *= d
+    return 2 * numel * b_shape[-1]
+
+
+def _grouped_mm_backward_flop(a_shape, b_shape, offs_shape, grad_shape, *args, out_shape=None, **kwargs) -> int:
+    """transformers::grouped_mm_fallback_backward: the input and the weight gradients."""
+    return 2 * _grouped_mm_flop(a_shape, b_shape)
+
+
+def _register_grouped_mm() -> None:
+    EXTRA_FLOP_FORMULAS[aten._grouped_mm] = _grouped_mm_flop
+    ops = torch.ops.transformers   # registered when transformers' MoE integration is imported
+    for name, formula in (("grouped_mm_fallback", _grouped_mm_flop),
+                          ("grouped_mm_fallback_backward", _grouped_mm_backward_flop)):
+        if hasattr(ops, name):
+            EXTRA_FLOP_FORMULAS[getattr(ops, name)] = formula
+
+
 def flop_counter_mode() -> _fc.FlopCounterMode:
     """A silent FlopCounterMode with the registry plus :data:`EXTRA_FLOP_FORMULAS`."""
+    _register_grouped_mm()
     return _fc.FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS)
 
 
@@ -275,9 +313,56 @@ def _sig(v):
     return (type(v).__name__, repr(v))
 
 
+# Note [data-dependent sizes]: ops such as torch.where(mask), nonzero and boolean-mask
+# indexing make tensors whose size depends on the data (an unbacked symbol, u0). The classic
+# MoE layer loops over experts and picks each expert's tokens so: Σ_e u_e = tokens x top-k. The
+# plan needs a number for each u: the expected count of nonzero elements of the mask, followed
+# back through views and casts to a one-hot (one 1 per index: the routing's tokens x top-k
+# choices, spread over the experts the views slice it into) or else taken as half the mask.
+# Costs hold the estimates in place of the unbacked symbols (gm.meta["rp_size_estimates"]), and
+# no stage boundary hands over a value of data-dependent size (cut_points).
+_ONE_HOT = {torch._C._nn.one_hot, torch.nn.functional.one_hot}
+_CASTS = {"to", "bool", "int", "long", "float", "half", "bfloat16", "double", "type", "contiguous"}
+_NONZERO_FUNCTIONS = {torch.nonzero, torch.argwhere, torch.Tensor.nonzero, torch.Tensor.argwhere}
+
+
+def _nonzero_source(node: fx.Node):
+    """The mask whose nonzero elements set the size of `node`'s output, if it is such an op."""
+    if node.op == "call_function":
+        if node.target is torch.where and len(node.args) == 1 and not node.kwargs:
+            return node.args[0]
+        if node.target in _NONZERO_FUNCTIONS or node.target in (aten.nonzero.default, aten.nonzero):
+            return node.args[0]
+        if node.target in (torch.masked_select, torch.Tensor.masked_select):
+            return node.args[1]
+        if node.target in (operator.getitem, torch.Tensor.__getitem__):
+            idx = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
+            masks = [i for i in idx if isinstance(i, fx.Node) and isinstance(_ev(i), torch.Tensor)
+                     and _ev(i).dtype == torch.bool]
+            return masks[0] if masks else None
+    if node.op == "call_method" and node.target in ("nonzero", "argwhere"):
+        return node.args[0]
+    if node.op == "call_method" and node.target == "masked_select":
+        return node.args[1]
+    return None
+
+
+def _numel(t) -> sympy.Expr:
+    n = sympy.Integer(1)
+    if isinstance(t, torch.Tensor):
+        for s in t.shape:
+            n = n * _expr(s)
+    return n
+
+
+def _rough_size(expr) -> float:
+    """A rough size of an expression for comparisons: every symbol taken as 64."""
+    expr = sympy.sympify(expr)
+    return float(expr.xreplace({s: 64 for s in expr.free_symbols}))
+
+
 def _in_place(node: fx.Node) -> bool:
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    return bool(mutated_values(node))
 
 
 class _Annotator:
@@ -292,6 +377,7 @@ class _Annotator:
         # Costs are for training: grad mode starts on, whatever mode the capture ran under.
         self.grad_enabled = True
         self.autocast: tuple = ()  # args of the enclosing _enter_autocast nodes
+        self.estimates: dict = {}  # unbacked size symbol -> expected value (Note [data-dependent sizes])
 
     # -- per node ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -312,7 +398,48 @@ class _Annotator:
                 self.autocast = self.autocast + (tuple(node.args),)
             elif node.target is _EXIT_AUTOCAST:
                 self.autocast = self.autocast[:-1]
-            node.meta["rp_cost"] = self.cost(node, flat_out)
+            self._estimate_new_sizes(node, flat_out)
+            node.meta["rp_cost"] = self._substitute(self.cost(node, flat_out))
+        self.gm.meta["rp_size_estimates"] = dict(self.estimates)
+
+    # -- data-dependent sizes (Note [data-dependent sizes]) ---------------------------------
+    def _estimate_new_sizes(self, node, flat_out) -> None:
+        new = set()
+        for v in flat_out:
+            for s in (v.shape if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else []):
+                new |= {u for u in free_unbacked_symbols(s) if u not in self.estimates}
+        if not new:
+            return
+        source = _nonzero_source(node)
+        if source is not None:
+            est = self._nnz(source, 0)
+        else:
+            sizes = [_numel(_ev(a)) for a in node.all_input_nodes if isinstance(_ev(a), torch.Tensor)]
+            est = max(sizes, key=lambda e: _rough_size(e), default=sympy.Integer(1)) / 2
+        for u in new:
+            self.estimates[u] = sympy.sympify(est)
+
+    def _nnz(self, node: fx.Node, depth: int) -> sympy.Expr:
+        """Expected count of nonzero elements of `node`'s value."""
+        ev = _ev(node)
+        numel = _numel(ev)
+        if depth > 16 or not isinstance(ev, torch.Tensor):
+            return numel / 2
+        if node.op == "call_function" and node.target in _ONE_HOT:
+            return _numel(_ev(node.args[0]))           # one 1 per index
+        cost = node.meta.get("rp_cost")
+        srcs = [a for a in node.all_input_nodes if isinstance(_ev(a), torch.Tensor)]
+        keeps = cost is not None and cost.is_view or (node.op == "call_method" and node.target in _CASTS)
+        if keeps and srcs:   # a view or a cast: the same density as its source
+            return self._nnz(srcs[0], depth + 1) * numel / _numel(_ev(srcs[0]))
+        return numel / 2
+
+    def _substitute(self, cost: NodeCost) -> NodeCost:
+        if not self.estimates:
+            return cost
+        subs = {f: getattr(cost, f).xreplace(self.estimates)
+                for f in ("fwd_flops", "bwd_flops", "param_bytes", "out_bytes", "saved_bytes")}
+        return dataclasses.replace(cost, **subs)
 
     def cost(self, node, flat_out) -> NodeCost:
         out_tensors = [v for v in flat_out if isinstance(v, torch.Tensor)]

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .cost import Hardware, NodeCost, evaluate, node_seconds
+from .graph_utils import mutated_values
 from .partition import Segment
 
 # A gap whose live activations are at most this many times the median gap's is a cut.
@@ -73,12 +75,16 @@ def liveness(gm: fx.GraphModule) -> Liveness:
 def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
     """Positions where a stage may end: 0, L and the gaps whose live bytes are near the minimum."""
     L = len(lv.body)
-    live_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes) for nodes in lv.live]
+    # A value of data-dependent size (Note [data-dependent sizes]) is never handed between stages.
+    blocked = _mutation_spans(lv) | {p for p in range(L + 1) if any(_data_dependent(n) for n in lv.live[p])}
+    live_bytes = [0 if p in blocked else sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes)
+                  for p, nodes in enumerate(lv.live)]
     interior = [b for b in live_bytes[1:L] if b > 0]
     if not interior:
         return [0, L]
     limit = CUT_SLACK * sorted(interior)[len(interior) // 2]
-    cuts = [p for p in range(1, L) if 0 < live_bytes[p] <= limit and len(lv.live[p]) <= MAX_LIVE]
+    cuts = [p for p in range(1, L) if 0 < live_bytes[p] <= limit and len(lv.live[p]) <= MAX_LIVE
+            and p not in blocked]
     # Of two neighbouring cuts with only a free node (view, cast) between them keep the later:
     # the pieces between cuts stay few without losing any choice worth having.
     thinned = []
@@ -88,6 +94,36 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
         else:
             thinned.append(p)
     return [0] + thinned + [L]
+
+
+def _mutation_spans(lv: Liveness) -> set:
+    """Positions that would separate an in-place update (`x[i] = v`, `x.add_(y)`) from the
+    value it writes into, or from a value that value is a view of: the next stage would update
+    its own copy, and the stages holding the other copy would never see the update."""
+    blocked = set()
+    for q, node in enumerate(lv.body):
+        for target in mutated_values(node):
+            for alias in _view_bases(target):
+                i = lv.index.get(alias)
+                if i is not None:
+                    blocked.update(range(i + 1, q + 1))
+    return blocked
+
+
+def _data_dependent(node: fx.Node) -> bool:
+    """The node's value has a size that depends on the data (an unbacked symbol)."""
+    return bool(free_unbacked_symbols(node.meta.get("example_value")))
+
+
+def _view_bases(node: fx.Node) -> list:
+    """node and the values it is a view of (through ops the cost pass marked as views)."""
+    chain = [node]
+    while True:
+        cost = chain[-1].meta.get("rp_cost")
+        srcs = [a for a in chain[-1].all_input_nodes if isinstance(a.meta.get("example_value"), torch.Tensor)]
+        if cost is None or not cost.is_view or not srcs:
+            return chain
+        chain.append(srcs[0])
 
 
 def _is_free(node: fx.Node, bindings) -> bool:

@@ -3,6 +3,7 @@ cross-entropy arguments."""
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 import torch.fx as fx
@@ -26,10 +27,33 @@ def bind_cross_entropy(node: fx.Node):
     return dict(bound.arguments)
 
 
+_SETITEM = {operator.setitem, torch.Tensor.__setitem__}
+
+
+def mutated_values(node: fx.Node) -> list:
+    """The graph values an in-place node writes into: x of `x[i] = v` (operator.setitem),
+    `x.add_(y)`, `torch.Tensor.add_(x, y)`, a mutable aten op's first argument, or an `out=`."""
+    targets = []
+    if node.op == "call_function" and node.target in _SETITEM:
+        targets.append(node.args[0])
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        if node.target._schema.is_mutable and node.args:
+            targets.append(node.args[0])
+    elif node.op in ("call_method", "call_function") and node.args:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+            targets.append(node.args[0])
+    if node.op in ("call_method", "call_function"):
+        targets.append(node.kwargs.get("out"))
+    return [t for t in torch.utils._pytree.tree_leaves(targets) if isinstance(t, fx.Node)]
+
+
 def is_impure(node: fx.Node) -> bool:
     """True for nodes that must run even when nothing reads their value (in-place updates)."""
     if node.op in ("placeholder", "output"):
         return True
+    if node.op == "call_function" and node.target in _SETITEM:
+        return True   # x[i] = v: its value is None, its effect is on x (MoE layers invert a permutation so)
     if node.op == "call_method":
         name = node.target
         return name.endswith("_") and not name.endswith("__")

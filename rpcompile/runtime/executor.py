@@ -1,16 +1,21 @@
 """The dispatcher: one worker thread per device runs the stage jobs handed to it, in order.
 
-Stage job k of a step runs on device (offset + k) mod N; the offset carries on across steps,
-so the device that ran the last job of a step is not the one that starts the next.
+What runs where is decided before the run, as data (runtime/schedule.py): stage job k of a
+step runs on device (offset + k) mod N, the offset carrying on across steps, so the device
+that ran the last job of a step is not the one that starts the next. The executor keeps the
+offset and executes schedules.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import weakref
+from typing import Optional
 
+from ..errors import StageError
 from .device import DeviceRuntime
 from .job import JobLinks, StepState, run_job
+from .schedule import Schedule
 
 
 class _Worker:
@@ -59,45 +64,51 @@ class Executor:
         # Worker threads end when the compiled model (and with it this executor) goes away.
         weakref.finalize(self, _stop, list(self.workers), list(self.devices))
         self.offset = 0
-        self.placements: list = []   # (job index, stage index, role, device index) of the last run
+        self.last_schedule: Optional[Schedule] = None   # the schedule of the last run
 
     def next_device(self) -> DeviceRuntime:
         """The device the next run's first job goes to."""
         return self.workers[self.offset % len(self.workers)].dev
 
-    def run(self, step: StepState, jobs: list, programs_for) -> None:
-        """Run [(job index, stage, role), ...] as a chain; raise the first failure here."""
-        n = len(self.workers)
-        step.done_events.update({j: [threading.Event() for _ in step.micro] for j, _, _ in jobs})
+    def run(self, step: StepState, schedule: Schedule, programs_for) -> None:
+        """Run a schedule (runtime/schedule.py): each action on its worker; raise the first
+        failure here, a StageError with the schedule's line, the failing job marked."""
+        if schedule.num_devices != len(self.workers):
+            raise ValueError(f"a schedule for {schedule.num_devices} devices given to an executor of "
+                             f"{len(self.workers)}")
+        actions = schedule.actions
+        step.done_events.update({a.job: [threading.Event() for _ in step.micro] for a in actions})
         for w in self.workers:
             w.dev.prefetched.clear()
         if step.first_upload is not None:   # started before the step, for its first job
             dev, future = step.first_upload
-            dev.prefetched[(id(step), jobs[0][0])] = future
+            dev.prefetched[(id(step), actions[0].job)] = future
         # Every program exists before any job is handed out: a failure here must not leave
         # workers waiting on jobs that were never queued.
-        devices = [(self.offset + k) % n for k in range(len(jobs))]
-        programs = [programs_for(stage, role, self.workers[d].dev.device) for (_, stage, role), d in zip(jobs, devices)]
+        programs = [programs_for(schedule.stage(a.job), a.role, self.workers[a.device].dev.device) for a in actions]
+        self.last_schedule = schedule
         finished = []
-        self.placements = []
-        prev = None
-        reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
-        for k, (j, stage, role) in enumerate(jobs):
-            d = devices[k]
-            worker = self.workers[d]
-            program = programs[k]
-            links = JobLinks(next_on_device=(jobs[k + n][0], jobs[k + n][1]) if k + n < len(jobs) else None,
-                             next_dev=self.workers[devices[k + 1]].dev if k + 1 < len(jobs) else None,
-                             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
-                             later_reads=frozenset().union(*reads[k + 2:]))
+        for a, program in zip(actions, programs):
+            worker = self.workers[a.device]
+            links = JobLinks(next_on_device=(None if a.next_on_device is None
+                                             else (a.next_on_device, schedule.stage(a.next_on_device))),
+                             next_dev=None if a.next_device is None else self.workers[a.next_device].dev,
+                             next_reads=a.next_reads, later_reads=a.later_reads)
             ev = threading.Event()
-            worker.jobs.put((lambda j=j, prev=prev, stage=stage, role=role, w=worker, p=program, links=links:
-                             run_job(step, j, prev, stage, role, w.dev, p, links), ev))
+            worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
+                             run_job(step, a.job, a.prev_job, stage, a.role, w.dev, p, links), ev))
             finished.append(ev)
-            self.placements.append((j, stage.index, role, d))
-            prev = j
-        self.offset = (self.offset + len(jobs)) % n
+        self.offset = schedule.next_offset
         for ev in finished:
             ev.wait()
-        if step.error is not None:
-            raise step.error
+        err = step.error
+        if isinstance(err, StageError) and err.schedule is None:
+            err = err.with_schedule(schedule.render(failed=err.job))
+        if err is not None:
+            raise err
+
+    @property
+    def placements(self) -> list:
+        """(job index, stage index, role, device index) of every job of the last run."""
+        s = self.last_schedule
+        return [] if s is None else [(a.job, a.stage, a.role, a.device) for a in s.actions]

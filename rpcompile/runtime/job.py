@@ -72,7 +72,8 @@ class StepState:
 
 @dataclass
 class JobLinks:
-    """What a job knows of its neighbours in the chain (for prefetch and peer transfers)."""
+    """What a job knows of its neighbours in the chain (for prefetch and peer transfers): its
+    schedule action's links (runtime/schedule.py), resolved to a stage and a device."""
 
     next_on_device: Any = None        # (job index, stage) this device runs next: its weights are prefetched
     next_dev: Any = None              # DeviceRuntime of the next job in the chain
@@ -301,7 +302,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     except BaseException as exc:  # reported in the caller's thread by the executor
         mb = ctx.microbatch if ctx is not None else None
         err = StageError(f"stage {stage.index} ({role}) on {dev.device}, microbatch {mb}: {type(exc).__name__}: {exc}",
-                         stage=stage.index, microbatch=mb, device=str(dev.device))
+                         stage=stage.index, microbatch=mb, device=str(dev.device), job=job_index)
         err.__cause__ = exc
         step.fail(err)
     finally:

@@ -1,0 +1,185 @@
+"""The optimizer modes, each in one place: how a step starts (which weights its jobs read) and
+what happens to its gradients when its jobs have ended.
+
+- ExactMode: gradients are added into `param.grad`; the user steps the optimizer.
+- OverlappedMode: the attached optimizer steps in a host thread (Note [overlapped optimizer]);
+  the next step's jobs wait only for the parameters they read. Results equal exact mode.
+- DelayedMode: the next step does not wait at all (Note [delayed optimizer]): step t reads the
+  copies optimizer step t - 2 wrote, one step of delay as RoundPipe's asynchronous step.
+
+The runner calls `mode.start(runner, plan, micro)` for a step's state and, once its jobs have
+ended, `mode.finish(runner, plan, step)`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .weights import DelayedWeights
+
+
+def _as(t, dtype):
+    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _param_index(key) -> int:
+    """The parameter a gradient key names: an index, or (index, start, stop) for rows of it."""
+    return key[0] if isinstance(key, tuple) else key
+
+
+def grad_indices(job_grads: dict) -> set:
+    """Indices of the parameters a step's jobs made gradients for (without waiting for them)."""
+    return {_param_index(key) for grads in job_grads.values() for key in grads}
+
+
+def use_order(plan) -> list:
+    """Parameter indices in the order the forward reads them (stage order, then graph order)."""
+    order, seen = [], set()
+    for st in plan.stages:
+        for i in list(st.params) + [key[0] for key in st.param_slices.values()]:
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+    return order
+
+
+def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
+    """Host gradient per parameter index from {job: {key: download}}, summed over the jobs (a
+    job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
+
+    One wait per job: a job's downloads run in order on one stream, so the last one's
+    completion covers the rest (Note [few calls per step]). A whole-parameter gradient is
+    taken first and rows are added into it in place (it is this step's own download); a
+    parameter with rows only is summed into a buffer of `reuse` (kept across steps by the
+    optimizer thread, which is done with it before the next step's sum) or a new one."""
+    from .device import Pending, resolve
+    for grads in job_grads.values():
+        resolve(list(grads.values())[-1:])
+    entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
+               for key, g in job_grads[j].items()]
+    totals = {}
+    for key, g in entries:
+        if not isinstance(key, tuple):
+            totals[key] = g if key not in totals else totals[key] + g
+    for key, g in entries:
+        if isinstance(key, tuple):
+            i, start, stop = key
+            if i not in totals:
+                buf = None if reuse is None else reuse.get(i)
+                if buf is None or buf.shape != params[i].shape or buf.dtype != g.dtype:
+                    buf = torch.empty(params[i].shape, dtype=g.dtype)
+                    if reuse is not None:
+                        reuse[i] = buf
+                totals[i] = buf.zero_()
+            totals[i][start:stop] += g
+    return totals
+
+
+class ExactMode:
+    """Gradients land in `param.grad` (fp32 on the host) when train_step returns."""
+
+    optimizer = None
+
+    def start(self, runner, plan, micro):
+        return runner.new_step(plan, micro)
+
+    def finish(self, runner, plan, step):
+        with torch.no_grad():
+            for i, g in sum_param_grads(step.param_grads, step.params).items():
+                p = plan.captured.params[i]
+                g = _as(g, p.dtype)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
+
+class OverlappedMode:
+    """The attached optimizer (runtime/optimizer.py) steps each step's gradients in its thread."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._grad_buffers: dict = {}      # param index -> buffer the optimizer thread sums rows into
+
+    def start(self, runner, plan, micro):
+        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
+
+    def _submission(self, plan, step):
+        """(parameter indices in use order, grads()) of a finished step. The optimizer thread
+        waits for the gradients' downloads, not train_step: the next step's jobs start while
+        the last job's gradients still come down. It holds the gradients only, never the step
+        (whose activations are freed for the next step)."""
+        params, job_grads, reuse = plan.captured.params, step.param_grads, self._grad_buffers
+        have = grad_indices(job_grads)
+        order = [i for i in use_order(plan) if i in have]
+
+        def grads():
+            totals = sum_param_grads(job_grads, params, reuse)
+            return [_as(totals[i], params[i].dtype) for i in order]
+        return order, grads
+
+    def finish(self, runner, plan, step):
+        order, grads = self._submission(plan, step)
+        params = plan.captured.params
+        self.optimizer.submit([params[i] for i in order], grads, runner.pinned_refresh(step.dtype))
+
+
+class DelayedMode(OverlappedMode):
+    """Note [delayed optimizer]: step t reads copy t % 2 (DelayedWeights), which optimizer step
+    t - 2 wrote; the optimizer writes step t's result into copy t % 2 for step t + 2."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer)
+        self.copies = None            # DelayedWeights, made at the first step
+        self.steps = 0                # train steps since the optimizer was attached
+        self.next_upload = None       # (plan, device, key): the next step's first job's weights, going up
+
+    def _copies(self, runner, plan) -> DelayedWeights:
+        """The two copies, made from the parameters as they are when the first step (or a step
+        with parameters the copies lack) starts."""
+        params = plan.captured.params
+        if self.copies is None or not self.copies.covers(params):
+            self.optimizer.synchronize()
+            self.copies = DelayedWeights(params, runner.working_dtype(plan), pin=runner.config.on_gpu)
+        return self.copies
+
+    def start(self, runner, plan, micro):
+        t = self.steps
+        pending, self.next_upload = self.next_upload, None
+        self.optimizer.wait_completed(t - 1)
+        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
+        if pending is not None:   # the upload finish() started, if it is for this step's first job
+            was_plan, dev, key = pending
+            future = dev.prefetched.pop(key, None)
+            if (future is not None and was_plan is plan and key == ("next step", t)
+                    and dev is runner.executor.next_device()):
+                step.first_upload = (dev, future)
+        return step
+
+    def finish(self, runner, plan, step):
+        order, grads = self._submission(plan, step)
+        params = plan.captured.params
+        have = set(order)
+        slot = self.steps % 2
+        copies = self.copies
+        others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
+        # nothing waits for single parameters: one optimizer step, not chunks
+        self.optimizer.submit([params[i] for i in order], grads, lambda ps: copies.write_many(ps, slot), others,
+                              chunks=1)
+        self.steps += 1
+        self._upload_first_job(runner, plan, self.steps)
+
+    def _upload_first_job(self, runner, plan, t):
+        """Step t's first job reads copy t % 2, final once optimizer step t - 2 is done, so its
+        weights go up now (the uploader waits for that step), while the host ends step t - 1,
+        rather than when step t starts."""
+        dev = runner.executor.next_device()
+        params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
+        opt, key = self.optimizer, ("next step", t)
+        dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
+                     before=lambda: opt.wait_completed(t - 1, raise_errors=False))
+        self.next_upload = (plan, dev, key)
+
+
+def mode_for(config, optimizer):
+    """The mode of Config.optimizer_mode, with an attached OverlappedOptimizer (or None)."""
+    if config.optimizer_mode == "exact" or optimizer is None:
+        return ExactMode()
+    return DelayedMode(optimizer) if config.optimizer_mode == "delayed" else OverlappedMode(optimizer)

@@ -1,0 +1,85 @@
+"""The schedule of a run as data: job actions (stage, role, device), built before anything runs.
+
+A run's jobs form a chain: job k reads what jobs before it wrote and runs on worker
+(offset + k) mod N, the offset carrying on across runs. `build_schedule` places the jobs and
+works out what each needs to know of its neighbours (the job it waits for, the job its device
+runs next, whose weights it prefetches, the device the next job runs on, the values the next
+and later jobs read, for peer transfers); the executor only hands the actions to the workers.
+
+    str(schedule)               0F@0 1F@1 2FB@0 3B@1     (stage, role F / FB fused / B, @ worker)
+    schedule.render(failed=2)   0F@0 1F@1 [2FB@0 failed] 3B@1
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+ROLE_LETTERS = {"fwd": "F", "fused": "FB", "bwd": "B"}
+
+
+@dataclass(frozen=True)
+class JobAction:
+    """One stage job of a run: which job, which stage in which role, on which worker, and its links."""
+
+    job: int                               # job index (the key of the job's done events and gradients)
+    stage: int                             # stage index
+    role: str                              # "fwd", "fused" or "bwd"
+    device: int                            # worker index
+    prev_job: Optional[int] = None         # the job whose microbatches this one waits for
+    next_on_device: Optional[int] = None   # the job this worker runs next: its weights are prefetched during this one
+    next_device: Optional[int] = None      # worker of the next job in the chain
+    # Names the next job reads, and names any job after the next one reads (out of the repr:
+    # they list every parameter and activation a stage takes).
+    next_reads: frozenset = field(default=frozenset(), repr=False)
+    later_reads: frozenset = field(default=frozenset(), repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{ROLE_LETTERS.get(self.role, self.role)}@{self.device}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The actions of one run, in chain order, and where the rotation stood when it started."""
+
+    actions: tuple
+    num_devices: int
+    offset: int                                                   # worker of the first job
+    stages: dict = field(default_factory=dict, repr=False, compare=False)   # job index -> Stage
+
+    @property
+    def next_offset(self) -> int:
+        """The worker the first job of the next run goes to."""
+        return (self.offset + len(self.actions)) % self.num_devices
+
+    def stage(self, job: int) -> Any:
+        """The Stage object of a job."""
+        return self.stages[job]
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self, failed: Optional[int] = None) -> str:
+        """The actions on one line; the job `failed` (a job index) marked."""
+        return " ".join(f"[{a} failed]" if a.job == failed else str(a) for a in self.actions)
+
+
+def build_schedule(jobs, num_devices: int, offset: int = 0) -> Schedule:
+    """The schedule of a chain of jobs [(job index, stage, role), ...] over `num_devices`
+    workers, its first job on worker `offset` (mod num_devices). Pure: runs nothing.
+    A stage needs `.index` and `.inputs` (the names it reads)."""
+    if num_devices < 1:
+        raise ValueError(f"a schedule needs at least one device, got {num_devices}")
+    jobs = list(jobs)
+    devices = [(offset + k) % num_devices for k in range(len(jobs))]
+    reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
+    actions = []
+    for k, (job, stage, role) in enumerate(jobs):
+        same = next((i for i in range(k + 1, len(jobs)) if devices[i] == devices[k]), None)
+        actions.append(JobAction(
+            job=job, stage=stage.index, role=role, device=devices[k],
+            prev_job=jobs[k - 1][0] if k > 0 else None,
+            next_on_device=jobs[same][0] if same is not None else None,
+            next_device=devices[k + 1] if k + 1 < len(jobs) else None,
+            next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
+            later_reads=frozenset().union(*reads[k + 2:])))
+    return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})

@@ -1,0 +1,185 @@
+"""Capture: what stops plain fullgraph dynamo must not stop rpcompile where it need not (log calls,
+warnings, print), the copies the model is traced on behave like the device that runs it, and a
+capture error says where it stopped and what to change."""
+import logging
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rpcompile
+from rpcompile.capture import capture_call
+
+from parity import train_both
+
+log = logging.getLogger("test_capture")
+
+
+class Chatty(nn.Module):
+    """Logs, warns and prints in forward, as library code does (transformers' loss_function logs
+    with logger.warning_once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x, y):
+        log.warning("forward of %s", type(self).__name__)
+        logging.info("module-level logging")
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        warnings.warn("a warning inside forward", UserWarning)
+        print("print inside forward", x.shape)
+        return F.mse_loss(x, y)
+
+
+def test_log_calls_warnings_and_print_do_not_stop_capture():
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(5, 8, generator=g), "y": torch.randn(5, 8, generator=g)} for _ in range(3)]
+
+    def eager(m, b):
+        loss = m(**b)
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_both(Chatty(), batches, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3),
+                   eager_step=eager)
+
+
+def test_plain_fullgraph_dynamo_stops_at_the_same_log_call():
+    """The case above is one plain torch.compile(fullgraph=True) cannot capture (so the test
+    above tests something): dynamo's default is a graph break at a Logger method."""
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="[Ll]ogg"):
+        torch.compile(Chatty(), fullgraph=True, backend="eager")(torch.randn(2, 8), torch.randn(2, 8))
+
+
+def test_gpt2_logging_loss_function_captures():
+    """GPT-2's loss goes through transformers' loss_function, which calls logger.warning_once."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=16,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    ids = torch.randint(0, 64, (3, 8))
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    loss = cm.train_step(input_ids=ids, labels=ids)
+    assert torch.allclose(loss, model(input_ids=ids, labels=ids).loss, rtol=1e-5)
+
+
+class DeviceBranch(nn.Module):
+    """Takes a different path on CPU than elsewhere, as transformers' MoE layers do (histc has no
+    CPU kernel for integers, so they count tokens per expert in float on CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, ids):
+        h = self.lin(x)
+        dtype = torch.float32 if h.device.type == "cpu" else torch.int32
+        counts = torch.histc(ids.to(dtype), bins=4, min=0, max=3)
+        return (h.sum(-1) * counts.sum()).mean()
+
+
+def test_copies_report_the_device_that_runs_the_stages():
+    x, ids = torch.randn(3, 4), torch.randint(0, 4, (3,))
+    cap = capture_call(DeviceBranch(), (x, ids), {}, dtype=None, device="cpu")
+    casts = [n for n in cap.gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert casts and casts[0].args[1] == torch.float32
+    assert cap.capture_device == torch.device("cpu") and cap.on_copies
+    cm = rpcompile.compile(DeviceBranch(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3))
+    ids = torch.randint(0, 4, (5,))
+    x = torch.randn(5, 4)
+    cm.train_step(x, ids)      # the CPU has no histc for int32: this fails if traced on another device
+
+
+def test_capture_keeps_no_parameter_memory():
+    """The copies are fake: capturing does not allocate the model's parameters again."""
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    cap = capture_call(model, (torch.randn(2, 256),), {}, dtype=torch.bfloat16, device="cpu")
+    evs = [n.meta["example_value"] for n in cap.placeholders() if n.meta.get("rp_kind") == "param"]
+    from torch._subclasses.fake_tensor import is_fake
+    assert len(evs) == 8 and all(is_fake(e) and e.dtype == torch.bfloat16 for e in evs)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+
+
+class ListIndex(nn.Module):
+    """Falcon's rotary code indexes with a Python list (x[..., [-2], :])."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.lin(x).view(x.shape[0], 2, 4)
+        h = h[..., [-2], :].expand(-1, 2, -1).reshape(x.shape[0], 8)
+        return F.mse_loss(h, y)
+
+
+def test_list_indexing_captures():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    cm = rpcompile.compile(ListIndex(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    model = cm.model
+    assert torch.allclose(cm.train_step(x, y), model(x, y), rtol=1e-5)
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+class BranchOnValues(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum().item() > 0:      # data-dependent Python branch
+            h = h * 2
+        return h.sum()
+
+
+def test_error_in_user_code_names_the_line():
+    cm = rpcompile.compile(BranchOnValues())
+    with pytest.raises(rpcompile.CaptureError) as e:
+        cm.train_step(torch.randn(3, 4))
+    msg = str(e.value)
+    line = BranchOnValues.forward.__code__.co_firstlineno + 2
+    assert f"It stopped in your code, at {__file__}:{line} in forward()" in msg
+    assert "if h.sum().item() > 0" in msg.splitlines()[-1]
+    assert "Change that line" in msg and "inside" not in msg.splitlines()[-1]
+
+
+def test_error_in_a_library_says_so_and_names_the_callers_line(tmp_path, monkeypatch):
+    lib = tmp_path / "site-packages" / "somelib"
+    lib.mkdir(parents=True)
+    (lib / "__init__.py").write_text(textwrap.dedent("""
+        def helper(h):
+            if h.sum().item() > 0:
+                return h * 2
+            return h
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    import somelib
+
+    class UsesLib(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return somelib.helper(self.lin(x)).sum()
+
+    cm = rpcompile.compile(UsesLib())
+    with pytest.raises(rpcompile.CaptureError) as e:
+        cm.train_step(torch.randn(3, 4))
+    hint = str(e.value).splitlines()[-1]
+    sys.modules.pop("somelib", None)
+    assert f"It stopped inside somelib, not in your code, at {lib / '__init__.py'}:3 in helper()" in hint
+    assert f"reached from your code at {__file__}:" in hint and "somelib.helper(self.lin(x))" in hint
+    assert "fullgraph=True" in hint and "report" in hint

@@ -1,0 +1,354 @@
+"""The model zoo: tiny models of many families, built from configs (no downloads), each with a
+batch maker and the eager step its rpcompile training is compared with.
+
+Every entry is a `Case`: `build()` makes the model (seeded), `batch(seed)` one batch of 5 rows
+(uneven over 2, 3 or 4 microbatches), `eager(model, batch, M)` runs eager forward + backward
+and returns the loss, `call(cm, batch)` runs rpcompile. Dropout is off (its masks come from
+rpcompile's own streams, so they cannot equal eager's); everything else is as the family has it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH, SEQ, VOCAB = 5, 8, 64
+
+
+@dataclass
+class Case:
+    name: str
+    build: Callable
+    batch: Callable
+    eager: Optional[Callable] = None          # eager(model, batch, M) -> loss (backward done)
+    call: Optional[Callable] = None           # call(cm, batch) -> loss
+    loss_fn: Optional[Callable] = None        # Config(loss_fn=...)
+
+
+def _hf_eager(model, batch, M):
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def lm_batch(seed, vocab=VOCAB, seq=SEQ):
+    """input_ids and labels, with ignored labels spread unevenly over the rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, seq), generator=g)
+    labels = ids.clone()
+    labels[0, : seq - 2] = -100
+    labels[3, 1:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def mlm_batch(seed, vocab=VOCAB, seq=SEQ):
+    """Masked LM: about a third of the positions are predicted, padding at the end of some rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (BATCH, seq), generator=g)
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[1, -3:] = 0
+    mask[4, -1:] = 0
+    picked = (torch.rand(BATCH, seq, generator=g) < 0.35) & mask.bool()
+    picked[0, 0] = True
+    labels = torch.where(picked, ids, torch.full_like(ids, -100))
+    ids = torch.where(picked, torch.zeros_like(ids), ids)         # 0: the [MASK] of this vocabulary
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def seq2seq_batch(seed, vocab=VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (BATCH, SEQ), generator=g)
+    labels = torch.randint(2, vocab, (BATCH, 6), generator=g)
+    labels[2, 4:] = -100
+    labels[4, 1:] = -100
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def image_batch(seed, size=8, classes=3):
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(BATCH, 3, size, size, generator=g),
+            "labels": torch.randint(0, classes, (BATCH,), generator=g)}
+
+
+def _seeded(fn):
+    def build():
+        torch.manual_seed(0)
+        return fn()
+    return build
+
+
+# --- transformers families ---------------------------------------------------------------------
+
+def gpt2():
+    """Tied head, learned positions, biases, Conv1D projections; the loss logs (warning_once)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def mistral():
+    """Untied head, GQA, sliding-window attention (window 4 < sequence 8)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=8, max_position_embeddings=32, sliding_window=4,
+                                            tie_word_embeddings=False))
+
+
+def qwen2():
+    """Tied head, GQA, biases on q/k/v."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=32, tie_word_embeddings=True))
+
+
+def gpt_neox():
+    """Parallel attention and MLP (one residual), fused qkv with biases, partial rotary."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                                            use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5}))
+
+
+def falcon():
+    """Parallel attention and MLP, multi-query attention; its rotary code indexes with lists."""
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0))
+
+
+def gemma():
+    """Tied head, GeGLU MLP, (1 + w) RMSNorm, embeddings scaled by sqrt(hidden)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                                        head_dim=8, max_position_embeddings=32))
+
+
+def bert():
+    """Encoder-only masked LM; its loss is a CrossEntropyLoss() module; padding mask."""
+    from transformers import BertConfig, BertForMaskedLM
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32,
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def t5():
+    """Encoder-decoder, relative position buckets, CrossEntropyLoss(ignore_index=-100) module."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                               num_decoder_layers=1, num_heads=4, dropout_rate=0.0,
+                                               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+
+
+def bart():
+    """Encoder-decoder with learned positions, labels shifted into decoder inputs."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    return BartForConditionalGeneration(BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                                   encoder_attention_heads=4, decoder_attention_heads=4,
+                                                   encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+                                                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                                   pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                                   decoder_start_token_id=2))
+
+
+def vit():
+    """Vision transformer: patch embedding (conv), CLS token, classification loss."""
+    from transformers import ViTConfig, ViTForImageClassification
+    return ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=64, image_size=8, patch_size=4, num_labels=3,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def resnet():
+    """CNN with BatchNorm (running statistics are buffers updated once per microbatch)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+    return ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                                     layer_type="basic", num_labels=3))
+
+
+def qwen3_moe():
+    """Mixture of experts: softmax router, top-2 of 4 experts, grouped matmuls over sorted tokens."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                              moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              max_position_embeddings=32))
+
+
+def qwen2_moe():
+    """Mixture of experts with a shared expert behind a sigmoid gate, top-2 of 4 unnormalised."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                              moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
+                                              max_position_embeddings=32))
+
+
+def batchnorm_eager(model, batch, M):
+    """Eager gradient accumulation over the same microbatches: BatchNorm normalises each
+    microbatch by its own statistics, as a pipelined step does."""
+    n = batch["labels"].shape[0]
+    total = 0.0
+    for part in zip(*(torch.tensor_split(v, M) for v in batch.values())):
+        mb = dict(zip(batch.keys(), part))
+        loss = model(**mb).loss * (mb["labels"].shape[0] / n)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+# --- custom modules ------------------------------------------------------------------------------
+
+class TupleOutput(nn.Module):
+    """Returns (logits, features); the loss is the user's (Config(loss_fn=...))."""
+
+    def __init__(self, d=16, classes=4):
+        super().__init__()
+        self.inp = nn.Linear(12, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                    for _ in range(3))
+        self.out = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h), h
+
+
+def tuple_loss(output, target):
+    """A custom loss over both outputs: label-smoothed cross-entropy plus a feature penalty."""
+    logits, feats = output
+    return F.cross_entropy(logits, target, label_smoothing=0.1) + 1e-2 * feats.pow(2).mean()
+
+
+def tuple_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(BATCH, 12, generator=g), "target": torch.randint(0, 4, (BATCH,), generator=g)}
+
+
+def tuple_eager(model, batch, M):
+    loss = tuple_loss(model(batch["x"]), batch["target"])
+    loss.backward()
+    return loss
+
+
+class SharedDict(nn.Module):
+    """Returns a dict with its loss; one embedding matrix is the input table and the output
+    projection, and one Linear runs in every block (shared parameters); class-weighted
+    cross-entropy from an nn.CrossEntropyLoss module with ignore_index."""
+
+    def __init__(self, d=16, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.shared = nn.Linear(d, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(3))
+        self.loss_fct = nn.CrossEntropyLoss(weight=torch.linspace(0.5, 1.5, vocab), ignore_index=-1)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for norm in self.norms:
+            h = h + torch.tanh(self.shared(norm(h)))
+        logits = h @ self.emb.weight.t()
+        return {"logits": logits, "loss": self.loss_fct(logits.view(-1, logits.shape[-1]), labels.view(-1))}
+
+
+def shared_batch(seed, vocab=32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (BATCH, 6), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[1, 2:] = -1
+    labels[2, :] = -1
+    return {"ids": ids, "labels": labels}
+
+
+class Expert(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class LoopMoE(nn.Module):
+    """The classic mixture-of-experts layer: a loop over experts, each taking the tokens routed
+    to it with torch.where (sizes that depend on the data)."""
+
+    def __init__(self, d, h, experts, top_k):
+        super().__init__()
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d, h) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = torch.topk(F.softmax(self.gate(x), dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
+
+
+class LoopMoELM(nn.Module):
+    """A small MoE language model around LoopMoE, returning its loss (CrossEntropyLoss module
+    with label smoothing)."""
+
+    def __init__(self, d=16, vocab=VOCAB, layers=2, experts=4, top_k=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.moes = nn.ModuleList(LoopMoE(d, 2 * d, experts, top_k) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.loss_fct = nn.CrossEntropyLoss(label_smoothing=0.05)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for norm, moe in zip(self.norms, self.moes):
+            h = h + moe(norm(h))
+        logits = self.head(h)
+        return self.loss_fct(logits.flatten(0, 1), labels.flatten())
+
+
+def plain_eager(model, batch, M):
+    out = model(**batch)
+    loss = out["loss"] if isinstance(out, dict) else out
+    loss.backward()
+    return loss
+
+
+CASES = [
+    Case("gpt2", _seeded(gpt2), lm_batch),
+    Case("mistral", _seeded(mistral), lm_batch),
+    Case("qwen2", _seeded(qwen2), lm_batch),
+    Case("gpt_neox", _seeded(gpt_neox), lm_batch),
+    Case("falcon", _seeded(falcon), lm_batch),
+    Case("gemma", _seeded(gemma), lm_batch),
+    Case("bert", _seeded(bert), mlm_batch),
+    Case("t5", _seeded(t5), seq2seq_batch),
+    Case("bart", _seeded(bart), seq2seq_batch),
+    Case("vit", _seeded(vit), image_batch),
+    Case("resnet", _seeded(resnet), lambda s: image_batch(s, size=16), eager=batchnorm_eager),
+    Case("qwen3_moe", _seeded(qwen3_moe), lm_batch),
+    Case("qwen2_moe", _seeded(qwen2_moe), lm_batch),
+    Case("loop_moe", _seeded(LoopMoELM), lm_batch, eager=plain_eager),
+    Case("tuple_output", _seeded(TupleOutput), tuple_batch, eager=tuple_eager, loss_fn=tuple_loss,
+         call=lambda cm, b: cm.train_step(b["x"], target=b["target"])),
+    Case("shared_dict", _seeded(SharedDict), shared_batch, eager=plain_eager),
+]
+BY_NAME = {c.name: c for c in CASES}
