@@ -49,7 +49,10 @@ def test_dynamo_backend_plan_names_modules_and_dynamic_sizes():
     backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
     compiled = torch.compile(model, backend=backend, dynamic=True)
     batch = lm_batch(batch=4)
-    compiled(**batch).loss.backward()
+    try:
+        compiled(**batch).loss.backward()
+    finally:
+        torch._dynamo.reset()   # no compiled frames or dynamic-shape state left for later tests
     text = str(backend.plans[-1])
     assert "model.embed_tokens" in text and "lm_head" in text and "model.layers.0" in text
     assert "_modules" not in text and "L['" not in text
@@ -171,3 +174,27 @@ def test_module_paths_read_as_the_model_names_them():
     assert _clean_path("L['args'][0]._modules['model']._modules['layers']._modules['0']") == "model.layers.0"
     assert _clean_path("L['model'].__dict__['_modules']['base_model'].__dict__['_modules']['model']"
                        ".model.embed_tokens") == "base_model.model.model.embed_tokens"   # peft
+
+
+def test_static_batch_backend_warns_once_and_says_what_to_do():
+    """README: a backend made from a Config with num_microbatches > 1 and a static batch runs one
+    microbatch, with one warning that says how to mark the batch dynamic; backend="rpcompile"
+    (one microbatch) does not warn."""
+    from models import MLP
+    x = torch.randn(6, 8)
+    try:
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.compile(MLP(), backend="rpcompile")(x).sum().backward()
+        torch._dynamo.reset()
+        compiled = torch.compile(MLP(), backend=rpcompile.backend(rpcompile.Config(num_microbatches=2)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    ours = [str(w.message) for w in caught if "rpcompile" in str(w.message)]
+    assert len(ours) == 1 and "num_microbatches=1" in ours[0], ours
+    assert "dynamic=True" in ours[0] and "mark_dynamic" in ours[0]

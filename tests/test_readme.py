@@ -30,9 +30,16 @@ def test_readme_has_the_entry_points():
     assert any(b.startswith(GPU_MARK) for b in python_blocks())
 
 
-def test_readme_snippets_run(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)            # cm.dump("rp_dump/") writes here
+@pytest.fixture
+def fresh_dynamo():
+    """The snippets compile with dynamo backends: leave no automatic-dynamic state for later tests."""
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_readme_snippets_run(tmp_path, monkeypatch, capsys, fresh_dynamo):
+    monkeypatch.chdir(tmp_path)            # cm.dump("rp_dump/") writes here
     namespace = {"__name__": "readme"}
     blocks = python_blocks()
     assert len(blocks) >= 8
