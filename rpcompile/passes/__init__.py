@@ -33,7 +33,7 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
     rp_expr               capture                     describe_io (size symbol sources)
     rp_loss (gm.meta)     normalize_loss              compile_graph (the LossScale), runner
     rp_lm_head            lm_head                     plan text, cost, partition
-    rp_lm_head_part       lm_head                     plan text
+    rp_lm_head_part       lm_head                     plan text, cut_points (the cut limit is the body's)
     rp_param_slice(_fqn)  lm_head, codegen            codegen (a stage uploads only its rows)
     rp_cost               annotate_costs              cut_points, partition, plan rows
     rp_size_estimates     cost (data-dependent sizes) cost, cut_points
