@@ -14,10 +14,11 @@ and `meta["rp_index"]` (its index among the captured params, buffers or call lea
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-import re
 import logging
 import os
+import re
 import sysconfig
 import traceback
 import types
@@ -156,9 +157,19 @@ def _log_calls() -> set:
 # (transformers' loss_function logs with logger.warning_once). The capture traces the model on
 # fake copies only to get its graph, so such a call has nothing to say: dynamo's
 # ignore_logging_functions makes each a no-op while tracing, and the run never makes it.
+@contextlib.contextmanager
 def _capture_config():
     ignored = set(torch._dynamo.config.ignore_logging_functions) | _log_calls()
-    return torch._dynamo.config.patch(ignore_logging_functions=ignored)
+    # torch 2.11 logs its config with compile metrics and cannot sort a set of functions: every
+    # capture printed "Unexpected exception logging compilation metrics" (2.13 leaves the set out).
+    metrics_log = logging.getLogger("torch._dynamo.metrics_context")
+    was = metrics_log.disabled
+    metrics_log.disabled = True
+    try:
+        with torch._dynamo.config.patch(ignore_logging_functions=ignored):
+            yield
+    finally:
+        metrics_log.disabled = was
 
 
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],

@@ -212,3 +212,17 @@ def test_vmap_inside_forward_trains_and_no_stage_splits_a_vmap():
     assert len(enters) == len(leaves) == 4
     for a, b in zip(enters, leaves):
         assert not any(a < c <= b for c in cm.plan.cuts)
+
+
+def test_capture_silences_dynamos_metrics_log_only_while_capturing():
+    """torch 2.11 logs an exception for every capture while it records its compile metrics (it
+    sorts the set of ignored logging functions): the capture switches that logger off, then back."""
+    import logging
+
+    from rpcompile.capture import _capture_config
+
+    log = logging.getLogger("torch._dynamo.metrics_context")
+    assert not log.disabled
+    with _capture_config():
+        assert log.disabled
+    assert not log.disabled
