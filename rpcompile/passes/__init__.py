@@ -36,7 +36,7 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
     rp_lm_head_part       lm_head                     plan text, cut_points (the cut limit is the body's)
     rp_param_slice(_fqn)  lm_head, codegen            codegen (a stage uploads only its rows)
     rp_cost               annotate_costs              cut_points, partition, plan rows
-    rp_size_estimates     cost (data-dependent sizes) cost, cut_points
+    rp_size_estimates     annotate_costs (gm.meta)    tests (the estimates behind data-dependent sizes)
     rp_regions            regions                     regions (repeated blocks compiled once)
 """
 from __future__ import annotations
