@@ -97,3 +97,30 @@ def train_both(model, batches, config, *, call=None, eager_step=None, steps=3, l
     if min_stages and cm.plan is not None:
         assert len(cm.plan.stages) >= min_stages, f"expected a pipelined plan, got\n{cm.plan}"
     return cm
+
+
+def scalar_loss_step(m, b):
+    """The eager step of a model whose forward returns its loss: forward, backward, the loss."""
+    loss = m(**b)
+    loss.backward()
+    return loss
+
+
+def xy_batches(rows, width, steps=3, seed=0):
+    """`steps` batches of {"x", "y"}: random rows of `width` features and targets."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(rows, width, generator=g), "y": torch.randn(rows, width, generator=g)}
+            for _ in range(steps)]
+
+
+def inject_fault(monkeypatch, stage, microbatch=None):
+    """Stage `stage`'s jobs fail when they add up their gradients (at `microbatch`, or always)."""
+    from rpcompile.runtime.job import JobContext
+    real = JobContext.accumulate_grads
+
+    def faulty(job, grads):
+        if job.stage.index == stage and microbatch in (None, job.microbatch):
+            raise RuntimeError("injected fault")
+        return real(job, grads)
+
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)

@@ -13,7 +13,7 @@ import rpcompile
 from rpcompile.runtime import job as job_mod
 
 from models import llama, lm_batch, qwen3
-from parity import train_both
+from parity import scalar_loss_step, train_both
 
 
 def padded_batch(batch, seq, side, vocab=128, seed=0):
@@ -172,13 +172,8 @@ def test_random_models_see_their_slices(seed, monkeypatch):
 
     monkeypatch.setattr(job_mod.JobContext, "user_input", spy)
 
-    def eager(m, batch_):
-        loss = m(**batch_)
-        loss.backward()
-        return loss
-
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=M, memory_budget="8KiB")
-    cm = train_both(model, [b], cfg, eager_step=eager, steps=2, min_stages=0, call=lambda cm, bb: cm.train_step(**bb))
+    cm = train_both(model, [b], cfg, eager_step=scalar_loss_step, steps=2, min_stages=0, call=lambda cm, bb: cm.train_step(**bb))
     leaves = list(b.values())
     micro = min(M, batch)
     assert cm.plan.split_leaves == set(range(5))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.capture import capture_call
 
-from parity import train_both
+from parity import scalar_loss_step, train_both, xy_batches
 
 log = logging.getLogger("test_capture")
 
@@ -38,18 +38,12 @@ class Chatty(nn.Module):
 
 
 def test_log_calls_warnings_and_print_do_not_stop_capture():
-    g = torch.Generator().manual_seed(0)
-    batches = [{"x": torch.randn(5, 8, generator=g), "y": torch.randn(5, 8, generator=g)} for _ in range(3)]
-
-    def eager(m, b):
-        loss = m(**b)
-        loss.backward()
-        return loss
+    batches = xy_batches(5, 8, seed=0)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train_both(Chatty(), batches, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3),
-                   eager_step=eager)
+                   eager_step=scalar_loss_step)
 
 
 def test_plain_fullgraph_dynamo_stops_at_the_same_log_call():
@@ -195,17 +189,11 @@ def test_vmap_inside_forward_trains_and_no_stage_splits_a_vmap():
     from rpcompile.passes.cut_points import liveness
     from rpcompile.passes.graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE
 
-    g = torch.Generator().manual_seed(0)
-    batches = [{"x": torch.randn(5, 8, generator=g), "y": torch.randn(5, 8, generator=g)} for _ in range(3)]
-
-    def eager(m, b):
-        loss = m(**b)
-        loss.backward()
-        return loss
+    batches = xy_batches(5, 8, seed=0)
 
     from parity import TIGHT
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, memory_budget=TIGHT)
-    cm = train_both(VmapScan(), batches, cfg, eager_step=eager, min_stages=3)
+    cm = train_both(VmapScan(), batches, cfg, eager_step=scalar_loss_step, min_stages=3)
     lv = liveness(cm.plan.gm)
     enters = [lv.index[n] for n in lv.body if n.target in FUNCTORCH_ENTER]
     leaves = [lv.index[n] for n in lv.body if n.target in FUNCTORCH_LEAVE]

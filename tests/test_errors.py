@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.runtime.job import JobContext
 
+from parity import inject_fault
 from models import MLP, lm_batch, qwen3
 
 
@@ -80,14 +81,7 @@ def test_failure_in_one_stage_leaves_parameters_and_grads_unchanged(monkeypatch)
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     target_stage = cm.plan.stages[-2].index
-    real = JobContext.accumulate_grads
-
-    def faulty(job, grads):
-        if job.stage.index == target_stage and job.microbatch == 1:
-            raise RuntimeError("injected fault")
-        return real(job, grads)
-
-    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    inject_fault(monkeypatch, target_stage, microbatch=1)
     with pytest.raises(rpcompile.StageError) as e:
         cm.train_step(**batch)
     err = e.value
@@ -96,7 +90,7 @@ def test_failure_in_one_stage_leaves_parameters_and_grads_unchanged(monkeypatch)
     assert all(p.grad is None for p in model.parameters())
     for p, q in zip(model.parameters(), params):
         assert torch.equal(p, q)
-    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    monkeypatch.undo()
     loss = cm.train_step(**batch)
     assert torch.isfinite(loss)
     assert opt.state_dict()["state"].keys() == state["state"].keys()

@@ -12,7 +12,7 @@ from rpcompile.passes.cut_points import legal_cuts, liveness
 from rpcompile.passes.graph_utils import is_impure
 from rpcompile.passes.outputs import keep_loss_output
 
-from parity import TIGHT, train_both
+from parity import TIGHT, scalar_loss_step, train_both, xy_batches
 from zoo import LoopMoELM, lm_batch
 
 HIDDEN, MOE_INTER, ROWS, SEQ = 32, 16, 5, 8
@@ -106,16 +106,10 @@ class InversePermutation(nn.Module):
 
 
 def test_in_place_update_stays_with_the_value_it_writes():
-    g = torch.Generator().manual_seed(0)
-    batches = [{"x": torch.randn(7, 8, generator=g), "y": torch.randn(7, 8, generator=g)} for _ in range(3)]
-
-    def eager(m, b):
-        loss = m(**b)
-        loss.backward()
-        return loss
+    batches = xy_batches(7, 8, seed=0)
 
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1, memory_budget=TIGHT)
-    cm = train_both(InversePermutation(), batches, cfg, eager_step=eager, min_stages=3)
+    cm = train_both(InversePermutation(), batches, cfg, eager_step=scalar_loss_step, min_stages=3)
     gm = cm.plan.gm
     setitems = [n for n in gm.graph.nodes if n.op == "call_function" and "setitem" in str(n.target)]
     assert len(setitems) == 4 and all(is_impure(n) for n in setitems)

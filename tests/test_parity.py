@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import rpcompile
 
 from models import MLP, SharedWeights, WithBatchNorm, llama, lm_batch, qwen3
-from parity import TIGHT, train_both
+from parity import TIGHT, scalar_loss_step, train_both, xy_batches
 
 
 def mse_batches(n=10, seed=3):
@@ -71,15 +71,9 @@ def test_whole_batch_loss_not_mean_of_microbatch_means():
 
 def test_shared_parameter_in_distant_places():
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, memory_budget=TIGHT)
-    g = torch.Generator().manual_seed(0)
-    batches = [{"x": torch.randn(7, 16, generator=g), "y": torch.randn(7, 16, generator=g)} for _ in range(3)]
+    batches = xy_batches(7, 16, seed=0)
 
-    def eager(m, b):
-        loss = m(**b)
-        loss.backward()
-        return loss
-
-    cm = train_both(SharedWeights(), batches, cfg, eager_step=eager, call=lambda cm, b: cm.train_step(**b))
+    cm = train_both(SharedWeights(), batches, cfg, eager_step=scalar_loss_step, call=lambda cm, b: cm.train_step(**b))
     stages_using = [st.index for st in cm.plan.stages if st.kind == "bwd" and 0 in st.params]
     assert cm.plan.stages and stages_using, "the shared weight should appear in a backward stage"
 

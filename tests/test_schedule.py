@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.runtime.job import JobContext
 from rpcompile.runtime.schedule import JobAction, Schedule, build_schedule
 
+from parity import inject_fault
 from models import lm_batch, qwen3
 
 
@@ -159,14 +159,7 @@ def test_printed_schedule_is_what_ran_on_cpu_devices(monkeypatch):
 
     # a failing job: the StageError carries the schedule with that job marked
     target = cm.plan.stages[-2].index
-    real = JobContext.accumulate_grads
-
-    def faulty(job, grads):
-        if job.stage.index == target and job.microbatch == 1:
-            raise RuntimeError("injected fault")
-        return real(job, grads)
-
-    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    inject_fault(monkeypatch, target, microbatch=1)
     with pytest.raises(rpcompile.StageError) as e:
         cm.train_step(**batch)
     err = e.value
@@ -179,7 +172,7 @@ def test_printed_schedule_is_what_ran_on_cpu_devices(monkeypatch):
     lines = str(err).splitlines()
     assert "injected fault" in lines[0] and lines[-1] == f"schedule: {err.schedule}"
     assert isinstance(err.__cause__, RuntimeError)
-    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    monkeypatch.undo()
 
     # a differentiable call runs two schedules: the forward (F) and the backward (B)
     out = cm(**batch)
