@@ -146,7 +146,10 @@ class GraphRunner:
             counts = []
             for mbatch in micro:
                 args = [_counter_arg(plan, mbatch, n) for n in names]
-                counts.append(float(counter(*args)))
+                try:
+                    counts.append(float(counter.forward(*args)))
+                except RuntimeError as e:   # a target out of bounds: said before any job runs
+                    raise InputError(str(e).strip()) from None
             total = sum(counts)
             return [1.0 / total if total else float("nan")] * len(micro)
         return self._row_weights(plan, micro)

@@ -90,3 +90,23 @@ def test_rows_would_be_wrong_here():
     parts = [model(x, y) * (x.shape[0] / 7) for x, y in zip(torch.tensor_split(b["x"], 3),
                                                              torch.tensor_split(b["y"], 3))]
     assert not torch.allclose(whole, sum(parts), rtol=1e-3)
+
+
+def test_a_target_out_of_bounds_is_an_error_before_the_step():
+    """F.cross_entropy refuses a label outside [0, V); so does rpcompile (a vocabulary-split head
+    would otherwise count it as a logit of 0): an InputError, raised before any job runs."""
+    import pytest
+
+    from models import lm_batch, qwen3
+
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, lm_head_shards=3))
+    b = lm_batch()
+    cm.train_step(**b)
+    model.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    b["labels"][2, 5] = 128                      # vocabulary of 128: one past the end
+    with pytest.raises(rpcompile.InputError, match=r"out of bounds.*\[0, 128\)"):
+        cm.train_step(**b)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

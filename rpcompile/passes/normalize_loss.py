@@ -66,10 +66,13 @@ def mean_cross_entropy(node: fx.Node):
     return bound["input"], bound["target"], bound["ignore_index"]
 
 
-def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weight) -> Optional[fx.GraphModule]:
+def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weight,
+                   classes: Optional[int] = None) -> Optional[fx.GraphModule]:
     """A graph from the inputs to the count of targets != ignore_index, or with class weights
     to the weight total of those targets; None if the targets depend on parameters or buffers
-    (the weight may be a buffer or parameter: the runtime passes the host tensor)."""
+    (the weight may be a buffer or parameter: the runtime passes the host tensor). It refuses a
+    counted target outside [0, classes), as F.cross_entropy does (a vocabulary-split head would
+    otherwise give a finite, wrong loss); it runs on the host before the step's jobs."""
     needed, stack = set(), [target]
     while stack:
         n = stack.pop()
@@ -92,6 +95,13 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
         if n in needed:
             env[n] = g.node_copy(n, lambda x: env[x])
     counted = g.call_function(torch.ne, (env[target], ignore_index))
+    if classes is not None:
+        outside = g.call_function(torch.logical_or, (g.call_function(torch.lt, (env[target], 0)),
+                                                     g.call_function(torch.ge, (env[target], classes))))
+        bad = g.call_function(torch.any, (g.call_function(torch.logical_and, (counted, outside)),))
+        g.call_function(torch._assert_async, (g.call_function(torch.logical_not, (bad,)),
+                                              f"cross_entropy: a target is out of bounds: not in [0, {classes}) and "
+                                              f"not ignore_index {ignore_index}"))
     if weight is None:
         g.output(g.call_method("sum", (counted,)))
     else:
@@ -100,6 +110,15 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
         picked = g.call_function(torch.Tensor.__getitem__, (w, labels))
         g.output(g.call_method("sum", (g.call_method("double", (picked,)),)))
     return fx.GraphModule(gm, g, class_name="LossCounter")
+
+
+def _classes(logits: fx.Node) -> Optional[int]:
+    """The class count of cross-entropy logits ((N, C, ...) or (C,)), when it is static."""
+    ev = logits.meta.get("example_value") if isinstance(logits, fx.Node) else None
+    if not isinstance(ev, torch.Tensor) or ev.dim() == 0:
+        return None
+    c = ev.shape[1] if ev.dim() >= 2 else ev.shape[0]
+    return c if isinstance(c, int) else None
 
 
 def _rewrite_reduction(node: fx.Node, bound: dict, reduction: str) -> None:
@@ -124,7 +143,7 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
         return gm
     found = mean_cross_entropy(loss) if bound is not None else None
     weight = bound["weight"] if found else None
-    counter = _counter_graph(gm, found[1], found[2], weight) if found else None
+    counter = _counter_graph(gm, found[1], found[2], weight, _classes(found[0])) if found else None
     if counter is None:
         gm.meta["rp_loss"] = LossScale("rows", output=loss_output)
         return gm
