@@ -88,3 +88,17 @@ class WithDropout(nn.Module):
         for layer in self.layers:
             x = self.drop(torch.tanh(layer(x)))
         return self.out(x)
+
+
+class GraphBreak(nn.Module):
+    """A data-dependent Python branch in forward: dynamo cannot capture it as one graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum().item() > 0:      # data-dependent Python branch
+            h = h * 2
+        return h.sum()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.capture import capture_call
 
+from models import GraphBreak
 from parity import scalar_loss_step, train_both, xy_batches
 
 log = logging.getLogger("test_capture")
@@ -115,25 +116,14 @@ def test_list_indexing_captures():
 # --- errors --------------------------------------------------------------------------------
 
 
-class BranchOnValues(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.lin(x)
-        if h.sum().item() > 0:      # data-dependent Python branch
-            h = h * 2
-        return h.sum()
-
-
 def test_error_in_user_code_names_the_line():
-    cm = rpcompile.compile(BranchOnValues())
+    cm = rpcompile.compile(GraphBreak())
     with pytest.raises(rpcompile.CaptureError) as e:
         cm.train_step(torch.randn(3, 4))
     msg = str(e.value)
-    line = BranchOnValues.forward.__code__.co_firstlineno + 2
-    assert f"It stopped in your code, at {__file__}:{line} in forward()" in msg
+    line = GraphBreak.forward.__code__.co_firstlineno + 2
+    where = GraphBreak.forward.__code__.co_filename
+    assert f"It stopped in your code, at {where}:{line} in forward()" in msg
     assert "if h.sum().item() > 0" in msg.splitlines()[-1]
     assert "Change that line" in msg and "inside" not in msg.splitlines()[-1]
 

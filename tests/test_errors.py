@@ -10,19 +10,7 @@ import rpcompile
 from rpcompile.runtime.job import JobContext
 
 from parity import inject_fault
-from models import MLP, lm_batch, qwen3
-
-
-class GraphBreak(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.lin(x)
-        if h.sum().item() > 0:      # data-dependent Python branch
-            h = h * 2
-        return h.sum()
+from models import MLP, GraphBreak, lm_batch, qwen3
 
 
 def test_graph_break_is_an_error_naming_the_place():
