@@ -11,10 +11,11 @@ from .capture import batch_size_of, capture_call, flatten_call
 from .config import Config
 from .errors import InputError
 from .passes import compile_graph
+from .passes.batch import LOSS_TARGET
 from .runner import GraphRunner
 from .runtime.trace import write_chrome_trace
 
-_TARGET = "__rp_target__"
+_TARGET = LOSS_TARGET
 
 
 class CompiledModel(torch.nn.Module):

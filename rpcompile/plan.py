@@ -9,7 +9,6 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .passes.cost import _tensor_bytes, evaluate
 
@@ -41,29 +40,6 @@ def _fmt_seconds(s: float) -> str:
     if s < 1:
         return f"{s * 1e3:.1f} ms"
     return f"{s:.2f} s"
-
-
-def _input_names(plan) -> dict:
-    """Call leaf index -> the name the user passed it under (`input_ids`, `args[0]`, `target`)."""
-    spec = getattr(plan.captured, "in_spec", None)
-    if spec is None:
-        return {}
-    try:
-        tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-        flat, _ = pytree.tree_flatten_with_path(tree)
-    except Exception:   # an unusual spec: the plan still prints, with graph names
-        return {}
-    out = {}
-    for path, leaf in flat:
-        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-        if len(keys) >= 2 and keys[0] == 0:
-            name = f"args[{keys[1]}]"
-        elif len(keys) >= 2:
-            name = "target" if keys[1] == "__rp_target__" else str(keys[1])
-        else:
-            name = f"input {leaf}"
-        out[leaf] = name + "".join(f"[{k!r}]" for k in keys[2:])
-    return out
 
 
 # A module path as dynamo records it in nn_module_stack: a root source (`L['model']`,
@@ -259,9 +235,7 @@ class Plan:
 
     def symbol_legend(self) -> list:
         """(symbol, value costed at, what it is) for every size symbol the plan was costed at."""
-        info = getattr(self, "batch", None)
-        batch = {str(s) for s in getattr(info, "symbols", ())} or {str(getattr(self.captured, "batch_symbol", None))}
-        inputs = _input_names(self)
+        batch = {str(s) for s in self.batch.symbols} if self.batch is not None else set()
         out = []
         for name, value in sorted(self.bindings.items()):
             dims: dict = {}
@@ -272,7 +246,7 @@ class Plan:
                     continue
                 for d, size in enumerate(ev.shape):
                     if isinstance(size, torch.SymInt) and str(size.node.expr) == name:
-                        leaf = inputs.get(n.meta["rp_index"]) or n.meta.get("rp_leaf_name") or n.name
+                        leaf = n.meta.get("rp_leaf_name", n.name)
                         dims.setdefault(d, []).append(leaf)
             where = "; ".join(f"dim {d} of {', '.join(v)}" for d, v in sorted(dims.items())) or "a size of the inputs"
             if name in batch:

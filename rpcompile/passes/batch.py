@@ -24,7 +24,6 @@ StageError naming the value and the stage.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -50,8 +49,12 @@ class BatchInfo:
         return isinstance(size, torch.SymInt) and size.node.expr in self.symbols
 
 
+LOSS_TARGET = "__rp_target__"     # the keyword train_step passes a loss_fn's target under
+
+
 def leaf_names(args, kwargs) -> list:
-    """A readable name per pytree leaf of a call: `input_ids`, `args[0]`, `batch['mask']`."""
+    """A readable name per pytree leaf of a call: `input_ids`, `args[0]`, `batch['mask']`,
+    `target` (a loss_fn's target)."""
     paths, _ = torch.utils._pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
     names = []
     for path, _ in paths:
@@ -59,7 +62,7 @@ def leaf_names(args, kwargs) -> list:
         if top == 0:
             head = f"args[{rest[0].idx}]"
         else:
-            head = str(rest[0].key)
+            head = "target" if rest[0].key == LOSS_TARGET else str(rest[0].key)
         names.append(head + "".join(str(k) for k in rest[1:]))
     return names
 
@@ -75,11 +78,7 @@ def is_unbatched(name: str, unbatched) -> bool:
 
 
 def _input_name(node: fx.Node) -> str:
-    name = node.meta.get("rp_leaf_name")
-    if name:
-        return name
-    m = re.fullmatch(r"l_(?:kwargs_)?(.+?)_?", node.name)
-    return m.group(1) if m else node.name
+    return node.meta.get("rp_leaf_name", node.name)
 
 
 def _hint(size) -> int:
