@@ -204,7 +204,7 @@ class Plan:
             # a step: every microbatch's, at the planned microbatch size
             sent = st.outputs if st.kind == "fwd" else [x for x in getattr(st, "grad_inputs", [])
                                                         if st.kinds.get(x) in (None, "act", "input")]
-            host_act = self.num_microbatches * sum(self._value_bytes(by_name.get(x)) for x in sent)
+            host_act = self.num_microbatches * sum(self.value_bytes(by_name.get(x)) for x in sent)
             rows.append({
                 "stage": st.index, "kind": st.kind, "positions": [a, b],
                 "first": nodes[0].name if nodes else "", "last": nodes[-1].name if nodes else "",
@@ -217,7 +217,8 @@ class Plan:
             })
         return rows
 
-    def _value_bytes(self, node) -> float:
+    def value_bytes(self, node) -> float:
+        """Bytes of a graph value at the plan's bindings (0 for non-tensors or unbound sizes)."""
         ev = node.meta.get("example_value") if node is not None else None
         if not isinstance(ev, torch.Tensor):
             return 0.0

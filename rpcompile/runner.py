@@ -117,7 +117,7 @@ class GraphRunner:
                                      f"(input leaf {i}); all batched inputs must have the same dim 0, or name the "
                                      "ones that are not batched in Config(unbatched_inputs=[...])")
             M = max(1, min(M, B))
-        chunks = {i: [c.contiguous() for c in torch.tensor_split(leaves[i], M)] for i in batched}
+        chunks = {i: torch.tensor_split(leaves[i], M) for i in batched}   # slices of contiguous leaves
         micro = []
         for m in range(M):
             mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]

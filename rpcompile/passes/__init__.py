@@ -53,7 +53,7 @@ from ..errors import CaptureError
 from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs, evaluate
+from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import host_memory

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .cost import evaluate
 
 ADAMW_STATE_BYTES = 8      # exp_avg and exp_avg_sq in fp32, per trainable parameter
 
@@ -60,13 +57,6 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str) -> HostM
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     in_flight = grads if optimizer_mode != "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
-    per_micro = 0
-    for st in plan.stages:
-        for name in st.handed_on:
-            ev = by_name[name].meta.get("example_value") if name in by_name else None
-            if isinstance(ev, torch.Tensor):
-                n = ev.numel()
-                n = n.node.expr if isinstance(n, torch.SymInt) else n
-                per_micro += int(evaluate(n, plan.bindings)) * ev.element_size()
-    return HostMemory(masters, grads, state, copies, in_flight, per_micro * plan.num_microbatches,
+    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in st.handed_on)
+    return HostMemory(masters, grads, state, copies, in_flight, int(per_micro) * plan.num_microbatches,
                       sum(p.numel() for p in params))

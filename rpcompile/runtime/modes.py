@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .device import Pending, resolve
 from .weights import DelayedWeights
 
 
@@ -52,7 +53,6 @@ def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
     taken first and rows are added into it in place (it is this step's own download); a
     parameter with rows only is summed into a buffer of `reuse` (kept across steps by the
     optimizer thread, which is done with it before the next step's sum) or a new one."""
-    from .device import Pending, resolve
     for grads in job_grads.values():
         resolve(list(grads.values())[-1:])
     entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
