@@ -48,13 +48,13 @@ def _resident_weights():
     """Patch DeviceRuntime so every weight is uploaded once per device and then reused."""
     from rpcompile.runtime import device as device_mod
     cls = device_mod.DeviceRuntime
-    orig_upload, orig_prefetch = cls.upload_weight, cls.prefetch
+    originals = {name: getattr(cls, name) for name in ("upload_weight", "prefetch", "take_prefetched")}
     cache: dict = {}
 
     def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):
         key = (self.device, id(param), rows)
         if key not in cache:
-            cache[key] = orig_upload(self, param, dtype, host_weights, rows, True)
+            cache[key] = originals["upload_weight"](self, param, dtype, host_weights, rows, True)
         return cache[key] if wait else (cache[key], None)
 
     def take(self, future, key):
@@ -62,7 +62,7 @@ def _resident_weights():
 
     cls.upload_weight, cls.prefetch = upload_weight, lambda self, *a, **k: None
     cls.take_prefetched = take
-    return lambda: (setattr(cls, "upload_weight", orig_upload), setattr(cls, "prefetch", orig_prefetch))
+    return lambda: [setattr(cls, name, fn) for name, fn in originals.items()]
 
 
 def main(argv=None):
