@@ -19,6 +19,7 @@ gaps of the last step (a microbatch's compute end on one job to its start on the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -42,6 +43,17 @@ def _hops(spans) -> list:
             compute[key] = (min(a, s["start_s"]), max(b, s["end_s"]))
     return sorted((start - compute[(j - 1, mb)][1]) * 1e3 for (j, mb), (start, _) in compute.items()
                   if (j - 1, mb) in compute)
+
+
+def _issue_seconds(spans) -> dict:
+    """Host seconds each device's worker spent enqueueing compute in the last step (launches
+    under the interpreter lock): their sum over devices against the step's seconds says how
+    much of the step one interpreter must spend launching."""
+    out: dict = {}
+    for s in spans:
+        if s["stream"] == "compute" and s.get("issue_s") is not None:
+            out[s["device"]] = out.get(s["device"], 0.0) + s["issue_s"]
+    return out
 
 
 def _resident_weights():
@@ -77,16 +89,21 @@ def main(argv=None):
     ap.add_argument("--mode", default="delayed")
     ap.add_argument("--pyspy", action="store_true")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's own)")
+    ap.add_argument("--inductor", default="", help="Config(inductor_options=JSON), e.g. '{\"cpp_wrapper\": true}'")
     ap.add_argument("--cpu", action="store_true", help="CPU devices (a smoke test of this script)")
     a = ap.parse_args(argv)
     import rpcompile
 
     spec = get_model(a.model)
+    if a.layers:
+        spec = dataclasses.replace(spec, layers=a.layers)
     on_gpu = not a.cpu
     model = build_model(spec, init_device="cuda:0" if on_gpu else "cpu", max_positions=a.seq_len)
     devices = [f"cuda:{i}" for i in range(a.gpus)] if on_gpu else ["cpu"] * a.gpus
     cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=a.microbatches,
-                                                   dtype=torch.bfloat16, optimizer_mode=a.mode))
+                                                   dtype=torch.bfloat16, optimizer_mode=a.mode,
+                                                   inductor_options=json.loads(a.inductor) if a.inductor else None))
     opt = torch.optim.AdamW(model.parameters(), fused=on_gpu,
                             **adamw_kwargs(argparse.Namespace(lr=1e-5)))
     if a.mode != "exact":
@@ -108,9 +125,16 @@ def main(argv=None):
         step()
     cm.synchronize()
     print(f"warm-up: {max(1, a.gpus)} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    from rpcompile.runtime.warmup import first_calls
+    per_device: dict = {}
+    for d, s in first_calls:
+        per_device[d] = per_device.get(d, 0.0) + s
+    print(f"first calls (compiling, under the write lock): {len(first_calls)} calls, "
+          f"{sum(s for _, s in first_calls):.1f} s: " + ", ".join(f"{d} {s:.1f} s" for d, s in per_device.items()),
+          flush=True)
     print(cm.plan, flush=True)
     results = {}
-    for variant in a.variants.split(","):
+    for run_no, variant in enumerate(a.variants.split(",")):
         undo = None
         if variant == "no_optimizer":
             saved_step = opt.step
@@ -122,6 +146,34 @@ def main(argv=None):
             old = sys.getswitchinterval()
             sys.setswitchinterval(float(variant.split("_")[1].rstrip("ms")) * 1e-3)
             undo = lambda: sys.setswitchinterval(old)   # noqa: E731
+        elif variant == "peer":
+            # Config.peer_transfers: boundary activations go GPU to GPU instead of via the host
+            devs = cm.runner.executor.devices
+            for d in devs:
+                d.peer_transfers = not d.is_cpu
+            undo = lambda: [setattr(d, "peer_transfers", False) for d in devs]   # noqa: E731
+        elif variant.startswith("opt_threads_"):
+            # intra-op threads of the optimizer thread only (OpenMP's thread count is per thread)
+            opt_thread = cm.runner.overlapped
+            inner_step, n = opt_thread._step, int(variant.split("_")[2])
+
+            def limited(*args, _inner=inner_step, _n=n):
+                torch.set_num_threads(_n)
+                return _inner(*args)
+            old_n = torch.get_num_threads()
+
+            def restore(*args, _inner=inner_step):
+                torch.set_num_threads(old_n)
+                opt_thread._step = _inner
+                return _inner(*args)
+            opt_thread._step = limited
+            undo = lambda: setattr(opt_thread, "_step", restore)   # noqa: E731
+        elif variant.startswith("threads_"):
+            # the host's intra-op threads (the optimizer's AdamW and copies) against the cores
+            # the launching worker threads need
+            old_threads = torch.get_num_threads()
+            torch.set_num_threads(int(variant.split("_")[1]))
+            undo = lambda: torch.set_num_threads(old_threads)   # noqa: E731
         elif variant != "base":
             raise SystemExit(f"unknown variant {variant}")
         step()       # a step to settle into the variant
@@ -154,15 +206,18 @@ def main(argv=None):
         spans = cm.last_trace or []
         summ = trace_summary(spans) if spans else {"devices": {}}
         hops = _hops(spans)
+        issue = _issue_seconds(spans)
         tok = a.tokens_per_step * len(times) / sum(times)
         opt_t = list(getattr(cm.runner.overlapped, "timings", []) or [])[-a.steps:]
         opt_mean = {k: sum(t[k] for t in opt_t) / len(opt_t) for k in opt_t[0]} if opt_t else {}
-        results[variant] = {"tokens_per_s": tok, "step_s": times, "optimizer_s": opt_mean,
+        results[f"{run_no}:{variant}"] = {"tokens_per_s": tok, "step_s": times, "optimizer_s": opt_mean,
                             "busy": {d: v["compute_busy_frac"] for d, v in summ["devices"].items()},
+                            "issue_s": issue,
                             "hop_ms_median": hops[len(hops) // 2] if hops else None,
                             "hop_ms_max": hops[-1] if hops else None}
         print(f"== {variant}: {tok:,.0f} tokens/s; steps " + " ".join(f"{t:.2f}" for t in times)
-              + "; busy " + " ".join(f"{d}={v:.2f}" for d, v in results[variant]["busy"].items() if v is not None)
+              + "; busy " + " ".join(f"{d}={v:.2f}" for d, v in results[f"{run_no}:{variant}"]["busy"].items() if v is not None)
+              + "; host s issuing compute " + " ".join(f"{d}={v:.3f}" for d, v in issue.items())
               + (f"; hops median {hops[len(hops) // 2]:.1f} ms max {hops[-1]:.1f} ms" if hops else "")
               + ("; optimizer " + " ".join(f"{k}={v:.3f}" for k, v in opt_mean.items()) if opt_mean else ""), flush=True)
         if variant == "base" and spans:

@@ -40,6 +40,7 @@ class GraphRunner:
         self.config = config
         self.executor = Executor(config.devices, config.peer_transfers)
         self._programs: dict = {}
+        self._pieces: dict = {}         # (plan id, device) -> compiled pieces by key (passes/regions.py)
         self._counters: dict = {}
         self._warned_static = False
         self.host_weights = HostWeights()
@@ -66,7 +67,8 @@ class GraphRunner:
             if src != device:
                 prog = retarget(prog, {src.type: device})
             if self._use_inductor(stage):
-                prog = self._compiled(prog, self.config.inductor_options)
+                prog = self._compiled(prog, self.config.inductor_options,
+                                      self._pieces.setdefault((id(plan), device), {}))
             self._programs[key] = prog
         return prog
 
@@ -78,12 +80,14 @@ class GraphRunner:
         return bool(on) and not stage.random
 
     @staticmethod
-    def _compiled(prog, options=None):
+    def _compiled(prog, options=None, shared=None):
         """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
-        cut at repeated blocks such as decoder layers (passes/regions.py): identical layers of
-        the program, forward and recompute alike, share one compiled piece."""
+        cut at repeated blocks such as decoder layers (passes/regions.py): identical pieces share
+        one compiled function, memoised in `shared`. The runner passes one dict per device, so
+        a decoder layer is compiled once per device, not once per stage program: at 4 GPUs a
+        9-job plan compiled the same layer for every (stage, role) and took 226 s of first steps."""
         prog = retarget(prog, {})   # a private copy whose children we may replace
-        shared: dict = {}
+        shared = {} if shared is None else shared
 
         def inductor(gm):
             return torch.compile(gm, dynamic=None, options=options)

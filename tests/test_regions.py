@@ -8,7 +8,7 @@ from rpcompile.passes import regions
 from rpcompile.passes.regions import block_of, compile_regions, piece_key, split_regions
 
 from models import MLP, lm_batch, qwen3
-from parity import train_both
+from parity import TIGHT, train_both
 
 
 def _planned(model, batch, **config):
@@ -128,3 +128,38 @@ def test_inductor_options_reach_torch_compile(monkeypatch):
     assert seen and all(o == {"cpp_wrapper": True} for o in seen)
     with pytest.raises(ValueError, match="inductor_options"):
         rpcompile.Config(inductor_options="cpp_wrapper")
+
+
+def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
+    """A decoder layer is compiled once per device, not once per stage program: with several
+    stage jobs on one device (forward, fused and backward roles), a layer piece of one program
+    is the very compiled object of another's, and results still equal eager."""
+    monkeypatch.setattr(regions, "MIN_REPEATS", 1)
+    compiles = []
+    compile_ = torch.compile
+
+    def counting(gm, **kw):
+        if "backend" in kw:        # the capture's own call
+            return compile_(gm, **kw)
+        compiles.append(gm)
+        return compile_(gm, **{**kw, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", counting)
+    config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True, memory_budget=TIGHT)
+    cm = train_both(qwen3(layers=4), [lm_batch()], config, steps=2)
+    assert len(cm.plan.stages) >= 3
+    by_program = []
+    for prog in cm.runner._programs.values():
+        for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):
+            inner = getattr(g, "inner", None)
+            inner = getattr(inner, "compute", inner)
+            if "rp_regions" in getattr(inner, "meta", {}):
+                by_program.append({piece_key(p._orig_mod): p for p in _pieces(inner)
+                                   if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None})
+    common = [k for k in by_program[0] if sum(k in d for d in by_program) >= 2]
+    assert common, "no piece occurs in two stage programs"
+    for k in common:
+        assert len({id(d[k]) for d in by_program if k in d}) == 1
+    # one compile per distinct piece of the device, however many programs hold it
+    keys = [piece_key(gm) for gm in compiles]
+    assert len(keys) == len(set(k if k is not None else id(gm) for k, gm in zip(keys, compiles)))

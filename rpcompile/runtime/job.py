@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -120,8 +121,12 @@ class JobContext:
             return out
         stream = self.dev.stream_named(stream_name)
         start = tracer.cuda_mark(stream)
+        t0 = time.perf_counter()
         out = fn()
-        tracer.add(self.dev.device, stream_name, name, start, tracer.cuda_mark(stream), **attrs)
+        # issue_s: host seconds spent enqueueing the work (kernel launches under the
+        # interpreter lock), beside the device seconds the events measure
+        tracer.add(self.dev.device, stream_name, name, start, tracer.cuda_mark(stream),
+                   issue_s=time.perf_counter() - t0, **attrs)
         return out
 
     # --- synchronisation -------------------------------------------------------------------

@@ -10,8 +10,13 @@ in the steady state the devices launch their work concurrently.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
+
+# (device, seconds) of every call that ran alone (first calls: they compile): what a model's
+# first steps spend compiling, per device (benchmarks/diagnose.py prints it).
+first_calls: list = []
 
 
 class _ReadersWriter:
@@ -73,9 +78,12 @@ class WarmupGuard(torch.nn.Module):
             finally:
                 _LOCK.release_read()
         _LOCK.acquire_write()
+        t0 = time.perf_counter()
         try:
             out = self.inner(*args)
             self._seen.add(sig)
             return out
         finally:
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            first_calls.append((str(device), time.perf_counter() - t0))
             _LOCK.release_write()
