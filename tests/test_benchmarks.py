@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # `pytest` as well as `python -m pytest`
-from benchmarks import common, harness, report  # noqa: E402
+from benchmarks import common, harness, report, run_files  # noqa: E402
 from benchmarks.systems import SYSTEMS, get_system  # noqa: E402
 from benchmarks.systems import rpcompile_runner  # noqa: E402
 
@@ -140,6 +140,7 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["n_params"] == common.param_count(common.get_model("tiny"))
         assert r["host_rss_peak_bytes"] > 0 and r["host_mem_peak_bytes"] >= r["host_rss_peak_bytes"]
         assert r["timed_steps_done"] == 2
+        assert len(r["timed_step_s"]) == 2 and all(x > 0 for x in r["timed_step_s"])   # for slowest / median
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
@@ -168,6 +169,36 @@ def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):
                          "--warmup", "1", "--timeout", "10")
     r = res["simulated"]
     assert r["status"] == "timeout" and r.get("partial") and r["tokens_per_s"] > 0   # what it measured is kept
+
+
+def test_harness_records_each_run_as_a_file(tmp_path):
+    runs_dir = tmp_path / "runs"
+    res, _, meta = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.05", "--steps", "3",
+                            "--warmup", "1", "--timeout", "60", "--record", str(runs_dir))
+    r = res["simulated"]
+    assert r["status"] == "ok" and len(r["timed_step_s"]) == 3 and all(x >= 0.05 for x in r["timed_step_s"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["started_utc"])
+    files = os.listdir(runs_dir)
+    stamp = meta["started_utc"].replace("-", "").replace(":", "")
+    assert files == [f"{stamp}_CPU_x1_tiny.json"]                 # time, card, GPU count, model
+    recorded = json.loads((runs_dir / files[0]).read_text())
+    assert recorded["meta"]["started_utc"] == meta["started_utc"]
+    assert recorded["results"][0]["timed_step_s"] == r["timed_step_s"]
+    # the harness's --json list of runs, recorded back on the development machine
+    again = tmp_path / "again"
+    harness.main(["--render", str(tmp_path / "results.json"), "--out", "", "--record", str(again)])
+    assert os.listdir(again) == files
+    loaded = run_files.load_runs(str(again))
+    assert len(loaded) == 1 and loaded[0]["results"] == recorded["results"]
+    assert loaded[0]["meta"]["source"].endswith(files[0])
+
+
+def test_run_file_names():
+    meta = {"date": "2026-11-26 10:17 UTC", "card": "NVIDIA H100 80GB HBM3", "gpus": 4, "mode": "throughput",
+            "settings": {"model": "llama3.1-8b"}}
+    assert run_files.run_file_name(meta) == "20261126T1017Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b.json"
+    meta.update(started_utc="2026-11-26T10:17:03Z", mode="losscurve")
+    assert run_files.run_file_name(meta) == "20261126T101703Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b_losscurve.json"
 
 
 @pytest.mark.parametrize("how", ["exit_on_oom", "restart_after_oom"])
