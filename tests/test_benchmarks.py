@@ -371,3 +371,69 @@ def test_trace_hops_reports_each_microbatchs_hop_between_jobs():
     text = summarize(spans)
     assert "  50.0" in text and "hops: 2, median 50.0 ms, max 50.0 ms" in text
     assert "compute span 0.350 s" in text and "cuda:0: 0.200 s" in text and "cuda:1: 0.200 s" in text
+
+
+# --- RESULTS.md's raw tables read back ------------------------------------------------------------
+RESULTS_EXCERPT = """\
+## 2026-11-26 03:37 UTC · NVIDIA H200 × 1 · qwen3-1.7b · loss parity
+
+model qwen3-1.7b (1,720,574,976 parameters); seq 2,048; 65,536 tokens/step; 4 microbatches; 20 optimizer steps
+
+| system | status | loss @1 | notes |
+|---|---|---:|---|
+| eager | ok | 12.3359 | fp32 weights |
+
+## 2026-11-26 10:17 UTC · NVIDIA H200 × 4 · qwen3-1.7b · throughput
+
+model qwen3-1.7b (1,720,574,976 parameters); seq 2,048; 65,536 tokens/step; 4 microbatches; 8 timed steps after 2 (rpcompile-delayed: 4) warm-up; bf16 compute, fp32 master weights and Adam, SDPA, random token ids as labels; recompute-inclusive ceiling 201,999 tokens/s at 790 TFLOP/s per GPU; torch 2.11.0+cu130, host 64 cores / 504 GiB.
+
+| system | status | tokens/s | s/step | MFU | of ceiling | peak GPU mem | host mem peak | loss (first → last) | rpcompile ÷ system | setup s | notes |
+|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|
+| rpcompile-delayed | ok | 59,407 | 1.103 | 22.1% | 29.4% | 10.9 GiB | 70.9 GiB | 12.337 → 12.341 |  | 226 | Config(optimizer_mode='delayed'): gradients applied one step late, as RoundPipe's async step; plan: 9 stage jobs, weights up 7.22 GiB/step, grads down ≈3.78 GiB/step; compute busy (last step) cuda:0 50%, cuda:1 37%, cuda:2 48%, cuda:3 72% |
+| roundpipe | ok | 40,174 | 1.631 | 14.9% | 19.9% | 48.5 GiB | 53.2 GiB | 12.336 → 12.340 |  | 42 |  |
+| rpcompile-overlapped | timeout |  |  |  |  | 4.3 GiB | 258.7 GiB | 12.337 → 12.340 |  | 169 | timeout after 240 s; a \\| pipe |
+
+Command: `python -m benchmarks.harness --model qwen3-1.7b --gpus 4 --steps 8 --systems rpcompile-delayed,roundpipe`
+
+<details><summary>stderr of the systems that did not finish</summary>
+
+| not | a | row |
+</details>
+"""
+
+
+def test_results_md_tables_read_back_as_runs():
+    from benchmarks.results_md import parse_results_md
+
+    runs = parse_results_md(RESULTS_EXCERPT, source="RESULTS.md")
+    assert len(runs) == 1                                      # the loss-parity section is not read
+    meta, results = runs[0]["meta"], {r["system"]: r for r in runs[0]["results"]}
+    assert (meta["date"], meta["card"], meta["gpus"], meta["mode"]) == ("2026-11-26 10:17 UTC", "NVIDIA H200", 4,
+                                                                        "throughput")
+    assert meta["settings"] == {"model": "qwen3-1.7b", "seq_len": 2048, "tokens_per_step": 65536,
+                                "microbatches": 4, "steps": 8, "warmup": 2}
+    assert meta["n_params"] == 1_720_574_976 and meta["command"].endswith("--systems rpcompile-delayed,roundpipe")
+    assert set(results) == {"rpcompile-delayed", "roundpipe", "rpcompile-overlapped"}   # not the stderr's "row"
+    d = results["rpcompile-delayed"]
+    assert d["status"] == "ok" and d["tokens_per_s"] == 59_407 and d["s_per_step"] == 1.103 and d["setup_s"] == 226
+    assert d["host_mem_peak_bytes"] == pytest.approx(70.9 * 2**30)
+    assert d["compute_busy_frac"] == {"cuda:0": 0.5, "cuda:1": 0.37, "cuda:2": 0.48, "cuda:3": 0.72}
+    assert d["timed_steps_done"] == 8 and "timed_step_s" not in d        # a table has no per-step times
+    assert "compute_busy_frac" not in results["roundpipe"] and results["roundpipe"]["tokens_per_s"] == 40_174
+    o = results["rpcompile-overlapped"]
+    assert o["status"] == "timeout" and "tokens_per_s" not in o and "timed_steps_done" not in o
+    assert "a | pipe" in o["notes"][0]
+
+
+def test_every_throughput_table_of_the_repos_results_md_reads():
+    from benchmarks.results_md import load_results_md
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "RESULTS.md")
+    with open(path) as f:
+        headings = [l for l in f if l.startswith("## ") and l.rstrip().endswith("· throughput")]
+    runs = load_results_md(path)
+    assert len(runs) == len(headings) > 0
+    for run in runs:
+        s = run["meta"]["settings"]
+        assert s["seq_len"] > 0 and s["tokens_per_step"] > 0 and s["steps"] > 0 and run["meta"]["n_params"] > 0
+        assert run["results"] and all(r["system"] and r["status"] for r in run["results"])
