@@ -437,3 +437,152 @@ def test_every_throughput_table_of_the_repos_results_md_reads():
         s = run["meta"]["settings"]
         assert s["seq_len"] > 0 and s["tokens_per_step"] > 0 and s["steps"] > 0 and run["meta"]["n_params"] > 0
         assert run["results"] and all(r["system"] and r["status"] for r in run["results"])
+
+
+# --- issue 16's bar from the runs -----------------------------------------------------------------
+def _bar_run(date, gpus, systems, model="qwen3-1.7b", card="NVIDIA H100 80GB HBM3", tokens=65536, seq=2048):
+    return {"meta": {"date": date, "card": card, "gpus": gpus, "mode": "throughput", "n_params": 10**9,
+                     "settings": {"model": model, "seq_len": seq, "tokens_per_step": tokens}},
+            "results": [{"system": name, "status": "ok", **figures} for name, figures in systems.items()]}
+
+
+def _delayed(tokens_per_s, gpus, **over):
+    """A rpcompile-delayed result that meets every row of the bar, unless `over` says otherwise."""
+    return {"tokens_per_s": tokens_per_s, "timed_step_s": [1.0] * 7 + [1.2], "timed_steps_done": 8,
+            "compute_busy_frac": {f"cuda:{i}": 0.9 for i in range(gpus)}, "host_mem_peak_bytes": 18e9,
+            "setup_s": 50.0, **over}
+
+
+def _fast(tokens_per_s):
+    return {"tokens_per_s": tokens_per_s, "timed_steps_done": 8}
+
+
+def _passing_runs(model):
+    # 1 -> 4 GPUs: 37,000 / 10,000 = 3.7x; RoundPipe at 60% of rpcompile-delayed: 1.67x
+    return [_bar_run(f"2026-12-01 0{n}:00 UTC", n, {"rpcompile-delayed": _delayed(t, n), "roundpipe": _fast(0.6 * t),
+                                                     "rpcompile": _fast(t), "rpcompile-overlapped": _fast(t)}, model)
+            for n, t in ((1, 10_000), (2, 19_000), (4, 37_000))]
+
+
+REFERENCE = {(m, s, n): 9_000 for m in ("qwen3-1.7b", "llama3.1-8b") for s in ("rpcompile", "rpcompile-overlapped")
+             for n in (1, 4)}
+
+
+def _bar_row(rows, key, gpus="1", model="qwen3-1.7b"):
+    found = [r for r in rows if key in r.item and r.model == model and r.gpus == gpus]
+    assert len(found) == 1, (key, gpus, model, [r.item for r in rows])
+    return found[0]
+
+
+def test_bar_holds_when_every_row_does(tmp_path):
+    from benchmarks import bar
+
+    runs = _passing_runs("qwen3-1.7b") + _passing_runs("llama3.1-8b")
+    rows = bar.evaluate(runs, reference=REFERENCE)
+    assert {r.verdict for r in rows} == {"holds"}, [(r.item, r.gpus, r.figure) for r in rows if r.verdict != "holds"]
+    # per model: workload, 3 ratios, scaling, busy, 3 slowest, 3 host memory, 4 exact; setup for Qwen only;
+    # then one timed-steps row per run used
+    assert len(rows) == 2 * 16 + 1 + 6
+    assert _bar_row(rows, "÷ RoundPipe", "4").figure == "1.67× (37,000 / 22,200 tokens/s)"
+    assert _bar_row(rows, "scaling", "1 → 4").figure == "3.70× (37,000 / 10,000 tokens/s)"
+    assert _bar_row(rows, "slowest", "2").figure.startswith("1.20 (1.200 s / median 1.000 s)")
+    assert _bar_row(rows, "host memory", "4").figure.startswith("18.0 B/param")
+    assert "2026-12-01 04:00 UTC, NVIDIA H100 80GB HBM3 × 4" in bar.render(rows)
+    # the command line: --strict exits 0 when nothing misses
+    for run in runs:
+        run_files.write_run(str(tmp_path), run)
+    assert bar.main(["--runs", str(tmp_path), "--results", "", "--strict"]) == 0
+
+
+def test_bar_rows_that_miss(tmp_path, capsys):
+    from benchmarks import bar
+
+    runs = _passing_runs("qwen3-1.7b")
+    slow = _delayed(25_000, 4, compute_busy_frac={"cuda:0": 0.9, "cuda:1": 0.6, "cuda:2": 0.9, "cuda:3": 0.9},
+                    timed_step_s=[1.0, 1.0, 1.0, 1.5], timed_steps_done=4, host_mem_peak_bytes=40e9, setup_s=90.0)
+    # newest 4-GPU run: RoundPipe close behind, scaling 2.5x; an older, better one is not read
+    runs.append(_bar_run("2026-12-02 00:00 UTC", 4, {"rpcompile-delayed": slow, "roundpipe": _fast(20_000),
+                                                     "rpcompile": _fast(9_000), "rpcompile-overlapped": _fast(8_000)}))
+    rows = bar.evaluate(runs, reference=REFERENCE)
+    miss = {(r.item.split(" (")[0], r.gpus) for r in rows if r.verdict == "misses" and r.model == "qwen3-1.7b"}
+    assert _bar_row(rows, "÷ RoundPipe", "4").figure.startswith("1.25×")
+    assert _bar_row(rows, "compute busy", "4").figure.startswith("60% lowest")
+    assert _bar_row(rows, "slowest", "4").figure.startswith("1.50")
+    assert _bar_row(rows, "host memory", "4").figure.startswith("40.0 B/param")
+    assert _bar_row(rows, "first steps", "4").figure == "90 s"
+    assert {("rpcompile-delayed ÷ RoundPipe, same run", "4"), ("scaling 1 → 4 GPUs", "1 → 4"),
+            ("compute busy on every GPU", "4"), ("slowest timed step ÷ median", "4"),
+            ("host memory peak per parameter", "4"), ("first steps at 4 GPUs: capture, plan, compile", "4"),
+            ("exact mode", "4"), ("overlapped mode", "4"), ("timed steps after warm-up, every run used above", "4")} == miss
+    assert _bar_row(rows, "÷ RoundPipe", "1").verdict == "holds"       # the other GPU counts are untouched
+    # exact modes: "no slower" on 1 GPU holds at the reference, "faster" on 4 does not
+    at_ref = bar.evaluate(runs, reference={("qwen3-1.7b", "rpcompile", 1): 10_000, ("qwen3-1.7b", "rpcompile", 4): 9_000})
+    assert _bar_row(at_ref, "exact mode", "1").verdict == "holds" and _bar_row(at_ref, "exact mode", "4").verdict == "misses"
+
+    for run in runs:
+        run_files.write_run(str(tmp_path), run)
+    assert bar.main(["--runs", str(tmp_path), "--results", ""]) == 0          # a report ...
+    assert "**misses**" in capsys.readouterr().out
+    assert bar.main(["--runs", str(tmp_path), "--results", "", "--strict"]) == 1   # ... unless --strict
+
+
+def test_bar_says_not_measured_where_data_is_missing():
+    from benchmarks import bar
+
+    one = _delayed(10_000, 1)
+    del one["timed_step_s"], one["compute_busy_frac"]
+    four = _delayed(30_000, 4, compute_busy_frac={"cuda:0": 0.95, "cuda:1": 0.95, "cuda:2": 0.95})   # a GPU idle
+    del four["timed_step_s"], four["setup_s"]
+    runs = [_bar_run("2026-12-01 01:00 UTC", 1, {"rpcompile-delayed": one, "rpcompile": _fast(10_000)}),
+            _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": four}),
+            _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(99_000, 4)}, seq=4096),   # not seq 2048
+            _bar_run("2026-12-01 06:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2)}, card="CPU")]  # not a GPU
+    rows = bar.evaluate(runs)                                     # the issue's reference figures: none known
+    assert _bar_row(rows, "÷ RoundPipe", "1").verdict == "not measured" and _bar_row(rows, "÷ RoundPipe", "1").figure == "no run"
+    assert _bar_row(rows, "slowest", "1").figure == "per-step times not recorded"
+    assert _bar_row(rows, "slowest", "1").verdict == "not measured"
+    assert _bar_row(rows, "slowest", "2").figure == "no run"
+    assert _bar_row(rows, "first steps", "4").verdict == "not measured"
+    busy = _bar_row(rows, "compute busy", "4")          # three GPUs in the trace: the fourth did no compute
+    assert busy.verdict == "misses" and "1 GPU(s) not in the trace" in busy.figure
+    assert _bar_row(rows, "scaling", "1 → 4").figure.startswith("3.00×")          # 30,000 / 10,000, seq 2048 only
+    assert _bar_row(rows, "workload", "1, 2, 4").verdict == "not measured"       # no 2-GPU run counts
+    assert _bar_row(rows, "exact mode", "1").verdict == "no reference"
+    assert _bar_row(rows, "exact mode", "1").figure == "10,000 tokens/s"
+    assert _bar_row(rows, "exact mode", "4").verdict == "not measured"
+    assert all(r.verdict == "not measured" for r in rows if r.model == "llama3.1-8b")
+    # a row reads the newest run that has its figure: an older run with per-step times over a newer table
+    older = _bar_run("2026-11-30 01:00 UTC", 1, {"rpcompile-delayed": _delayed(9_000, 1, timed_step_s=[1.0, 1.1, 1.0])})
+    row = _bar_row(bar.evaluate(runs + [older]), "slowest", "1")
+    assert row.figure.startswith("1.10") and row.verdict == "holds" and [r for r, _ in row.sources] == [older]
+    # the workload misses when the GPU counts ran different tokens per step
+    runs.append(_bar_run("2026-12-01 07:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2)}, tokens=32768))
+    assert _bar_row(bar.evaluate(runs), "workload", "1, 2, 4").verdict == "misses"
+
+
+def test_bar_never_forms_a_ratio_across_two_runs():
+    from benchmarks import bar
+
+    newer = _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
+    older = _bar_run("2026-12-01 04:00 UTC", 4, {"roundpipe": _fast(10_000)})
+    rows = bar.evaluate([newer, older])
+    assert _bar_row(rows, "÷ RoundPipe", "4").verdict == "not measured" and not _bar_row(rows, "÷ RoundPipe", "4").sources
+    # a run that has both is read, even an older one, and only it
+    both = _bar_run("2026-12-01 03:00 UTC", 4, {"rpcompile-delayed": _delayed(30_000, 4), "roundpipe": _fast(25_000)})
+    row = _bar_row(bar.evaluate([newer, older, both]), "÷ RoundPipe", "4")
+    assert row.figure.startswith("1.20×") and row.verdict == "misses" and [r for r, _ in row.sources] == [both]
+    # scaling pairs runs only on the same card and at the same tokens per step
+    other_card = _bar_run("2026-12-01 01:00 UTC", 1, {"rpcompile-delayed": _delayed(10_000, 1)}, card="NVIDIA H200")
+    other_tokens = _bar_run("2026-12-01 02:00 UTC", 1, {"rpcompile-delayed": _delayed(10_000, 1)}, tokens=32768)
+    assert _bar_row(bar.evaluate([newer, other_card, other_tokens]), "scaling", "1 → 4").verdict == "not measured"
+
+
+def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
+    from benchmarks import bar
+
+    recorded = _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
+    table = json.loads(json.dumps(recorded))
+    table["meta"]["source"] = "benchmarks/RESULTS.md"
+    other = _bar_run("2026-12-01 03:00 UTC", 4, {"rpcompile-delayed": _delayed(30_000, 4)})
+    merged = bar.merge([recorded], [table, other])
+    assert merged == [recorded, other]                           # newest first, the file's copy kept
