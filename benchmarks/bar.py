@@ -42,9 +42,8 @@ HOST_BYTES_BAR = 20        # host memory peak per parameter, delayed mode
 SETUP_BAR_S = 60           # capture, plan and compile at 4 GPUs, Qwen3-1.7B
 TIMED_STEPS_BAR = 8
 
-# The issue's reference figures for the exact modes, {(model, system, gpus): tokens/s}. Neither
-# the issue's text here nor RESULTS.md records them, so those rows say "no reference" rather
-# than invent one; evaluate() takes them when they are known.
+# The issue's reference figures for the exact modes, {(model, system, gpus): tokens/s}. RESULTS.md
+# records none, so those rows say "no reference" rather than invent one; evaluate() takes them.
 EXACT_REFERENCE: dict = {}
 
 HOLDS, MISSES, NOT_MEASURED, NO_REFERENCE = "holds", "misses", "not measured", "no reference"
@@ -273,7 +272,7 @@ def timed_steps_rows(rows: list) -> list:
     """At least 8 timed steps in every run another row used, for each system it used there."""
     used: dict = {}
     for row in rows:
-        for run, systems in row.sources:
+        for run, systems in row.sources if row.verdict != NOT_MEASURED else ():   # runs a figure came from
             used.setdefault(id(run), (run, set()))[1].update(systems)
     out = []
     for run, systems in sorted(used.values(), key=lambda p: sort_key(p[0]), reverse=True):
