@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Optional
 
-from . import report
+from . import report, run_files
 from .common import (LR, GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
                      utilisation)
 from .systems import get_system
@@ -82,6 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "RESULTS.md"),
                    help="markdown file the section is appended to ('' for none)")
     p.add_argument("--json", default="", help="JSON file the run is appended to (a list of runs)")
+    p.add_argument("--record", nargs="?", const=run_files.DEFAULT_DIR, default="", metavar="DIR",
+                   help="also keep the run as its own file in DIR (default benchmarks/runs/), named by UTC time, "
+                        "card, GPU count and model, for `python -m benchmarks.bar`; with --render, every run of "
+                        "the JSON file")
     p.add_argument("--timeout", type=float, default=240, help="seconds per system")
     p.add_argument("--budget", type=float, default=0, help="seconds for the whole invocation (0: no limit)")
     p.add_argument("--log-dir", default="", help="children's stdout/stderr (default: next to --json, else a temp dir)")
@@ -221,7 +225,8 @@ class Harness:
         self.spec = get_model(args.model)
         self.n_params = param_count(self.spec)
         self.t0 = time.time()
-        self.date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        self.started = _dt.datetime.now(_dt.timezone.utc)
+        self.date = self.started.strftime("%Y-%m-%d %H:%M UTC")
         self.deadline = self.t0 + args.budget if args.budget > 0 else None
         json_dir = os.path.dirname(os.path.abspath(args.json)) if args.json else None
         self.log_dir = args.log_dir or (os.path.join(json_dir, "logs") if json_dir else
@@ -253,7 +258,7 @@ class Harness:
                                                                            default=DEFAULT_WARMUP)
         settings["options"] = a.options
         settings["tokens_per_step"] = max(1, a.tokens_per_step // a.seq_len) * a.seq_len
-        meta = {"date": self.date, "card": card,
+        meta = {"date": self.date, "started_utc": self.started.strftime("%Y-%m-%dT%H:%M:%SZ"), "card": card,
                 "gpus": a.gpus, "mode": self.mode, "settings": settings,
                 "n_params": self.n_params, "peak_tflops_per_gpu": PEAK_FLOPS_PER_GPU / 1e12, "env": m,
                 "command": "python -m benchmarks.harness " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("harness.py") else "",
@@ -289,6 +294,8 @@ class Harness:
                 except OSError:
                     self._md_base = ""
             _atomic_write(self.args.out, report.append_section(self._md_base, report.render_run(run)))
+        if self.args.record:
+            run_files.write_run(self.args.record, run)
 
     # the systems
     def time_left(self) -> float:
@@ -446,6 +453,7 @@ class Harness:
         tokens = raw.get("tokens_per_step") or max(1, a.tokens_per_step // a.seq_len) * a.seq_len
         r["tokens_per_step"] = tokens
         r["step_s"] = [s.get("s") for s in steps]
+        r["timed_step_s"] = [s["s"] for s in timed]       # each timed step: the slowest against the median
         r["timed_steps_done"] = len(timed)
         if raw.get("s_per_step") and status == "ok":
             r["s_per_step"] = raw["s_per_step"]
@@ -582,10 +590,14 @@ def _atomic_write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def render_json(json_path: str, out: str) -> None:
+def render_json(json_path: str, out: str, record: str = "") -> None:
     with open(json_path) as f:
         runs = json.load(f)
     runs = runs if isinstance(runs, list) else [runs]
+    for run in runs if record else []:
+        run_files.write_run(record, run)
+    if not out:
+        return
     try:
         with open(out) as f:
             text = f.read()
@@ -599,7 +611,7 @@ def render_json(json_path: str, out: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
-        render_json(args.render, args.out)
+        render_json(args.render, args.out, args.record)
         return 0
     h = Harness(args)
     h.run()

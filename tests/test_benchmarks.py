@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # `pytest` as well as `python -m pytest`
-from benchmarks import common, harness, report  # noqa: E402
+from benchmarks import common, harness, report, run_files  # noqa: E402
 from benchmarks.systems import SYSTEMS, get_system  # noqa: E402
 from benchmarks.systems import rpcompile_runner  # noqa: E402
 
@@ -140,6 +140,7 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["n_params"] == common.param_count(common.get_model("tiny"))
         assert r["host_rss_peak_bytes"] > 0 and r["host_mem_peak_bytes"] >= r["host_rss_peak_bytes"]
         assert r["timed_steps_done"] == 2
+        assert len(r["timed_step_s"]) == 2 and all(x > 0 for x in r["timed_step_s"])   # for slowest / median
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
@@ -168,6 +169,36 @@ def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):
                          "--warmup", "1", "--timeout", "10")
     r = res["simulated"]
     assert r["status"] == "timeout" and r.get("partial") and r["tokens_per_s"] > 0   # what it measured is kept
+
+
+def test_harness_records_each_run_as_a_file(tmp_path):
+    runs_dir = tmp_path / "runs"
+    res, _, meta = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.05", "--steps", "3",
+                            "--warmup", "1", "--timeout", "60", "--record", str(runs_dir))
+    r = res["simulated"]
+    assert r["status"] == "ok" and len(r["timed_step_s"]) == 3 and all(x >= 0.05 for x in r["timed_step_s"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["started_utc"])
+    files = os.listdir(runs_dir)
+    stamp = meta["started_utc"].replace("-", "").replace(":", "")
+    assert files == [f"{stamp}_CPU_x1_tiny.json"]                 # time, card, GPU count, model
+    recorded = json.loads((runs_dir / files[0]).read_text())
+    assert recorded["meta"]["started_utc"] == meta["started_utc"]
+    assert recorded["results"][0]["timed_step_s"] == r["timed_step_s"]
+    # the harness's --json list of runs, recorded back on the development machine
+    again = tmp_path / "again"
+    harness.main(["--render", str(tmp_path / "results.json"), "--out", "", "--record", str(again)])
+    assert os.listdir(again) == files
+    loaded = run_files.load_runs(str(again))
+    assert len(loaded) == 1 and loaded[0]["results"] == recorded["results"]
+    assert loaded[0]["meta"]["source"].endswith(files[0])
+
+
+def test_run_file_names():
+    meta = {"date": "2026-11-26 10:17 UTC", "card": "NVIDIA H100 80GB HBM3", "gpus": 4, "mode": "throughput",
+            "settings": {"model": "llama3.1-8b"}}
+    assert run_files.run_file_name(meta) == "20261126T1017Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b.json"
+    meta.update(started_utc="2026-11-26T10:17:03Z", mode="losscurve")
+    assert run_files.run_file_name(meta) == "20261126T101703Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b_losscurve.json"
 
 
 @pytest.mark.parametrize("how", ["exit_on_oom", "restart_after_oom"])
@@ -340,3 +371,218 @@ def test_trace_hops_reports_each_microbatchs_hop_between_jobs():
     text = summarize(spans)
     assert "  50.0" in text and "hops: 2, median 50.0 ms, max 50.0 ms" in text
     assert "compute span 0.350 s" in text and "cuda:0: 0.200 s" in text and "cuda:1: 0.200 s" in text
+
+
+# --- RESULTS.md's raw tables read back ------------------------------------------------------------
+RESULTS_EXCERPT = """\
+## 2026-11-26 03:37 UTC · NVIDIA H200 × 1 · qwen3-1.7b · loss parity
+
+model qwen3-1.7b (1,720,574,976 parameters); seq 2,048; 65,536 tokens/step; 4 microbatches; 20 optimizer steps
+
+| system | status | loss @1 | notes |
+|---|---|---:|---|
+| eager | ok | 12.3359 | fp32 weights |
+
+## 2026-11-26 10:17 UTC · NVIDIA H200 × 4 · qwen3-1.7b · throughput
+
+model qwen3-1.7b (1,720,574,976 parameters); seq 2,048; 65,536 tokens/step; 4 microbatches; 8 timed steps after 2 (rpcompile-delayed: 4) warm-up; bf16 compute, fp32 master weights and Adam, SDPA, random token ids as labels; recompute-inclusive ceiling 201,999 tokens/s at 790 TFLOP/s per GPU; torch 2.11.0+cu130, host 64 cores / 504 GiB.
+
+| system | status | tokens/s | s/step | MFU | of ceiling | peak GPU mem | host mem peak | loss (first → last) | rpcompile ÷ system | setup s | notes |
+|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|
+| rpcompile-delayed | ok | 59,407 | 1.103 | 22.1% | 29.4% | 10.9 GiB | 70.9 GiB | 12.337 → 12.341 |  | 226 | Config(optimizer_mode='delayed'): gradients applied one step late, as RoundPipe's async step; plan: 9 stage jobs, weights up 7.22 GiB/step, grads down ≈3.78 GiB/step; compute busy (last step) cuda:0 50%, cuda:1 37%, cuda:2 48%, cuda:3 72% |
+| roundpipe | ok | 40,174 | 1.631 | 14.9% | 19.9% | 48.5 GiB | 53.2 GiB | 12.336 → 12.340 |  | 42 |  |
+| rpcompile-overlapped | timeout |  |  |  |  | 4.3 GiB | 258.7 GiB | 12.337 → 12.340 |  | 169 | timeout after 240 s; a \\| pipe |
+
+Command: `python -m benchmarks.harness --model qwen3-1.7b --gpus 4 --steps 8 --systems rpcompile-delayed,roundpipe`
+
+<details><summary>stderr of the systems that did not finish</summary>
+
+| not | a | row |
+</details>
+"""
+
+
+def test_results_md_tables_read_back_as_runs():
+    from benchmarks.results_md import parse_results_md
+
+    runs = parse_results_md(RESULTS_EXCERPT, source="RESULTS.md")
+    assert len(runs) == 1                                      # the loss-parity section is not read
+    meta, results = runs[0]["meta"], {r["system"]: r for r in runs[0]["results"]}
+    assert (meta["date"], meta["card"], meta["gpus"], meta["mode"]) == ("2026-11-26 10:17 UTC", "NVIDIA H200", 4,
+                                                                        "throughput")
+    assert meta["settings"] == {"model": "qwen3-1.7b", "seq_len": 2048, "tokens_per_step": 65536,
+                                "microbatches": 4, "steps": 8, "warmup": 2}
+    assert meta["n_params"] == 1_720_574_976 and meta["command"].endswith("--systems rpcompile-delayed,roundpipe")
+    assert set(results) == {"rpcompile-delayed", "roundpipe", "rpcompile-overlapped"}   # not the stderr's "row"
+    d = results["rpcompile-delayed"]
+    assert d["status"] == "ok" and d["tokens_per_s"] == 59_407 and d["s_per_step"] == 1.103 and d["setup_s"] == 226
+    assert d["host_mem_peak_bytes"] == pytest.approx(70.9 * 2**30)
+    assert d["compute_busy_frac"] == {"cuda:0": 0.5, "cuda:1": 0.37, "cuda:2": 0.48, "cuda:3": 0.72}
+    assert d["timed_steps_done"] == 8 and "timed_step_s" not in d        # a table has no per-step times
+    assert "compute_busy_frac" not in results["roundpipe"] and results["roundpipe"]["tokens_per_s"] == 40_174
+    o = results["rpcompile-overlapped"]
+    assert o["status"] == "timeout" and "tokens_per_s" not in o and "timed_steps_done" not in o
+    assert "a | pipe" in o["notes"][0]
+
+
+def test_every_throughput_table_of_the_repos_results_md_reads():
+    from benchmarks.results_md import load_results_md
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "RESULTS.md")
+    with open(path) as f:
+        headings = [l for l in f if l.startswith("## ") and l.rstrip().endswith("· throughput")]
+    runs = load_results_md(path)
+    assert len(runs) == len(headings) > 0
+    for run in runs:
+        s = run["meta"]["settings"]
+        assert s["seq_len"] > 0 and s["tokens_per_step"] > 0 and s["steps"] > 0 and run["meta"]["n_params"] > 0
+        assert run["results"] and all(r["system"] and r["status"] for r in run["results"])
+
+
+# --- issue 16's bar from the runs -----------------------------------------------------------------
+def _bar_run(date, gpus, systems, model="qwen3-1.7b", card="NVIDIA H100 80GB HBM3", tokens=65536, seq=2048):
+    return {"meta": {"date": date, "card": card, "gpus": gpus, "mode": "throughput", "n_params": 10**9,
+                     "settings": {"model": model, "seq_len": seq, "tokens_per_step": tokens}},
+            "results": [{"system": name, "status": "ok", **figures} for name, figures in systems.items()]}
+
+
+def _delayed(tokens_per_s, gpus, **over):
+    """A rpcompile-delayed result that meets every row of the bar, unless `over` says otherwise."""
+    return {"tokens_per_s": tokens_per_s, "timed_step_s": [1.0] * 7 + [1.2], "timed_steps_done": 8,
+            "compute_busy_frac": {f"cuda:{i}": 0.9 for i in range(gpus)}, "host_mem_peak_bytes": 18e9,
+            "setup_s": 50.0, **over}
+
+
+def _fast(tokens_per_s):
+    return {"tokens_per_s": tokens_per_s, "timed_steps_done": 8}
+
+
+def _passing_runs(model):
+    # 1 -> 4 GPUs: 37,000 / 10,000 = 3.7x; RoundPipe at 60% of rpcompile-delayed: 1.67x
+    return [_bar_run(f"2026-12-01 0{n}:00 UTC", n, {"rpcompile-delayed": _delayed(t, n), "roundpipe": _fast(0.6 * t),
+                                                     "rpcompile": _fast(t), "rpcompile-overlapped": _fast(t)}, model)
+            for n, t in ((1, 10_000), (2, 19_000), (4, 37_000))]
+
+
+REFERENCE = {(m, s, n): 9_000 for m in ("qwen3-1.7b", "llama3.1-8b") for s in ("rpcompile", "rpcompile-overlapped")
+             for n in (1, 4)}
+
+
+def _bar_row(rows, key, gpus="1", model="qwen3-1.7b"):
+    found = [r for r in rows if key in r.item and r.model == model and r.gpus == gpus]
+    assert len(found) == 1, (key, gpus, model, [r.item for r in rows])
+    return found[0]
+
+
+def test_bar_holds_when_every_row_does(tmp_path):
+    from benchmarks import bar
+
+    runs = _passing_runs("qwen3-1.7b") + _passing_runs("llama3.1-8b")
+    rows = bar.evaluate(runs, reference=REFERENCE)
+    assert {r.verdict for r in rows} == {"holds"}, [(r.item, r.gpus, r.figure) for r in rows if r.verdict != "holds"]
+    # per model: workload, 3 ratios, scaling, busy, 3 slowest, 3 host memory, 4 exact; setup for Qwen only;
+    # then one timed-steps row per run used
+    assert len(rows) == 2 * 16 + 1 + 6
+    assert _bar_row(rows, "÷ RoundPipe", "4").figure == "1.67× (37,000 / 22,200 tokens/s)"
+    assert _bar_row(rows, "scaling", "1 → 4").figure == "3.70× (37,000 / 10,000 tokens/s)"
+    assert _bar_row(rows, "slowest", "2").figure.startswith("1.20 (1.200 s / median 1.000 s)")
+    assert _bar_row(rows, "host memory", "4").figure.startswith("18.0 B/param")
+    assert "2026-12-01 04:00 UTC, NVIDIA H100 80GB HBM3 × 4" in bar.render(rows)
+    # the command line: --strict exits 0 when nothing misses
+    for run in runs:
+        run_files.write_run(str(tmp_path), run)
+    assert bar.main(["--runs", str(tmp_path), "--results", "", "--strict"]) == 0
+
+
+def test_bar_rows_that_miss(tmp_path, capsys):
+    from benchmarks import bar
+
+    runs = _passing_runs("qwen3-1.7b")
+    slow = _delayed(25_000, 4, compute_busy_frac={"cuda:0": 0.9, "cuda:1": 0.6, "cuda:2": 0.9, "cuda:3": 0.9},
+                    timed_step_s=[1.0, 1.0, 1.0, 1.5], timed_steps_done=4, host_mem_peak_bytes=40e9, setup_s=90.0)
+    # newest 4-GPU run: RoundPipe close behind, scaling 2.5x; an older, better one is not read
+    runs.append(_bar_run("2026-12-02 00:00 UTC", 4, {"rpcompile-delayed": slow, "roundpipe": _fast(20_000),
+                                                     "rpcompile": _fast(9_000), "rpcompile-overlapped": _fast(8_000)}))
+    rows = bar.evaluate(runs, reference=REFERENCE)
+    miss = {(r.item.split(" (")[0], r.gpus) for r in rows if r.verdict == "misses" and r.model == "qwen3-1.7b"}
+    assert _bar_row(rows, "÷ RoundPipe", "4").figure.startswith("1.25×")
+    assert _bar_row(rows, "compute busy", "4").figure.startswith("60% lowest")
+    assert _bar_row(rows, "slowest", "4").figure.startswith("1.50")
+    assert _bar_row(rows, "host memory", "4").figure.startswith("40.0 B/param")
+    assert _bar_row(rows, "first steps", "4").figure == "90 s"
+    assert {("rpcompile-delayed ÷ RoundPipe, same run", "4"), ("scaling 1 → 4 GPUs", "1 → 4"),
+            ("compute busy on every GPU", "4"), ("slowest timed step ÷ median", "4"),
+            ("host memory peak per parameter", "4"), ("first steps at 4 GPUs: capture, plan, compile", "4"),
+            ("exact mode", "4"), ("overlapped mode", "4"), ("timed steps after warm-up, every run used above", "4")} == miss
+    assert _bar_row(rows, "÷ RoundPipe", "1").verdict == "holds"       # the other GPU counts are untouched
+    # exact modes: "no slower" on 1 GPU holds at the reference, "faster" on 4 does not
+    at_ref = bar.evaluate(runs, reference={("qwen3-1.7b", "rpcompile", 1): 10_000, ("qwen3-1.7b", "rpcompile", 4): 9_000})
+    assert _bar_row(at_ref, "exact mode", "1").verdict == "holds" and _bar_row(at_ref, "exact mode", "4").verdict == "misses"
+
+    for run in runs:
+        run_files.write_run(str(tmp_path), run)
+    assert bar.main(["--runs", str(tmp_path), "--results", ""]) == 0          # a report ...
+    assert "**misses**" in capsys.readouterr().out
+    assert bar.main(["--runs", str(tmp_path), "--results", "", "--strict"]) == 1   # ... unless --strict
+
+
+def test_bar_says_not_measured_where_data_is_missing():
+    from benchmarks import bar
+
+    one = _delayed(10_000, 1)
+    del one["timed_step_s"], one["compute_busy_frac"]
+    four = _delayed(30_000, 4, compute_busy_frac={"cuda:0": 0.95, "cuda:1": 0.95, "cuda:2": 0.95})   # a GPU idle
+    del four["timed_step_s"], four["setup_s"]
+    runs = [_bar_run("2026-12-01 01:00 UTC", 1, {"rpcompile-delayed": one, "rpcompile": _fast(10_000)}),
+            _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": four}),
+            _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(99_000, 4)}, seq=4096),   # not seq 2048
+            _bar_run("2026-12-01 06:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2)}, card="CPU")]  # not a GPU
+    rows = bar.evaluate(runs)                                     # the issue's reference figures: none known
+    assert _bar_row(rows, "÷ RoundPipe", "1").verdict == "not measured" and _bar_row(rows, "÷ RoundPipe", "1").figure == "no run"
+    assert _bar_row(rows, "slowest", "1").figure == "per-step times not recorded"
+    assert _bar_row(rows, "slowest", "1").verdict == "not measured"
+    assert _bar_row(rows, "slowest", "2").figure == "no run"
+    assert _bar_row(rows, "first steps", "4").verdict == "not measured"
+    busy = _bar_row(rows, "compute busy", "4")          # three GPUs in the trace: the fourth did no compute
+    assert busy.verdict == "misses" and "1 GPU(s) not in the trace" in busy.figure
+    assert _bar_row(rows, "scaling", "1 → 4").figure.startswith("3.00×")          # 30,000 / 10,000, seq 2048 only
+    assert _bar_row(rows, "workload", "1, 2, 4").verdict == "not measured"       # no 2-GPU run counts
+    assert _bar_row(rows, "exact mode", "1").verdict == "no reference"
+    assert _bar_row(rows, "exact mode", "1").figure == "10,000 tokens/s"
+    assert _bar_row(rows, "exact mode", "4").verdict == "not measured"
+    assert all(r.verdict == "not measured" for r in rows if r.model == "llama3.1-8b")
+    # a row reads the newest run that has its figure: an older run with per-step times over a newer table
+    older = _bar_run("2026-11-30 01:00 UTC", 1, {"rpcompile-delayed": _delayed(9_000, 1, timed_step_s=[1.0, 1.1, 1.0])})
+    row = _bar_row(bar.evaluate(runs + [older]), "slowest", "1")
+    assert row.figure.startswith("1.10") and row.verdict == "holds" and [r for r, _ in row.sources] == [older]
+    # the workload misses when the GPU counts ran different tokens per step
+    runs.append(_bar_run("2026-12-01 07:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2)}, tokens=32768))
+    assert _bar_row(bar.evaluate(runs), "workload", "1, 2, 4").verdict == "misses"
+
+
+def test_bar_never_forms_a_ratio_across_two_runs():
+    from benchmarks import bar
+
+    newer = _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
+    older = _bar_run("2026-12-01 04:00 UTC", 4, {"roundpipe": _fast(10_000)})
+    rows = bar.evaluate([newer, older])
+    assert _bar_row(rows, "÷ RoundPipe", "4").verdict == "not measured" and not _bar_row(rows, "÷ RoundPipe", "4").sources
+    # a run that has both is read, even an older one, and only it
+    both = _bar_run("2026-12-01 03:00 UTC", 4, {"rpcompile-delayed": _delayed(30_000, 4), "roundpipe": _fast(25_000)})
+    row = _bar_row(bar.evaluate([newer, older, both]), "÷ RoundPipe", "4")
+    assert row.figure.startswith("1.20×") and row.verdict == "misses" and [r for r, _ in row.sources] == [both]
+    # scaling pairs runs only on the same card and at the same tokens per step
+    other_card = _bar_run("2026-12-01 01:00 UTC", 1, {"rpcompile-delayed": _delayed(10_000, 1)}, card="NVIDIA H200")
+    other_tokens = _bar_run("2026-12-01 02:00 UTC", 1, {"rpcompile-delayed": _delayed(10_000, 1)}, tokens=32768)
+    assert _bar_row(bar.evaluate([newer, other_card, other_tokens]), "scaling", "1 → 4").verdict == "not measured"
+
+
+def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
+    from benchmarks import bar
+
+    recorded = _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
+    table = json.loads(json.dumps(recorded))
+    table["meta"]["source"] = "benchmarks/RESULTS.md"
+    other = _bar_run("2026-12-01 03:00 UTC", 4, {"rpcompile-delayed": _delayed(30_000, 4)})
+    merged = bar.merge([recorded], [table, other])
+    assert merged == [recorded, other]                           # newest first, the file's copy kept

@@ -1,0 +1,349 @@
+"""Issue 16's bar (multi-GPU scaling), row by row, from the runs the harness recorded.
+
+    python -m benchmarks.bar [--runs benchmarks/runs] [--results benchmarks/RESULTS.md] [--strict]
+
+Reads the run files of --runs (`harness --record`) and the raw throughput tables of --results
+(runs made before run files existed; a run in both is read from its file), and prints one row
+per bar item, per model and GPU count where it applies: the figure, the bar, whether it holds,
+misses or was not measured, and the run it comes from. Each row takes the newest run that
+counts (throughput, Qwen3-1.7B or Llama-3.1-8B, seq 2048, on GPUs) and has the row's figure.
+A ratio of two systems is taken only within one run (one harness invocation on one host);
+scaling pairs a 4-GPU run with a 1-GPU run of the same tokens per step on the same card.
+Exit status 0 (it is a report); --strict exits 1 when a row misses.
+"""
+from __future__ import annotations
+
+import argparse
+import operator
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .results_md import load_results_md
+from .run_files import DEFAULT_DIR, load_runs
+
+GiB = 2**30
+MODELS = ("qwen3-1.7b", "llama3.1-8b")
+MODEL_ALIASES = {"llama-3.1-8b": "llama3.1-8b"}
+SEQ_LEN = 2048
+GPU_COUNTS = (1, 2, 4)
+DELAYED, ROUNDPIPE = "rpcompile-delayed", "roundpipe"
+EXACT_MODES = {"rpcompile": "exact", "rpcompile-overlapped": "overlapped"}
+EXACT_BARS = ((1, "≥", operator.ge), (4, ">", operator.gt))      # no slower on 1 GPU, faster on 4
+
+RATIO_BAR = 1.5            # rpcompile-delayed tokens/s over RoundPipe's, one run
+SCALING_BAR = 3.6          # rpcompile-delayed tokens/s at 4 GPUs over at 1 GPU
+BUSY_BAR = 0.85            # compute busy share of every GPU at 4 GPUs
+BUSY_GPUS = 4
+SLOWEST_BAR = 1.25         # slowest timed step over the median
+HOST_BYTES_BAR = 20        # host memory peak per parameter, delayed mode
+SETUP_BAR_S = 60           # capture, plan and compile at 4 GPUs, Qwen3-1.7B
+TIMED_STEPS_BAR = 8
+
+# The issue's reference figures for the exact modes, {(model, system, gpus): tokens/s}. RESULTS.md
+# records none, so those rows say "no reference" rather than invent one; evaluate() takes them.
+EXACT_REFERENCE: dict = {}
+
+HOLDS, MISSES, NOT_MEASURED, NO_REFERENCE = "holds", "misses", "not measured", "no reference"
+
+
+@dataclass
+class Row:
+    item: str
+    model: str
+    gpus: str
+    figure: str
+    bar: str
+    verdict: str
+    sources: tuple = ()        # ((run, (systems used from it)), ...)
+
+
+# --- what a run says ---------------------------------------------------------------------------
+def model_of(run: dict) -> str:
+    name = str((run["meta"].get("settings") or {}).get("model", "")).lower()
+    return MODEL_ALIASES.get(name, name)
+
+
+def gpus_of(run: dict):
+    return run["meta"].get("gpus")
+
+
+def tokens_of(run: dict):
+    return (run["meta"].get("settings") or {}).get("tokens_per_step")
+
+
+def card_of(run: dict) -> str:
+    return run["meta"].get("card") or "?"
+
+
+def sort_key(run: dict) -> tuple:
+    # the date has the minute; started_utc (newer records) the second
+    return run["meta"].get("date") or "", run["meta"].get("started_utc") or ""
+
+
+def counts(run: dict, model: str) -> bool:
+    """A run the bar reads: throughput, the model, seq 2048, on GPUs."""
+    meta = run["meta"]
+    return (meta.get("mode", "throughput") == "throughput" and model_of(run) == model
+            and (meta.get("settings") or {}).get("seq_len") == SEQ_LEN and card_of(run) not in ("CPU", "no GPU", "?"))
+
+
+def finished(run: dict, system: str) -> Optional[dict]:
+    """The system's result if it finished every timed step with a throughput, else None."""
+    for r in run.get("results") or []:
+        if r.get("system") == system:
+            done = r.get("status") == "ok" and not r.get("partial") and r.get("tokens_per_s")
+            return r if done else None
+    return None
+
+
+def label(run: dict) -> str:
+    meta = run["meta"]
+    where = " (RESULTS.md)" if str(meta.get("source", "")).endswith(".md") else ""
+    return f"{meta.get('date', '?')}, {card_of(run)} × {gpus_of(run)}{where}"
+
+
+def merge(recorded: list, imported: list) -> list:
+    """Both lists, newest first; a RESULTS.md table of a run that also has its file is dropped."""
+    def key(run):
+        m = run["meta"]
+        return m.get("date"), m.get("card"), m.get("gpus"), model_of(run), m.get("mode", "throughput")
+    seen = {key(r) for r in recorded}
+    return sorted(recorded + [r for r in imported if key(r) not in seen], key=sort_key, reverse=True)
+
+
+def pick(runs: list, model: str, gpus: int, systems: tuple, figure: Callable) -> tuple:
+    """(run, figure) of the newest run at `gpus` where every one of `systems` finished and
+    figure(run) is not None; else (newest run where they finished, None); else (None, None)."""
+    fallback = None
+    for run in runs:
+        if not counts(run, model) or gpus_of(run) != gpus or not all(finished(run, s) for s in systems):
+            continue
+        value = figure(run)
+        if value is not None:
+            return run, value
+        fallback = fallback or run
+    return fallback, None
+
+
+# --- formatting ---------------------------------------------------------------------------------
+def _tps(x) -> str:
+    return f"{x:,.0f}"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
+def _missing(run: Optional[dict], what: str) -> str:
+    return f"{what} not recorded" if run else "no run"
+
+
+def _row(item, model, gpus, run, systems, value, fmt: Callable, bar: str, ok: Callable, what: str) -> Row:
+    """A row of one run: the figure if there is one, else why not."""
+    if value is None:
+        return Row(item, model, str(gpus), _missing(run, what), bar, NOT_MEASURED, ((run, systems),) if run else ())
+    return Row(item, model, str(gpus), fmt(value), bar, HOLDS if ok(value) else MISSES, ((run, systems),))
+
+
+# --- the bar, item by item ----------------------------------------------------------------------
+def workload_row(runs: list, model: str) -> Row:
+    """The same tokens per step at every GPU count (seq 2048 is what makes a run count)."""
+    chosen = {n: pick(runs, model, n, (DELAYED,), tokens_of)[0] for n in GPU_COUNTS}
+    tokens = {n: tokens_of(r) for n, r in chosen.items() if r}
+    figure = ", ".join(f"{_gpus(n)} {_tps(tokens[n]) if n in tokens else '—'}" for n in GPU_COUNTS) + " tokens/step"
+    if len(set(tokens.values())) > 1:
+        verdict = MISSES
+    else:
+        verdict = HOLDS if len(tokens) == len(GPU_COUNTS) else NOT_MEASURED
+    sources = tuple((r, (DELAYED,)) for r in chosen.values() if r)
+    return Row("workload: seq 2048, same tokens/step at 1, 2, 4 GPUs", model, "1, 2, 4", figure,
+               "one tokens/step", verdict, sources)
+
+
+def _both_tokens_per_s(run: dict) -> tuple:
+    return finished(run, DELAYED)["tokens_per_s"], finished(run, ROUNDPIPE)["tokens_per_s"]
+
+
+def roundpipe_rows(runs: list, model: str) -> list:
+    """Both systems from one run: a ratio across runs would compare hosts and days too."""
+    rows = []
+    for n in GPU_COUNTS:
+        run, value = pick(runs, model, n, (DELAYED, ROUNDPIPE), _both_tokens_per_s)
+        rows.append(_row("rpcompile-delayed ÷ RoundPipe, same run", model, n, run, (DELAYED, ROUNDPIPE), value,
+                         lambda v: f"{v[0] / v[1]:.2f}× ({_tps(v[0])} / {_tps(v[1])} tokens/s)",
+                         f"≥ {RATIO_BAR}×", lambda v: v[0] / v[1] >= RATIO_BAR, "ratio"))
+    return rows
+
+
+def scaling_row(runs: list, model: str) -> Row:
+    """The newest 4-GPU run that has a 1-GPU run of the same tokens per step on the same card."""
+    item, bar = "scaling 1 → 4 GPUs (rpcompile-delayed)", f"≥ {SCALING_BAR}×"
+    for four in runs:
+        if not (counts(four, model) and gpus_of(four) == 4 and finished(four, DELAYED)):
+            continue
+        one = next((r for r in runs if counts(r, model) and gpus_of(r) == 1 and finished(r, DELAYED)
+                    and tokens_of(r) == tokens_of(four) and card_of(r) == card_of(four)), None)
+        if one:
+            t4, t1 = finished(four, DELAYED)["tokens_per_s"], finished(one, DELAYED)["tokens_per_s"]
+            return Row(item, model, "1 → 4", f"{t4 / t1:.2f}× ({_tps(t4)} / {_tps(t1)} tokens/s)", bar,
+                       HOLDS if t4 / t1 >= SCALING_BAR else MISSES, ((four, (DELAYED,)), (one, (DELAYED,))))
+    return Row(item, model, "1 → 4", "no pair of runs (same card, same tokens/step)", bar, NOT_MEASURED)
+
+
+def _busy(run: dict) -> Optional[dict]:
+    return finished(run, DELAYED).get("compute_busy_frac") or None
+
+
+def busy_row(runs: list, model: str) -> Row:
+    run, value = pick(runs, model, BUSY_GPUS, (DELAYED,), _busy)
+
+    def fmt(b):
+        missing = BUSY_GPUS - len(b)   # a GPU with no compute span in the step was idle all of it
+        return (f"{100 * _lowest(b):.0f}% lowest (" + ", ".join(f"{d} {100 * f:.0f}%" for d, f in b.items())
+                + (f", {missing} GPU(s) not in the trace: 0%" if missing > 0 else "") + ")")
+    return _row("compute busy on every GPU (last step, rpcompile-delayed)", model, BUSY_GPUS, run, (DELAYED,), value, fmt,
+                f"≥ {100 * BUSY_BAR:.0f}%", lambda b: _lowest(b) >= BUSY_BAR, "compute busy")
+
+
+def _lowest(busy: dict) -> float:
+    return 0.0 if len(busy) < BUSY_GPUS else min(busy.values())
+
+
+def _timed_step_s(run: dict) -> Optional[list]:
+    return finished(run, DELAYED).get("timed_step_s") or None
+
+
+def slowest_rows(runs: list, model: str) -> list:
+    rows = []
+    for n in GPU_COUNTS:
+        run, value = pick(runs, model, n, (DELAYED,), _timed_step_s)
+        fmt = lambda s: f"{max(s) / statistics.median(s):.2f} ({max(s):.3f} s / median {statistics.median(s):.3f} s)"
+        rows.append(_row("slowest timed step ÷ median (rpcompile-delayed)", model, n, run, (DELAYED,), value, fmt,
+                         f"≤ {SLOWEST_BAR}", lambda s: max(s) <= SLOWEST_BAR * statistics.median(s),
+                         "per-step times"))
+    return rows
+
+
+def _host_bytes(run: dict) -> Optional[tuple]:
+    """(host memory peak, bytes per parameter) of the delayed system."""
+    r = finished(run, DELAYED)
+    n_params = r.get("n_params") or run["meta"].get("n_params")
+    peak = r.get("host_mem_peak_bytes")
+    return (peak, peak / n_params) if peak and n_params else None
+
+
+def host_memory_rows(runs: list, model: str) -> list:
+    rows = []
+    for n in GPU_COUNTS:
+        run, value = pick(runs, model, n, (DELAYED,), _host_bytes)
+        fmt = lambda v: f"{v[1]:.1f} B/param ({v[0] / GiB:.1f} GiB)"
+        rows.append(_row("host memory peak per parameter (rpcompile-delayed)", model, n, run, (DELAYED,), value, fmt,
+                         f"≤ {HOST_BYTES_BAR} B/param", lambda v: v[1] <= HOST_BYTES_BAR, "host memory"))
+    return rows
+
+
+def exact_rows(runs: list, model: str, reference: dict) -> list:
+    """Exact (rpcompile) and overlapped modes against the issue's reference figures."""
+    rows = []
+    for system, mode in EXACT_MODES.items():
+        for n, word, beats in EXACT_BARS:
+            ref = reference.get((model, system, n))
+            bar = f"{word} reference" + (f" {_tps(ref)} tokens/s" if ref else "")
+            run, value = pick(runs, model, n, (system,), lambda r: finished(r, system)["tokens_per_s"])
+            row = _row(f"{mode} mode ({system}) tokens/s against the issue's reference", model, n, run, (system,),
+                       value, lambda v: f"{_tps(v)} tokens/s", bar, lambda v: ref is not None and beats(v, ref),
+                       "tokens/s")
+            if value is not None and ref is None:
+                row.verdict = NO_REFERENCE
+            rows.append(row)
+    return rows
+
+
+def setup_row(runs: list, model: str) -> Row:
+    run, value = pick(runs, model, 4, (DELAYED,), lambda r: finished(r, DELAYED).get("setup_s"))
+    return _row("first steps at 4 GPUs: capture, plan, compile (setup s, rpcompile-delayed)", model, 4, run,
+                (DELAYED,), value, lambda v: f"{v:.0f} s", f"≤ {SETUP_BAR_S} s", lambda v: v <= SETUP_BAR_S, "setup s")
+
+
+def timed_steps_rows(rows: list) -> list:
+    """At least 8 timed steps in every run another row used, for each system it used there."""
+    used: dict = {}
+    for row in rows:
+        for run, systems in row.sources if row.verdict != NOT_MEASURED else ():   # runs a figure came from
+            used.setdefault(id(run), (run, set()))[1].update(systems)
+    out = []
+    for run, systems in sorted(used.values(), key=lambda p: sort_key(p[0]), reverse=True):
+        done = {s: (finished(run, s) or {}).get("timed_steps_done") for s in sorted(systems)}
+        known = [v for v in done.values() if v is not None]
+        if len(known) < len(done):
+            figure, verdict = "timed steps not recorded", NOT_MEASURED
+        else:
+            figure = f"{min(known)} ({', '.join(sorted(systems))})"
+            verdict = HOLDS if min(known) >= TIMED_STEPS_BAR else MISSES
+        out.append(Row("timed steps after warm-up, every run used above", model_of(run), str(gpus_of(run)), figure,
+                       f"≥ {TIMED_STEPS_BAR}", verdict, ((run, tuple(sorted(systems))),)))
+    return out
+
+
+def evaluate(runs: list, reference: Optional[dict] = None) -> list:
+    """Every row of the bar from `runs` (run records, any order)."""
+    reference = EXACT_REFERENCE if reference is None else reference
+    runs = sorted(runs, key=sort_key, reverse=True)
+    rows = []
+    for model in MODELS:
+        rows.append(workload_row(runs, model))
+        rows += roundpipe_rows(runs, model)
+        rows.append(scaling_row(runs, model))
+        rows.append(busy_row(runs, model))
+        rows += slowest_rows(runs, model)
+        rows += host_memory_rows(runs, model)
+        rows += exact_rows(runs, model, reference)
+        if model == "qwen3-1.7b":          # the bar sets the first-steps time for Qwen3-1.7B
+            rows.append(setup_row(runs, model))
+    return rows + timed_steps_rows(rows)
+
+
+# --- the printout --------------------------------------------------------------------------------
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def render(rows: list, header: str = "") -> str:
+    lines = [header, ""] if header else []
+    lines += ["| bar item | model | GPUs | figure | bar | verdict | run |", "|---|---|---:|---|---|---|---|"]
+    for r in rows:
+        run = "; ".join(label(run) for run, _ in r.sources) or "—"
+        lines.append("| " + " | ".join(_cell(c) for c in (r.item, r.model, r.gpus, r.figure, r.bar,
+                                                             f"**{r.verdict}**" if r.verdict == MISSES else r.verdict,
+                                                             run)) + " |")
+    tally = {v: sum(1 for r in rows if r.verdict == v) for v in (HOLDS, MISSES, NOT_MEASURED, NO_REFERENCE)}
+    lines += ["", ", ".join(f"{verdict}: {n}" for verdict, n in tally.items())]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default=DEFAULT_DIR, help="directory of run files (harness --record)")
+    p.add_argument("--results", default=os.path.join(os.path.dirname(DEFAULT_DIR), "RESULTS.md"),
+                   help="RESULTS.md whose raw throughput tables are read too ('' for none)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a row misses")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    recorded, imported = load_runs(args.runs), load_results_md(args.results)
+    runs = merge(recorded, imported)
+    rows = evaluate(runs)
+    header = (f"Issue 16's bar from {len(runs)} runs: {len(recorded)} run files in {os.path.relpath(args.runs)}, "
+              f"{len(runs) - len(recorded)} tables of {os.path.relpath(args.results) if args.results else '(none)'}")
+    print(render(rows, header))
+    return 1 if args.strict and any(r.verdict == MISSES for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
