@@ -9,11 +9,15 @@ and backward (as a stage job's recompute + backward) on a side stream in one wor
 GPU. Per option set it prints: host ms per call with one thread; the same with a thread per GPU
 at once; the speed-up of the threads together over one (1.0: launches queue behind one lock;
 N: they run side by side). Failures print their first lines and the probe goes on.
+
+`--processes` measures the other cure: one process per GPU (each its own interpreter), all
+started together after each compiled and warmed up.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import threading
 import time
 import traceback
@@ -83,20 +87,54 @@ def probe(options: dict, gpus: int, n: int) -> dict:
             "speedup_together": (gpus * n * single) / wall}
 
 
+def _process(device_index, options, n, barrier, results):
+    fn = torch.compile(block, options=options or None)
+    device = torch.device(f"cuda:{device_index}")
+    _calls(fn, device, 2, [])          # compile and warm up
+    barrier.wait()
+    t0 = time.perf_counter()
+    out: list = []
+    _calls(fn, device, n, out)
+    results.put((device_index, out[0], time.perf_counter() - t0))
+
+
+def probe_processes(options: dict, gpus: int, n: int) -> dict:
+    """A process per GPU; each compiles and warms up, then all run n calls at once."""
+    ctx = mp.get_context("spawn")
+    out = {}
+    for count in (1, gpus):
+        barrier, results = ctx.Barrier(count + 1), ctx.Queue()
+        procs = [ctx.Process(target=_process, args=(d, options, n, barrier, results)) for d in range(count)]
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=600)
+        t0 = time.perf_counter()
+        got = [results.get(timeout=600) for _ in procs]
+        wall = time.perf_counter() - t0
+        for p in procs:
+            p.join()
+        out[count] = {"host_ms_per_call": [g[1] * 1e3 for g in sorted(got)], "wall_s": wall}
+    single = out[1]["wall_s"] / n
+    return {"host_ms_per_call_alone": out[1]["host_ms_per_call"][0],
+            "host_ms_per_call_together": out[gpus]["host_ms_per_call"],
+            "speedup_together": gpus * n * single / out[gpus]["wall_s"]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--gpus", type=int, default=max(1, torch.cuda.device_count()))
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--options", nargs="+", default=["{}", '{"cpp_wrapper": true}'])
+    ap.add_argument("--processes", action="store_true", help="a process per GPU instead of a thread per GPU")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     results = {}
     for text in a.options:
         try:
-            r = probe(json.loads(text), a.gpus, a.calls)
-            print(f"{text}: compile {r['compile_s']:.1f} s; host {r['host_ms_per_call_alone']:.2f} ms/call alone, "
+            r = (probe_processes if a.processes else probe)(json.loads(text), a.gpus, a.calls)
+            print(f"{text}: {'processes' if a.processes else 'threads'}: host {r['host_ms_per_call_alone']:.2f} ms/call alone, "
                   + ", ".join(f"{t:.2f}" for t in r["host_ms_per_call_together"])
-                  + f" ms/call with {a.gpus} threads; together {r['speedup_together']:.2f}x one thread", flush=True)
+                  + f" ms/call with {a.gpus} at once; together {r['speedup_together']:.2f}x one", flush=True)
         except Exception as e:  # noqa: BLE001 - a probe reports and goes on
             r = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(f"{text}: FAILED {type(e).__name__}: {str(e)[:800]}", flush=True)
