@@ -34,6 +34,7 @@ class GradSet:
         self.layout, self.pin, self.kind = layout, pin, kind
         self.row_sums = row_sums        # param index -> host buffer its row pieces are summed into
         self._flat = None
+        self._host_views: dict = {}     # stage -> {key: view of the host piece}, made once
         self._lock = threading.Lock()
 
     def flat(self) -> torch.Tensor:
@@ -46,6 +47,13 @@ class GradSet:
         """The host piece a stage's job downloads its gradients into."""
         start, stop = self.layout.stages[stage]
         return self.flat()[start:stop]
+
+    def host_views(self, stage: int) -> dict:
+        """{key: view} of a stage's gradients in its host piece."""
+        views = self._host_views.get(stage)
+        if views is None:
+            views = self._host_views[stage] = self.views(stage, self.piece(stage))
+        return views
 
     def views(self, stage: int, piece: torch.Tensor) -> dict:
         """{key: view} of a stage's gradients in `piece` (its host piece or a device twin)."""

@@ -296,7 +296,7 @@ class JobContext:
             piece = grads.piece(self.stage.index)
             down = self.span("out", "download_grads", lambda: self.dev.download_into(self.grad_flat, piece),
                              bytes=piece.numel() * piece.element_size())
-            views = grads.views(self.stage.index, piece)
+            views = grads.host_views(self.stage.index)
             # One copy brings every gradient down: they share its completion event.
             self.step.param_grads[self.job_index] = {
                 key: Pending(views[key], down.event) if isinstance(down, Pending) else views[key]
