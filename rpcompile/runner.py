@@ -14,6 +14,7 @@ from .passes.graph_utils import retarget
 from .passes.regions import compile_regions
 from .runtime.device import resolve
 from .runtime.executor import Executor
+from .runtime.grads import HostGrads
 from .runtime.job import Microbatch, StepState
 from .runtime.schedule import build_schedule
 from .runtime.trace import Tracer
@@ -44,6 +45,7 @@ class GraphRunner:
         self._counters: dict = {}
         self._warned_static = False
         self.host_weights = HostWeights()
+        self.host_grads = HostGrads(pin=config.on_gpu)
         self.last_tracer = None
         self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
 
@@ -174,11 +176,13 @@ class GraphRunner:
             return loss_weights
         return self._row_weights(plan, micro)
 
-    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None) -> StepState:
+    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, grad_set=None) -> StepState:
         """The state of one step; host_weights: where its weights are read (delayed mode's
         copies), else the live parameters through the runner's pinned copies; gate(p) waits
         for p's pending optimizer step, ready(p) says whether it has none (overlapped mode;
-        a call in delayed mode reads the live parameters, so it waits for them too)."""
+        a call in delayed mode reads the live parameters, so it waits for them too);
+        grad_set: which set of host gradient buffers it downloads into (None: a set of its
+        own, Note [host gradient buffers])."""
         cap = plan.captured
         dtype = self.working_dtype(plan)
         rng_base = 0
@@ -186,7 +190,9 @@ class GraphRunner:
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
         if host_weights is None and gate is None and self.overlapped is not None:
             gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
-        return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype,
+        layout = plan.host_memory.grad_layout
+        grads = self.host_grads.fresh(layout) if grad_set is None else self.host_grads.set_for(layout, grad_set)
+        return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
@@ -315,7 +321,7 @@ class GraphRunner:
                 if all(p is not None for p in parts):
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
-        return sum_param_grads(step.param_grads, step.params), input_grads
+        return sum_param_grads(step.param_grads, step.grads.row_sums), input_grads
 
 
 class PipelineCall(torch.autograd.Function):

@@ -19,11 +19,13 @@ def test_plan_states_host_bytes_by_kind(mode):
     n = sum(p.numel() for p in model.parameters())
     t = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert t < n
-    assert hm.masters == 4 * n and hm.grads == 4 * t and hm.optimizer_state == 8 * t
-    if mode == "exact":        # CPU devices read the parameters themselves
-        assert hm.working_copies == 0 and hm.grads_in_flight == 0
+    tied = model.lm_head.weight.numel()     # the tied embedding gets a gradient piece in two jobs
+    assert hm.masters == 4 * n and hm.grads == 4 * (t + tied) and hm.optimizer_state == 8 * t
+    if mode == "exact":        # CPU devices read the parameters themselves; param.grad is the user's
+        assert hm.working_copies == 0 and hm.grads_in_flight == 0 and hm.param_grads == 4 * t
     else:                      # two fp32 copies of trainable parameters, one of frozen ones
-        assert hm.working_copies == 4 * (2 * t + (n - t)) and hm.grads_in_flight == 4 * t
+        assert hm.working_copies == 4 * (2 * t + (n - t)) and hm.grads_in_flight == 4 * (t + tied)
+        assert hm.param_grads == 0
     assert hm.activations > 0
     assert "host memory" in str(cm.plan) and "B/param" in str(cm.plan)
-    assert cm.plan.to_json()["host_memory"]["gradients"] == 4 * t
+    assert cm.plan.to_json()["host_memory"]["gradients"] == 4 * (t + tied)

@@ -1,40 +1,109 @@
-"""The host memory a step of a plan needs, by kind, from the plan alone (what `cm.plan` prints).
+"""The host memory a step of a plan needs, by kind (what `cm.plan` prints), and the layout of
+the host buffers the runtime allocates for it, so that what is planned is what is allocated.
 
-Per parameter: the master (the user's tensor), its gradient (in its dtype), the optimizer's
-state (AdamW: two fp32 moments; the optimizer is not known at compile time, so AdamW is
-assumed and said), the working copies the devices upload from (pinned, in the compute dtype,
-on GPUs; two of them in delayed mode), and in overlapped/delayed mode one more step's gradients
-in flight while the optimizer works on the last ones. Per step: the activations and
-checkpoints the jobs hand on through the host, per microbatch times the microbatches.
+Per parameter: the master (the user's tensor), the optimizer's state (AdamW: two fp32
+moments; the optimizer is not known at compile time, so AdamW is assumed and said), the
+working copies the devices upload from (pinned, in the compute dtype, on GPUs; two of them in
+delayed mode), and the host gradient buffers (GradLayout: each backward job's gradients in one
+flat fp32 piece; a second set in delayed mode, where the optimizer reads step t's gradients
+while step t + 1 writes its own). In exact mode `param.grad` is the user's tensor besides. Per
+step: the activations and checkpoints the jobs hand on through the host, per microbatch times
+the microbatches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 ADAMW_STATE_BYTES = 8      # exp_avg and exp_avg_sq in fp32, per trainable parameter
+GRAD_ITEMSIZE = 4          # host gradients are fp32 (they accumulate in fp32 on the devices)
+
+
+@dataclass
+class GradLayout:
+    """Where the parameter gradients of a step lie in one flat fp32 host buffer.
+
+    Each stage that makes parameter gradients owns the contiguous piece `stages[s]` =
+    (start, stop), so its job downloads them with one copy; inside it, `keys[s]` lists
+    (key, offset, shape) in `stage.grad_params` order (key: a parameter index, or
+    (index, first row, end row) for rows of it). A parameter whose gradient comes in row
+    pieces only (a vocabulary-split head that is not tied) is summed into a buffer of its
+    own: `row_sums` maps its index to its shape.
+    """
+
+    stages: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)
+    row_sums: dict = field(default_factory=dict)
+    numel: int = 0
+
+    @property
+    def signature(self) -> tuple:
+        """What identifies the layout: plans with equal signatures can share buffers."""
+        return tuple((s, tuple((k, off, tuple(shape)) for k, off, shape in keys)) for s, keys in self.keys.items())
+
+    def nbytes(self, sets: int = 1) -> int:
+        """Bytes of `sets` flat buffers and the row-sum buffers (those are shared by the sets)."""
+        rows = sum(_numel(shape) for shape in self.row_sums.values())
+        return GRAD_ITEMSIZE * (sets * self.numel + rows)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def grad_layout(plan) -> GradLayout:
+    params = plan.captured.params
+    layout = GradLayout()
+    whole = set()
+    rows_only = set()
+    for st in plan.stages:
+        keys = list(getattr(st, "grad_params", []))
+        if not keys:
+            continue
+        start = layout.numel
+        placed = []
+        for key in keys:
+            if isinstance(key, tuple):
+                i, a, b = key
+                shape = (b - a, *params[i].shape[1:])
+                rows_only.add(i)
+            else:
+                shape = tuple(params[key].shape)
+                whole.add(key)
+            placed.append((key, layout.numel, shape))
+            layout.numel += _numel(shape)
+        layout.stages[st.index] = (start, layout.numel)
+        layout.keys[st.index] = placed
+    layout.row_sums = {i: tuple(params[i].shape) for i in sorted(rows_only - whole)}
+    return layout
 
 
 @dataclass
 class HostMemory:
     masters: int
-    grads: int
+    grads: int                 # one set of host gradient buffers (GradLayout)
     optimizer_state: int
     working_copies: int
-    grads_in_flight: int
+    grads_in_flight: int       # delayed mode: the second set
     activations: int
     num_params: int
+    param_grads: int = 0       # exact mode: `param.grad`, which the user holds
+    grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
 
     @property
     def total(self) -> int:
-        return (self.masters + self.grads + self.optimizer_state + self.working_copies + self.grads_in_flight
-                + self.activations)
+        return (self.masters + self.param_grads + self.grads + self.optimizer_state + self.working_copies
+                + self.grads_in_flight + self.activations)
 
     def rows(self) -> list:
-        return [("master weights", self.masters), ("gradients", self.grads),
+        return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
+                ("gradients", self.grads),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
-                ("gradients in flight (overlapped/delayed)", self.grads_in_flight),
+                ("gradients in flight (delayed)", self.grads_in_flight),
                 ("activations and checkpoints per step", self.activations)]
 
     def summary(self) -> str:
@@ -48,15 +117,16 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str) -> HostM
     params = plan.captured.params
     trainable = [p for p in params if p.requires_grad]
     masters = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
     state = sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES
     copies = 0
     if on_gpu or optimizer_mode == "delayed":
         for p in params:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
-    in_flight = grads if optimizer_mode != "exact" else 0
+    layout = grad_layout(plan)
+    param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
+    in_flight = layout.nbytes(2) - layout.nbytes(1) if optimizer_mode == "delayed" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in st.handed_on)
-    return HostMemory(masters, grads, state, copies, in_flight, int(per_micro) * plan.num_microbatches,
-                      sum(p.numel() for p in params))
+    return HostMemory(masters, layout.nbytes(1), state, copies, in_flight, int(per_micro) * plan.num_microbatches,
+                      sum(p.numel() for p in params), param_grads=param_grads, grad_layout=layout)

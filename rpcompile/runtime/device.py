@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import ops
+from .host_buffers import host_empty
 
 # One lock per generator: CPU "devices" are threads sharing torch's one CPU generator.
 _generator_locks: dict = {}
@@ -196,17 +197,33 @@ class DeviceRuntime:
             t = t.detach()
             if self.is_cpu:
                 return t
-            ready = torch.cuda.Event()
-            ready.record(self.compute)
-            self.out.wait_event(ready)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            with torch.cuda.stream(self.out):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self.out)
-            done = torch.cuda.Event()
-            done.record(self.out)
-            return Pending(host, done)
+            return self.download_into(t, host_empty(t.shape, t.dtype, True, "activations"))
         return pytree.tree_map(move, value)
+
+    def grad_accumulator(self, host_piece):
+        """The flat fp32 tensor a job accumulates its parameter gradients in (Note [host
+        gradient buffers]), zeroed: on a CPU "device" the host piece itself, so nothing is
+        copied; on a GPU a device twin that `download_into` brings down in one copy."""
+        if self.is_cpu:
+            return host_piece.zero_()
+        return torch.zeros(host_piece.shape, dtype=host_piece.dtype, device=self.device)
+
+    def download_into(self, t, host):
+        """Device tensor t into the host tensor `host` (same shape) with one copy; on a GPU a
+        Pending (the copy is in flight on the download stream)."""
+        if self.is_cpu:
+            if t.data_ptr() != host.data_ptr():
+                host.copy_(t)
+            return host
+        ready = torch.cuda.Event()
+        ready.record(self.compute)
+        self.out.wait_event(ready)
+        with torch.cuda.stream(self.out):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(self.out)
+        done = torch.cuda.Event()
+        done.record(self.out)
+        return Pending(host, done)
 
     def generator(self):
         return torch.default_generator if self.is_cpu else torch.cuda.default_generators[self.device.index]

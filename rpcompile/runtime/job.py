@@ -48,7 +48,8 @@ class StepState:
     micro: list                       # Microbatch per microbatch
     rng_base: int = 0
     dtype: Optional[torch.dtype] = None
-    param_grads: dict = field(default_factory=dict)    # job index -> {param index: host fp32 grad}
+    param_grads: dict = field(default_factory=dict)    # job index -> {param key: host fp32 grad}
+    grads: Any = None                                  # runtime.grads.GradSet the jobs download into
     done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
     error: Optional[BaseException] = None
     host_weights: Any = None                           # runtime.weights.HostWeights
@@ -94,7 +95,9 @@ class JobContext:
         self.weights: dict = {}
         self.buffers: dict = {}
         self.write_back: list = []
-        self.grad_acc: dict = {}
+        self.grad_acc: dict = {}          # param key -> view of the flat accumulator
+        self.grad_flat = None             # the flat fp32 accumulator (Note [host gradient buffers])
+        self.grad_got: set = set()        # keys a gradient reached
         self.microbatch = None
         self._rng = None
         self._prefetch_issued = False
@@ -269,20 +272,40 @@ class JobContext:
         grads[name] = host if name not in grads else resolve(grads[name]) + resolve(host)
 
     def accumulate_grads(self, grads):
-        for index, g in zip(self.stage.grad_params, grads):
-            if g is None:
-                continue
-            acc = self.grad_acc.get(index)
-            g = g.to(torch.float32)
-            self.grad_acc[index] = g if acc is None else acc.add_(g)
+        got = [(key, g) for key, g in zip(self.stage.grad_params, grads) if g is not None]
+        if not got:
+            return
+        if self.grad_flat is None:
+            self._start_grads()
+        torch._foreach_add_([self.grad_acc[key] for key, _ in got], [g for _, g in got])
+        self.grad_got.update(key for key, _ in got)
+
+    def _start_grads(self):
+        """The flat accumulator, zeroed; on a CPU device it is this job's host piece, so the
+        parameters of the piece are gated first (Note [host gradient buffers])."""
+        gate, params = self.step.gate, self.step.params
+        if gate is not None:
+            for key in self.stage.grad_params:
+                gate(params[key[0] if isinstance(key, tuple) else key])
+        grads = self.step.grads
+        self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index))
+        self.grad_acc = grads.views(self.stage.index, self.grad_flat)
 
     def finish(self):
         """End of the job: gradients and updated buffers go to the host."""
         for host, dev in self.write_back:
             with torch.no_grad():
                 host.copy_(dev)
-        if self.grad_acc:
-            self.step.param_grads[self.job_index] = {i: self.dev.download(g) for i, g in self.grad_acc.items()}
+        if self.grad_got:
+            grads = self.step.grads
+            piece = grads.piece(self.stage.index)
+            down = self.span("out", "download_grads", lambda: self.dev.download_into(self.grad_flat, piece),
+                             bytes=piece.numel() * piece.element_size())
+            views = grads.host_views(self.stage.index)
+            # One copy brings every gradient down: they share its completion event.
+            self.step.param_grads[self.job_index] = {
+                key: Pending(views[key], down.event) if isinstance(down, Pending) else views[key]
+                for key in self.stage.grad_params if key in self.grad_got}
 
 
 def _prefetch(step: StepState, dev, job_index: int, stage) -> None:

@@ -44,15 +44,15 @@ def use_order(plan) -> list:
     return order
 
 
-def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
-    """Host gradient per parameter index from {job: {key: download}}, summed over the jobs (a
+def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
+    """Host gradient per parameter index from {job: {key: host view}}, summed over the jobs (a
     job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
 
-    One wait per job: a job's downloads run in order on one stream, so the last one's
-    completion covers the rest (Note [few calls per step]). A whole-parameter gradient is
-    taken first and rows are added into it in place (it is this step's own download); a
-    parameter with rows only is summed into a buffer of `reuse` (kept across steps by the
-    optimizer thread, which is done with it before the next step's sum) or a new one."""
+    One wait per job: a job's gradients come down in one copy, whose completion covers them
+    all (Note [few calls per step]). A parameter's gradient is the view of the first job that
+    made all of it, the other jobs' gradients of it added in place (the views are this step's
+    own, Note [host gradient buffers]); a parameter with rows only is summed into its buffer
+    of `row_sums` (param index -> host buffer, kept across steps)."""
     for grads in job_grads.values():
         resolve(list(grads.values())[-1:])
     entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
@@ -60,17 +60,15 @@ def sum_param_grads(job_grads: dict, params, reuse=None) -> dict:
     totals = {}
     for key, g in entries:
         if not isinstance(key, tuple):
-            totals[key] = g if key not in totals else totals[key] + g
+            if key in totals:
+                totals[key].add_(g)
+            else:
+                totals[key] = g
     for key, g in entries:
         if isinstance(key, tuple):
             i, start, stop = key
             if i not in totals:
-                buf = None if reuse is None else reuse.get(i)
-                if buf is None or buf.shape != params[i].shape or buf.dtype != g.dtype:
-                    buf = torch.empty(params[i].shape, dtype=g.dtype)
-                    if reuse is not None:
-                        reuse[i] = buf
-                totals[i] = buf.zero_()
+                totals[i] = row_sums[i].zero_()
             totals[i][start:stop] += g
     return totals
 
@@ -81,14 +79,14 @@ class ExactMode:
     optimizer = None
 
     def start(self, runner, plan, micro):
-        return runner.new_step(plan, micro)
+        return runner.new_step(plan, micro, grad_set=0)
 
     def finish(self, runner, plan, step):
         with torch.no_grad():
-            for i, g in sum_param_grads(step.param_grads, step.params).items():
+            for i, g in sum_param_grads(step.param_grads, step.grads.row_sums).items():
                 p = plan.captured.params[i]
-                g = _as(g, p.dtype)
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                # a copy: the host gradient buffers are rewritten by the next step
+                p.grad = g.to(p.dtype, copy=True) if p.grad is None else p.grad.add_(_as(g, p.dtype))
 
 
 class OverlappedMode:
@@ -96,22 +94,23 @@ class OverlappedMode:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self._grad_buffers: dict = {}      # param index -> buffer the optimizer thread sums rows into
 
     def start(self, runner, plan, micro):
-        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
+        # one set of host gradients: Note [host gradient buffers]
+        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready,
+                               grad_set=0)
 
     def _submission(self, plan, step):
         """(parameter indices in use order, grads()) of a finished step. The optimizer thread
         waits for the gradients' downloads, not train_step: the next step's jobs start while
         the last job's gradients still come down. It holds the gradients only, never the step
         (whose activations are freed for the next step)."""
-        params, job_grads, reuse = plan.captured.params, step.param_grads, self._grad_buffers
+        params, job_grads, row_sums = plan.captured.params, step.param_grads, step.grads.row_sums
         have = grad_indices(job_grads)
         order = [i for i in use_order(plan) if i in have]
 
         def grads():
-            totals = sum_param_grads(job_grads, params, reuse)
+            totals = sum_param_grads(job_grads, row_sums)
             return [_as(totals[i], params[i].dtype) for i in order]
         return order, grads
 
@@ -144,7 +143,7 @@ class DelayedMode(OverlappedMode):
         t = self.steps
         pending, self.next_upload = self.next_upload, None
         self.optimizer.wait_completed(t - 1)
-        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
+        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2), grad_set=t % 2)
         if pending is not None:   # the upload finish() started, if it is for this step's first job
             was_plan, dev, key = pending
             future = dev.prefetched.pop(key, None)

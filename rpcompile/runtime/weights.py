@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from .host_buffers import host_empty
+
 _marks = itertools.count()
 
 
@@ -67,7 +69,7 @@ class HostWeights:
             if self._stale(entry, param, dtype):
                 src = self._source(param, rows)
                 if entry[1] is None or entry[1].dtype != dtype:
-                    entry[1] = torch.empty(src.shape, dtype=dtype, pin_memory=self._pin)
+                    entry[1] = host_empty(src.shape, dtype, self._pin, "working copies")
                     entry[2] = None
                 if entry[2] is not None:
                     wait_for_uploads([entry[2]])
@@ -124,7 +126,7 @@ class DelayedWeights:
             slots = []
             # A frozen parameter (a LoRA base) never changes: one copy serves both parities.
             for _ in range(2 if p.requires_grad else 1):
-                t = torch.empty(src.shape, dtype=want, pin_memory=pin)
+                t = host_empty(src.shape, want, pin, "working copies")
                 with torch.no_grad():
                     t.copy_(src)
                 slots.append([t, [], threading.Lock()])

@@ -1,0 +1,60 @@
+"""Every host buffer of the runtime comes from runtime/host_buffers.py, which counts them
+(Note [planned host memory]): warm steps allocate none, and what the runtime allocated agrees
+with the host bytes `cm.plan` states."""
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.runtime import host_buffers
+
+from models import lm_batch, qwen3
+
+VOCAB = 127
+
+
+def _counted_since(before):
+    now = host_buffers.snapshot()
+    return now[0] - before[0], now[1] - before[1]
+
+
+@pytest.mark.parametrize("mode,tied", [("exact", True), ("overlapped", True), ("delayed", True), ("delayed", False)])
+def test_warm_steps_allocate_no_host_buffers_and_the_plan_says_what_is_allocated(mode, tied):
+    model = qwen3(tied=tied, vocab=VOCAB)
+    model.model.layers[0].mlp.requires_grad_(False)       # frozen parameters: one working copy
+    start = host_buffers.snapshot()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", lm_head_shards=3,
+                                                   optimizer_mode=mode))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if mode != "exact":
+        cm.attach_optimizer(opt)
+
+    def step(t):
+        cm.train_step(**lm_batch(vocab=VOCAB, seed=t))
+        if mode == "exact":
+            opt.step(), opt.zero_grad()
+
+    for t in range(2):          # warm-up: delayed mode uses its second gradient set in step 1
+        step(t)
+    cm.synchronize()
+    warm = host_buffers.snapshot()
+    for t in range(2, 5):
+        step(t)
+    cm.synchronize()
+    nbytes, count = _counted_since(warm)
+    assert +count == {} and +nbytes == {}, f"warm steps allocated {dict(count)} buffers ({dict(nbytes)} bytes)"
+
+    # the head is split over the vocabulary: row gradients, added into the tied embedding's
+    # whole gradient, or (untied) summed into a buffer of their own
+    layout = cm.plan.host_memory.grad_layout
+    keys = [k for ks in layout.keys.values() for k, _, _ in ks]
+    split = {k[0] for k in keys if isinstance(k, tuple)}
+    assert split and (split <= set(keys) if tied else set(layout.row_sums) == split)
+
+    planned = cm.plan.host_memory
+    allocated, _ = _counted_since(start)
+    assert allocated["gradients"] + allocated["gradients in flight"] == planned.grads + planned.grads_in_flight
+    assert allocated["gradients in flight"] == planned.grads_in_flight
+    assert allocated["working copies"] == planned.working_copies
+    # CPU devices hand activations on as they are (no host copy); a GPU downloads them
+    assert allocated["activations"] == 0 < planned.activations
