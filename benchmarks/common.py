@@ -433,12 +433,15 @@ def _throughput(trainer, spec, rec, rank, world, devices, reduce_max, reduce_mea
         steps.append({"i": i, "timed": i >= spec.warmup, "loss": loss, "start": t - t_first,
                       "returned_s": time.perf_counter() - t})
         rec.update(steps=steps, **_mem(devices, reduce_max))
+    t_returned = time.perf_counter()
     trainer.finish()
     t_end = time.perf_counter()
     if steps:
         steps[-1]["s"] = t_end - t_first - steps[-1]["start"]
     n_timed = sum(1 for s in steps if s["timed"])
-    result = {"steps": steps, "phase": "done", **_mem(devices, reduce_max)}
+    # drain_s: the end's wait for work the last step left running (an asynchronous optimizer's
+    # last step): part of the last timed step and of s_per_step, and reported on its own
+    result = {"steps": steps, "phase": "done", "drain_s": t_end - t_returned, **_mem(devices, reduce_max)}
     if n_timed:
         result["s_per_step"] = (t_end - t_start) / n_timed
     rec.update(**result)

@@ -454,6 +454,7 @@ class Harness:
         r["tokens_per_step"] = tokens
         r["step_s"] = [s.get("s") for s in steps]
         r["timed_step_s"] = [s["s"] for s in timed]       # each timed step: the slowest against the median
+        r["drain_s"] = raw.get("drain_s")                # in the last timed step: the wait at the end
         r["timed_steps_done"] = len(timed)
         if raw.get("s_per_step") and status == "ok":
             r["s_per_step"] = raw["s_per_step"]

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -586,3 +587,35 @@ def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
     other = _bar_run("2026-12-01 03:00 UTC", 4, {"rpcompile-delayed": _delayed(30_000, 4)})
     merged = bar.merge([recorded], [table, other])
     assert merged == [recorded, other]                           # newest first, the file's copy kept
+
+
+def test_bar_keeps_the_ends_drain_out_of_the_slowest_step():
+    """The last timed step includes the wait at the end for the asynchronous optimizer's last
+    step (drain_s): the slowest / median row compares the steps without it and prints it."""
+    from benchmarks import bar
+
+    steps = [1.0] * 7 + [1.8]
+    drained = _bar_run("2026-12-01 02:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2, timed_step_s=steps,
+                                                                                 drain_s=0.75)})
+    row = _bar_row(bar.evaluate([drained]), "slowest", "2")
+    assert row.verdict == "holds" and "drain of 0.750 s" in row.figure and row.figure.startswith("1.05 ")
+    undrained = _bar_run("2026-12-01 02:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2, timed_step_s=steps)})
+    assert _bar_row(bar.evaluate([undrained]), "slowest", "2").verdict == "misses"
+
+
+def test_throughput_loop_reports_the_drain(tmp_path):
+    """run_trainer's throughput loop times the end's finish() on its own (drain_s)."""
+    from benchmarks import common
+
+    class Slow(common.Trainer):
+        def step(self, ids):
+            return 1.0
+
+        def finish(self):
+            time.sleep(0.2)
+
+    spec = common.RunSpec(system="eager", model="tiny", seq_len=8, tokens_per_step=16, steps=2, warmup=1,
+                          result_path=str(tmp_path / "r.json"), device="cpu")
+    common.run_trainer(lambda *a, **k: Slow(), spec, common.Recorder(spec.result_path))
+    raw = json.loads((tmp_path / "r.json").read_text())
+    assert raw["drain_s"] >= 0.2 and raw["steps"][-1]["s"] >= raw["drain_s"]
