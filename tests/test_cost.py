@@ -396,3 +396,36 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape_count_the_per_job_host_cost(monkeypatch
         plan, _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
         jobs[n] = plan.stage_plan.num_jobs
     assert jobs[2] == 4 and 6 <= jobs[4] <= 12, jobs
+
+
+def test_compiled_stages_cut_between_layers_where_it_costs_little(monkeypatch):
+    """Note [cuts between blocks]: planned with GPU numbers for Inductor-compiled stages, the
+    4-device plan of a Qwen3-1.7B shape cuts only between decoder layers (no partial layer, so no
+    piece of its own to compile per device), at most BLOCK_CUT_SLACK slower by the cost model
+    than the best plan; with eager stages the finest plan stays."""
+    import importlib
+
+    import rpcompile
+    from rpcompile import passes
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cut_points = importlib.import_module("rpcompile.passes.cut_points")
+    monkeypatch.setattr(Hardware, "cpu", Hardware.h100)
+    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                         use_cache=False)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
+    plans = {}
+    for compiled in (False, True):
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 4, num_microbatches=4, dtype=torch.bfloat16,
+                                                       memory_budget="70GiB", compile_stages=compiled))
+        plans[compiled], _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
+    inside = cut_points._inside_blocks(cut_points.liveness(plans[True].gm))
+    assert inside, "the layers' interior positions"
+    for compiled, plan in plans.items():
+        ends = {p for st in plan.stages for p in st.span}
+        assert bool(ends & inside) is not compiled, (compiled, sorted(ends & inside))
+    assert "model.layers.15 (" in str(plans[False]) and "(self_attn" not in str(plans[True])
+    assert plans[True].stage_plan.est_time <= (1 + passes.BLOCK_CUT_SLACK) * plans[False].stage_plan.est_time

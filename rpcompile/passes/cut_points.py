@@ -9,6 +9,7 @@ small rotary tables and masks; the gaps inside attention carry q, k and v as wel
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .cost import Hardware, NodeCost, evaluate, node_seconds
 from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
 from .partition import Segment
+from .regions import block_of
 
 # A gap whose live activations are at most this many times the median gap's is a cut.
 CUT_SLACK = 1.0
@@ -72,8 +74,9 @@ def liveness(gm: fx.GraphModule) -> Liveness:
     return Liveness(body, live, index)
 
 
-def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
-    """Positions where a stage may end: 0, L and the gaps whose live bytes are near the minimum."""
+def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings, within_blocks: bool = True) -> list[int]:
+    """Positions where a stage may end: 0, L and the gaps whose live bytes are near the minimum;
+    with within_blocks=False none inside a repeated block (Note [cuts between blocks])."""
     L = len(lv.body)
     # Never handed between stages: a value of data-dependent size (Note [data-dependent sizes]),
     # or a tuple of tensors (topk's (values, indices)): stages hand over tensors and their
@@ -93,6 +96,9 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
     limit = CUT_SLACK * sorted(interior)[len(interior) // 2]
     cuts = [p for p in range(1, L) if 0 < live_bytes[p] <= limit and len(lv.live[p]) <= MAX_LIVE
             and p not in blocked]
+    if not within_blocks:
+        inside = _inside_blocks(lv)
+        cuts = [p for p in cuts if p not in inside]
     # Of two neighbouring cuts with only a free node (view, cast) between them keep the later:
     # the pieces between cuts stay few without losing any choice worth having.
     thinned = []
@@ -102,6 +108,16 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings) -> list[int]:
         else:
             thinned.append(p)
     return [0] + thinned + [L]
+
+
+def _inside_blocks(lv: Liveness) -> set:
+    """Positions with the same repeated block (a decoder layer) on both sides."""
+    keys = []
+    for n in lv.body:
+        src = n.args[0] if n.target is operator.getitem and n.args else None
+        # a getitem of a multi-output node belongs with that node (as in passes/regions.py)
+        keys.append(keys[lv.index[src]] if isinstance(src, fx.Node) and src in lv.index else block_of(n))
+    return {p for p in range(1, len(lv.body)) if keys[p] is not None and keys[p - 1] == keys[p]}
 
 
 def _mutation_spans(lv: Liveness) -> set:
