@@ -16,7 +16,9 @@ from .device import Pending, resolve
 def nbytes(value) -> int:
     """Bytes of the tensors in a (tree of) values, pending downloads included."""
     total = 0
-    for t in torch.utils._pytree.tree_leaves(value, is_leaf=lambda v: isinstance(v, Pending)):
+    leaves = [value] if isinstance(value, (torch.Tensor, Pending)) else \
+        torch.utils._pytree.tree_leaves(value, is_leaf=lambda v: isinstance(v, Pending))
+    for t in leaves:
         t = t.tensor if isinstance(t, Pending) else t
         if isinstance(t, torch.Tensor):
             total += t.numel() * t.element_size()
