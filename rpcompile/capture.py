@@ -257,7 +257,7 @@ def batch_size_of(leaves) -> Optional[int]:
 
 
 def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
-                 wrap=None, dynamic_batch: bool = True, unbatched=(), dynamic_lengths: bool = True) -> Captured:
+                 wrap=None, dynamic_batch: bool = True, unbatched=(), dynamic_lengths: bool = False) -> Captured:
     """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on fake copies
     on `device` (the device the stages run on: Note [capture device]).
 

@@ -299,7 +299,8 @@ class Plan:
         for s, v, what in legend:
             ran = [d[s] for d in self.served if s in d]
             # one capture serves every length (Note [plans per length]): say which ones it ran at
-            runs = f"; ran at {s} = {', '.join(map(str, ran))}" if ran and ran != [v] else ""
+            shown = ", ".join(map(str, ran[:8])) + (f", ... ({len(ran)} sizes)" if len(ran) > 8 else "")
+            runs = f"; ran at {s} = {shown}" if ran and ran != [v] else ""
             out.append(f"  {s} = {what}; costed at {v}{runs}")
         return "\n".join(out)
 

@@ -148,3 +148,25 @@ def test_compiled_pieces_stop_growing_after_the_second_length(monkeypatch):
         programs.append(len(cm.runner._programs))
     assert counts[2] == counts[3] == counts[4], f"dynamo compiles after each length: {counts}"
     assert programs[0] == programs[-1]
+
+
+def test_dynamo_backend_trains_at_several_lengths():
+    """torch.compile(model, backend=rpcompile.backend(...)): dynamo's own dynamic shapes decide
+    the graphs; at each length the loss and gradients equal eager."""
+    torch._dynamo.reset()
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    compiled = torch.compile(model, backend=backend)
+    try:
+        for batch in _batches([16, 24, 40]):
+            loss = compiled(**batch).loss
+            loss.backward()
+            expected = ref(**batch).loss
+            expected.backward()
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+    assert len(backend.plans) <= 2, "dynamo makes the length dynamic at the second one"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * q.grad.abs().max().item())
