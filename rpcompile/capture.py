@@ -51,6 +51,7 @@ class Captured:
     out_leaves: list = field(default_factory=list)     # ("out", i) or ("const", value)
     batch_size: Optional[int] = None                   # batch size at capture (None: the dynamo backend's)
     on_copies: bool = False  # traced on copies in the compute dtype (capture_call), not on real inputs
+    shape_env: Any = None    # dynamo's ShapeEnv: the size symbols' ranges and guards (shapes.py)
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -256,26 +257,35 @@ def batch_size_of(leaves) -> Optional[int]:
 
 
 def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
-                 wrap=None, dynamic_batch: bool = True, unbatched=()) -> Captured:
+                 wrap=None, dynamic_batch: bool = True, unbatched=(), dynamic_lengths: bool = False) -> Captured:
     """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on fake copies
     on `device` (the device the stages run on: Note [capture device]).
 
     Dim 0 of every tensor argument whose dim 0 is the batch size is dynamic (Note [batched
-    inputs] in passes/batch.py), except those `unbatched` names (Config.unbatched_inputs)."""
+    inputs] in passes/batch.py), except those `unbatched` names (Config.unbatched_inputs); with
+    dynamic_lengths, so is every dim of the sequence length's size (Note [dynamic lengths] in
+    lengths.py)."""
+    from .lengths import length_dims
     from .passes.batch import is_unbatched, leaf_names
     leaves, in_spec = flatten_call(args, kwargs)
     labels = leaf_names(args, kwargs)
     batch = batch_size_of(leaves)
+
+    def batched(i):
+        leaf = leaves[i]
+        return (dynamic_batch and batch is not None and batch > 1 and leaf.dim() >= 1 and leaf.shape[0] == batch
+                and not is_unbatched(labels[i], unbatched))
+
+    lengths = length_dims(leaves, batch, batched) if dynamic_lengths else {}
     copies = _FakeCopies(device, dtype)
     meta_leaves = []
-    for leaf, name in zip(leaves, labels):
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             m = copies(leaf, contiguous=True)
             if leaf.requires_grad and m.is_floating_point():
                 m.requires_grad_(True)
-            if (dynamic_batch and batch is not None and batch > 1 and m.dim() >= 1 and m.shape[0] == batch
-                    and not is_unbatched(name, unbatched)):
-                torch._dynamo.maybe_mark_dynamic(m, 0)
+            for d in ([0] if batched(i) else []) + lengths.get(i, []):
+                torch._dynamo.maybe_mark_dynamic(m, d)
             meta_leaves.append(m)
         else:
             meta_leaves.append(leaf)
@@ -286,6 +296,8 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
 
     def backend(gm, example_inputs):
         got["gm"], got["inputs"] = gm, list(example_inputs)
+        tracing = torch._guards.TracingContext.try_get()
+        got["shape_env"] = tracing.fake_mode.shape_env if tracing is not None and tracing.fake_mode else None
         got["dummies"] = dummies = _dummy_outputs(gm)
         return lambda *a: dummies
 
@@ -312,7 +324,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     params, param_names, buffers, buffer_names = [], [], [], []
     index_of: dict[int, int] = {}
     cap = Captured(gm, params, param_names, buffers, buffer_names, copies.device,
-                   in_spec=in_spec, batch_size=batch, on_copies=True)
+                   in_spec=in_spec, batch_size=batch, on_copies=True, shape_env=got["shape_env"])
     for node, ex in zip(cap.placeholders(), example_inputs):
         if isinstance(ex, (torch.SymInt, int)):
             _mark_sym(node, ex)

@@ -7,11 +7,12 @@ from typing import Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
-from .capture import batch_size_of, capture_call, flatten_call
+from .capture import capture_call, flatten_call
 from .config import Config
 from .errors import InputError
 from .passes import compile_graph
 from .passes.batch import LOSS_TARGET
+from .plan_cache import PlanCache
 from .runner import GraphRunner
 from .runtime.trace import write_chrome_trace
 
@@ -32,7 +33,7 @@ class CompiledModel(torch.nn.Module):
         self.model = model
         self.config = config or Config()
         self.runner = GraphRunner(self.config)
-        self._plans: dict = {}
+        self._plans = PlanCache(self.config)
         self._last_plan = None
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -46,13 +47,11 @@ class CompiledModel(torch.nn.Module):
         return kwargs
 
     def _key(self, mode, leaves, spec, extra):
+        # Sizes are not part of the key: the captures of a key check them (Note [plans per length]).
         sig = []
-        batch = batch_size_of(leaves)
-        for i, leaf in enumerate(leaves):
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                # dim 0 is free only where it is the batch size (an input split per microbatch)
-                shape = tuple(leaf.shape[1:]) if leaf.dim() >= 1 and leaf.shape[0] == batch else tuple(leaf.shape)
-                sig.append(("T", leaf.dtype, leaf.dim(), shape, leaf.requires_grad))
+                sig.append(("T", leaf.dtype, leaf.dim(), leaf.requires_grad))
             else:
                 sig.append(("C", repr(leaf)))
         # Freezing or unfreezing parameters changes which gradients the stages compute.
@@ -62,16 +61,21 @@ class CompiledModel(torch.nn.Module):
     def _plan(self, mode, args, kwargs, loss_fn=None):
         leaves, spec = flatten_call(args, kwargs)
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
-        plan = self._plans.get(key)
-        if plan is None:
+        config = self.config
+
+        def capture():
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
-            cap = capture_call(self.model, args, kwargs, dtype=self.config.compute_dtype, wrap=wrap,
-                               device=self.config.devices[0], unbatched=self.config.unbatched_inputs)
-            loss_output = 0 if loss_fn is not None else None
-            plan = compile_graph(cap, self.config, mode, loss_output=loss_output)
-            self._plans[key] = plan
+            return capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
+                                device=config.devices[0], unbatched=config.unbatched_inputs,
+                                dynamic_lengths=config.dynamic_lengths)
+
+        def compile(cap, at):
+            plan = compile_graph(cap, config, mode, loss_output=0 if loss_fn is not None else None, at=at)
             if self._dump_dir:
                 plan.dump(os.path.join(self._dump_dir, mode))
+            return plan
+
+        plan = self._plans.lookup(key, leaves, capture, compile)
         self._last_plan = plan
         return plan, leaves
 
@@ -105,7 +109,7 @@ class CompiledModel(torch.nn.Module):
         """Write every plan's stage graphs (.py), plan.json, plan.txt and, after a step, the
         executed schedule as a Chrome/Perfetto trace (schedule.trace.json)."""
         modes = {}
-        for plan in self._plans.values():
+        for plan in self._plans.plans():
             modes.setdefault(plan.mode, []).append(plan)
         for mode, plans in modes.items():
             for i, plan in enumerate(plans):

@@ -47,6 +47,9 @@ class Config:
     unbatched_inputs: names of call arguments (keywords, or positional indices) whose tensors are
         not split into microbatches although their dim 0 may equal the batch size; every other
         tensor argument with dim 0 == the batch size is split (Note [batched inputs]).
+    dynamic_lengths: the sequence length (dim 1 of the first tensor argument) is symbolic in the
+        capture, so one capture, plan and set of stage programs serve every length (Note
+        [dynamic lengths] in lengths.py); False: each new length is captured and planned anew.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -65,6 +68,7 @@ class Config:
     peer_transfers: bool = False
     inductor_options: Optional[dict] = None
     unbatched_inputs: Sequence = ()
+    dynamic_lengths: bool = True
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):

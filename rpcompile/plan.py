@@ -162,6 +162,7 @@ class Plan:
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass
+    served: list = field(default_factory=list)           # {symbol: size} of the non-batch sizes calls ran it at
 
     @property
     def est_step_time(self) -> float:
@@ -296,7 +297,11 @@ class Plan:
                    "device mem: planned peak on the device while the job runs; host act: activations (fwd) or "
                    "their gradients (fused, bwd) the job writes to host memory per step")
         for s, v, what in legend:
-            out.append(f"  {s} = {what}; costed at {v}")
+            ran = [d[s] for d in self.served if s in d]
+            # one capture serves every length (Note [plans per length]): say which ones it ran at
+            shown = ", ".join(map(str, ran[:8])) + (f", ... ({len(ran)} sizes)" if len(ran) > 8 else "")
+            runs = f"; ran at {s} = {shown}" if ran and ran != [v] else ""
+            out.append(f"  {s} = {what}; costed at {v}{runs}")
         return "\n".join(out)
 
     __repr__ = __str__

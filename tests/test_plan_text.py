@@ -34,11 +34,13 @@ def test_plan_names_module_ranges_units_and_symbols():
     for m in modules:
         assert m in text
         assert not re.search(r"\b(cos|sin|input|mul|getitem|view)(_\d+)?\b", m), m    # no FX node names
-    # sizes carry units, the batch symbol is explained, and every row says its device memory
+    # sizes carry units, the batch and length symbols are explained, and every row says its device memory
     assert "KiB" in text and (" ms" in text or " us" in text)
-    (sym, value, meaning), = cm.plan.symbol_legend()
-    assert value == 2 and sym in text
-    assert f"{sym} = rows per microbatch (dim 0 of input_ids, labels); costed at {value}" in text
+    legend = {meaning: (sym, value) for sym, value, meaning in cm.plan.symbol_legend()}
+    sym, value = legend["rows per microbatch (dim 0 of input_ids)"]
+    assert value == 2 and f"{sym} = rows per microbatch (dim 0 of input_ids); costed at {value}" in text
+    length, value = legend["a dynamic size: dim 1 of input_ids"]     # the sequence length (lengths.py)
+    assert value == 12 and f"{length} = a dynamic size: dim 1 of input_ids; costed at 12" in text
     assert "legend:" in text and "device mem" in text and "host act" in text
     assert all(r["planned_memory"] > 0 for r in rows)
     assert cm.plan.to_json()["symbols"][sym]["value"] == 2

@@ -72,6 +72,7 @@ class CompileState:
     config: Any                        # Config
     mode: str                          # "train" (loss only) or "call" (all outputs)
     loss_output: Optional[int] = None  # index of the loss among the graph outputs (None: no loss)
+    at: Optional[dict] = None          # symbol name -> size to plan at (None: the capture's sizes)
     gm: Optional[fx.GraphModule] = None
     loss_scale: Any = None             # normalize_loss.LossScale
     lm_head: Any = None
@@ -149,6 +150,8 @@ def find_batch_pass(st: CompileState) -> CompileState:
     st.batch = find_batch(st.gm, st.captured.batch_size, st.config.unbatched_inputs)
     check_splittable(st.batch, st.config.num_microbatches)
     st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.config))
+    if st.at:   # re-planned for another size of the same capture (Note [plans per length])
+        st.bindings.update({name: v for name, v in st.at.items() if name in st.bindings})
     return st
 
 
@@ -244,9 +247,10 @@ PASSES = [
 ]
 
 
-def compile_graph(cap, config, mode: str, loss_output=None) -> Plan:
-    """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed."""
-    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output)
+def compile_graph(cap, config, mode: str, loss_output=None, at=None) -> Plan:
+    """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
+    at: {symbol name: size} to plan at instead of the capture's sizes."""
+    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at)
     printed = []
     for name, run, show in PASSES:
         st = run(st)

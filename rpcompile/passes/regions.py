@@ -16,6 +16,14 @@ final norm, LM head shards, loss, a layer cut short by the stage) forms its own 
 in which no block piece repeats stays whole. Every piece is a contiguous run of the
 topological order, so the pieces called in order compute the graph; the backward chains through
 each compiled piece's autograd function like through any other op.
+
+Pieces and sequence lengths (Note [dynamic lengths] in lengths.py): one plan serves every length,
+so its programs and pieces do too, and the runner compiles pieces with torch.compile's default
+automatic dynamic shapes: a piece is compiled static at the first length and once more, with the
+dims and size arguments that changed symbolic, at the second; every later length reuses that.
+Not `dynamic=True` from the start: a piece's weights are plain inputs, so every weight dim would
+be symbolic too and Inductor would lose its static-shape kernels in every steady step, to save
+one recompile per piece.
 """
 from __future__ import annotations
 

@@ -1,0 +1,89 @@
+"""The plans of a compiled model: which capture and which plan serve a call.
+
+Note [plans per length]: calls are grouped by what a plan cannot vary over (mode, argument
+structure, dtypes, ranks, constants, training mode, which parameters train); sizes are left to
+the captures. Per group, a list of captures; a call uses the first capture whose symbolic
+shapes and guards its sizes agree with (shapes.py), or captures anew (Note [dynamic lengths]).
+
+A capture's first plan was cut at the capture's sizes ("costed at" in `print(cm.plan)`). At
+another size the same cut can need more device memory (activations grow with the length), so
+before a plan serves new sizes its jobs are re-costed there by substitution into the cost
+pass's symbolic expressions (passes/at_sizes.py): a plan whose jobs all fit the memory budget
+serves; where none of the capture's plans fits, the passes run again on the same capture at
+the new sizes (no dynamo), which gives more, smaller stage jobs, or a PlanningError when no
+cut fits. The choice is memoised per size, so a steady step costs one dict lookup.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .passes.at_sizes import job_memory_at
+from .shapes import InputShapes
+
+
+@dataclass
+class _Capture:
+    captured: object
+    shapes: InputShapes
+    plans: list                                   # plans of this capture, the first at its own sizes
+    chosen: dict = field(default_factory=dict)    # planning sizes -> the plan that serves them
+
+
+class PlanCache:
+    def __init__(self, config):
+        self.config = config
+        self._groups: dict = {}      # key -> [_Capture]
+
+    def plans(self) -> list:
+        return [p for caps in self._groups.values() for c in caps for p in c.plans]
+
+    def captures(self) -> int:
+        return sum(len(caps) for caps in self._groups.values())
+
+    def lookup(self, key, leaves, capture, compile):
+        """The plan for a call: capture() -> Captured and compile(captured, at) -> Plan make new ones."""
+        group = self._groups.setdefault(key, [])
+        for c in group:
+            sizes = c.shapes.bind(leaves)
+            if sizes is not None:
+                return self._plan_at(c, sizes, compile)
+        cap = capture()
+        plan = compile(cap, None)
+        c = _Capture(cap, InputShapes(cap, plan.batch.symbols), [plan])
+        group.append(c)
+        return self._plan_at(c, c.shapes.accept(leaves), compile)
+
+    def _plan_at(self, c: _Capture, sizes: dict, compile):
+        at = self._planning_sizes(c.plans[0], sizes)
+        sig = tuple(sorted(at.items()))
+        plan = c.chosen.get(sig)
+        if plan is None:
+            plan = next((p for p in c.plans if self._fits(p, at)), None)
+            if plan is None:
+                plan = compile(c.captured, at)
+                c.plans.append(plan)
+            c.chosen[sig] = plan
+            lengths = {s: v for s, v in at.items() if s not in _batch_names(plan)}
+            if lengths and lengths not in plan.served:
+                plan.served.append(lengths)
+        return plan
+
+    def _planning_sizes(self, plan, sizes: dict) -> dict:
+        """Call sizes as a plan costs them: a batch symbol is the rows of the largest microbatch."""
+        out = {}
+        for name, v in sizes.items():
+            if name in _batch_names(plan):
+                v = math.ceil(v / max(1, min(self.config.num_microbatches, v)))
+            out[name] = v
+        return out
+
+    def _fits(self, plan, at: dict) -> bool:
+        if plan.memory_budget is None or all(plan.bindings.get(s) == v for s, v in at.items()):
+            return True
+        memory = job_memory_at(plan, self.config, {**plan.bindings, **at})
+        return max(memory) <= plan.memory_budget
+
+
+def _batch_names(plan) -> set:
+    return {s.name for s in plan.batch.symbols} if plan.batch is not None else set()

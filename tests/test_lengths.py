@@ -1,0 +1,172 @@
+"""Dynamic sequence lengths (Note [dynamic lengths] in rpcompile/lengths.py, Note [plans per
+length] in rpcompile/plan_cache.py): one capture serves every length, a call whose sizes break
+the capture's relations captures again, and a length that breaks the memory budget re-plans."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import rpcompile
+from rpcompile import compiled as compiled_mod
+from rpcompile.passes import regions
+from rpcompile.passes.at_sizes import job_memory_at
+
+from models import lm_batch, qwen3
+from parity import scalar_loss_step, train_both
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """Counts capture_call calls (dynamo traces of the model)."""
+    calls = []
+    real = compiled_mod.capture_call
+
+    def counting(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(compiled_mod, "capture_call", counting)
+    return calls
+
+
+def _batches(lengths, batch=5):
+    return [lm_batch(batch=batch, seq=L, seed=i) for i, L in enumerate(lengths)]
+
+
+def test_one_capture_serves_every_length(captures):
+    """Qwen3 at lengths 16, 24, 16, 40 on 2 devices, 2 microbatches: one capture, one plan, and
+    the loss, every gradient and the parameters after SGD-momentum steps equal eager at every step."""
+    lengths = [16, 24, 16, 40]
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
+    cm = train_both(qwen3(), _batches(lengths), cfg, steps=len(lengths), check_every_step=True)
+    assert len(captures) == 1
+    assert len(cm._plans.plans()) == 1
+    length = next(s for s, _, what in cm.plan.symbol_legend() if "input_ids" in what and "dynamic size" in what)
+    assert [d[length] for d in cm.plan.served] == [16, 24, 40]
+    assert f"{length} = 16, 24, 40" in str(cm.plan)
+
+
+def test_static_lengths_capture_each_length(captures):
+    """Config(dynamic_lengths=False): the old behaviour, a capture per length (the test above can fail)."""
+    lengths = [16, 24, 16]
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, dynamic_lengths=False)
+    train_both(qwen3(), _batches(lengths), cfg, steps=len(lengths), min_stages=0)
+    assert len(captures) == 2
+
+
+class _SameLengthBranch(nn.Module):
+    """Takes another path when its two sequences differ in length: the capture at equal lengths
+    holds only while they are equal (dynamo guards the branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, y, t):
+        h = x
+        for layer in self.a:
+            h = torch.tanh(layer(h))
+        g = self.b(y)
+        if x.shape[1] == y.shape[1]:
+            h = h * torch.sigmoid(g)               # position by position
+        else:
+            h = h * torch.sigmoid(g.mean(1, keepdim=True))
+        return ((h.mean(1) - t) ** 2).mean()
+
+
+def test_sizes_that_break_the_capture_capture_again(captures):
+    g = torch.Generator().manual_seed(0)
+
+    def batch(lx, ly):
+        return {"x": torch.randn(6, lx, 8, generator=g), "y": torch.randn(6, ly, 8, generator=g),
+                "t": torch.randn(6, 8, generator=g)}
+
+    batches = [batch(16, 16), batch(24, 24), batch(24, 32), batch(40, 40), batch(24, 32)]
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
+    cm = train_both(_SameLengthBranch(), batches, cfg, eager_step=scalar_loss_step, steps=len(batches),
+                    min_stages=0, check_every_step=True)
+    # 16/16 captured; 24/24 reused it; 24/32 broke the guard x.shape[1] == y.shape[1]: captured
+    # again; 40/40 back to the first; 24/32 again: the second capture.
+    assert len(captures) == 2
+    assert len(cm._plans.plans()) == 2
+
+
+def test_length_over_the_memory_budget_replans(captures):
+    """A budget that the plan made at length 16 fits but not at 48: at 48 the same capture is
+    planned again, with more stage jobs, and trains like eager."""
+    model = qwen3(layers=4)
+    short, long = lm_batch(batch=4, seq=16), lm_batch(batch=4, seq=48, seed=2)
+
+    def min_budget(batch):
+        probe = rpcompile.compile(copy.deepcopy(model), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                                         memory_budget=1))
+        with pytest.raises(rpcompile.PlanningError) as e:
+            probe.train_step(**batch)
+        return e.value.min_budget
+
+    budget = int(min_budget(long) * 1.02)
+    captures.clear()
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=budget)
+    cm = rpcompile.compile(copy.deepcopy(model), cfg)
+    cm.train_step(**short)
+    first = cm.plan
+    at_long = {**first.bindings, **{s: 48 for s, _, what in first.symbol_legend() if "dynamic size" in what}}
+    assert max(job_memory_at(first, cfg, at_long)) > budget, "the test needs a plan that does not fit at 48"
+
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=budget)
+    cm = train_both(model, [short, long, short], cfg, steps=3, check_every_step=True, min_stages=0)
+    assert len(captures) == 2          # the probe above, and this model's one
+    first, second = cm._plans.plans()
+    assert len(second.stages) > len(first.stages)
+    assert max(second.stage_plan.job_memory) <= budget
+    assert cm.plan is first            # back at 16, the first plan serves
+
+
+def test_compiled_pieces_stop_growing_after_the_second_length(monkeypatch):
+    """compile_stages with aot_eager standing in for Inductor: stage programs are made once, and
+    dynamo compiles each piece at most twice (static, then dynamic), whatever the lengths."""
+    monkeypatch.setattr(regions, "MIN_REPEATS", 1)
+    from torch._dynamo.backends.registry import lookup_backend
+    aot_eager = lookup_backend("aot_eager")
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda gm, **kw: compile_(gm, **{**kw, "backend": kw.get("backend", counting)}))
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, compile_stages=True)
+    lengths = [16, 24, 40, 56, 24]
+    counts, programs = [], []
+    cm = rpcompile.compile(qwen3(layers=2), cfg)
+    for batch in _batches(lengths):
+        cm.train_step(**batch)
+        counts.append(len(graphs))
+        programs.append(len(cm.runner._programs))
+    assert counts[2] == counts[3] == counts[4], f"dynamo compiles after each length: {counts}"
+    assert programs[0] == programs[-1]
+
+
+def test_dynamo_backend_trains_at_several_lengths():
+    """torch.compile(model, backend=rpcompile.backend(...)): dynamo's own dynamic shapes decide
+    the graphs; at each length the loss and gradients equal eager."""
+    torch._dynamo.reset()
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    compiled = torch.compile(model, backend=backend)
+    try:
+        for batch in _batches([16, 24, 40]):
+            loss = compiled(**batch).loss
+            loss.backward()
+            expected = ref(**batch).loss
+            expected.backward()
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    finally:
+        torch._dynamo.reset()
+    assert len(backend.plans) <= 2, "dynamo makes the length dynamic at the second one"
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * q.grad.abs().max().item())
