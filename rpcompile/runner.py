@@ -41,7 +41,7 @@ class GraphRunner:
         self.config = config
         self.executor = Executor(config.devices, config.peer_transfers)
         self._programs: dict = {}
-        self._pieces: dict = {}         # (plan id, device) -> compiled pieces by key (passes/regions.py)
+        self._pieces: dict = {}         # (capture id, device) -> compiled pieces by key (passes/regions.py)
         self._counters: dict = {}
         self._warned_static = False
         self.host_weights = HostWeights()
@@ -70,7 +70,7 @@ class GraphRunner:
                 prog = retarget(prog, {src.type: device})
             if self._use_inductor(stage):
                 prog = self._compiled(prog, self.config.inductor_options,
-                                      self._pieces.setdefault((id(plan), device), {}))
+                                      self._pieces.setdefault((id(plan.captured), device), {}))
             self._programs[key] = prog
         return prog
 
@@ -85,9 +85,10 @@ class GraphRunner:
     def _compiled(prog, options=None, shared=None):
         """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
         cut at repeated blocks such as decoder layers (passes/regions.py): identical pieces share
-        one compiled function, memoised in `shared`. The runner passes one dict per device, so
-        a decoder layer is compiled once per device, not once per stage program: at 4 GPUs a
-        9-job plan compiled the same layer for every (stage, role) and took 226 s of first steps."""
+        one compiled function, memoised in `shared`. The runner passes one dict per device and
+        capture, so a decoder layer is one compiled object per device, whatever stage program or
+        re-planned length uses it (first steps at 4 GPUs measured the same, 215-231 s against
+        226 s: Inductor's caches had already served the repeats)."""
         prog = retarget(prog, {})   # a private copy whose children we may replace
         shared = {} if shared is None else shared
 
