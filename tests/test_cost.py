@@ -374,13 +374,21 @@ def test_qwen3_meta_capture_same_flops(qwen):
             assert 2 * cm.param_bytes == cc.param_bytes
 
 
-def test_gpu_plans_of_a_qwen3_1_7b_shape_count_the_per_job_host_cost(monkeypatch):
-    """Planned with GPU numbers (on meta tensors, no GPU needed): 2 devices keep the 4 jobs
-    measured best there; 4 devices no longer cut the step into 32 jobs (measured 16% slower
-    than 8: each job costs host time that grows with the devices sharing the interpreter)."""
+def test_gpu_plans_of_a_qwen3_1_7b_shape(monkeypatch):
+    """Planned with GPU numbers (on meta tensors, no GPU needed):
+    - the per-job host cost: 2 devices keep the 4 jobs measured best there; 4 devices no longer
+      cut the step into 32 jobs (measured 16% slower than 8: each job costs host time that grows
+      with the devices sharing the interpreter);
+    - Note [cuts between blocks]: for Inductor-compiled stages the 4-device plan cuts only
+      between decoder layers (no partial layer, a piece of its own to compile per device), at
+      most BLOCK_CUT_SLACK slower by the cost model than the best plan, which eager stages keep."""
+    import importlib
+
     import rpcompile
+    from rpcompile import passes
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    cut_points = importlib.import_module("rpcompile.passes.cut_points")
     assert Hardware.h100().job_overhead_s(4) == pytest.approx(0.04) and Hardware.cpu().job_overhead_s(4) == 0
     monkeypatch.setattr(Hardware, "cpu", Hardware.h100)      # plan for GPUs on CPU "devices"
     config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -389,43 +397,17 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape_count_the_per_job_host_cost(monkeypatch
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
-    jobs = {}
-    for n in (2, 4):
-        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * n, num_microbatches=4,
-                                                       dtype=torch.bfloat16, memory_budget="125GiB"))
-        plan, _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
-        jobs[n] = plan.stage_plan.num_jobs
-    assert jobs[2] == 4 and 6 <= jobs[4] <= 12, jobs
-
-
-def test_compiled_stages_cut_between_layers_where_it_costs_little(monkeypatch):
-    """Note [cuts between blocks]: planned with GPU numbers for Inductor-compiled stages, the
-    4-device plan of a Qwen3-1.7B shape cuts only between decoder layers (no partial layer, so no
-    piece of its own to compile per device), at most BLOCK_CUT_SLACK slower by the cost model
-    than the best plan; with eager stages the finest plan stays."""
-    import importlib
-
-    import rpcompile
-    from rpcompile import passes
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cut_points = importlib.import_module("rpcompile.passes.cut_points")
-    monkeypatch.setattr(Hardware, "cpu", Hardware.h100)
-    config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                         use_cache=False)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
-    ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
     plans = {}
-    for compiled in (False, True):
-        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 4, num_microbatches=4, dtype=torch.bfloat16,
+    for n, compiled in ((2, False), (4, False), (4, True)):
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * n, num_microbatches=4, dtype=torch.bfloat16,
                                                        memory_budget="70GiB", compile_stages=compiled))
-        plans[compiled], _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
-    inside = cut_points._inside_blocks(cut_points.liveness(plans[True].gm))
+        plans[n, compiled], _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
+    assert plans[2, False].stage_plan.num_jobs == 4 and 6 <= plans[4, False].stage_plan.num_jobs <= 12
+    inside = cut_points._inside_blocks(cut_points.liveness(plans[4, True].gm))
     assert inside, "the layers' interior positions"
-    for compiled, plan in plans.items():
-        ends = {p for st in plan.stages for p in st.span}
+    for compiled in (False, True):
+        ends = {p for st in plans[4, compiled].stages for p in st.span}
         assert bool(ends & inside) is not compiled, (compiled, sorted(ends & inside))
-    assert "model.layers.15 (" in str(plans[False]) and "(self_attn" not in str(plans[True])
-    assert plans[True].stage_plan.est_time <= (1 + passes.BLOCK_CUT_SLACK) * plans[False].stage_plan.est_time
+    assert "model.layers.15 (" in str(plans[4, False]) and "(self_attn" not in str(plans[4, True])
+    assert (plans[4, True].stage_plan.est_time
+            <= (1 + passes.BLOCK_CUT_SLACK) * plans[4, False].stage_plan.est_time)
