@@ -124,3 +124,13 @@ def inject_fault(monkeypatch, stage, microbatch=None):
         return real(job, grads)
 
     monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+
+
+class FakeEvent:
+    """A CUDA event's host side for CPU tests: counts its synchronize() calls."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1

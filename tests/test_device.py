@@ -5,13 +5,7 @@ import torch
 from rpcompile.runtime.device import DeviceRuntime, Pending, resolve
 from rpcompile.runtime.job import nbytes
 
-
-class _Done:
-    def __init__(self):
-        self.waited = 0
-
-    def synchronize(self):
-        self.waited += 1
+from parity import FakeEvent
 
 
 def test_upload_and_download_keep_structure_and_dtypes():
@@ -27,7 +21,7 @@ def test_upload_and_download_keep_structure_and_dtypes():
 
 
 def test_resolve_and_nbytes_of_pending_values():
-    t, ev = torch.ones(2, 3), _Done()
+    t, ev = torch.ones(2, 3), FakeEvent()
     p = Pending(t, ev)
     assert resolve(p) is t and ev.waited == 1
     out = resolve((p, [p, 3], None))

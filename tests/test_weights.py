@@ -4,13 +4,7 @@ import torch
 
 from rpcompile.runtime.weights import DelayedWeights, HostWeights, upload_mark, wait_for_uploads
 
-
-class FakeEvent:
-    def __init__(self):
-        self.waited = 0
-
-    def synchronize(self):
-        self.waited += 1
+from parity import FakeEvent
 
 
 def test_only_the_newest_upload_of_each_stream_is_waited_on():

@@ -9,7 +9,6 @@ small rotary tables and masks; the gaps inside attention carry q, k and v as wel
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from .cost import Hardware, NodeCost, evaluate, node_seconds
 from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
 from .partition import Segment
-from .regions import block_of
+from .regions import block_keys
 
 # A gap whose live activations are at most this many times the median gap's is a cut.
 CUT_SLACK = 1.0
@@ -112,12 +111,9 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings, within_blocks: bool =
 
 def _inside_blocks(lv: Liveness) -> set:
     """Positions with the same repeated block (a decoder layer) on both sides."""
-    keys = []
-    for n in lv.body:
-        src = n.args[0] if n.target is operator.getitem and n.args else None
-        # a getitem of a multi-output node belongs with that node (as in passes/regions.py)
-        keys.append(keys[lv.index[src]] if isinstance(src, fx.Node) and src in lv.index else block_of(n))
-    return {p for p in range(1, len(lv.body)) if keys[p] is not None and keys[p - 1] == keys[p]}
+    keys = block_keys(lv.body)
+    return {p for p in range(1, len(lv.body))
+            if keys[lv.body[p]] is not None and keys[lv.body[p - 1]] == keys[lv.body[p]]}
 
 
 def _mutation_spans(lv: Liveness) -> set:

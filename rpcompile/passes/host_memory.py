@@ -12,6 +12,8 @@ the microbatches.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 
@@ -43,15 +45,9 @@ class GradLayout:
 
     def nbytes(self, sets: int = 1) -> int:
         """Bytes of `sets` flat buffers and the row-sum buffers (those are shared by the sets)."""
-        rows = sum(_numel(shape) for shape in self.row_sums.values())
+        rows = sum(math.prod(shape) for shape in self.row_sums.values())
         return GRAD_ITEMSIZE * (sets * self.numel + rows)
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def grad_layout(plan) -> GradLayout:
@@ -74,7 +70,7 @@ def grad_layout(plan) -> GradLayout:
                 shape = tuple(params[key].shape)
                 whole.add(key)
             placed.append((key, layout.numel, shape))
-            layout.numel += _numel(shape)
+            layout.numel += math.prod(shape)
         layout.stages[st.index] = (start, layout.numel)
         layout.keys[st.index] = placed
     layout.row_sums = {i: tuple(params[i].shape) for i in sorted(rows_only - whole)}

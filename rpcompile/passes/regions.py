@@ -62,13 +62,19 @@ def block_of(node: fx.Node) -> Optional[tuple]:
     return path[:m.end(1)], int(m.group(2) or m.group(3))
 
 
-def _runs(body: list) -> list:
-    """Contiguous runs of body as [(block key or None, nodes)], blocks of the main container only."""
+def block_keys(body: list) -> dict:
+    """{node: block_of(node)}, a getitem of a multi-output node keyed as that node (it stays
+    with it: no tuple crosses a cut)."""
     keys = {}
     for n in body:
         src = n.args[0] if n.target is operator.getitem and n.args else None
-        # A getitem of a multi-output node stays with that node: no tuple crosses a cut.
         keys[n] = keys[src] if isinstance(src, fx.Node) and src in keys else block_of(n)
+    return keys
+
+
+def _runs(body: list) -> list:
+    """Contiguous runs of body as [(block key or None, nodes)], blocks of the main container only."""
+    keys = block_keys(body)
     counts = Counter(k[0] for k in keys.values() if k is not None)
     if not counts:
         return []

@@ -20,11 +20,17 @@ it. Which set a step writes:
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
 from .host_buffers import host_empty
+
+
+def param_index(key) -> int:
+    """The parameter a gradient key names: an index, or (index, start, stop) for rows of it."""
+    return key[0] if isinstance(key, tuple) else key
 
 
 class GradSet:
@@ -58,15 +64,9 @@ class GradSet:
     def views(self, stage: int, piece: torch.Tensor) -> dict:
         """{key: view} of a stage's gradients in `piece` (its host piece or a device twin)."""
         start = self.layout.stages[stage][0]
-        return {key: piece[off - start:off - start + _numel(shape)].view(shape)
+        return {key: piece[off - start:off - start + math.prod(shape)].view(shape)
                 for key, off, shape in self.layout.keys[stage]}
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class HostGrads:

@@ -11,6 +11,7 @@ import torch
 from ..errors import InputError, StageError
 from . import ops
 from .device import Pending, resolve
+from .grads import param_index
 
 
 def nbytes(value) -> int:
@@ -288,7 +289,7 @@ class JobContext:
         gate, params = self.step.gate, self.step.params
         if gate is not None:
             for key in self.stage.grad_params:
-                gate(params[key[0] if isinstance(key, tuple) else key])
+                gate(params[param_index(key)])
         grads = self.step.grads
         self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index))
         self.grad_acc = grads.views(self.stage.index, self.grad_flat)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .device import Pending, resolve
+from .grads import param_index
 from .weights import DelayedWeights
 
 
@@ -23,14 +24,9 @@ def _as(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _param_index(key) -> int:
-    """The parameter a gradient key names: an index, or (index, start, stop) for rows of it."""
-    return key[0] if isinstance(key, tuple) else key
-
-
 def grad_indices(job_grads: dict) -> set:
     """Indices of the parameters a step's jobs made gradients for (without waiting for them)."""
-    return {_param_index(key) for grads in job_grads.values() for key in grads}
+    return {param_index(key) for grads in job_grads.values() for key in grads}
 
 
 def use_order(plan) -> list:
