@@ -25,7 +25,7 @@ StageError naming the value and the stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import sympy
 import torch
@@ -141,19 +141,39 @@ def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
             "batch dimension dynamic (torch._dynamo.mark_dynamic(x, 0) instead of dynamic=True).")
 
 
-def _row_check(expr: sympy.Expr, info: BatchInfo, known: set) -> Optional[Callable]:
+class RowCheck:
+    """fn(rows, syms) -> int: the dim 0 the plan expects of a value for a microbatch of `rows`
+    rows and size symbols `syms` ({name: int}). A module-level callable, not a closure, so a
+    Stage pickles (runtime/portable.py); the lambdified expression is built on first call and
+    not pickled."""
+
+    def __init__(self, expr: sympy.Expr, symbols: tuple, batch: tuple):
+        self.expr = expr          # dim 0 as a sympy expression
+        self.symbols = symbols    # its free symbols, sorted by name
+        self.batch = batch        # per symbol: a batch symbol (bound to rows) or a size symbol
+        self._fn = None
+
+    def __call__(self, rows, syms) -> int:
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = sympy.lambdify(self.symbols, self.expr, modules=[{}, "math"])
+        return int(fn(*[rows if b else syms[s.name] for s, b in zip(self.symbols, self.batch)]))
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fn": None}
+
+    def __repr__(self):
+        return f"RowCheck({self.expr})"
+
+
+def _row_check(expr: sympy.Expr, info: BatchInfo, known: set) -> Optional[RowCheck]:
     """fn(rows, syms) -> the dim 0 the plan expects of a value for a microbatch, or None when
     dim 0 does not depend on the batch (or depends on a symbol no microbatch binds)."""
     free = expr.free_symbols
     if not free & info.symbols or not all(s in info.symbols or s.name in known for s in free):
         return None
-    names = sorted(free, key=lambda s: s.name)
-    fn = sympy.lambdify(names, expr, modules=[{}, "math"])
-    batch = [s in info.symbols for s in names]
-
-    def expected(rows, syms):
-        return int(fn(*[rows if b else syms[s.name] for s, b in zip(names, batch)]))
-    return expected
+    names = tuple(sorted(free, key=lambda s: s.name))
+    return RowCheck(expr, names, tuple(s in info.symbols for s in names))
 
 
 def attach_row_checks(stages, info: BatchInfo, sym_names) -> None:
