@@ -85,6 +85,8 @@ def main(argv=None):
     ap.add_argument("--tokens-per-step", type=int, default=65536)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--workers", default="threads", choices=["threads", "processes"],
+                    help="Config.workers: a worker thread or a worker process per device")
     ap.add_argument("--variants", default="base,no_optimizer,resident_weights,switch_0.5ms")
     ap.add_argument("--mode", default="delayed")
     ap.add_argument("--pyspy", action="store_true")
@@ -102,7 +104,7 @@ def main(argv=None):
     model = build_model(spec, init_device="cuda:0" if on_gpu else "cpu", max_positions=a.seq_len)
     devices = [f"cuda:{i}" for i in range(a.gpus)] if on_gpu else ["cpu"] * a.gpus
     cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=a.microbatches,
-                                                   dtype=torch.bfloat16, optimizer_mode=a.mode,
+                                                   dtype=torch.bfloat16, optimizer_mode=a.mode, workers=a.workers,
                                                    inductor_options=json.loads(a.inductor) if a.inductor else None))
     opt = torch.optim.AdamW(model.parameters(), fused=on_gpu,
                             **adamw_kwargs(argparse.Namespace(lr=1e-5)))

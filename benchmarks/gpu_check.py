@@ -74,13 +74,17 @@ def parity(args):
     if args.quick:   # the 2-GPU runtime paths only, eager stage compute
         variants = [(two, False, False, "exact"), (two, False, True, "exact"), (two, False, True, "overlapped"),
                     (two, False, False, "delayed")]
+    variants = [v + ("threads",) for v in variants]
+    if args.workers == "processes":   # worker processes (no peer path there), with Inductor too
+        variants = [v[:4] + ("processes",) for v in variants if not v[2]] + [
+            (two, True, False, "delayed", "processes"), (two, True, False, "overlapped", "processes")]
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        for gpus, inductor, peer, mode in dict.fromkeys(variants):
+        for gpus, inductor, peer, mode, workers in dict.fromkeys(variants):
             model = tiny_qwen3()
             ref = copy.deepcopy(model).to(dev)
             cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
                                    memory_budget="6MiB", compile_stages=inductor, peer_transfers=peer,
-                                   optimizer_mode=mode)
+                                   optimizer_mode=mode, workers=workers)
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -112,7 +116,8 @@ def parity(args):
             cm.synchronize()
             perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
-                   f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}")
+                   f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
+                   f"{'_processes' if workers == 'processes' else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr,
                         "peer_fetches": peer_fetches}
@@ -319,6 +324,8 @@ def main():
     ap.add_argument("--inductor", action="store_true")
     ap.add_argument("--quick", action="store_true", help="parity: 2-GPU runtime paths only, no Inductor")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--workers", default="threads", choices=["threads", "processes"],
+                    help="parity: Config.workers of the variants")
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)

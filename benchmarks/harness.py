@@ -177,8 +177,23 @@ def host_used() -> int:
     return m.get("MemTotal", 0) - m.get("MemAvailable", 0)
 
 
+def _pss(pid: str):
+    """Proportional set size of a process (shared pages divided among the processes mapping
+    them), or None where the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def group_rss(pgid: int) -> int:
-    """Resident bytes of every process in process group `pgid` (a child and what it spawned)."""
+    """Resident bytes of every process in process group `pgid` (a child and what it spawned):
+    their proportional set sizes, so that memory they share (worker processes' shared host
+    buffers) counts once, not once per process; resident set sizes where PSS is unknown."""
     total = 0
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -189,7 +204,8 @@ def group_rss(pgid: int) -> int:
         except (OSError, IndexError):
             continue
         if int(rest[2]) == pgid:
-            total += int(rest[21]) * PAGE
+            pss = _pss(name)
+            total += pss if pss is not None else int(rest[21]) * PAGE
     return total
 
 

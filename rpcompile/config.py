@@ -50,6 +50,10 @@ class Config:
     dynamic_lengths: the sequence length (dim 1 of the first tensor argument) is symbolic in the
         capture, so one capture, plan and set of stage programs serve every length (Note
         [dynamic lengths] in lengths.py); False: each new length is captured and planned anew.
+    workers: "threads" (one worker thread per device, in this process) or "processes" (one
+        worker process per device: Note [worker processes] in runtime/worker.py; host buffers
+        in shared memory; several GPUs launch their kernels in parallel instead of taking turns
+        under one interpreter lock).
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -69,6 +73,7 @@ class Config:
     inductor_options: Optional[dict] = None
     unbatched_inputs: Sequence = ()
     dynamic_lengths: bool = True
+    workers: str = "threads"
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -97,6 +102,11 @@ class Config:
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"Config.inductor_options={self.inductor_options!r}: give a dict of Inductor options, "
                              "e.g. {'cpp_wrapper': True}")
+        if self.workers not in ("threads", "processes"):
+            raise ValueError(f"Config.workers={self.workers!r}: use 'threads' or 'processes'")
+        if self.workers == "processes" and self.peer_transfers:
+            raise ValueError("Config(peer_transfers=True) needs workers='threads': worker processes hand values "
+                             "on through shared host memory")
         if self.optimizer_mode not in ("exact", "overlapped", "delayed"):
             raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact', 'overlapped' or 'delayed'")
 

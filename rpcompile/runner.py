@@ -11,14 +11,14 @@ import torch
 
 from .errors import InputError
 from .passes.graph_utils import retarget
-from .passes.regions import compile_regions
 from .runtime.device import resolve
 from .runtime.executor import Executor
+from .runtime.processes import ProcessExecutor
 from .runtime.grads import HostGrads
 from .runtime.job import Microbatch, StepState
 from .runtime.schedule import build_schedule
+from .runtime.programs import ProgramCache
 from .runtime.trace import Tracer
-from .runtime.warmup import WarmupGuard
 from .runtime.modes import ExactMode, mode_for, sum_param_grads
 from .runtime.weights import HostWeights
 
@@ -39,13 +39,17 @@ class GraphRunner:
 
     def __init__(self, config):
         self.config = config
-        self.executor = Executor(config.devices, config.peer_transfers)
-        self._programs: dict = {}
-        self._pieces: dict = {}         # (capture id, device) -> compiled pieces by key (passes/regions.py)
+        if config.workers == "processes":
+            self.executor = ProcessExecutor(config)
+            self.host_placement = self.executor.memory    # Note [shared host memory]
+        else:
+            self.executor = Executor(config.devices, config.peer_transfers)
+            self.host_placement = config.on_gpu            # pinned on GPUs
+        self.programs = ProgramCache(config.compile_stages, config.on_gpu, config.inductor_options)
         self._counters: dict = {}
         self._warned_static = False
-        self.host_weights = HostWeights()
-        self.host_grads = HostGrads(pin=config.on_gpu)
+        self.host_weights = HostWeights(pin=self.host_placement)
+        self.host_grads = HostGrads(pin=self.host_placement)
         self.last_tracer = None
         self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
 
@@ -61,46 +65,11 @@ class GraphRunner:
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
-        key = (id(plan), stage.index, role, device)
-        prog = self._programs.get(key)
-        if prog is None:
-            src = plan.captured.capture_device
-            prog = stage.programs[role]
-            if src != device:
-                prog = retarget(prog, {src.type: device})
-            if self._use_inductor(stage):
-                prog = self._compiled(prog, self.config.inductor_options,
-                                      self._pieces.setdefault((id(plan.captured), device), {}))
-            self._programs[key] = prog
-        return prog
+        return self.programs.get(id(plan), id(plan.captured), plan.captured.capture_device, stage, role, device)
 
-    def _use_inductor(self, stage) -> bool:
-        on = self.config.compile_stages
-        if on is None:
-            on = self.config.on_gpu
-        # Random stages stay eager: Inductor's own RNG would not replay our reseeded streams.
-        return bool(on) and not stage.random
-
-    @staticmethod
-    def _compiled(prog, options=None, shared=None):
-        """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
-        cut at repeated blocks such as decoder layers (passes/regions.py): identical pieces share
-        one compiled function, memoised in `shared`. The runner passes one dict per device and
-        capture, so a decoder layer is one compiled object per device, whatever stage program or
-        re-planned length uses it (first steps at 4 GPUs measured the same, 215-231 s against
-        226 s: Inductor's caches had already served the repeats)."""
-        prog = retarget(prog, {})   # a private copy whose children we may replace
-        shared = {} if shared is None else shared
-
-        def inductor(gm):
-            return torch.compile(gm, dynamic=None, options=options)
-
-        if hasattr(prog, "forward_graph"):
-            prog.forward_graph = WarmupGuard(compile_regions(prog.forward_graph, inductor, shared))
-        if hasattr(prog, "backward_graph"):
-            prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
-            prog.backward_graph = WarmupGuard(prog.backward_graph)
-        return prog
+    @property
+    def _programs(self) -> dict:
+        return self.programs._programs
 
     # --- microbatches ----------------------------------------------------------------------
     def split(self, plan, leaves) -> list:
@@ -214,7 +183,8 @@ class GraphRunner:
         """Run [(job index, stage, role), ...] as a chain: its schedule is built first
         (runtime/schedule.py, continuing the rotation), then executed."""
         if step.tracer is None:
-            step.tracer = Tracer(self.config.devices)
+            # (worker processes trace their own devices: the main process touches no GPU)
+            step.tracer = Tracer(self.config.devices if self.config.workers == "threads" else [])
         self.last_tracer = step.tracer
         schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset)
         self.executor.run(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))

@@ -42,6 +42,9 @@ SYSTEMS = {
     "rpcompile-delayed": _rpcompile("rpcompile-delayed",
                                     "rpcompile, Config(optimizer_mode='delayed') + cm.attach_optimizer(AdamW)",
                                     rpcompile_delayed="1"),
+    "rpcompile-delayed-proc": _rpcompile("rpcompile-delayed-proc",
+                                         "rpcompile, Config(optimizer_mode='delayed', workers='processes') + "
+                                         "cm.attach_optimizer(AdamW)", rpcompile_delayed="1", rpcompile_processes="1"),
     "rpcompile-p2p": _rpcompile("rpcompile-p2p", "rpcompile, Config(peer_transfers=True)", rpcompile_peer="1"),
     "rpcompile-overlapped-p2p": _rpcompile("rpcompile-overlapped-p2p",
                                            "rpcompile, Config(optimizer_mode='overlapped', peer_transfers=True)",

@@ -14,6 +14,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
                           default asynchronous step); system "rpcompile-delayed"
   rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
                           where peer access exists; system "rpcompile-p2p"
+  rpcompile_processes=1   Config(workers="processes"): one worker process per device; system
+                          "rpcompile-delayed-proc" (with rpcompile_delayed=1)
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
@@ -51,6 +53,12 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no peer_transfers field")
         kwargs["peer_transfers"] = True
         notes.append("Config(peer_transfers=True)")
+    if _on(spec.options, "rpcompile_processes"):
+        if "workers" not in fields:
+            raise RuntimeError("--option rpcompile_processes=1 asks for Config(workers='processes'), but this "
+                               "rpcompile's Config has no workers field")
+        kwargs["workers"] = "processes"
+        notes.append("Config(workers='processes'): one worker process per device")
     if spec.options.get("rpcompile_max_jobs"):
         kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
         notes.append(f"Config(max_jobs={kwargs['max_jobs']})")

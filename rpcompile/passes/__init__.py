@@ -168,7 +168,7 @@ def cut_points(st: CompileState) -> CompileState:
 
 
 def _stages_compiled(config) -> bool:
-    """Whether the runner compiles the stages with Inductor (GraphRunner._use_inductor)."""
+    """Whether the runner compiles the stages with Inductor (runtime.programs.ProgramCache.use_inductor)."""
     return bool(config.on_gpu if config.compile_stages is None else config.compile_stages)
 
 

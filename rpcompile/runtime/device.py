@@ -70,8 +70,11 @@ class DeviceRuntime:
     only after the events of the copies that used it have completed.
     """
 
-    def __init__(self, device: torch.device, peer_transfers: bool = False):
+    def __init__(self, device: torch.device, peer_transfers: bool = False, label=None):
         self.device = device
+        self.label = label or str(device)     # the device as the user named it (errors, traces)
+        # host buffers for downloads: fresh pinned ones, or a worker process's shared slots
+        self.host_slots = lambda shape, dtype: host_empty(shape, dtype, True, "activations")
         self.is_cpu = device.type == "cpu"
         self.prefetched: dict = {}       # (step, job) -> Future of {param key: (device tensor, event)}
         self.worker_index = 0
@@ -164,7 +167,7 @@ class DeviceRuntime:
                    if ready is None or ready(p)}
             if tracer is not None:
                 nbytes = sum(d.numel() * d.element_size() for d, _ in got.values())
-                tracer.add(self.device, "weights_in", "prefetch_weights", start, tracer.cuda_mark(self.weights_in),
+                tracer.add(self.label, "weights_in", "prefetch_weights", start, tracer.cuda_mark(self.weights_in),
                            worker=self.worker_index, bytes=nbytes, params=len(got), **(attrs or {}))
             return got
 
@@ -209,7 +212,7 @@ class DeviceRuntime:
             t = t.detach()
             if self.is_cpu:
                 return t
-            return self.download_into(t, host_empty(t.shape, t.dtype, True, "activations"))
+            return self.download_into(t, self.host_slots(t.shape, t.dtype))
         return _map(move, value)
 
     def grad_accumulator(self, host_piece):

@@ -17,9 +17,13 @@ allocated_bytes: Counter = Counter()     # kind -> bytes handed out since the pr
 allocations: Counter = Counter()         # kind -> number of buffers handed out
 
 
-def host_empty(shape, dtype: torch.dtype, pin: bool, kind: str) -> torch.Tensor:
-    """An uninitialised host tensor (pinned when `pin`) for the runtime's `kind` of buffer."""
-    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+def host_empty(shape, dtype: torch.dtype, pin, kind: str) -> torch.Tensor:
+    """An uninitialised host tensor for the runtime's `kind` of buffer: pinned when `pin` is
+    True, in shared files when it is a SharedMemory (runtime/shared.py: worker processes)."""
+    if isinstance(pin, bool):
+        t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    else:
+        t = pin.empty(tuple(shape), dtype)
     with _lock:
         allocated_bytes[kind] += t.numel() * t.element_size()
         allocations[kind] += 1

@@ -66,6 +66,14 @@ class StepState:
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def wait_done(self, job: int, mb: int) -> None:
+        """Block until `job` has finished microbatch mb."""
+        self.done_events[job][mb].wait()
+
+    def mark_done(self, job: int, mb: int) -> None:
+        """`job` finished microbatch mb: the jobs after it may read its results."""
+        self.done_events[job][mb].set()
+
     def fail(self, exc: BaseException) -> None:
         with self.lock:
             if self.error is None:
@@ -123,7 +131,7 @@ class JobContext:
         if self.dev.is_cpu or stream_name == "host":
             t0 = tracer.now()
             out = fn()
-            tracer.add(self.dev.device, stream_name, name, t0, tracer.now(), **attrs)
+            tracer.add(self.dev.label, stream_name, name, t0, tracer.now(), **attrs)
             return out
         stream = self.dev.stream_named(stream_name)
         start = tracer.cuda_mark(stream)
@@ -131,21 +139,21 @@ class JobContext:
         out = fn()
         # issue_s: host seconds spent enqueueing the work (kernel launches under the
         # interpreter lock), beside the device seconds the events measure
-        tracer.add(self.dev.device, stream_name, name, start, tracer.cuda_mark(stream),
+        tracer.add(self.dev.label, stream_name, name, start, tracer.cuda_mark(stream),
                    issue_s=time.perf_counter() - t0, **attrs)
         return out
 
     # --- synchronisation -------------------------------------------------------------------
     def wait(self, mb):
         self.microbatch = mb
-        ready = self.step.done_events[self.prev_job][mb].wait if self.prev_job is not None else (lambda: None)
-        self.span("host", "wait", ready, mb)
+        if self.prev_job is not None:
+            self.span("host", "wait", lambda: self.step.wait_done(self.prev_job, mb), mb)
         if self.step.error is not None:
             raise Aborted()
 
     def done(self, mb):
         self.release_rng()
-        self.step.done_events[self.job_index][mb].set()
+        self.step.mark_done(self.job_index, mb)
 
     def release_rng(self):
         if self._rng is not None:
@@ -332,8 +340,8 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
         pass
     except BaseException as exc:  # reported in the caller's thread by the executor
         mb = ctx.microbatch if ctx is not None else None
-        err = StageError(f"stage {stage.index} ({role}) on {dev.device}, microbatch {mb}: {type(exc).__name__}: {exc}",
-                         stage=stage.index, microbatch=mb, device=str(dev.device), job=job_index)
+        err = StageError(f"stage {stage.index} ({role}) on {dev.label}, microbatch {mb}: {type(exc).__name__}: {exc}",
+                         stage=stage.index, microbatch=mb, device=dev.label, job=job_index)
         err.__cause__ = exc
         step.fail(err)
     finally:

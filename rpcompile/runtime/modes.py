@@ -132,7 +132,7 @@ class DelayedMode(OverlappedMode):
         params = plan.captured.params
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
-            self.copies = DelayedWeights(params, runner.working_dtype(plan), pin=runner.config.on_gpu)
+            self.copies = DelayedWeights(params, runner.working_dtype(plan), pin=runner.host_placement)
         return self.copies
 
     def start(self, runner, plan, micro):

@@ -14,16 +14,20 @@ import torch
 
 
 class Tracer:
-    def __init__(self, devices):
+    """Spans of one step. `labels`: the names spans give the devices (default str(device));
+    a worker process names its cuda:0 as the user's device."""
+
+    def __init__(self, devices, labels=None, clock_stream=None):
         self._lock = threading.Lock()
-        self._raw = []                       # (device, stream, name, attrs, start, end)
+        self._raw = []                       # (device label, stream, name, attrs, start, end)
+        self._resolved = []                  # spans already turned into dicts (a worker process's)
         self._t0 = time.perf_counter()
         self._cuda_t0 = {}
-        for d in devices:
-            if d.type == "cuda" and d not in self._cuda_t0:
+        for d, label in zip(devices, labels or [str(d) for d in devices]):
+            if d.type == "cuda" and label not in self._cuda_t0:
                 ev = torch.cuda.Event(enable_timing=True)
-                ev.record(torch.cuda.current_stream(d))
-                self._cuda_t0[d] = ev
+                ev.record(clock_stream or torch.cuda.current_stream(d))
+                self._cuda_t0[label] = ev
 
     def now(self):
         return time.perf_counter()
@@ -37,10 +41,30 @@ class Tracer:
         with self._lock:
             self._raw.append((device, stream, name, attrs, start, end))
 
+    def extend(self, spans: list) -> None:
+        """Add spans that are already dicts (from a worker process)."""
+        with self._lock:
+            self._resolved.extend(spans)
+
+    def take(self, shift: float = 0.0) -> list:
+        """The spans recorded so far as dicts, times moved by `shift` seconds, and forget them."""
+        with self._lock:
+            raw, self._raw = self._raw, []
+        out = self._resolve(raw)
+        for s in out:
+            s["start_s"] += shift
+            s["end_s"] += shift
+        return out
+
     def spans(self) -> list:
         """The spans as dicts with start_s/end_s from the step's start (waits for GPU events)."""
+        out = self._resolve(self._raw) + list(self._resolved)
+        out.sort(key=lambda r: (r["start_s"], r["end_s"]))
+        return out
+
+    def _resolve(self, raw) -> list:
         out = []
-        for device, stream, name, attrs, start, end in self._raw:
+        for device, stream, name, attrs, start, end in raw:
             if isinstance(start, torch.cuda.Event):
                 end.synchronize()
                 t0 = self._cuda_t0[device]
@@ -48,7 +72,6 @@ class Tracer:
             else:
                 s, e = start - self._t0, end - self._t0
             out.append({"device": str(device), "stream": stream, "name": name, "start_s": s, "end_s": e, **attrs})
-        out.sort(key=lambda r: (r["start_s"], r["end_s"]))
         return out
 
 

@@ -1,0 +1,441 @@
+"""The dispatcher with one worker process per device (Config(workers="processes")).
+
+The main process keeps what the user holds (parameters, optimizer, gradients) and the plans;
+the worker processes (runtime/worker.py, Note [worker processes]) run the stage jobs. This
+executor has the interface of runtime/executor.py's: `run(step, schedule, ...)` sends the
+run's schedule and inputs, waits until every job has ended, puts the gradients, outputs and
+updated buffers where the runner expects them, and raises the first failure here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import wait as wait_connections
+from typing import Optional
+
+import torch
+
+from ..errors import RPCompileError, StageError
+from . import portable, warmup
+from .device import Pending
+from .schedule import Schedule
+from .shared import SharedMemory
+from .worker import accept, decode, recv, send, serve_socket
+
+START_TIMEOUT_S = 300
+
+
+class WorkerDied(RPCompileError):
+    """A worker process ended while the main process needed it."""
+
+
+class _RemoteDevice:
+    """What the modes may ask of a device that lives in a worker process: nothing to prefetch
+    from here (the worker uploads a job's weights itself)."""
+
+    is_cpu = True
+
+    def __init__(self, device):
+        self.device = device
+        self.prefetched: dict = {}
+
+    def prefetch(self, *args, **kwargs):
+        return None
+
+
+class _Slot:
+    def __init__(self, dev):
+        self.dev = dev
+
+
+def _visible(index: int) -> str:
+    """The physical GPU behind cuda:index of this process (CUDA_VISIBLE_DEVICES may remap)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    return visible.split(",")[index].strip()
+
+
+def _stop(hub, memory):
+    hub.stopping = True
+    for conn, lock in zip(hub.conns, hub.locks):
+        try:
+            send(conn, lock, ("stop",))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    for p in hub.procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for conn in hub.conns:
+        conn.close()
+    memory.close()
+
+
+class ProcessExecutor:
+    """Worker processes for the devices of a Config, and the round-robin offset."""
+
+    def __init__(self, config):
+        self.config = config
+        self.memory = SharedMemory()
+        self.workers = [_Slot(_RemoteDevice(d)) for d in config.devices]
+        self.offset = 0
+        self.last_schedule: Optional[Schedule] = None
+        self._ids = itertools.count(1)
+        self._plans: dict = {}         # id(plan) -> (plan key, plan): sent to the workers
+        self._tables: dict = {}        # tuple of Refs -> table key
+        self._grad_sets: dict = {}     # id(GradSet) -> (key, GradSet)
+        self.hub: Optional[_Hub] = None    # started at the first run: a model that never runs costs no process
+
+    @property
+    def broken(self) -> Optional[str]:
+        return None if self.hub is None else self.hub.broken
+
+    def _start(self):
+        config = self.config
+        token = secrets.token_bytes(16)
+        server = serve_socket(os.path.join(self.memory.directory, "main.sock"))
+        procs = []
+        for i, d in enumerate(config.devices):
+            env = {**os.environ, "RPCOMPILE_WORKER_DIR": self.memory.directory, "RPCOMPILE_WORKER_INDEX": str(i),
+                   "RPCOMPILE_WORKER_TOKEN": token.hex()}
+            if d.type == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = _visible(d.index)
+            # Inductor's compile pool is per process: share the cores instead of 32 pools of 32
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from rpcompile.runtime.worker import main; main()"], env=env))
+        conns = {}
+        try:
+            while len(conns) < len(config.devices):
+                for p in procs:
+                    if p.poll() is not None:
+                        raise WorkerDied(f"a worker process ended while starting (exit code {p.returncode}); "
+                                         "its error is printed above")
+                try:
+                    conn = accept(server, token, timeout=1.0)
+                except TimeoutError:
+                    continue
+                _, i = recv(conn)
+                conns[i] = conn
+        finally:
+            server.close()
+        hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))])
+        for i, d in enumerate(config.devices):
+            send(hub.conns[i], hub.locks[i], ("init", {
+                "device": "cpu" if d.type == "cpu" else "cuda:0", "label": str(d), "directory": self.memory.directory,
+                "workers": len(config.devices), "compile_stages": config.compile_stages,
+                "inductor_options": config.inductor_options,
+                "float32_matmul_precision": torch.get_float32_matmul_precision()}))
+        for i, conn in enumerate(hub.conns):
+            if not conn.poll(START_TIMEOUT_S):
+                raise WorkerDied(f"worker {i} ({config.devices[i]}) did not start in {START_TIMEOUT_S} s")
+            msg = recv(conn)
+            if msg[0] != "ready":
+                raise WorkerDied(f"worker {i} answered {msg[0]!r} while starting")
+        # The receiver thread and the finalizer hold the hub, never this executor.
+        threading.Thread(target=hub.receive, name="rpcompile-receiver", daemon=True).start()
+        weakref.finalize(self, _stop, hub, self.memory)
+        self.hub = hub
+
+    def _to_all(self, msg):
+        self.hub.to_all(msg)
+
+    def next_device(self):
+        """The device the next run's first job goes to."""
+        return self.workers[self.offset % len(self.workers)].dev
+
+    @property
+    def placements(self) -> list:
+        s = self.last_schedule
+        return [] if s is None else [(a.job, a.stage, a.role, a.device) for a in s.actions]
+
+    # --- what the workers keep ------------------------------------------------------------
+    def _plan_key(self, plan) -> int:
+        known = self._plans.get(id(plan))
+        if known is not None and known[1] is plan:
+            return known[0]
+        key = next(self._ids)
+        cap = plan.captured
+        bundle = {
+            "stages": [dataclasses.replace(st, forward=None, backward=None) for st in plan.stages],
+            "param_index": {n: i for i, n in enumerate(cap.param_names)},
+            "buffer_index": {n: i for i, n in enumerate(cap.buffer_names)},
+            "param_shapes": [p.shape for p in cap.params],
+            "capture_device": cap.capture_device, "capture_key": id(cap)}
+        self._to_all(("plan", key, portable.dumps(bundle)))
+        self._plans[id(plan)] = (key, plan)
+        return key
+
+    def _weights_key(self, step) -> int:
+        """The table of shared working copies the step's jobs read, sent once per table."""
+        refs = tuple(self.memory.ref(t) for t in weight_table(step))
+        if any(r is None for r in refs):
+            raise RuntimeError("a working copy is not in shared memory")
+        key = self._tables.get(refs)
+        if key is None:
+            key = self._tables[refs] = next(self._ids)
+            self._to_all(("table", key, list(refs)))
+        return key
+
+    def _grads_key(self, grads) -> int:
+        known = self._grad_sets.get(id(grads))
+        if known is not None and known[1] is grads:
+            return known[0]
+        key = next(self._ids)
+        self._to_all(("grads", key, grads.layout, self.memory.ref(grads.flat())))
+        self._grad_sets[id(grads)] = (key, grads)
+        return key
+
+    # --- runs ---------------------------------------------------------------------------------
+    def run(self, step, schedule: Schedule, programs_for=None) -> None:
+        """Run a schedule on the workers; return once every job has ended (issued its work: the
+        caller goes on while the devices compute, as with worker threads); raise the first
+        failure here (a StageError with the schedule's line, the failing job marked).
+        programs_for is unused: workers build their own programs."""
+        if self.broken is not None:
+            raise WorkerDied(self.broken)
+        if self.hub is None:
+            self._start()
+        if schedule.num_devices != len(self.workers):
+            raise ValueError(f"a schedule for {schedule.num_devices} devices given to an executor of "
+                             f"{len(self.workers)}")
+        plan = step.plan
+        record = getattr(step, "remote", None)
+        desc = {"plan": self._plan_key(plan), "actions": list(schedule.actions),
+                "trace": step.tracer is not None, "t0": step.tracer._t0 if step.tracer is not None else 0.0}
+        if record is None:
+            record = step.remote = self.hub.record(next(self._ids))
+            weakref.finalize(step, self.hub.step_gone, record)
+            desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
+                        micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
+                        dtype=step.dtype, buffers=list(step.buffers))
+        seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
+        if seeds:
+            desc["seeds"] = seeds
+        with self.hub.lock:
+            run_no = record.new_run([a.job for a in schedule.actions], step.tracer)
+        desc["run"] = run_no
+        self.last_schedule = schedule
+        self.offset = schedule.next_offset
+        self._to_all(("run", record.step_id, desc))
+        self._collect(step, schedule, record, run_no)
+
+    def _collect(self, step, schedule, record, run_no):
+        waiting = {a.job for a in schedule.actions}
+        first_error = None
+        hub = self.hub
+        landed_run = _RunLanded(hub, [record.landed[(run_no, j)] for j in waiting])
+        while waiting:
+            msg = hub.ended.get()
+            if msg is None:
+                raise WorkerDied(self.broken)
+            _, step_id, run, job, info = msg
+            if step_id != record.step_id or run != run_no:
+                continue          # a run that failed before: its late messages
+            waiting.discard(job)
+            err = self._take(step, schedule, job, info, _Landed(hub, record.landed[(run_no, job)]), landed_run)
+            if err is not None and first_error is None:
+                first_error = err
+        if first_error is not None:
+            raise first_error.with_schedule(schedule.render(failed=first_error.job))
+
+    def _take(self, step, schedule, job, info, job_landed, run_landed):
+        """A job's results into the step, as worker threads leave them: gradients and outputs
+        as Pending values, complete once their copies landed."""
+        stage = schedule.stage(job)
+        if info["grads"]:
+            views = step.grads.host_views(stage.index)
+            # the whole run landed: no job of it still reads a working copy the optimizer rewrites
+            step.param_grads[job] = {key: Pending(views[key], run_landed) for key in info["grads"]}
+        for mb, outs in info["outputs"].items():
+            for name, v in outs.items():
+                step.micro[mb].outputs[name] = _Output(decode(v, self.memory), job_landed)
+        with torch.no_grad():
+            for i, value in info["buffers"].items():
+                step.buffers[i].copy_(value)
+        e = info["error"]
+        if e is None:
+            return None
+        err = StageError(e["message"], stage=e["stage"], microbatch=e["microbatch"], device=e["device"], job=e["job"])
+        if e["traceback"]:
+            err.__cause__ = RemoteError(e["cause"], e["traceback"])
+        return err
+
+
+
+class _Hub:
+    """The connections to the workers and the receiver thread that reads them: "ended" go to
+    the caller's thread, "landed" are recorded here; a step's slots are released once its
+    StepState is gone and all its jobs landed."""
+
+    def __init__(self, devices, procs, conns):
+        self.devices, self.procs, self.conns = devices, procs, conns
+        self.locks = [threading.Lock() for _ in conns]
+        self.by_conn = {c: i for i, c in enumerate(conns)}
+        self.ended: queue.Queue = queue.Queue()
+        self.records: dict = {}          # step id -> _StepRecord
+        self.lock = threading.Lock()
+        self.broken: Optional[str] = None
+        self.stopping = False
+
+    def to_all(self, msg):
+        for conn, lock in zip(self.conns, self.locks):
+            send(conn, lock, msg)
+
+    def record(self, step_id) -> "_StepRecord":
+        r = _StepRecord(step_id)
+        with self.lock:
+            self.records[step_id] = r
+        return r
+
+    def receive(self):
+        while True:
+            ready = wait_connections(self.conns, timeout=5.0)
+            if not ready:
+                dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
+                if dead and not self.stopping:
+                    self.die(f"the worker process of {self.devices[dead[0]]} ended (exit code "
+                             f"{self.procs[dead[0]].returncode}); its error is printed above")
+                    return
+                continue
+            for conn in ready:
+                try:
+                    msg = recv(conn)
+                except (EOFError, OSError):
+                    if not self.stopping:
+                        self.die(f"the worker process of {self.devices[self.by_conn[conn]]} ended during a step; "
+                                 "its error is printed above")
+                    return
+                if msg[0] == "ended":
+                    self.ended.put(msg)
+                elif msg[0] == "landed":
+                    self.landed(*msg[1:])
+
+    def die(self, why):
+        self.broken = why
+        self.ended.put(None)
+        with self.lock:
+            records = list(self.records.values())
+        for r in records:
+            for ev in list(r.landed.values()):
+                ev.set()
+
+    def landed(self, step_id, run_no, job, info):
+        warmup.first_calls.extend(info["first_calls"])
+        with self.lock:
+            record = self.records.get(step_id)
+        if record is None:
+            return
+        tracer = record.tracers.get(run_no)
+        if tracer is not None and info["spans"]:
+            tracer.extend(info["spans"])
+        ev = record.landed.get((run_no, job))
+        if ev is not None and not ev.is_set():
+            with self.lock:     # before waking a waiter, who may drop the step (and release it)
+                record.outstanding -= 1
+            ev.set()
+        self.maybe_release(record)
+
+    def step_gone(self, record):
+        record.gone = True
+        self.maybe_release(record)
+
+    def maybe_release(self, record):
+        with self.lock:
+            if not (record.gone and record.outstanding == 0) or record.step_id not in self.records:
+                return
+            del self.records[record.step_id]
+        if self.broken is None and not self.stopping:
+            try:
+                self.to_all(("release", record.step_id))
+            except OSError:
+                pass
+
+
+class _StepRecord:
+    """The main process's account of a step on the workers: per run and job, whether its copies
+    landed."""
+
+    def __init__(self, step_id):
+        self.step_id = step_id
+        self.runs = 0
+        self.landed: dict = {}       # (run, job) -> threading.Event
+        self.tracers: dict = {}      # run -> Tracer
+        self.outstanding = 0         # jobs dispatched that have not landed
+        self.gone = False            # the step's StepState was collected
+
+    def new_run(self, jobs, tracer) -> int:
+        self.runs += 1
+        for j in jobs:
+            self.landed[(self.runs, j)] = threading.Event()
+        self.outstanding += len(jobs)
+        if tracer is not None:
+            self.tracers[self.runs] = tracer
+        return self.runs
+
+
+class _Landed:
+    """A CUDA event's host side for values a worker copied: complete once the job landed."""
+
+    def __init__(self, hub, event):
+        self.hub, self.event = hub, event
+
+    def synchronize(self):
+        self.event.wait()
+        if self.hub.broken is not None:
+            raise WorkerDied(self.hub.broken)
+
+
+class _RunLanded:
+    """Complete once every job of a run landed."""
+
+    def __init__(self, hub, events):
+        self.hub, self.events = hub, events
+
+    def synchronize(self):
+        for ev in self.events:
+            _Landed(self.hub, ev).synchronize()
+
+
+class _Output(Pending):
+    """An output in a worker's slot: resolved as a copy of its own (the slot is reused)."""
+
+    __slots__ = ()
+
+    def resolve(self):
+        self.event.synchronize()
+        return self.tensor.clone()
+
+
+class RemoteError(RuntimeError):
+    """An exception raised in a worker process: its type name and traceback."""
+
+    def __init__(self, kind, text):
+        super().__init__(f"{kind} in a worker process:\n{text}")
+        self.kind = kind
+
+
+def weight_table(step) -> list:
+    """The shared working copy of every parameter, in parameter order, for a step's jobs."""
+    view = step.host_weights
+    if hasattr(view, "store"):           # delayed mode's copies (runtime/weights.py _SlotView)
+        return [view.store._copies[id(p)][view.slot][0] for p in step.params]
+    out = []
+    for p in step.params:                # the runner's HostWeights, refreshed where a parameter moved
+        if step.gate is not None:
+            step.gate(p)
+        want = step.dtype if (step.dtype is not None and p.is_floating_point()) else p.dtype
+        with view.refreshed(p, want) as entry:
+            out.append(entry[1])
+    return out

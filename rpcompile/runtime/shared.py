@@ -1,0 +1,152 @@
+"""Host memory shared by the processes of a run: files in /dev/shm mapped into each.
+
+Note [shared host memory]: with Config(workers="processes") every host buffer the devices
+read or write (weight working copies, gradient buffers, activation slots) lives in a file
+under /dev/shm, mapped by the main process and by every worker process; a GPU worker
+registers each mapping as page-locked (cudaHostRegister) so its copies are asynchronous.
+Messages between processes then carry only a `Ref` (file, byte offset, shape, dtype): a few
+dozen bytes, whatever the tensor's size. Files are removed when the main process closes the
+memory (or exits); a process that mapped one keeps its mapping.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 512
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where a contiguous host tensor lies in shared memory."""
+
+    file: str
+    offset: int            # bytes from the start of the file
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _shm_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _remove(path):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class SharedMemory:
+    """Shared files of one run: made here (`empty`), or opened by name (`tensor(ref)`).
+
+    register(base uint8 tensor) is called once per file this process maps (a GPU worker
+    pins it there)."""
+
+    def __init__(self, directory: str | None = None, register=None):
+        self.owner = directory is None
+        self.directory = directory or os.path.join(_shm_root(), f"rpcompile-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        if self.owner:
+            os.makedirs(self.directory)
+            self._finalizer = weakref.finalize(self, _remove, self.directory)
+        self._register = register
+        self._files: dict = {}        # name -> base uint8 tensor
+        self._by_ptr: dict = {}       # storage data_ptr -> name
+        self._names = itertools.count()
+        self._lock = threading.Lock()
+        self.created_bytes = 0
+
+    def close(self):
+        if self.owner:
+            self._finalizer()
+
+    def _map(self, name: str, nbytes: int) -> torch.Tensor:
+        base = torch.from_file(os.path.join(self.directory, name), shared=True, size=nbytes, dtype=torch.uint8)
+        if self._register is not None:
+            self._register(base)
+        self._files[name] = base
+        self._by_ptr[base.untyped_storage().data_ptr()] = name
+        return base
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A new shared host tensor (its own file)."""
+        nbytes = max(1, math.prod(shape) * dtype.itemsize)
+        with self._lock:
+            name = f"{os.getpid()}-{next(self._names)}"
+            with open(os.path.join(self.directory, name), "wb") as f:
+                f.truncate(nbytes)
+            base = self._map(name, nbytes)
+            self.created_bytes += nbytes
+        return base[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def ref(self, t: torch.Tensor):
+        """The Ref of a contiguous tensor in one of the files this process mapped, else None."""
+        if not t.is_contiguous() or t.device.type != "cpu":
+            return None
+        name = self._by_ptr.get(t.untyped_storage().data_ptr())
+        if name is None:
+            return None
+        return Ref(name, t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype)
+
+    def tensor(self, ref: Ref) -> torch.Tensor:
+        """The tensor a Ref names (mapping its file on first use)."""
+        base = self._files.get(ref.file)
+        if base is None:
+            with self._lock:
+                base = self._files.get(ref.file)
+                if base is None:
+                    base = self._map(ref.file, os.path.getsize(os.path.join(self.directory, ref.file)))
+        n = math.prod(ref.shape) * ref.dtype.itemsize
+        return base[ref.offset:ref.offset + n].view(ref.dtype).view(ref.shape)
+
+
+class SlotPool:
+    """Host slots for one worker's downloads in one step, bump-allocated in shared files.
+    Its chunks go back to `chunks` (a free list shared by the worker's pools) when the main
+    process releases the step: by then every reader of its slots has finished (Note [worker
+    processes] in runtime/worker.py)."""
+
+    def __init__(self, memory: SharedMemory, chunk_bytes: int = 64 << 20, chunks: list | None = None):
+        self.memory, self.chunk_bytes = memory, chunk_bytes
+        self.free = [] if chunks is None else chunks
+        self._chunks: list = []       # [uint8 tensor, used bytes]
+        self._lock = threading.Lock()
+
+    def give_back(self) -> list:
+        """The chunks, for other pools to use (this pool is done)."""
+        with self._lock:
+            chunks, self._chunks = [c[0] for c in self._chunks], []
+        return chunks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c[0].numel() for c in self._chunks)
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * dtype.itemsize
+        need = -(-max(n, 1) // _ALIGN) * _ALIGN
+        with self._lock:
+            chunk = next((c for c in self._chunks if c[0].numel() - c[1] >= need), None)
+            if chunk is None:
+                reuse = next((i for i, c in enumerate(self.free) if c.numel() >= need), None)
+                base = self.free.pop(reuse) if reuse is not None else \
+                    self.memory.empty((max(self.chunk_bytes, need),), torch.uint8)
+                chunk = [base, 0]
+                self._chunks.append(chunk)
+            start = chunk[1]
+            chunk[1] += need
+        return chunk[0][start:start + n].view(dtype).view(shape)
+
+
+def cuda_register(base: torch.Tensor) -> None:
+    """Page-lock a mapped file for asynchronous copies (cudaHostRegister)."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(base.data_ptr(), base.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {base.numel()} bytes of shared host memory failed: {err}")

@@ -1,0 +1,486 @@
+"""A worker process: runs the stage jobs of one device (Config(workers="processes")).
+
+Note [worker processes]: with worker threads, four GPUs are driven from one interpreter and
+their kernel launches take turns under its lock (a launch probe on 4x H100 measured four
+threads together 0.71x as fast as one; one process per GPU 3.15x). So each device gets a
+process of its own, started as a fresh interpreter that calls `worker.main()` (never a fork, and never
+a re-import of the user's script as multiprocessing's spawn does), seeing only its GPU
+(CUDA_VISIBLE_DEVICES), so every process compiles the same code and one on-disk Inductor
+cache serves them all. What crosses between processes:
+
+- host buffers are files in shared memory (runtime/shared.py); messages carry Refs;
+- the main process sends each plan once (runtime/portable.py), the tables of weight copies
+  and gradient buffers once, and per run the schedule and the microbatches' inputs;
+- when a job has finished a microbatch, the values it handed on (activations, checkpoints,
+  gradients of activations) go to every other worker as Refs once their downloads have
+  completed (a notifier thread waits for the download events, so no process reads a slot
+  before its copy landed). A worker waits for every earlier job of the chain, not only the
+  previous one, since messages from different peers may arrive in any order; a value from a
+  later job of the chain wins over one from an earlier job (a summed gradient over a part);
+- when a job has ended, the main process gets its gradient keys, outputs, updated buffers,
+  trace spans and error (if any), once all its copies completed: the main process starts the
+  next step only after every job of this one has ended, so no slot of a step is reused while
+  still being read, and no working copy is rewritten while an upload reads it.
+
+Each run's downloads land in slots of this worker's SlotPool for the step (a differentiable
+call's backward reads its forward's checkpoints), given back when the main process releases
+the step.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, wait as wait_connections
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import portable
+from .device import DeviceRuntime, Pending
+from .grads import GradSet
+from .job import JobLinks, Microbatch, StepState, run_job
+from .programs import ProgramCache
+from .shared import Ref, SharedMemory, SlotPool, cuda_register
+from .trace import Tracer
+from . import warmup
+from ..errors import StageError
+
+
+def send(conn, lock, msg) -> None:
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    with lock:
+        conn.send_bytes(data)
+
+
+def recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def connect(path: str, token: bytes) -> Connection:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    conn = Connection(s.detach())
+    conn.send_bytes(token)
+    return conn
+
+
+def serve_socket(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.listen(64)
+    return s
+
+
+def accept(server: socket.socket, token: bytes, timeout: float) -> Connection:
+    server.settimeout(timeout)
+    s, _ = server.accept()
+    s.settimeout(None)
+    conn = Connection(s.detach())
+    if conn.recv_bytes() != token:
+        conn.close()
+        raise ConnectionError("a process without the run's token connected to a worker socket")
+    return conn
+
+
+def encode(value, memory: SharedMemory, pool):
+    """A value for a message: tensors as Refs to shared memory (copied into a slot of `pool`
+    when not there yet), other leaves as they are. Pending downloads must have completed."""
+    def enc(v):
+        if isinstance(v, Pending):
+            v = v.tensor
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = v.detach()
+        ref = memory.ref(v)
+        if ref is None:
+            slot = pool.empty(tuple(v.shape), v.dtype)
+            slot.copy_(v)
+            ref = memory.ref(slot)
+        return ref
+    if isinstance(value, (torch.Tensor, Pending)):
+        return enc(value)
+    return pytree.tree_map(enc, value, is_leaf=lambda v: isinstance(v, Pending))
+
+
+def decode(value, memory: SharedMemory):
+    if isinstance(value, Ref):
+        return memory.tensor(value)
+    if isinstance(value, (list, tuple, dict)):
+        return pytree.tree_map(lambda v: memory.tensor(v) if isinstance(v, Ref) else v, value,
+                               is_leaf=lambda v: isinstance(v, Ref))
+    return value
+
+
+def events_of(value) -> list:
+    leaves = [value] if isinstance(value, Pending) else \
+        pytree.tree_leaves(value, is_leaf=lambda v: isinstance(v, Pending))
+    return [v.event for v in leaves if isinstance(v, Pending)]
+
+
+class RemoteFailure(Exception):
+    """Another worker's job of the step failed."""
+
+
+class _Snapshot:
+    """Weights as a worker reads them: the shared working copies are the parameters."""
+
+    snapshot = True
+
+    def refreshed(self, param, dtype, rows=None):
+        class _Ctx:
+            def __enter__(_):
+                return [None, param if rows is None else param[rows[0]:rows[1]], None, None]
+
+            def __exit__(_, *exc):
+                return False
+        return _Ctx()
+
+    @staticmethod
+    def mark_upload(entry, event, stream=None) -> None:
+        pass
+
+
+class WorkerPlan:
+    """What a worker keeps of a plan: its stages (with programs) and parameter facts."""
+
+    def __init__(self, bundle: dict):
+        self.stages = bundle["stages"]
+        self.param_index = bundle["param_index"]
+        self.buffer_index = bundle["buffer_index"]
+        self.param_shapes = bundle["param_shapes"]
+        self.capture_device = bundle["capture_device"]
+        self.capture_key = bundle["capture_key"]
+
+    def param_numel(self, key) -> int:
+        if isinstance(key, tuple):
+            i, start, stop = key
+            shape = self.param_shapes[i]
+            return (stop - start) * (shape[1:].numel() if len(shape) > 1 else 1)
+        return self.param_shapes[key].numel()
+
+
+class WorkerStep(StepState):
+    """A step as one worker sees it: its own jobs' values and those the other workers sent."""
+
+    def __init__(self, worker, step_id, **kw):
+        super().__init__(**kw)
+        self.worker, self.step_id = worker, step_id
+        self.order: list = []            # job indices of the current run, in chain order
+        self.job_stage: dict = {}
+        self.run_no = 0
+        self.position: dict = {}
+        self.owner: list = []            # per microbatch: (kind, name) -> (chain position, value)
+
+    def start_run(self, run_no, actions):
+        self.run_no = run_no
+        self.order = [a.job for a in actions]
+        self.job_stage = {a.job: a.stage for a in actions}
+        self.position = {j: k for k, j in enumerate(self.order)}
+        self.done_events = {a.job: [threading.Event() for _ in self.micro] for a in actions}
+        self.param_grads = {}
+        self.error = None
+        self.owner = [{} for _ in self.micro]
+        for mb, m in enumerate(self.micro):   # what the step holds already counts as known
+            for kind in ("acts", "grads"):
+                for name, v in getattr(m, kind).items():
+                    self.owner[mb][(kind, name)] = (-1, v)
+
+    def wait_done(self, job, mb):
+        # Every earlier job of the chain: peers' messages may arrive in any order.
+        for j in self.order[:self.position[job] + 1]:
+            self.done_events[j][mb].wait()
+
+    def mark_done(self, job, mb):
+        self.worker.publish(self, job, mb)
+        super().mark_done(job, mb)
+
+    def fail(self, exc):
+        first = self.error is None
+        super().fail(exc)
+        if first and not isinstance(exc, RemoteFailure):
+            self.worker.to_peers(("fail", self.step_id))
+
+    def receive(self, job, mb, values) -> None:
+        pos = self.position.get(job, -1)
+        micro, owner = self.micro[mb], self.owner[mb]
+        for (kind, name), enc in values.items():
+            if owner.get((kind, name), (-2, None))[0] > pos:
+                continue    # a later job's value is here already
+            v = decode(enc, self.worker.memory)
+            getattr(micro, kind)[name] = v
+            owner[(kind, name)] = (pos, v)
+        self.done_events[job][mb].set()
+
+
+class Worker:
+    def __init__(self, index: int, init: dict, main: Connection):
+        self.index = index
+        self.device = torch.device(init["device"])
+        self.label = init["label"]
+        self.is_cuda = self.device.type == "cuda"
+        torch.set_float32_matmul_precision(init["float32_matmul_precision"])   # as the user set it
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+        self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None)
+        self.free_chunks: list = []
+        self.pools: dict = {}          # step id -> SlotPool
+        self.dev = DeviceRuntime(self.device, label=self.label)
+        self.dev.worker_index = index
+        self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
+        self.plans: dict = {}
+        self.tables: dict = {}
+        self.grad_sets: dict = {}
+        self.steps: dict = {}          # step id -> WorkerStep
+        self.early: dict = {}          # step id -> messages that came before the step
+        self.main, self.main_lock = main, threading.Lock()
+        self.peers: dict = {}          # index -> (conn, lock)
+        self.jobs: queue.Queue = queue.Queue()
+        self.notices: queue.Queue = queue.Queue()
+        self.step_lock = threading.Lock()
+        self.first_calls_sent = 0
+        self.clock = torch.cuda.Stream(self.device) if self.is_cuda else None
+
+    # --- messages out ------------------------------------------------------------------
+    def to_main(self, msg):
+        send(self.main, self.main_lock, msg)
+
+    def to_peers(self, msg):
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn, lock in self.peers.values():
+            with lock:
+                conn.send_bytes(data)
+
+    def later(self, events, fn):
+        """fn() in the notifier thread once `events` completed (in submission order)."""
+        self.notices.put((events, fn))
+
+    def notifier(self):
+        while True:
+            item = self.notices.get()
+            if item is None:
+                return
+            events, fn = item
+            try:
+                for e in events:
+                    e.synchronize()
+                fn()
+            except BaseException:   # a broken pipe at shutdown: nothing left to tell
+                traceback.print_exc()
+
+    def pool(self, step_id) -> SlotPool:
+        p = self.pools.get(step_id)
+        if p is None:
+            p = self.pools[step_id] = SlotPool(self.memory, chunks=self.free_chunks)
+        return p
+
+    def publish(self, step: WorkerStep, job, mb):
+        """Send the values `job` handed on for microbatch mb to the other workers."""
+        micro, owner, pos = step.micro[mb], step.owner[mb], step.position[job]
+        new = {}
+        for kind in ("acts", "grads"):
+            for name, v in getattr(micro, kind).items():
+                known = owner.get((kind, name))
+                if known is None or known[1] is not v:
+                    owner[(kind, name)] = (pos, v)
+                    new[(kind, name)] = v
+        if not self.peers:
+            return
+        events = [e for v in new.values() for e in events_of(v)]
+        pool = self.pool(step.step_id)
+        self.later(events, lambda: self.to_peers(
+            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()})))
+
+    # --- messages in -------------------------------------------------------------------
+    def receiver(self):
+        conns = {self.main: None, **{c: i for i, (c, _) in self.peers.items()}}
+        while conns:
+            for conn in wait_connections(list(conns)):
+                try:
+                    msg = recv(conn)
+                except (EOFError, OSError):
+                    if conns.pop(conn) is None:      # the main process is gone: end
+                        self.jobs.put(None)
+                        return
+                    continue
+                if msg[0] == "stop":
+                    self.jobs.put(None)
+                    return
+                self.handle(msg)
+
+    def handle(self, msg):
+        kind = msg[0]
+        if kind == "plan":
+            self.plans[msg[1]] = WorkerPlan(portable.loads(msg[2]))
+        elif kind == "table":
+            self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
+        elif kind == "grads":
+            _, key, layout, ref = msg
+            gs = GradSet(layout, False, {}, "gradients")
+            gs._flat = self.memory.tensor(ref)
+            self.grad_sets[key] = gs
+        elif kind == "run":
+            self.start_run(*msg[1:])
+        elif kind == "release":
+            with self.step_lock:
+                self.steps.pop(msg[1], None)
+                self.early.pop(msg[1], None)
+            pool = self.pools.pop(msg[1], None)
+            if pool is not None:
+                self.free_chunks.extend(pool.give_back())
+        elif kind in ("done", "fail"):
+            with self.step_lock:
+                step = self.steps.get(msg[1])
+                if step is None:
+                    self.early.setdefault(msg[1], []).append(msg)
+                    return
+            self.apply(step, msg)
+
+    def apply(self, step, msg):
+        if msg[0] == "done":
+            _, _, job, mb, values = msg
+            step.receive(job, mb, values)
+        else:
+            step.fail(RemoteFailure())
+
+    def start_run(self, step_id, desc):
+        plan = self.plans[desc["plan"]]
+        with self.step_lock:
+            step = self.steps.get(step_id)
+            if step is None:
+                weights = self.tables[desc["weights"]]
+                micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
+                step = WorkerStep(self, step_id, plan=plan, params=weights, buffers=desc["buffers"], micro=micro,
+                                  rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets[desc["grads"]],
+                                  host_weights=_Snapshot(), param_index=plan.param_index,
+                                  buffer_index=plan.buffer_index)
+                step.versions = [b._version if isinstance(b, torch.Tensor) else None for b in step.buffers]
+                self.steps[step_id] = step
+            for mb, grads in desc.get("seeds", {}).items():
+                step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
+            step.start_run(desc["run"], desc["actions"])
+            if desc["trace"]:
+                step.tracer = Tracer([self.device], [self.label], self.clock)
+                step.trace_shift = step.tracer._t0 - desc["t0"]
+            else:
+                step.tracer = None
+            early = self.early.pop(step_id, [])
+        for m in early:
+            self.apply(step, m)
+        for a in desc["actions"]:
+            if a.device == self.index:
+                self.jobs.put((step, a, plan))
+
+    # --- jobs ----------------------------------------------------------------------------
+    def run_jobs(self):
+        self.dev.enter_thread()
+        self.dev.host_slots = None
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            step, a, plan = item
+            self.dev.host_slots = self.pool(step.step_id).empty
+            self.run_one(step, a, plan)
+            item = step = None
+
+    def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
+        stage = plan.stages[a.stage]
+        nxt = a.next_on_device
+        links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[self._stage_of(step, nxt)]),
+                         next_reads=a.next_reads, later_reads=a.later_reads)
+        try:
+            program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
+        except BaseException as exc:
+            err = StageError(f"stage {stage.index} ({a.role}) on {self.label}: building its program failed: "
+                             f"{type(exc).__name__}: {exc}", stage=stage.index, device=self.label, job=a.job)
+            err.__cause__ = exc
+            step.fail(err)
+            program = None
+        if program is not None:
+            run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links)
+        self.finished(step, a)
+
+    @staticmethod
+    def _stage_of(step, job):
+        return step.job_stage[job]
+
+    def finished(self, step: WorkerStep, a):
+        """Tell the main process the job has ended ("ended": issued; its gradient keys, outputs
+        and error), then, in the notifier thread once all its copies completed, "landed" (Note
+        [worker processes]): the main process starts the next step at "ended", as worker threads
+        do, while this device still computes."""
+        grads = step.param_grads.get(a.job, {})
+        outputs = {mb: dict(m.outputs) for mb, m in enumerate(step.micro) if m.outputs}
+        for m in step.micro:
+            m.outputs.clear()
+        err = step.error if isinstance(step.error, StageError) and step.error.job == a.job else None
+        buffers = {}
+        for i, b in enumerate(step.buffers):
+            if isinstance(b, torch.Tensor) and b._version != step.versions[i]:
+                buffers[i] = b.clone()
+                step.versions[i] = b._version
+        pool, run_no = self.pool(step.step_id), step.run_no
+        self.to_main(("ended", step.step_id, run_no, a.job, {
+            "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
+            "buffers": buffers, "error": None if err is None else describe(err)}))
+        events = []
+        if self.is_cuda:
+            for s in (self.dev.compute, self.dev.weights_in, self.dev.acts_in, self.dev.out):
+                ev = torch.cuda.Event()
+                ev.record(s)
+                events.append(ev)
+        calls = warmup.first_calls[self.first_calls_sent:]
+        self.first_calls_sent += len(calls)
+
+        def landed():
+            spans = step.tracer.take(step.trace_shift) if step.tracer is not None else []
+            self.to_main(("landed", step.step_id, run_no, a.job,
+                          {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls]}))
+        self.later(events, landed)
+
+
+def describe(err: StageError) -> dict:
+    cause = err.__cause__
+    return {"message": err.message, "stage": err.stage, "microbatch": err.microbatch, "device": err.device,
+            "job": err.job, "cause": None if cause is None else type(cause).__name__,
+            "traceback": "".join(traceback.format_exception(cause)) if cause is not None else ""}
+
+
+def main():
+    directory, index, token = os.environ["RPCOMPILE_WORKER_DIR"], int(os.environ["RPCOMPILE_WORKER_INDEX"]), \
+        bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
+    server = serve_socket(os.path.join(directory, f"w{index}.sock"))
+    main_conn = connect(os.path.join(directory, "main.sock"), token)
+    send(main_conn, threading.Lock(), ("hello", index))
+    _, init = recv(main_conn)
+    worker = Worker(index, init, main_conn)
+    n = init["workers"]
+    for j in range(index):                       # connect to the lower indices, accept the higher
+        conn = connect(os.path.join(directory, f"w{j}.sock"), token)
+        send(conn, threading.Lock(), ("peer", index))
+        worker.peers[j] = (conn, threading.Lock())
+    for _ in range(index + 1, n):
+        conn = accept(server, token, timeout=120)
+        _, j = recv(conn)
+        worker.peers[j] = (conn, threading.Lock())
+    server.close()
+    notifier = threading.Thread(target=worker.notifier, name="rpcompile-notifier", daemon=True)
+    notifier.start()
+    threading.Thread(target=worker.receiver, name="rpcompile-receiver", daemon=True).start()
+    worker.to_main(("ready", index))
+    worker.run_jobs()
+    worker.notices.put(None)
+    notifier.join(timeout=10)
+    worker.dev.close()
+    # This process holds nothing of the user's: leave without the interpreter's and C++'s
+    # teardown, where threads torch started abort the exit now and then ("terminate called").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

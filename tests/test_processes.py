@@ -1,0 +1,82 @@
+"""Worker processes (Config(workers="processes"), Note [worker processes]): the same results as
+eager PyTorch and as worker threads, errors raised in the caller, nothing changed by a failed step."""
+import copy
+import os
+
+import pytest
+import torch
+
+import rpcompile
+
+from models import lm_batch, qwen3
+from parity import check_grads, close, train_both
+
+
+def _config(workers="processes", **kw):
+    return rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB", workers=workers,
+                            **kw)
+
+
+def test_exact_mode_in_worker_processes_matches_eager():
+    cm = train_both(qwen3(), [lm_batch(seed=s) for s in range(2)], _config(), steps=3)
+    # warm steps reuse the shared files (activation slots go back when a step ends): none is added
+    files = set(os.listdir(cm.runner.executor.memory.directory))
+    for s in range(3):
+        cm.train_step(**lm_batch(seed=s))
+    assert set(os.listdir(cm.runner.executor.memory.directory)) == files
+    # the jobs ran in the workers, alternating, and their spans came back with their devices
+    assert {w for _, _, _, w in cm.last_placements} == {0, 1}
+    spans = cm.last_trace
+    assert {s["worker"] for s in spans if s["stream"] == "compute"} == {0, 1}
+    assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
+
+
+def _bad_batch(seed):
+    b = lm_batch(seed=seed)
+    b["input_ids"] = b["input_ids"].clone()
+    b["input_ids"][1, 3] = 10_000          # out of the vocabulary: the embedding fails in a worker
+    return b
+
+
+def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing():
+    def run(workers, fail_at=None):
+        model = qwen3(seed=3)
+        cm = rpcompile.compile(model, _config(workers, optimizer_mode="delayed"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cm.attach_optimizer(opt)
+        losses = []
+        for t in range(4):
+            if t == fail_at:
+                cm.synchronize()
+                before = [p.detach().clone() for p in model.parameters()]
+                with pytest.raises(rpcompile.StageError) as info:
+                    cm.train_step(**_bad_batch(t))
+                # the error names the stage and device, and the schedule with the failing job marked
+                assert "on cpu" in str(info.value) and "failed]" in str(info.value)
+                assert "IndexError" in str(info.value.__cause__) or "index" in str(info.value.__cause__).lower()
+                cm.synchronize()
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            losses.append(cm.train_step(**lm_batch(seed=t)))
+        cm.synchronize()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    losses_t, params_t = run("threads")
+    losses_p, params_p = run("processes", fail_at=2)
+    for t, (a, b) in enumerate(zip(losses_t, losses_p)):
+        close(b, a, 1e-6, 1e-7, f"loss at step {t}")
+    for a, b in zip(params_t, params_p):
+        close(b, a, 1e-6, 1e-7, "parameter after 4 delayed steps")
+
+
+def test_differentiable_call_in_worker_processes():
+    model = qwen3(seed=5)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, _config())
+    batch = lm_batch(seed=2)
+    out = cm(**batch)
+    out.loss.backward()
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    close(out.loss.detach(), ref_out.loss.detach(), 1e-5, 1e-6, "loss")
+    close(out.logits.detach(), ref_out.logits.detach(), 1e-5, 1e-5, "logits")
+    check_grads(model, ref)
