@@ -16,6 +16,7 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
                           where peer access exists; system "rpcompile-p2p"
   rpcompile_processes=1   Config(workers="processes"): one worker process per device; system
                           "rpcompile-delayed-proc" (with rpcompile_delayed=1)
+  rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
@@ -59,6 +60,10 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no workers field")
         kwargs["workers"] = "processes"
         notes.append("Config(workers='processes'): one worker process per device")
+    if spec.options.get("rpcompile_worker_switch_ms"):
+        import os
+        os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
+        notes.append(f"worker processes' switch interval {spec.options['rpcompile_worker_switch_ms']} ms")
     if spec.options.get("rpcompile_max_jobs"):
         kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
         notes.append(f"Config(max_jobs={kwargs['max_jobs']})")

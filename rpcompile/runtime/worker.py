@@ -459,6 +459,8 @@ def main():
     main_conn = connect(os.path.join(directory, "main.sock"), token)
     send(main_conn, threading.Lock(), ("hello", index))
     _, init = recv(main_conn)
+    if os.environ.get("RPCOMPILE_WORKER_SWITCH_MS"):   # an instrument (benchmarks): the lock's switch interval
+        sys.setswitchinterval(float(os.environ["RPCOMPILE_WORKER_SWITCH_MS"]) * 1e-3)
     worker = Worker(index, init, main_conn)
     n = init["workers"]
     for j in range(index):                       # connect to the lower indices, accept the higher
