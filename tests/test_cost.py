@@ -386,6 +386,7 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape(monkeypatch):
 
     import rpcompile
     from rpcompile import passes
+    from rpcompile.capture import capture_call
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cut_points = importlib.import_module("rpcompile.passes.cut_points")
@@ -397,11 +398,12 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape(monkeypatch):
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
+    cap = capture_call(model, (), {"input_ids": ids, "labels": ids}, dtype=torch.bfloat16, device=torch.device("cpu"))
     plans = {}
-    for n, compiled in ((2, False), (4, False), (4, True)):
-        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * n, num_microbatches=4, dtype=torch.bfloat16,
-                                                       memory_budget="70GiB", compile_stages=compiled))
-        plans[n, compiled], _ = cm._plan("train", (), {"input_ids": ids, "labels": ids})
+    for n, compiled in ((2, False), (4, False), (4, True)):   # one capture, planned three ways
+        config = rpcompile.Config(devices=["cpu"] * n, num_microbatches=4, dtype=torch.bfloat16,
+                                  memory_budget="70GiB", compile_stages=compiled)
+        plans[n, compiled] = passes.compile_graph(cap, config, "train")
     assert plans[2, False].stage_plan.num_jobs == 4 and 6 <= plans[4, False].stage_plan.num_jobs <= 12
     inside = cut_points._inside_blocks(cut_points.liveness(plans[4, True].gm))
     assert inside, "the layers' interior positions"

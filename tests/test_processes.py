@@ -10,6 +10,8 @@ import rpcompile
 
 from models import lm_batch, qwen3
 from parity import check_grads, close, train_both
+from rpcompile.runtime.processes import WorkerDied
+from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull
 
 
 def _config(workers="processes", **kw):
@@ -29,6 +31,31 @@ def test_exact_mode_in_worker_processes_matches_eager():
     spans = cm.last_trace
     assert {s["worker"] for s in spans if s["stream"] == "compute"} == {0, 1}
     assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
+    # a worker that dies: the next step says so in the caller's thread (no hang), nothing changed
+    params = [(p.detach().clone(), p.grad.clone()) for p in cm.model.parameters()]
+    proc = cm.runner.executor.hub.procs[1]
+    proc.kill()
+    proc.wait()
+    with pytest.raises(WorkerDied, match="compile the model again"):
+        cm.train_step(**lm_batch(seed=0))
+    assert all(torch.equal(a, p) and torch.equal(g, p.grad) for (a, g), p in zip(params, cm.model.parameters()))
+
+
+def test_shared_memory_that_is_too_small_says_how_to_fix_it(monkeypatch):
+    real = os.statvfs
+
+    def small(path):   # a 64 MiB /dev/shm, docker's default
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, 4096, 16384, 16384, 16384, st.f_files, st.f_ffree, st.f_favail,
+                                  st.f_flag, st.f_namemax))
+    monkeypatch.setattr(os, "statvfs", small)
+    memory = SharedMemory()
+    try:
+        memory.empty((1024, 1024), torch.float32)      # 4 MiB fits
+        with pytest.raises(SharedMemoryFull, match="shm-size"):
+            memory.empty((64, 1024, 1024), torch.float32)
+    finally:
+        memory.close()
 
 
 def _bad_batch(seed):

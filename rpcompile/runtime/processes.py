@@ -31,6 +31,7 @@ from .shared import SharedMemory
 from .worker import accept, decode, recv, send, serve_socket
 
 START_TIMEOUT_S = 300
+RESTART = "compile the model again (rpcompile.compile) to start new worker processes"
 
 
 class WorkerDied(RPCompileError):
@@ -228,7 +229,10 @@ class ProcessExecutor:
         desc["run"] = run_no
         self.last_schedule = schedule
         self.offset = schedule.next_offset
-        self._to_all(("run", record.step_id, desc))
+        try:
+            self._to_all(("run", record.step_id, desc))
+        except OSError as exc:     # a worker is gone: its receiver may not have said so yet
+            raise WorkerDied(self.broken or f"a worker process is gone ({exc}); {RESTART}") from None
         self._collect(step, schedule, record, run_no)
 
     def _collect(self, step, schedule, record, run_no):
@@ -306,7 +310,7 @@ class _Hub:
                 dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
                 if dead and not self.stopping:
                     self.die(f"the worker process of {self.devices[dead[0]]} ended (exit code "
-                             f"{self.procs[dead[0]].returncode}); its error is printed above")
+                             f"{self.procs[dead[0]].returncode}); its error is printed above; {RESTART}")
                     return
                 continue
             for conn in ready:
@@ -314,8 +318,8 @@ class _Hub:
                     msg = recv(conn)
                 except (EOFError, OSError):
                     if not self.stopping:
-                        self.die(f"the worker process of {self.devices[self.by_conn[conn]]} ended during a step; "
-                                 "its error is printed above")
+                        self.die(f"the worker process of {self.devices[self.by_conn[conn]]} ended; its error is "
+                                 f"printed above; {RESTART}")
                     return
                 if msg[0] == "ended":
                     self.ended.put(msg)

@@ -25,6 +25,10 @@ import torch
 _ALIGN = 512
 
 
+class SharedMemoryFull(MemoryError):
+    """Host buffers for worker processes do not fit the shared-memory file system."""
+
+
 @dataclass(frozen=True)
 class Ref:
     """Where a contiguous host tensor lies in shared memory."""
@@ -56,6 +60,9 @@ class SharedMemory:
             os.makedirs(self.directory)
             self._finalizer = weakref.finalize(self, _remove, self.directory)
         self._register = register
+        st = os.statvfs(self.directory)
+        self.capacity = st.f_blocks * st.f_frsize               # the file system's size (a tmpfs: its limit)
+        self.others = (st.f_blocks - st.f_bfree) * st.f_frsize  # what others used when we began
         self._files: dict = {}        # name -> base uint8 tensor
         self._by_ptr: dict = {}       # storage data_ptr -> name
         self._names = itertools.count()
@@ -78,6 +85,13 @@ class SharedMemory:
         """A new shared host tensor (its own file)."""
         nbytes = max(1, math.prod(shape) * dtype.itemsize)
         with self._lock:
+            if self.others + self.created_bytes + nbytes > self.capacity:
+                raise SharedMemoryFull(
+                    f"rpcompile: worker processes keep host buffers in shared memory ({_shm_root()}, "
+                    f"{self.capacity / 2**30:.2f} GiB, {self.others / 2**30:.2f} GiB of it used by others), and "
+                    f"{(self.created_bytes + nbytes) / 2**30:.2f} GiB would not fit. Give the machine a larger "
+                    "/dev/shm (docker run --shm-size=..., or mount -o remount,size=... /dev/shm) or use "
+                    "Config(workers='threads').")
             name = f"{os.getpid()}-{next(self._names)}"
             with open(os.path.join(self.directory, name), "wb") as f:
                 f.truncate(nbytes)
@@ -106,23 +120,40 @@ class SharedMemory:
         return base[ref.offset:ref.offset + n].view(ref.dtype).view(ref.shape)
 
 
+class FreeChunks:
+    """Chunks of shared memory no step uses now, for the next SlotPool (a worker's pools
+    take from it in the jobs thread and give back in the receiver thread)."""
+
+    def __init__(self):
+        self._chunks: list = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int):
+        with self._lock:
+            i = next((i for i, c in enumerate(self._chunks) if c.numel() >= nbytes), None)
+            return None if i is None else self._chunks.pop(i)
+
+    def give(self, chunks) -> None:
+        with self._lock:
+            self._chunks.extend(chunks)
+
+
 class SlotPool:
     """Host slots for one worker's downloads in one step, bump-allocated in shared files.
-    Its chunks go back to `chunks` (a free list shared by the worker's pools) when the main
-    process releases the step: by then every reader of its slots has finished (Note [worker
-    processes] in runtime/worker.py)."""
+    Its chunks go back to `free` when the main process releases the step: by then every
+    reader of its slots has finished (Note [worker processes] in runtime/worker.py)."""
 
-    def __init__(self, memory: SharedMemory, chunk_bytes: int = 64 << 20, chunks: list | None = None):
+    def __init__(self, memory: SharedMemory, chunk_bytes: int = 64 << 20, free: FreeChunks | None = None):
         self.memory, self.chunk_bytes = memory, chunk_bytes
-        self.free = [] if chunks is None else chunks
+        self.free = free or FreeChunks()
         self._chunks: list = []       # [uint8 tensor, used bytes]
         self._lock = threading.Lock()
 
-    def give_back(self) -> list:
-        """The chunks, for other pools to use (this pool is done)."""
+    def give_back(self) -> None:
+        """Return the chunks to the free list (this pool is done)."""
         with self._lock:
             chunks, self._chunks = [c[0] for c in self._chunks], []
-        return chunks
+        self.free.give(chunks)
 
     @property
     def nbytes(self) -> int:
@@ -134,9 +165,9 @@ class SlotPool:
         with self._lock:
             chunk = next((c for c in self._chunks if c[0].numel() - c[1] >= need), None)
             if chunk is None:
-                reuse = next((i for i, c in enumerate(self.free) if c.numel() >= need), None)
-                base = self.free.pop(reuse) if reuse is not None else \
-                    self.memory.empty((max(self.chunk_bytes, need),), torch.uint8)
+                base = self.free.take(need)
+                if base is None:
+                    base = self.memory.empty((max(self.chunk_bytes, need),), torch.uint8)
                 chunk = [base, 0]
                 self._chunks.append(chunk)
             start = chunk[1]

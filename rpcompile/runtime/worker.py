@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -46,7 +47,7 @@ from .device import DeviceRuntime, Pending
 from .grads import GradSet
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
-from .shared import Ref, SharedMemory, SlotPool, cuda_register
+from .shared import FreeChunks, Ref, SharedMemory, SlotPool, cuda_register
 from .trace import Tracer
 from . import warmup
 from ..errors import StageError
@@ -228,7 +229,7 @@ class Worker:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None)
-        self.free_chunks: list = []
+        self.free_chunks = FreeChunks()
         self.pools: dict = {}          # step id -> SlotPool
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
@@ -276,7 +277,7 @@ class Worker:
     def pool(self, step_id) -> SlotPool:
         p = self.pools.get(step_id)
         if p is None:
-            p = self.pools[step_id] = SlotPool(self.memory, chunks=self.free_chunks)
+            p = self.pools[step_id] = SlotPool(self.memory, free=self.free_chunks)
         return p
 
     def publish(self, step: WorkerStep, job, mb):
@@ -332,7 +333,7 @@ class Worker:
                 self.early.pop(msg[1], None)
             pool = self.pools.pop(msg[1], None)
             if pool is not None:
-                self.free_chunks.extend(pool.give_back())
+                pool.give_back()
         elif kind in ("done", "fail"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
@@ -453,6 +454,8 @@ def describe(err: StageError) -> dict:
 
 
 def main():
+    # Ctrl-C reaches the whole process group: the main process decides, then stops its workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     directory, index, token = os.environ["RPCOMPILE_WORKER_DIR"], int(os.environ["RPCOMPILE_WORKER_INDEX"]), \
         bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
     server = serve_socket(os.path.join(directory, f"w{index}.sock"))
