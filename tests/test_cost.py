@@ -398,7 +398,8 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape(monkeypatch):
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
     ids = torch.zeros(32, 2048, dtype=torch.long, device="meta")
-    cap = capture_call(model, (), {"input_ids": ids, "labels": ids}, dtype=torch.bfloat16, device=torch.device("cpu"))
+    cap = capture_call(model, (), {"input_ids": ids, "labels": ids}, dtype=torch.bfloat16, device=torch.device("cpu"),
+                       dynamic_lengths=True)       # as Config() captures
     plans = {}
     for n, compiled in ((2, False), (4, False), (4, True)):   # one capture, planned three ways
         config = rpcompile.Config(devices=["cpu"] * n, num_microbatches=4, dtype=torch.bfloat16,
