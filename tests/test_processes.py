@@ -107,3 +107,22 @@ def test_differentiable_call_in_worker_processes():
     close(out.loss.detach(), ref_out.loss.detach(), 1e-5, 1e-6, "loss")
     close(out.logits.detach(), ref_out.logits.detach(), 1e-5, 1e-5, "logits")
     check_grads(model, ref)
+
+
+def test_a_plan_a_worker_cannot_load_fails_the_step_in_the_caller(monkeypatch):
+    import sys
+    import types
+    # a module the main process has but a fresh interpreter cannot import
+    mod = types.ModuleType("rpcompile_ephemeral_models")
+    exec("import torch\nclass Net(torch.nn.Module):\n"
+         "    def __init__(self):\n        super().__init__()\n"
+         "        self.a = torch.nn.Linear(8, 8)\n        self.b = torch.nn.Linear(8, 8)\n"
+         "    def forward(self, x):\n        return self.b(torch.tanh(self.a(x))).square().mean()\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    model = mod.Net()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers="processes",
+                                                   memory_budget=3000))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(rpcompile.StageError, match="could not start the run: ModuleNotFoundError"):
+        cm.train_step(torch.randn(4, 8))
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))

@@ -137,7 +137,7 @@ class ProcessExecutor:
                 "device": "cpu" if d.type == "cpu" else "cuda:0", "label": str(d), "directory": self.memory.directory,
                 "workers": len(config.devices), "compile_stages": config.compile_stages,
                 "inductor_options": config.inductor_options,
-                "float32_matmul_precision": torch.get_float32_matmul_precision()}))
+                "float32_matmul_precision": torch.get_float32_matmul_precision(), "sys_path": list(sys.path)}))
         for i, conn in enumerate(hub.conns):
             if not conn.poll(START_TIMEOUT_S):
                 raise WorkerDied(f"worker {i} ({config.devices[i]}) did not start in {START_TIMEOUT_S} s")
@@ -237,7 +237,7 @@ class ProcessExecutor:
 
     def _collect(self, step, schedule, record, run_no):
         waiting = {a.job for a in schedule.actions}
-        first_error = None
+        first_error, aborted = None, False
         hub = self.hub
         landed_run = _RunLanded(hub, [record.landed[(run_no, j)] for j in waiting])
         while waiting:
@@ -248,9 +248,13 @@ class ProcessExecutor:
             if step_id != record.step_id or run != run_no:
                 continue          # a run that failed before: its late messages
             waiting.discard(job)
+            aborted = aborted or info.get("aborted", False)
             err = self._take(step, schedule, job, info, _Landed(hub, record.landed[(run_no, job)]), landed_run)
             if err is not None and first_error is None:
                 first_error = err
+        if first_error is None and aborted:    # never silently: a stopped job has no results
+            first_error = StageError("stage jobs stopped after another job's failure that no worker reported; "
+                                     "the workers' errors are printed above")
         if first_error is not None:
             raise first_error.with_schedule(schedule.render(failed=first_error.job))
 

@@ -315,6 +315,37 @@ class Worker:
                 self.handle(msg)
 
     def handle(self, msg):
+        try:
+            self._handle(msg)
+        except BaseException as exc:
+            if msg[0] == "plan":        # said when a run uses it
+                self.plans[msg[1]] = exc
+            elif msg[0] == "run":
+                self.refuse_run(msg[1], msg[2], exc)
+            elif msg[0] in ("done", "fail") and msg[1] in self.steps:
+                # a hand-over this worker could not take: its jobs must not wait for it forever
+                err = StageError(f"{self.label}: its worker process could not take a hand-over: "
+                                 f"{type(exc).__name__}: {exc}", device=self.label)
+                err.__cause__ = exc
+                self.steps[msg[1]].fail(err)
+            else:
+                traceback.print_exc()
+
+    def refuse_run(self, step_id, desc, exc):
+        """A run this worker cannot start (its plan did not load, ...): its jobs end failed,
+        and the other workers' jobs of the run stop."""
+        self.to_peers(("fail", step_id))
+        for a in desc["actions"]:
+            if a.device != self.index:
+                continue
+            err = StageError(f"stage {a.stage} ({a.role}) on {self.label}: its worker process could not start the "
+                             f"run: {type(exc).__name__}: {exc}", stage=a.stage, device=self.label, job=a.job)
+            err.__cause__ = exc
+            self.to_main(("ended", step_id, desc["run"], a.job, {"grads": [], "outputs": {}, "buffers": {},
+                                                                "error": describe(err)}))
+            self.to_main(("landed", step_id, desc["run"], a.job, {"spans": [], "first_calls": []}))
+
+    def _handle(self, msg):
         kind = msg[0]
         if kind == "plan":
             self.plans[msg[1]] = WorkerPlan(portable.loads(msg[2]))
@@ -351,6 +382,8 @@ class Worker:
 
     def start_run(self, step_id, desc):
         plan = self.plans[desc["plan"]]
+        if isinstance(plan, BaseException):
+            raise plan
         with self.step_lock:
             step = self.steps.get(step_id)
             if step is None:
@@ -420,7 +453,9 @@ class Worker:
         outputs = {mb: dict(m.outputs) for mb, m in enumerate(step.micro) if m.outputs}
         for m in step.micro:
             m.outputs.clear()
-        err = step.error if isinstance(step.error, StageError) and step.error.job == a.job else None
+        # this job's failure, or the worker's own (job None); a job stopped by another's failure says so
+        err = step.error if isinstance(step.error, StageError) and step.error.job in (a.job, None) else None
+        aborted = step.error is not None and err is None
         buffers = {}
         for i, b in enumerate(step.buffers):
             if isinstance(b, torch.Tensor) and b._version != step.versions[i]:
@@ -429,7 +464,7 @@ class Worker:
         pool, run_no = self.pool(step.step_id), step.run_no
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
-            "buffers": buffers, "error": None if err is None else describe(err)}))
+            "buffers": buffers, "error": None if err is None else describe(err), "aborted": aborted}))
         events = []
         if self.is_cuda:
             for s in (self.dev.compute, self.dev.weights_in, self.dev.acts_in, self.dev.out):
@@ -462,6 +497,8 @@ def main():
     main_conn = connect(os.path.join(directory, "main.sock"), token)
     send(main_conn, threading.Lock(), ("hello", index))
     _, init = recv(main_conn)
+    # the main process's import path: a model's module found there (a script's folder) unpickles here
+    sys.path[:] = init["sys_path"] + [p for p in sys.path if p not in init["sys_path"]]
     if os.environ.get("RPCOMPILE_WORKER_SWITCH_MS"):   # an instrument (benchmarks): the lock's switch interval
         sys.setswitchinterval(float(os.environ["RPCOMPILE_WORKER_SWITCH_MS"]) * 1e-3)
     worker = Worker(index, init, main_conn)
