@@ -2,10 +2,7 @@
 whole Stages round-trip through dumps/loads without re-tracing, keep the node meta the runtime
 reads, run the same step, and name what does not pickle."""
 import dataclasses
-import os
 import pickle
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -239,23 +236,3 @@ def test_unpicklable_leftovers_are_named(trained):
     root.lock = threading.Lock()
     with pytest.raises(portable.PortableError, match=r"WithLock: attribute 'lock'.*read by node 'lock'"):
         portable.dumps([fx.GraphModule(root, g, "WithLock")])
-
-
-_CHILD = """
-import sys
-from rpcompile.runtime import portable
-stages = portable.loads(sys.stdin.buffer.read())
-sys.stdout.write(repr([sorted((role, p.code) for role, p in st.programs.items()) for st in stages]))
-"""
-
-
-def test_loads_in_a_fresh_process(trained):
-    """What a spawned worker does: a fresh interpreter loads the stages (ops register on import)."""
-    _, _, plan, _ = trained
-    root = os.path.dirname(os.path.dirname(rpcompile.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _CHILD], input=portable.dumps(plan.stages), env=env,
-                         capture_output=True, timeout=120)
-    assert out.returncode == 0, out.stderr.decode()[-2000:]
-    want = [sorted((role, p.code) for role, p in st.programs.items()) for st in plan.stages]
-    assert out.stdout.decode() == repr(want)

@@ -35,7 +35,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from multiprocessing.connection import Connection, wait as wait_connections
 
