@@ -78,11 +78,14 @@ def test_shared_parameter_in_distant_places():
     assert cm.plan.stages and stages_using, "the shared weight should appear in a backward stage"
 
 
-def test_batchnorm_buffers():
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_batchnorm_buffers(workers):
     """Running statistics update once per microbatch (never again in recompute), as eager
-    gradient accumulation over the same microbatches does."""
+    gradient accumulation over the same microbatches does; worker processes send back the
+    buffers a job's stage updates (batch norm's kernels do not bump version counters)."""
     M = 3
-    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=M, loss_fn=F.mse_loss, memory_budget=TIGHT)
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=M, loss_fn=F.mse_loss, memory_budget=TIGHT,
+                           workers=workers)
     batches = mse_batches(n=9)
 
     def eager(m, b):

@@ -126,3 +126,4 @@ def test_a_plan_a_worker_cannot_load_fails_the_step_in_the_caller(monkeypatch):
     with pytest.raises(rpcompile.StageError, match="could not start the run: ModuleNotFoundError"):
         cm.train_step(torch.randn(4, 8))
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
+

@@ -173,7 +173,8 @@ class ProcessExecutor:
             "param_index": {n: i for i, n in enumerate(cap.param_names)},
             "buffer_index": {n: i for i, n in enumerate(cap.buffer_names)},
             "param_shapes": [p.shape for p in cap.params],
-            "capture_device": cap.capture_device, "capture_key": id(cap)}
+            "capture_device": cap.capture_device, "capture_key": id(cap),
+            "mutated_buffers": sorted(plan.mutated_buffers)}
         self._to_all(("plan", key, portable.dumps(bundle)))
         self._plans[id(plan)] = (key, plan)
         return key
@@ -237,7 +238,7 @@ class ProcessExecutor:
 
     def _collect(self, step, schedule, record, run_no):
         waiting = {a.job for a in schedule.actions}
-        first_error, aborted = None, False
+        first_error, aborted, updated = None, False, []
         hub = self.hub
         landed_run = _RunLanded(hub, [record.landed[(run_no, j)] for j in waiting])
         while waiting:
@@ -252,6 +253,13 @@ class ProcessExecutor:
             err = self._take(step, schedule, job, info, _Landed(hub, record.landed[(run_no, job)]), landed_run)
             if err is not None and first_error is None:
                 first_error = err
+            updated.append((job, info["buffers"]))
+        # updated buffers in chain order (the messages of different workers come in any order)
+        position = {a.job: k for k, a in enumerate(schedule.actions)}
+        with torch.no_grad():
+            for _, buffers in sorted(updated, key=lambda u: position[u[0]]):
+                for i, value in buffers.items():
+                    step.buffers[i].copy_(value)
         if first_error is None and aborted:    # never silently: a stopped job has no results
             first_error = StageError("stage jobs stopped after another job's failure that no worker reported; "
                                      "the workers' errors are printed above")
@@ -260,7 +268,7 @@ class ProcessExecutor:
 
     def _take(self, step, schedule, job, info, job_landed, run_landed):
         """A job's results into the step, as worker threads leave them: gradients and outputs
-        as Pending values, complete once their copies landed."""
+        as Pending values, complete once their copies landed (updated buffers: _collect)."""
         stage = schedule.stage(job)
         if info["grads"]:
             views = step.grads.host_views(stage.index)
@@ -269,9 +277,6 @@ class ProcessExecutor:
         for mb, outs in info["outputs"].items():
             for name, v in outs.items():
                 step.micro[mb].outputs[name] = _Output(decode(v, self.memory), job_landed)
-        with torch.no_grad():
-            for i, value in info["buffers"].items():
-                step.buffers[i].copy_(value)
         e = info["error"]
         if e is None:
             return None

@@ -156,6 +156,7 @@ class WorkerPlan:
         self.param_shapes = bundle["param_shapes"]
         self.capture_device = bundle["capture_device"]
         self.capture_key = bundle["capture_key"]
+        self.mutated_buffers = frozenset(bundle["mutated_buffers"])
 
     def param_numel(self, key) -> int:
         if isinstance(key, tuple):
@@ -392,7 +393,6 @@ class Worker:
                                   rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets[desc["grads"]],
                                   host_weights=_Snapshot(), param_index=plan.param_index,
                                   buffer_index=plan.buffer_index)
-                step.versions = [b._version if isinstance(b, torch.Tensor) else None for b in step.buffers]
                 self.steps[step_id] = step
             for mb, grads in desc.get("seeds", {}).items():
                 step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
@@ -455,11 +455,11 @@ class Worker:
         # this job's failure, or the worker's own (job None); a job stopped by another's failure says so
         err = step.error if isinstance(step.error, StageError) and step.error.job in (a.job, None) else None
         aborted = step.error is not None and err is None
-        buffers = {}
-        for i, b in enumerate(step.buffers):
-            if isinstance(b, torch.Tensor) and b._version != step.versions[i]:
-                buffers[i] = b.clone()
-                step.versions[i] = b._version
+        # Buffers the job updated (running statistics): not found by version counters, which
+        # batch norm's kernels do not bump; a recompute ("bwd") updates none.
+        stage = step.plan.stages[a.stage]
+        buffers = {} if a.role == "bwd" else {i: step.buffers[i].clone() for i in stage.buffers
+                                               if i in step.plan.mutated_buffers}
         pool, run_no = self.pool(step.step_id), step.run_no
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
