@@ -105,7 +105,8 @@ class ProcessExecutor:
     def _start(self):
         config = self.config
         token = secrets.token_bytes(16)
-        server = serve_socket(os.path.join(self.memory.directory, "main.sock"))
+        path = os.path.join(self.memory.directory, "main.sock")
+        server = serve_socket(path)
         procs = []
         for i, d in enumerate(config.devices):
             env = {**os.environ, "RPCOMPILE_WORKER_DIR": self.memory.directory, "RPCOMPILE_WORKER_INDEX": str(i),
@@ -116,21 +117,40 @@ class ProcessExecutor:
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from rpcompile.runtime.worker import main; main()"], env=env))
-        conns = {}
         try:
-            while len(conns) < len(config.devices):
-                for p in procs:
-                    if p.poll() is not None:
-                        raise WorkerDied(f"a worker process ended while starting (exit code {p.returncode}); "
-                                         "its error is printed above")
-                try:
-                    conn = accept(server, token, timeout=1.0)
-                except TimeoutError:
-                    continue
-                _, i = recv(conn)
-                conns[i] = conn
+            hub = self._connect(server, token, procs)
+        except BaseException as exc:     # nothing half-started stays behind
+            for p in procs:
+                p.kill()
+            if isinstance(exc, (OSError, EOFError)):
+                raise WorkerDied(f"the worker processes did not start ({type(exc).__name__}: {exc}); "
+                                 "their errors are printed above") from exc
+            raise
         finally:
             server.close()
+            os.unlink(path)
+        # The receiver thread and the finalizer hold the hub, never this executor.
+        threading.Thread(target=hub.receive, name="rpcompile-receiver", daemon=True).start()
+        weakref.finalize(self, _stop, hub, self.memory)
+        self.hub = hub
+
+    def _connect(self, server, token, procs) -> "_Hub":
+        """Accept the workers' connections, send each its part, wait until all are ready."""
+        config, conns = self.config, {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(conns) < len(config.devices):
+            for p in procs:
+                if p.poll() is not None:
+                    raise WorkerDied(f"a worker process ended while starting (exit code {p.returncode}); "
+                                     "its error is printed above")
+            if time.monotonic() > deadline:
+                raise WorkerDied(f"the worker processes did not connect in {START_TIMEOUT_S} s")
+            try:
+                conn = accept(server, token, timeout=1.0)
+            except TimeoutError:
+                continue
+            _, i = recv(conn)
+            conns[i] = conn
         hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))])
         for i, d in enumerate(config.devices):
             send(hub.conns[i], hub.locks[i], ("init", {
@@ -139,15 +159,12 @@ class ProcessExecutor:
                 "inductor_options": config.inductor_options,
                 "float32_matmul_precision": torch.get_float32_matmul_precision(), "sys_path": list(sys.path)}))
         for i, conn in enumerate(hub.conns):
-            if not conn.poll(START_TIMEOUT_S):
+            if not conn.poll(max(1.0, deadline - time.monotonic())):
                 raise WorkerDied(f"worker {i} ({config.devices[i]}) did not start in {START_TIMEOUT_S} s")
             msg = recv(conn)
             if msg[0] != "ready":
                 raise WorkerDied(f"worker {i} answered {msg[0]!r} while starting")
-        # The receiver thread and the finalizer hold the hub, never this executor.
-        threading.Thread(target=hub.receive, name="rpcompile-receiver", daemon=True).start()
-        weakref.finalize(self, _stop, hub, self.memory)
-        self.hub = hub
+        return hub
 
     def _to_all(self, msg):
         self.hub.to_all(msg)
