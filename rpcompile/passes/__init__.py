@@ -58,9 +58,9 @@ from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import host_memory
+from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
-from .longest import planning_error
 from .partition import PlanningError, solve_stages
 
 __all__ = ["compile_graph", "CompileState", "PASSES", "PlanningError"]
