@@ -11,7 +11,8 @@ before a plan serves new sizes its jobs are re-costed there by substitution into
 pass's symbolic expressions (passes/at_sizes.py): a plan whose jobs all fit the memory budget
 serves; where none of the capture's plans fits, the passes run again on the same capture at
 the new sizes (no dynamo), which gives more, smaller stage jobs, or a PlanningError when no
-cut fits. The choice is memoised per size, so a steady step costs one dict lookup.
+cut fits (saying the longest length that does: Note [longest length] in passes/longest.py).
+The choice is memoised per size, so a steady step costs one dict lookup.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ that fails is a diff between two files.
     annotate_costs       FLOPs and bytes per node, sympy in the size symbols (passes/cost.py)
     find_batch           which inputs are split per microbatch; planning bindings (passes/batch.py)
     cut_points           liveness, legal cuts, segment costs (passes/cut_points.py)
-    solve_stages         exact DP over forward / fused / backward stages (passes/partition.py)
+    solve_stages         exact DP over forward / fused / backward stages (passes/partition.py);
+                         when none fits, the longest length that does (passes/longest.py)
     build_stages         forward and recompute+backward graphs per stage job (passes/codegen.py)
     build_programs       per-job programs of transfer, event and compute ops, transfers ordered
                          (activations, then weights, then the next job's prefetch) (passes/codegen.py)
@@ -57,6 +58,7 @@ from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import host_memory
+from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
@@ -183,8 +185,8 @@ def solve_stages_pass(st: CompileState) -> CompileState:
                             max_jobs=config.max_jobs)
     try:
         st.stage_plan = solve(st.segments, st.cut_bytes)
-    except PlanningError as e:
-        raise PlanningError(f"no stage plan fits: {e}", min_budget=e.min_budget, stage=e.stage) from None
+    except PlanningError as e:   # with the longest length that fits (Note [longest length])
+        raise planning_error(st, e, rows=_rows_per_microbatch(st)) from None
     if st.block_cuts is not None:
         cuts, segments, cut_bytes = st.block_cuts
         try:
@@ -305,6 +307,12 @@ def _single_scalar_output(gm: fx.GraphModule) -> int:
                            "output. Pass labels so the model computes its loss, or give Config(loss_fn=...) "
                            "or train_step(..., target=..., loss_fn=...)")
     return scalars[0]
+
+
+def _rows_per_microbatch(st: CompileState) -> int:
+    """The rows of a microbatch the plan is costed at (the batch symbols' planning binding)."""
+    rows = [st.bindings[s.name] for s in st.batch.symbols if s.name in st.bindings]
+    return int(max(rows)) if rows else _planned_microbatch(st.batch, st.config)
 
 
 def _planned_microbatch(batch, config) -> int:

@@ -9,7 +9,8 @@ small rotary tables and masks; the gaps inside attention carry q, k and v as wel
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -48,6 +49,25 @@ class Liveness:
     body: list
     live: list          # live[p]: list of nodes, for p in 0..L
     index: dict         # node -> position of the node in body
+    _blocked: Optional[set] = field(default=None, repr=False)
+
+    def blocked(self) -> set:
+        """Positions no stage may end at, whatever the sizes (see legal_cuts); computed once."""
+        if self._blocked is None:
+            L = len(self.body)
+            unsendable = {n for nodes in self.live for n in nodes if _data_dependent(n) or _tensor_tuple(n)}
+            self._blocked = _mutation_spans(self) | _functorch_regions(self) | {
+                p for p in range(L + 1) if any(n in unsendable for n in self.live[p])}
+        return self._blocked
+
+    def node_bytes(self, bindings, positions=None) -> dict:
+        """{node: bytes of its value at bindings} for every node live at `positions` (default: any)."""
+        out = {}
+        for p in range(len(self.live)) if positions is None else positions:
+            for n in self.live[p]:
+                if n not in out:
+                    out[n] = value_bytes(n.meta.get("example_value"), bindings)
+        return out
 
 
 def liveness(gm: fx.GraphModule) -> Liveness:
@@ -80,10 +100,9 @@ def legal_cuts(gm: fx.GraphModule, lv: Liveness, bindings, within_blocks: bool =
     # Never handed between stages: a value of data-dependent size (Note [data-dependent sizes]),
     # or a tuple of tensors (topk's (values, indices)): stages hand over tensors and their
     # gradients, and a tuple's tensors would reach the next stage without a way back for theirs.
-    blocked = _mutation_spans(lv) | _functorch_regions(lv) | {
-        p for p in range(L + 1) if any(_data_dependent(n) or _tensor_tuple(n) for n in lv.live[p])}
-    live_bytes = [0 if p in blocked else sum(value_bytes(n.meta.get("example_value"), bindings) for n in nodes)
-                  for p, nodes in enumerate(lv.live)]
+    blocked = lv.blocked()
+    nbytes = lv.node_bytes(bindings, [p for p in range(L + 1) if p not in blocked])
+    live_bytes = [0 if p in blocked else sum(nbytes[n] for n in nodes) for p, nodes in enumerate(lv.live)]
     interior = [b for b in live_bytes[1:L] if b > 0]
     # The median is the model's: the split LM head adds many gaps carrying a few small vectors
     # (a classifier's head over 3 classes: tens of bytes), which would put every gap of the
@@ -206,5 +225,6 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
         gbytes = sum(4 * v[1] for v in params.values() if v[2])
         segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved,
                                 peak_bytes=peak))
-    cut_bytes = [sum(value_bytes(n.meta.get("example_value"), bindings) for n in lv.live[p]) for p in cuts]
+    nbytes = lv.node_bytes(bindings, cuts)
+    cut_bytes = [sum(nbytes[n] for n in lv.live[p]) for p in cuts]
     return segments, cut_bytes

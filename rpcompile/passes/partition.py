@@ -93,13 +93,18 @@ class PlanningError(ValueError):
     """No stage plan satisfies the constraints (memory budget, max_jobs).
 
     ``min_budget`` is the smallest memory budget in bytes for which a plan exists (under the
-    same max_jobs), ``stage`` the (kind, (i, j)) job that needs it.
+    same max_jobs), ``stage`` the (kind, (i, j)) job that needs it. ``max_length`` is the
+    longest sequence length a plan fits the budget at, with the same rows per microbatch (Note
+    [longest length] in passes/longest.py); None where the length is not symbolic (static
+    shapes), where not even length 1 fits, or where the budget is not what failed (max_jobs).
     """
 
-    def __init__(self, message: str, *, min_budget: Optional[int] = None, stage=None):
+    def __init__(self, message: str, *, min_budget: Optional[int] = None, stage=None,
+                 max_length: Optional[int] = None):
         super().__init__(message)
         self.min_budget = min_budget
         self.stage = stage
+        self.max_length = max_length
 
 
 @dataclass(frozen=True)
