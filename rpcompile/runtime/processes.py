@@ -318,6 +318,7 @@ class _Hub:
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
         self.stopping = False
+        self.landed_errors: dict = {}    # landed event -> why its copies did not land
 
     def to_all(self, msg):
         for conn, lock in zip(self.conns, self.locks):
@@ -371,6 +372,8 @@ class _Hub:
         if tracer is not None and info["spans"]:
             tracer.extend(info["spans"])
         ev = record.landed.get((run_no, job))
+        if info.get("error") and ev is not None:
+            self.landed_errors[ev] = f"the copies of job {job} did not land: {info['error']}"
         if ev is not None and not ev.is_set():
             with self.lock:     # before waking a waiter, who may drop the step (and release it)
                 record.outstanding -= 1
@@ -425,6 +428,9 @@ class _Landed:
         self.event.wait()
         if self.hub.broken is not None:
             raise WorkerDied(self.hub.broken)
+        why = self.hub.landed_errors.get(self.event)
+        if why is not None:
+            raise RPCompileError(why)
 
 
 class _RunLanded:

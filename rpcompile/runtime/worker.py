@@ -257,22 +257,28 @@ class Worker:
             with lock:
                 conn.send_bytes(data)
 
-    def later(self, events, fn):
-        """fn() in the notifier thread once `events` completed (in submission order)."""
-        self.notices.put((events, fn))
+    def later(self, events, fn, on_error=None):
+        """fn() in the notifier thread once `events` completed (in submission order);
+        on_error(exc) if that fails, so that nobody waits for what fn would have sent."""
+        self.notices.put((events, fn, on_error))
 
     def notifier(self):
         while True:
             item = self.notices.get()
             if item is None:
                 return
-            events, fn = item
+            events, fn, on_error = item
             try:
                 for e in events:
                     e.synchronize()
                 fn()
-            except BaseException:   # a broken pipe at shutdown: nothing left to tell
+            except BaseException as exc:
                 traceback.print_exc()
+                if on_error is not None:
+                    try:
+                        on_error(exc)
+                    except BaseException:   # a broken pipe at shutdown: nothing left to tell
+                        traceback.print_exc()
 
     def pool(self, step_id) -> SlotPool:
         p = self.pools.get(step_id)
@@ -294,8 +300,14 @@ class Worker:
             return
         events = [e for v in new.values() for e in events_of(v)]
         pool = self.pool(step.step_id)
+
+        def failed(exc):
+            err = StageError(f"{self.label}: its worker process could not hand on microbatch {mb} of job {job}: "
+                             f"{type(exc).__name__}: {exc}", device=self.label)
+            err.__cause__ = exc
+            step.fail(err)
         self.later(events, lambda: self.to_peers(
-            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()})))
+            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()})), failed)
 
     # --- messages in -------------------------------------------------------------------
     def receiver(self):
@@ -473,11 +485,13 @@ class Worker:
         calls = warmup.first_calls[self.first_calls_sent:]
         self.first_calls_sent += len(calls)
 
-        def landed():
-            spans = step.tracer.take(step.trace_shift) if step.tracer is not None else []
+        def landed(error=None):
+            spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
-                          {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls]}))
-        self.later(events, landed)
+                          {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
+                           "error": error}))
+        # if waiting for the copies failed, the main process hears so (it waits for "landed")
+        self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
 
 
 def describe(err: StageError) -> dict:
