@@ -112,3 +112,28 @@ def test_static_lengths_say_no_length():
     msg = str(err)
     assert "Raise Config.memory_budget to at least" in msg
     assert "longest" not in msg and "sequence" not in msg and "tokens" not in msg
+
+
+def test_a_first_call_over_the_budget_says_what_a_fresh_capture_fits():
+    """The failed call is its capture's first, so the compiled model captures anew at the next
+    length, and a capture chooses the LM head's shard count at its own sizes (vocab 2048: 7
+    shards at 8 tokens, 5 at 48, fewer longer). max_length is what such a capture plans: the same compiled
+    model (which kept no capture) fails at max_length + 1 with the same answer and trains at
+    max_length; with the failed capture's shard count at every length it said 48 < 64."""
+    V, FIT, LONG = 2048, 64, 128
+    model = qwen3(vocab=V)
+    probe = rpcompile.compile(copy.deepcopy(model), _cfg(memory_budget=1))
+    with pytest.raises(rpcompile.PlanningError) as e:
+        probe.train_step(**lm_batch(batch=ROWS, seq=FIT, vocab=V))
+    budget = e.value.min_budget                       # what a capture at FIT needs
+
+    cm = rpcompile.compile(model, _cfg(memory_budget=budget))
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(**lm_batch(batch=ROWS, seq=LONG, vocab=V))
+    max_len = e.value.max_length
+    assert FIT <= max_len < LONG
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(**lm_batch(batch=ROWS, seq=max_len + 1, vocab=V, seed=4))
+    assert e.value.max_length == max_len
+    cm.train_step(**lm_batch(batch=ROWS, seq=max_len, vocab=V, seed=3))
+    assert max(cm.plan.stage_plan.job_memory) <= budget and cm.plan.lm_head["K"] > 1

@@ -75,6 +75,7 @@ class CompileState:
     mode: str                          # "train" (loss only) or "call" (all outputs)
     loss_output: Optional[int] = None  # index of the loss among the graph outputs (None: no loss)
     at: Optional[dict] = None          # symbol name -> size to plan at (None: the capture's sizes)
+    loss_output_arg: Optional[int] = None   # loss_output as compile_graph was given it (passes/longest.py re-runs passes)
     gm: Optional[fx.GraphModule] = None
     loss_scale: Any = None             # normalize_loss.LossScale
     lm_head: Any = None
@@ -252,7 +253,8 @@ PASSES = [
 def compile_graph(cap, config, mode: str, loss_output=None, at=None) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes."""
-    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at)
+    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
+                      loss_output_arg=loss_output)
     printed = []
     for name, run, show in PASSES:
         st = run(st)

@@ -123,7 +123,11 @@ class LMHead:
     @property
     def flops(self) -> int:
         """Forward FLOPs of the whole projection, at the size hints of dynamic dims."""
-        return 2 * _hint(self.num_tokens) * self.hidden_size * self.vocab_size
+        return self.flops_at()
+
+    def flops_at(self, at: dict | None = None) -> int:
+        """Forward FLOPs of the whole projection, with the size symbols named in `at` bound there."""
+        return 2 * _hint(self.num_tokens, at) * self.hidden_size * self.vocab_size
 
     def summary(self, num_shards: int | None = None) -> dict:
         """What ``gm.meta["rp_lm_head"]`` holds (num_shards: K when the head was split)."""
@@ -157,8 +161,15 @@ def _ev(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val"))
 
 
-def _hint(x: Any) -> int:
+def _hint(x: Any, at: dict | None = None) -> int:
+    """x's size at the capture's size hints; at: {symbol name: size} overriding some of them."""
     if isinstance(x, torch.SymInt):
+        if at:
+            expr = x.node.expr
+            if any(s.name in at for s in expr.free_symbols):
+                env = x.node.shape_env
+                hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+                return int(expr.xreplace({s: at[s.name] if s.name in at else hints[s] for s in expr.free_symbols}))
         h = x.node.hint
         if h is None:
             try:
@@ -169,8 +180,8 @@ def _hint(x: Any) -> int:
     return int(x)
 
 
-def _numel(t: torch.Tensor) -> int:
-    return math.prod(_hint(d) for d in t.shape)
+def _numel(t: torch.Tensor, at: dict | None = None) -> int:
+    return math.prod(_hint(d, at) for d in t.shape)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -347,30 +358,32 @@ def _module_path_segments(path: str) -> list[str]:
     return [s for s in _LAYER_SEG.sub(r".\1", path).split(".") if s]
 
 
-def _node_flops(node: fx.Node) -> int:
+def _node_flops(node: fx.Node, at: dict | None = None) -> int:
     """Rough forward FLOPs of the matmul-like ops (2 * out elements * reduced dim); 0 otherwise."""
     try:
         out = _ev(node)
         t, name = node.target, node.target if node.op == "call_method" else None
         if node.op == "call_function" and t in _LINEAR_TARGETS:
             w = _ev(node.args[1] if len(node.args) > 1 else node.kwargs["weight"])
-            return 2 * _numel(out) * _hint(w.shape[-1])
+            return 2 * _numel(out, at) * _hint(w.shape[-1], at)
         if (node.op == "call_function" and t in (torch.matmul, operator.matmul, torch.bmm, torch.mm)) or (
             name in ("matmul", "bmm", "mm", "__matmul__")
         ):
             a = _ev(node.args[0])
-            return 2 * _numel(out) * _hint(a.shape[-1])
+            return 2 * _numel(out, at) * _hint(a.shape[-1], at)
         if node.op == "call_function" and t is F.scaled_dot_product_attention:
             q, k, v = (_ev(a) for a in node.args[:3])
-            rows = _numel(q) // _hint(q.shape[-1])
-            return 2 * rows * _hint(k.shape[-2]) * (_hint(q.shape[-1]) + _hint(v.shape[-1]))
+            rows = _numel(q, at) // _hint(q.shape[-1], at)
+            return 2 * rows * _hint(k.shape[-2], at) * (_hint(q.shape[-1], at) + _hint(v.shape[-1], at))
     except Exception:
         return 0
     return 0
 
 
-def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None) -> int:
-    """K for the head: its FLOPs over those of one decoder layer, rounded, in [1, 64]."""
+def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict | None = None) -> int:
+    """K for the head: its FLOPs over those of one decoder layer, rounded, in [1, 64]. at:
+    {symbol name: size} to count the FLOPs at instead of the size hints (what a capture at those
+    sizes would choose: Note [longest length] in passes/longest.py)."""
     head = head or find_lm_head(gm)
     if head is None:
         return 1
@@ -399,11 +412,11 @@ def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None) -> int:
         return any(".".join(segs).startswith(prefix + ".") for segs in stacks[n])
 
     layer_flops = sum(
-        _node_flops(n) for n in gm.graph.nodes if n not in head_nodes and in_layers(n)
+        _node_flops(n, at) for n in gm.graph.nodes if n not in head_nodes and in_layers(n)
     ) / layers
     if layer_flops <= 0:
         return 1
-    return int(max(1, min(MAX_SHARDS, head.vocab_size, round(head.flops / layer_flops))))
+    return int(max(1, min(MAX_SHARDS, head.vocab_size, round(head.flops_at(at) / layer_flops))))
 
 
 def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:

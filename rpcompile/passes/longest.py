@@ -28,22 +28,38 @@ It is found at planning time, in the caller's thread, before anything runs:
   tokens (a plan there takes 15-20 s).
 - "Longest" is the end of the bracket: memory grows with L, but where the legal cuts move with
   L a longer length could fit again; the search does not look past the first length that fails.
-- The answer is for this capture's graph, as the compiled model plans it at another length: the
-  same capture re-planned (Note [plans per length] in plan_cache.py), so after a first step at
-  a shorter length it is exact. Where the failed call was the capture's first (the compiled
-  model keeps no capture that fails to plan), the next call captures anew at its own length,
-  and a capture chooses the LM head's shard count from the cost model at its sizes
-  (lm_head.estimate_num_shards: attention grows faster than the head, so shorter captures
-  choose more shards, each with a smaller slice of the logits, which need less memory): such a
-  capture fits max_length and may fit more. (Qwen3-1.7B shape, 2 devices, 24 GiB, 8 rows per microbatch:
-  first called at 32,768 tokens, 2 shards, max_length 3,330, though a capture at 3,331 plans;
-  first called at 2,048 tokens, 5 shards, then at 32,768: max_length 8,240, exact.) A plan the
-  compiled model already holds may also serve a few tokens more than a new plan would (it was
-  cut at other sizes).
+- The answer is what the compiled model's next call at that length would plan. After a first
+  step at a shorter length the compiled model holds a capture and re-plans it at the new length
+  (Note [plans per length] in plan_cache.py), so the search plans this capture's graph at every
+  length: exact. Where the failed call was its capture's first (st.at is None; the compiled model
+  keeps no capture that fails to plan), the next call captures anew at its own length, and a
+  capture chooses the LM head's shard count from the cost model at its sizes
+  (lm_head.estimate_num_shards: head FLOPs over one layer's; attention grows faster than the
+  head, so shorter captures choose more shards, each with a smaller slice of the logits, which
+  need less memory). So there (train mode, Config.lm_head_shards None, the head split) each
+  length L is planned with the shard count a capture at L would choose: estimate_num_shards on
+  the graph before split_lm_head with the length symbols bound to L (its FLOPs substituted from
+  the symbolic shapes, no capture), and a graph split into that many shards: the passes from
+  capture to find_batch re-run on the same capture with Config(lm_head_shards=K), once per
+  distinct K the search meets (_capture_shards). Memory is then a step function of L per shard
+  count, so the search takes a few more solver calls, and each new K costs a re-split and the
+  cost pass (most of the time). Measured on 2 CPU cores: the test model (vocab 2048, first call
+  at 128 tokens) 9 calls, 3.4-4 s (0.2-0.3 s before), max_length 64 where the failed capture's 5
+  shards said 48; the Qwen3-1.7B shape (2 devices, 24 GiB, 8 rows per microbatch, first call at
+  32,768 tokens, 2 shards) 8 calls, 13-16 s (2.3-2.6 s before: 3 shard counts split at 2.3-3 s
+  each, one of them, 6 shards, only for L = 1), max_length 6,639 where it said 3,330, and a
+  fresh capture plans at 6,639 (4 shards) and not at 6,640 (tests/test_longest_length.py checks
+  the same on the test model). First called at 2,048 tokens (5 shards), then at 32,768, the
+  held capture is re-planned: max_length 8,240, exact for it. Only the shard count follows the
+  length: anything else a capture at another length does differently (dynamo's specialisations)
+  is not modelled. A plan the compiled model already holds may also serve a few tokens more than
+  a new plan would (it was cut at other sizes).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from typing import Callable, Optional
 
 from ..lengths import length_symbols
@@ -60,6 +76,47 @@ def min_budget_at(st, bindings: dict) -> int:
     costs = _Costs(segments, cut_bytes, num_devices=len(config.devices), num_microbatches=config.num_microbatches,
                    memory_budget=None, upload_bw=math.inf, job_overhead_s=0.0, max_jobs=config.max_jobs)
     return _min_budget(costs, config.max_jobs)
+
+
+def _capture_shards(st, names):
+    """Where the failed call was its capture's first plan and the capture chose the LM head's
+    shard count (Config.lm_head_shards None): (L -> the shard count a capture at L would
+    choose, K -> a CompileState past find_batch and liveness split into K shards, cached; the
+    failed call's K is `st`). None where the shard count does not follow the length."""
+    head = st.lm_head
+    if (st.at is not None or st.mode != "train" or st.config.lm_head_shards is not None
+            or not isinstance(head, dict) or not head.get("split")):
+        return None
+    from . import PASSES, CompileState
+    from .cut_points import liveness
+    from .lm_head import estimate_num_shards, find_lm_head
+    passes = {name: run for name, run, _ in PASSES}
+
+    def run(config, upto):
+        s = CompileState(captured=st.captured, config=config, mode=st.mode, loss_output=st.loss_output_arg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in ("capture", "keep_loss_output", "normalize_loss", "split_lm_head", "annotate_costs",
+                         "find_batch")[:upto]:
+                s = passes[name](s)
+        return s
+
+    unsplit = run(st.config, 3).gm        # the graph split_lm_head sees
+    lm_head = find_lm_head(unsplit)
+    if lm_head is None or lm_head.reason is not None:
+        return None
+    states = {head["K"]: st}
+
+    def shards(L):
+        return estimate_num_shards(unsplit, lm_head, at=dict.fromkeys(names, L))
+
+    def state(K):
+        if K not in states:
+            s = run(dataclasses.replace(st.config, lm_head_shards=K), 6)
+            s.bindings, s.hardware, s.liveness = st.bindings, st.hardware, liveness(s.gm)
+            states[K] = s
+        return states[K]
+    return shards, state
 
 
 def _guess(points, budget, lo, hi) -> Optional[float]:
@@ -144,8 +201,12 @@ def planning_error(st, e: PlanningError, rows: int) -> PlanningError:
         length, names = length_symbols(st.gm, st.bindings, batch_names)
         if length is not None and length > 1:
             budget = math.floor(st.budget)
-            max_length, _ = longest_fitting(lambda L: min_budget_at(st, {**st.bindings, **dict.fromkeys(names, L)}),
-                                            budget, length, e.min_budget)
+            per_shards = _capture_shards(st, names)
+
+            def need(L):
+                at = {**st.bindings, **dict.fromkeys(names, L)}
+                return min_budget_at(st if per_shards is None else per_shards[1](per_shards[0](L)), at)
+            max_length, _ = longest_fitting(need, budget, length, e.min_budget)
             per = f"{rows} row{'s' * (rows != 1)} per microbatch"
             more = ", or use more microbatches" if rows > 1 else ""
             if max_length is None:
