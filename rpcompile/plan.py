@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -138,6 +139,14 @@ class _ModuleNames:
         return any(_module_path(n) == path for n in nodes if isinstance(n.meta.get("rp_lm_head"), dict))
 
 
+
+def key_numel(shape, key) -> int:
+    """Elements of a parameter of `shape`, or of its rows when key is (index, start, stop)."""
+    if isinstance(key, tuple):
+        _, start, stop = key
+        return (stop - start) * math.prod(shape[1:])
+    return math.prod(shape)
+
 @dataclass
 class Plan:
     """Stages of one captured graph for one mode ("train": loss only, "call": all outputs)."""
@@ -170,11 +179,7 @@ class Plan:
 
     def param_numel(self, key) -> int:
         """Elements of parameter `key`, or of its rows when key is (index, start, stop)."""
-        params = self.captured.params
-        if isinstance(key, tuple):
-            i, start, stop = key
-            return (stop - start) * params[i][0].numel()
-        return params[key].numel()
+        return key_numel(self.captured.params[key[0] if isinstance(key, tuple) else key].shape, key)
 
     def stage_rows(self):
         """One dict per stage job: what `print(plan)` shows and `plan.json` holds."""

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from . import ops
 from .host_buffers import host_empty
+from .weights import working_dtype
 
 # One lock per generator: CPU "devices" are threads sharing torch's one CPU generator.
 _generator_locks: dict = {}
@@ -128,7 +129,7 @@ class DeviceRuntime:
             base = t.tensor if isinstance(t, Pending) else t
             if not isinstance(base, torch.Tensor):
                 return t
-            want = dtype if (dtype is not None and base.is_floating_point()) else base.dtype
+            want = working_dtype(base, dtype)
             if self.is_cpu:
                 return base if base.dtype == want else base.to(dtype=want)
             return self._copy_in(self.acts_in, t, want)[0]
@@ -137,7 +138,7 @@ class DeviceRuntime:
     def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):
         """A parameter's working copy (or that of rows [start, stop)) on this device, from its
         pinned copy on a GPU; with wait=False, (tensor, event the compute must wait on)."""
-        want = dtype if (dtype is not None and param.is_floating_point()) else param.dtype
+        want = working_dtype(param, dtype)
         if self.is_cpu and not getattr(host_weights, "snapshot", False):
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             p = p if p.dtype == want else p.to(want)

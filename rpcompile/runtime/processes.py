@@ -28,6 +28,7 @@ from . import portable, warmup
 from .device import Pending
 from .schedule import Schedule
 from .shared import SharedMemory
+from .weights import working_dtype
 from .worker import accept, decode, recv, send, serve_socket
 
 START_TIMEOUT_S = 300
@@ -471,7 +472,6 @@ def weight_table(step) -> list:
     for p in step.params:                # the runner's HostWeights, refreshed where a parameter moved
         if step.gate is not None:
             step.gate(p)
-        want = step.dtype if (step.dtype is not None and p.is_floating_point()) else p.dtype
-        with view.refreshed(p, want) as entry:
+        with view.refreshed(p, working_dtype(p, step.dtype)) as entry:
             out.append(entry[1])
     return out

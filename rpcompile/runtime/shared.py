@@ -155,10 +155,6 @@ class SlotPool:
             chunks, self._chunks = [c[0] for c in self._chunks], []
         self.free.give(chunks)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(c[0].numel() for c in self._chunks)
-
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape) * dtype.itemsize
         need = -(-max(n, 1) // _ALIGN) * _ALIGN

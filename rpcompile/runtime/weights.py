@@ -12,6 +12,11 @@ from .host_buffers import host_empty
 _marks = itertools.count()
 
 
+def working_dtype(t: torch.Tensor, dtype):
+    """The dtype t's working copy has: `dtype` for floating tensors (None: t's own)."""
+    return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+
+
 def upload_mark(event, stream) -> tuple:
     """What a copy from a host working copy leaves behind: (issue order, stream, end event)."""
     return (next(_marks), stream, event)
@@ -122,7 +127,7 @@ class DelayedWeights:
         self._copies = {}            # id(param) -> [[tensor, [upload marks], lock] for slot 0 and 1]
         for p in params:
             src = p.detach()
-            want = dtype if (dtype is not None and p.is_floating_point()) else p.dtype
+            want = working_dtype(p, dtype)
             slots = []
             # A frozen parameter (a LoRA base) never changes: one copy serves both parities.
             for _ in range(2 if p.requires_grad else 1):

@@ -28,6 +28,7 @@ the step.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -42,14 +43,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import portable
-from .device import DeviceRuntime, Pending
-from .grads import GradSet
+from .device import DeviceRuntime, Pending, _map
+from .grads import GradSet, param_index
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
 from .shared import FreeChunks, Ref, SharedMemory, SlotPool, cuda_register
 from .trace import Tracer
 from . import warmup
 from ..errors import StageError
+from ..plan import key_numel
 
 
 def send(conn, lock, msg) -> None:
@@ -103,9 +105,7 @@ def encode(value, memory: SharedMemory, pool):
             slot.copy_(v)
             ref = memory.ref(slot)
         return ref
-    if isinstance(value, (torch.Tensor, Pending)):
-        return enc(value)
-    return pytree.tree_map(enc, value, is_leaf=lambda v: isinstance(v, Pending))
+    return _map(enc, value, is_leaf=lambda v: isinstance(v, Pending))
 
 
 def decode(value, memory: SharedMemory):
@@ -123,6 +123,13 @@ def events_of(value) -> list:
     return [v.event for v in leaves if isinstance(v, Pending)]
 
 
+def _failure(message: str, exc: BaseException, **fields) -> StageError:
+    """A StageError saying `message` and the exception it comes from."""
+    err = StageError(f"{message}: {type(exc).__name__}: {exc}", **fields)
+    err.__cause__ = exc
+    return err
+
+
 class RemoteFailure(Exception):
     """Another worker's job of the step failed."""
 
@@ -132,14 +139,9 @@ class _Snapshot:
 
     snapshot = True
 
+    @contextlib.contextmanager
     def refreshed(self, param, dtype, rows=None):
-        class _Ctx:
-            def __enter__(_):
-                return [None, param if rows is None else param[rows[0]:rows[1]], None, None]
-
-            def __exit__(_, *exc):
-                return False
-        return _Ctx()
+        yield [None, param if rows is None else param[rows[0]:rows[1]], None, None]
 
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:
@@ -159,11 +161,7 @@ class WorkerPlan:
         self.mutated_buffers = frozenset(bundle["mutated_buffers"])
 
     def param_numel(self, key) -> int:
-        if isinstance(key, tuple):
-            i, start, stop = key
-            shape = self.param_shapes[i]
-            return (stop - start) * (shape[1:].numel() if len(shape) > 1 else 1)
-        return self.param_shapes[key].numel()
+        return key_numel(self.param_shapes[param_index(key)], key)
 
 
 class WorkerStep(StepState):
@@ -302,10 +300,8 @@ class Worker:
         pool = self.pool(step.step_id)
 
         def failed(exc):
-            err = StageError(f"{self.label}: its worker process could not hand on microbatch {mb} of job {job}: "
-                             f"{type(exc).__name__}: {exc}", device=self.label)
-            err.__cause__ = exc
-            step.fail(err)
+            step.fail(_failure(f"{self.label}: its worker process could not hand on microbatch {mb} of job {job}",
+                               exc, device=self.label))
         self.later(events, lambda: self.to_peers(
             ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()})), failed)
 
@@ -336,10 +332,8 @@ class Worker:
                 self.refuse_run(msg[1], msg[2], exc)
             elif msg[0] in ("done", "fail") and msg[1] in self.steps:
                 # a hand-over this worker could not take: its jobs must not wait for it forever
-                err = StageError(f"{self.label}: its worker process could not take a hand-over: "
-                                 f"{type(exc).__name__}: {exc}", device=self.label)
-                err.__cause__ = exc
-                self.steps[msg[1]].fail(err)
+                self.steps[msg[1]].fail(_failure(f"{self.label}: its worker process could not take a hand-over",
+                                                 exc, device=self.label))
             else:
                 traceback.print_exc()
 
@@ -350,9 +344,8 @@ class Worker:
         for a in desc["actions"]:
             if a.device != self.index:
                 continue
-            err = StageError(f"stage {a.stage} ({a.role}) on {self.label}: its worker process could not start the "
-                             f"run: {type(exc).__name__}: {exc}", stage=a.stage, device=self.label, job=a.job)
-            err.__cause__ = exc
+            err = _failure(f"stage {a.stage} ({a.role}) on {self.label}: its worker process could not start the run",
+                           exc, stage=a.stage, device=self.label, job=a.job)
             self.to_main(("ended", step_id, desc["run"], a.job, {"grads": [], "outputs": {}, "buffers": {},
                                                                 "error": describe(err)}))
             self.to_main(("landed", step_id, desc["run"], a.job, {"spans": [], "first_calls": []}))
@@ -424,7 +417,6 @@ class Worker:
     # --- jobs ----------------------------------------------------------------------------
     def run_jobs(self):
         self.dev.enter_thread()
-        self.dev.host_slots = None
         while True:
             item = self.jobs.get()
             if item is None:
@@ -437,23 +429,17 @@ class Worker:
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]
         nxt = a.next_on_device
-        links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[self._stage_of(step, nxt)]),
+        links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[step.job_stage[nxt]]),
                          next_reads=a.next_reads, later_reads=a.later_reads)
         try:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
         except BaseException as exc:
-            err = StageError(f"stage {stage.index} ({a.role}) on {self.label}: building its program failed: "
-                             f"{type(exc).__name__}: {exc}", stage=stage.index, device=self.label, job=a.job)
-            err.__cause__ = exc
-            step.fail(err)
+            step.fail(_failure(f"stage {stage.index} ({a.role}) on {self.label}: building its program failed", exc,
+                               stage=stage.index, device=self.label, job=a.job))
             program = None
         if program is not None:
             run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links)
         self.finished(step, a)
-
-    @staticmethod
-    def _stage_of(step, job):
-        return step.job_stage[job]
 
     def finished(self, step: WorkerStep, a):
         """Tell the main process the job has ended ("ended": issued; its gradient keys, outputs
