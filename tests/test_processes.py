@@ -31,6 +31,8 @@ def test_exact_mode_in_worker_processes_matches_eager():
     spans = cm.last_trace
     assert {s["worker"] for s in spans if s["stream"] == "compute"} == {0, 1}
     assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
+    # every hand-over went out at once, stamped with its worker's counter (Note [hand-over flags])
+    assert all(n > 0 for n in cm.runner.executor.counters.tolist())
     # a worker that dies: the next step says so in the caller's thread (no hang), nothing changed
     params = [(p.detach().clone(), p.grad.clone()) for p in cm.model.parameters()]
     proc = cm.runner.executor.hub.procs[1]

@@ -131,6 +131,7 @@ class DeviceRuntime:
                 return t
             want = working_dtype(base, dtype)
             if self.is_cpu:
+                base = t.resolve() if isinstance(t, Pending) else base    # another device's copy may be in flight
                 return base if base.dtype == want else base.to(dtype=want)
             return self._copy_in(self.acts_in, t, want)[0]
         return _map(move, value, is_leaf=lambda v: isinstance(v, Pending))

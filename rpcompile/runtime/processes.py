@@ -98,6 +98,7 @@ class ProcessExecutor:
         self._tables: dict = {}        # tuple of Refs -> table key
         self._grad_sets: dict = {}     # id(GradSet) -> (key, GradSet)
         self.hub: Optional[_Hub] = None    # started at the first run: a model that never runs costs no process
+        self.counters: Optional[torch.Tensor] = None   # the workers' hand-over counters (runtime/handover.py)
 
     @property
     def broken(self) -> Optional[str]:
@@ -153,12 +154,16 @@ class ProcessExecutor:
             _, i = recv(conn)
             conns[i] = conn
         hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))])
+        # one hand-over counter per worker (Note [hand-over flags], runtime/handover.py)
+        self.counters = self.memory.empty((len(config.devices),), torch.int32).zero_()
+        counters = self.memory.ref(self.counters)
         for i, d in enumerate(config.devices):
             send(hub.conns[i], hub.locks[i], ("init", {
                 "device": "cpu" if d.type == "cpu" else "cuda:0", "label": str(d), "directory": self.memory.directory,
                 "workers": len(config.devices), "compile_stages": config.compile_stages,
                 "inductor_options": config.inductor_options,
-                "float32_matmul_precision": torch.get_float32_matmul_precision(), "sys_path": list(sys.path)}))
+                "float32_matmul_precision": torch.get_float32_matmul_precision(), "sys_path": list(sys.path),
+                "counters": counters}))
         for i, conn in enumerate(hub.conns):
             if not conn.poll(max(1.0, deadline - time.monotonic())):
                 raise WorkerDied(f"worker {i} ({config.devices[i]}) did not start in {START_TIMEOUT_S} s")

@@ -172,8 +172,9 @@ class SlotPool:
 
 
 def cuda_register(base: torch.Tensor) -> None:
-    """Page-lock a mapped file for asynchronous copies (cudaHostRegister)."""
+    """Page-lock a mapped file for asynchronous copies (cudaHostRegister), mapped into the
+    device's address space too (hand-over counters are waited on there: runtime/handover.py)."""
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(base.data_ptr(), base.numel(), 0)
+    err = cudart.cudaHostRegister(base.data_ptr(), base.numel(), 3)   # Portable | Mapped
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {base.numel()} bytes of shared host memory failed: {err}")

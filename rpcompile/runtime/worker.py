@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from . import portable
 from .device import DeviceRuntime, Pending, _map
 from .grads import GradSet, param_index
+from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
 from .shared import FreeChunks, Ref, SharedMemory, SlotPool, cuda_register
@@ -92,10 +93,14 @@ def accept(server: socket.socket, token: bytes, timeout: float) -> Connection:
 
 def encode(value, memory: SharedMemory, pool):
     """A value for a message: tensors as Refs to shared memory (copied into a slot of `pool`
-    when not there yet), other leaves as they are. Pending downloads must have completed."""
+    when not there yet), other leaves as they are. A Pending download into shared memory is
+    named as it is (its reader waits for it: Note [hand-over flags]); one elsewhere is waited for."""
     def enc(v):
         if isinstance(v, Pending):
-            v = v.tensor
+            ref = memory.ref(v.tensor)
+            if ref is not None:
+                return ref
+            v = v.resolve()
         if not isinstance(v, torch.Tensor):
             return v
         v = v.detach()
@@ -205,13 +210,17 @@ class WorkerStep(StepState):
         if first and not isinstance(exc, RemoteFailure):
             self.worker.to_peers(("fail", self.step_id))
 
-    def receive(self, job, mb, values) -> None:
+    def receive(self, job, mb, values, stamp=None) -> None:
+        """A peer's values of `job` for microbatch mb; with a stamp (producer, number) they are
+        complete once the producer's counter reached the number (Note [hand-over flags])."""
         pos = self.position.get(job, -1)
         micro, owner = self.micro[mb], self.owner[mb]
         for (kind, name), enc in values.items():
             if owner.get((kind, name), (-2, None))[0] > pos:
                 continue    # a later job's value is here already
             v = decode(enc, self.worker.memory)
+            if stamp is not None:
+                v = _map(lambda t: Flagged(t, self.worker.flags, *stamp) if isinstance(t, torch.Tensor) else t, v)
             getattr(micro, kind)[name] = v
             owner[(kind, name)] = (pos, v)
         self.done_events[job][mb].set()
@@ -244,6 +253,11 @@ class Worker:
         self.step_lock = threading.Lock()
         self.first_calls_sent = 0
         self.clock = torch.cuda.Stream(self.device) if self.is_cuda else None
+        try:
+            self.flags = HandoverFlags(self.memory.tensor(init["counters"]), index, self.device)
+        except (OSError, RuntimeError) as exc:   # no stream memory operations: hand over landed data
+            print(f"rpcompile: {self.label}: hand-overs wait for landed downloads ({exc})", file=sys.stderr)
+            self.flags = None
 
     # --- messages out ------------------------------------------------------------------
     def to_main(self, msg):
@@ -296,14 +310,23 @@ class Worker:
                     new[(kind, name)] = v
         if not self.peers:
             return
-        events = [e for v in new.values() for e in events_of(v)]
         pool = self.pool(step.step_id)
 
         def failed(exc):
             step.fail(_failure(f"{self.label}: its worker process could not hand on microbatch {mb} of job {job}",
                                exc, device=self.label))
+        if self.flags is not None:
+            # at once: the peers' streams wait for this worker's counter (Note [hand-over flags])
+            try:
+                values = {k: encode(v, self.memory, pool) for k, v in new.items()}
+                number = self.flags.signal(self.dev.out if self.is_cuda else None)
+                self.to_peers(("done", step.step_id, job, mb, values, (self.index, number)))
+            except BaseException as exc:
+                failed(exc)
+            return
+        events = [e for v in new.values() for e in events_of(v)]
         self.later(events, lambda: self.to_peers(
-            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()})), failed)
+            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()}, None)), failed)
 
     # --- messages in -------------------------------------------------------------------
     def receiver(self):
@@ -380,8 +403,8 @@ class Worker:
 
     def apply(self, step, msg):
         if msg[0] == "done":
-            _, _, job, mb, values = msg
-            step.receive(job, mb, values)
+            _, _, job, mb, values, stamp = msg
+            step.receive(job, mb, values, stamp)
         else:
             step.fail(RemoteFailure())
 
