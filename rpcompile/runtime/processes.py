@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait as wait_connections
 from typing import Optional
 
@@ -40,17 +41,21 @@ class WorkerDied(RPCompileError):
 
 
 class _RemoteDevice:
-    """What the modes may ask of a device that lives in a worker process: nothing to prefetch
-    from here (the worker uploads a job's weights itself)."""
+    """What the modes may ask of a device that lives in a worker process. A job's weights are
+    uploaded by the worker itself; only the next step's first job's weights are asked for ahead
+    (delayed mode, as with worker threads): the worker gets a "prefetch" message."""
 
     is_cpu = True
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, executor, index):
+        self.device, self.index = device, index
+        self._executor = weakref.ref(executor)
         self.prefetched: dict = {}
 
-    def prefetch(self, *args, **kwargs):
-        return None
+    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
+        executor = self._executor()
+        if executor is not None and key not in self.prefetched:
+            self.prefetched[key] = executor.send_prefetch(self.index, params, dtype, host_weights, before)
 
 
 class _Slot:
@@ -90,7 +95,8 @@ class ProcessExecutor:
     def __init__(self, config):
         self.config = config
         self.memory = SharedMemory()
-        self.workers = [_Slot(_RemoteDevice(d)) for d in config.devices]
+        self.workers = [_Slot(_RemoteDevice(d, self, i)) for i, d in enumerate(config.devices)]
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-prefetch")   # send_prefetch
         self.offset = 0
         self.last_schedule: Optional[Schedule] = None
         self._ids = itertools.count(1)
@@ -213,6 +219,19 @@ class ProcessExecutor:
             self._to_all(("table", key, list(refs)))
         return key
 
+    def send_prefetch(self, worker: int, params: list, dtype, host_weights, before=None):
+        """Have a worker upload the working copies of params [(index, parameter)] from the view
+        host_weights now (the next step's first job's weights), once before() returned (it may
+        wait for an optimizer step); a Future of the token a run's "first_upload" names."""
+        def send_it():
+            if before is not None:
+                before()
+            token = next(self._ids)
+            refs = [(i, self.memory.ref(working_copy(host_weights, p, dtype))) for i, p in params]
+            send(self.hub.conns[worker], self.hub.locks[worker], ("prefetch", token, refs, dtype))
+            return token
+        return self._sender.submit(send_it)
+
     def _grads_key(self, grads) -> int:
         known = self._grad_sets.get(id(grads))
         if known is not None and known[1] is grads:
@@ -245,6 +264,15 @@ class ProcessExecutor:
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
                         micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
                         dtype=step.dtype, buffers=list(step.buffers))
+        if step.first_upload is not None:   # asked for as the last step ended (delayed mode)
+            dev, future = step.first_upload
+            step.first_upload = None
+            try:
+                token = future.result()
+            except OSError:                 # a worker is gone: the send below says so
+                token = None
+            if token is not None and dev.index == schedule.actions[0].device:
+                desc["first_upload"] = token
         seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
         if seeds:
             desc["seeds"] = seeds
@@ -468,15 +496,17 @@ class RemoteError(RuntimeError):
         self.kind = kind
 
 
+def working_copy(view, p, dtype) -> torch.Tensor:
+    """The shared working copy of parameter p in a weight view."""
+    if hasattr(view, "store"):           # delayed mode's copies (runtime/weights.py _SlotView)
+        return view.store._copies[id(p)][view.slot][0]
+    with view.refreshed(p, working_dtype(p, dtype)) as entry:   # the runner's HostWeights, refreshed
+        return entry[1]
+
+
 def weight_table(step) -> list:
     """The shared working copy of every parameter, in parameter order, for a step's jobs."""
-    view = step.host_weights
-    if hasattr(view, "store"):           # delayed mode's copies (runtime/weights.py _SlotView)
-        return [view.store._copies[id(p)][view.slot][0] for p in step.params]
-    out = []
-    for p in step.params:                # the runner's HostWeights, refreshed where a parameter moved
-        if step.gate is not None:
+    if step.gate is not None and not hasattr(step.host_weights, "store"):
+        for p in step.params:            # a parameter's pending optimizer step first
             step.gate(p)
-        with view.refreshed(p, working_dtype(p, step.dtype)) as entry:
-            out.append(entry[1])
-    return out
+    return [working_copy(step.host_weights, p, step.dtype) for p in step.params]

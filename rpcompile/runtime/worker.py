@@ -384,6 +384,9 @@ class Worker:
             gs = GradSet(layout, False, {}, "gradients")
             gs._flat = self.memory.tensor(ref)
             self.grad_sets[key] = gs
+        elif kind == "prefetch":       # the next step's first job's weights (delayed mode)
+            _, token, refs, dtype = msg
+            self.dev.prefetch(("first", token), [(i, self.memory.tensor(r)) for i, r in refs], dtype, _Snapshot())
         elif kind == "run":
             self.start_run(*msg[1:])
         elif kind == "release":
@@ -425,6 +428,7 @@ class Worker:
             for mb, grads in desc.get("seeds", {}).items():
                 step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
             step.start_run(desc["run"], desc["actions"])
+            self.claim_first_upload(step, desc)
             if desc["trace"]:
                 step.tracer = Tracer([self.device], [self.label], self.clock)
                 step.trace_shift = step.tracer._t0 - desc["t0"]
@@ -436,6 +440,15 @@ class Worker:
         for a in desc["actions"]:
             if a.device == self.index:
                 self.jobs.put((step, a, plan))
+
+    def claim_first_upload(self, step, desc):
+        """The weights a "prefetch" sent up for this run's first job become that job's; any
+        other early upload is dropped (its step started elsewhere)."""
+        first = desc["actions"][0]
+        for key in [k for k in self.dev.prefetched if k[0] == "first"]:
+            future = self.dev.prefetched.pop(key)
+            if key == ("first", desc.get("first_upload")) and first.device == self.index:
+                self.dev.prefetched[(id(step), first.job)] = future
 
     # --- jobs ----------------------------------------------------------------------------
     def run_jobs(self):
