@@ -276,6 +276,26 @@ def exact_rows(runs: list, model: str, reference: dict) -> list:
     return rows
 
 
+def _optimizer_share(run: dict) -> Optional[tuple]:
+    """(host optimizer work per step, step seconds): the optimizer thread's own seconds (clip,
+    step, refresh; not its wait for the gradients), medians of the last steps."""
+    r = finished(run, DELAYED)
+    opt = (r.get("info") or {}).get("optimizer_s")
+    if not opt or not r.get("s_per_step"):
+        return None
+    return opt["clip_s"] + opt["step_s"] + opt["refresh_s"], r["s_per_step"]
+
+
+def optimizer_rows(runs: list, model: str) -> list:
+    rows = []
+    for n in GPU_COUNTS:
+        run, value = pick(runs, model, n, (DELAYED,), _optimizer_share)
+        rows.append(_row("host optimizer seconds per step ÷ step seconds (rpcompile-delayed)", model, n, run,
+                         (DELAYED,), value, lambda v: f"{v[0] / v[1]:.2f} ({v[0]:.3f} s / {v[1]:.3f} s)", "< 1",
+                         lambda v: v[0] < v[1], "optimizer seconds"))
+    return rows
+
+
 def setup_row(runs: list, model: str) -> Row:
     run, value = pick(runs, model, 4, (DELAYED,), lambda r: finished(r, DELAYED).get("setup_s"))
     return _row("first steps at 4 GPUs: capture, plan, compile (setup s, rpcompile-delayed)", model, 4, run,
@@ -314,6 +334,7 @@ def evaluate(runs: list, reference: Optional[dict] = None) -> list:
         rows.append(busy_row(runs, model))
         rows += slowest_rows(runs, model)
         rows += host_memory_rows(runs, model)
+        rows += optimizer_rows(runs, model)
         rows += exact_rows(runs, model, reference)
         if model == "qwen3-1.7b":          # the bar sets the first-steps time for Qwen3-1.7B
             rows.append(setup_row(runs, model))

@@ -451,7 +451,8 @@ def _delayed(tokens_per_s, gpus, **over):
     """A rpcompile-delayed result that meets every row of the bar, unless `over` says otherwise."""
     return {"tokens_per_s": tokens_per_s, "timed_step_s": [1.0] * 7 + [1.2], "timed_steps_done": 8,
             "compute_busy_frac": {f"cuda:{i}": 0.9 for i in range(gpus)}, "host_mem_peak_bytes": 18e9,
-            "setup_s": 50.0, **over}
+            "setup_s": 50.0, "s_per_step": 1.0,
+            "info": {"optimizer_s": {"grads_s": 0.3, "clip_s": 0.0, "step_s": 0.5, "refresh_s": 0.2}}, **over}
 
 
 def _fast(tokens_per_s):
@@ -481,9 +482,10 @@ def test_bar_holds_when_every_row_does(tmp_path):
     runs = _passing_runs("qwen3-1.7b") + _passing_runs("llama3.1-8b")
     rows = bar.evaluate(runs, reference=REFERENCE)
     assert {r.verdict for r in rows} == {"holds"}, [(r.item, r.gpus, r.figure) for r in rows if r.verdict != "holds"]
-    # per model: workload, 3 ratios, scaling, busy, 3 slowest, 3 host memory, 4 exact; setup for Qwen only;
-    # then one timed-steps row per run used
-    assert len(rows) == 2 * 16 + 1 + 6
+    # per model: workload, 3 ratios, scaling, busy, 3 slowest, 3 host memory, 3 optimizer, 4 exact; setup for
+    # Qwen only; then one timed-steps row per run used
+    assert len(rows) == 2 * 19 + 1 + 6
+    assert _bar_row(rows, "host optimizer", "2").figure == "0.70 (0.700 s / 1.000 s)"
     assert _bar_row(rows, "÷ RoundPipe", "4").figure == "1.67× (37,000 / 22,200 tokens/s)"
     assert _bar_row(rows, "scaling", "1 → 4").figure == "3.70× (37,000 / 10,000 tokens/s)"
     assert _bar_row(rows, "slowest", "2").figure.startswith("1.20 (1.200 s / median 1.000 s)")
@@ -500,7 +502,8 @@ def test_bar_rows_that_miss(tmp_path, capsys):
 
     runs = _passing_runs("qwen3-1.7b")
     slow = _delayed(25_000, 4, compute_busy_frac={"cuda:0": 0.9, "cuda:1": 0.6, "cuda:2": 0.9, "cuda:3": 0.9},
-                    timed_step_s=[1.0, 1.0, 1.0, 1.5], timed_steps_done=4, host_mem_peak_bytes=40e9, setup_s=90.0)
+                    timed_step_s=[1.0, 1.0, 1.0, 1.5], timed_steps_done=4, host_mem_peak_bytes=40e9, setup_s=90.0,
+                    info={"optimizer_s": {"grads_s": 0.1, "clip_s": 0.1, "step_s": 0.8, "refresh_s": 0.3}})
     # newest 4-GPU run: RoundPipe close behind, scaling 2.5x; an older, better one is not read
     runs.append(_bar_run("2026-12-02 00:00 UTC", 4, {"rpcompile-delayed": slow, "roundpipe": _fast(20_000),
                                                      "rpcompile": _fast(9_000), "rpcompile-overlapped": _fast(8_000)}))
@@ -514,6 +517,7 @@ def test_bar_rows_that_miss(tmp_path, capsys):
     assert {("rpcompile-delayed ÷ RoundPipe, same run", "4"), ("scaling 1 → 4 GPUs", "1 → 4"),
             ("compute busy on every GPU", "4"), ("slowest timed step ÷ median", "4"),
             ("host memory peak per parameter", "4"), ("first steps at 4 GPUs: capture, plan, compile", "4"),
+            ("host optimizer seconds per step ÷ step seconds", "4"),
             ("exact mode", "4"), ("overlapped mode", "4"), ("timed steps after warm-up, every run used above", "4")} == miss
     assert _bar_row(rows, "÷ RoundPipe", "1").verdict == "holds"       # the other GPU counts are untouched
     # exact modes: "no slower" on 1 GPU holds at the reference, "faster" on 4 does not

@@ -26,6 +26,7 @@ With --device cpu the same runs on CPU "devices" (threads), for the tests.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import torch
 
@@ -135,6 +136,9 @@ class RPCompileTrainer(Trainer):
                        # gradients come down once per backward/fused stage job (same dtype assumed)
                        plan_grad_download_bytes_per_step_est=int(sum(r["param_bytes"] for r in rows
                                                                       if r["kind"] in ("bwd", "fused"))))
+        opt = self.cm.runner.overlapped
+        if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
+            out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}
         try:
             trace = getattr(self.cm, "last_trace", None)
         except Exception as e:  # noqa: BLE001 - optional figure
