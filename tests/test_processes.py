@@ -20,6 +20,8 @@ def _config(workers="processes", **kw):
 
 
 def test_exact_mode_in_worker_processes_matches_eager():
+    """train_step and a differentiable call (one compiled model, one pair of worker processes:
+    each start is a fresh interpreter) equal eager; a worker that dies is an error in the caller."""
     cm = train_both(qwen3(), [lm_batch(seed=s) for s in range(2)], _config(), steps=3)
     # warm steps reuse the shared files (activation slots go back when a step ends): none is added
     files = set(os.listdir(cm.runner.executor.memory.directory))
@@ -33,6 +35,18 @@ def test_exact_mode_in_worker_processes_matches_eager():
     assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
     # every hand-over went out at once, stamped with its worker's counter (Note [hand-over flags])
     assert all(n > 0 for n in cm.runner.executor.counters.tolist())
+    # a differentiable call runs in the same workers: outputs and gradients as eager
+    model = cm.model
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model)
+    batch = lm_batch(seed=2)
+    out = cm(**batch)
+    out.loss.backward()
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    close(out.loss.detach(), ref_out.loss.detach(), 1e-5, 1e-6, "loss")
+    close(out.logits.detach(), ref_out.logits.detach(), 1e-5, 1e-5, "logits")
+    check_grads(model, ref)
     # a worker that dies: the next step says so in the caller's thread (no hang), nothing changed
     params = [(p.detach().clone(), p.grad.clone()) for p in cm.model.parameters()]
     proc = cm.runner.executor.hub.procs[1]
@@ -95,20 +109,6 @@ def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing():
         close(b, a, 1e-6, 1e-7, f"loss at step {t}")
     for a, b in zip(params_t, params_p):
         close(b, a, 1e-6, 1e-7, "parameter after 3 delayed steps")
-
-
-def test_differentiable_call_in_worker_processes():
-    model = qwen3(seed=5)
-    ref = copy.deepcopy(model)
-    cm = rpcompile.compile(model, _config())
-    batch = lm_batch(seed=2)
-    out = cm(**batch)
-    out.loss.backward()
-    ref_out = ref(**batch)
-    ref_out.loss.backward()
-    close(out.loss.detach(), ref_out.loss.detach(), 1e-5, 1e-6, "loss")
-    close(out.logits.detach(), ref_out.logits.detach(), 1e-5, 1e-5, "logits")
-    check_grads(model, ref)
 
 
 def test_a_plan_a_worker_cannot_load_fails_the_step_in_the_caller(monkeypatch):
