@@ -259,7 +259,7 @@ class _Evaluator:
             self.visited.add(node)
             try:
                 self.memo[node] = self._eval(node)
-            except (TypeError, ValueError, IndexError, KeyError, AttributeError, RecursionError):
+            except Exception:   # anything a rule or sympy cannot do: unproven, so left alone
                 self.memo[node] = None
         return self.memo[node]
 
