@@ -23,3 +23,23 @@ def test_the_pass_list_runs_in_order_and_keeps_every_intermediate(tmp_path):
     cm.dump(str(tmp_path))
     files = sorted(os.listdir(tmp_path / "train" / "passes"))
     assert files[0] == "00_capture.py" and files[2] == "02_normalize_loss.py" and len(files) == len(names)
+
+
+def test_and_or_are_pure_although_named_like_in_place_ops():
+    """operator.and_ / or_ (`a & b`, `a | b`: how transformers combines mask functions) end in an
+    underscore like add_ but write nothing: dead ones are dropped, and no value counts as written."""
+    import operator
+
+    import torch
+    import torch.fx as fx
+
+    from rpcompile.passes.graph_utils import is_impure, mutated_values
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    pure = [g.call_function(operator.and_, (a, b)), g.call_function(operator.or_, (a, b))]
+    written = [g.call_function(operator.iand, (a, b)), g.call_method("add_", (a, b))]
+    for n in written:
+        n.meta["example_value"] = torch.ones(2)
+    a.meta["example_value"] = torch.ones(2)
+    assert not any(is_impure(n) or mutated_values(n) for n in pure)
+    assert all(is_impure(n) or mutated_values(n) == [a] for n in written)

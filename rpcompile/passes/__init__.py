@@ -8,6 +8,7 @@ that fails is a diff between two files.
     capture              the dynamo graph, copied (capture.py ran before: meta/fake copies)
     keep_loss_output     train mode: the loss is the only output (passes/outputs.py)
     normalize_loss       mean cross-entropy -> token sum + counter (passes/normalize_loss.py)
+    causal_attention     an SDPA mask proved causal from sizes alone -> is_causal=True (passes/causal_mask.py)
     split_lm_head        vocabulary shards with an online log-sum-exp (passes/lm_head.py)
     annotate_costs       FLOPs and bytes per node, sympy in the size symbols (passes/cost.py)
     find_batch           which inputs are split per microbatch; planning bindings (passes/batch.py)
@@ -53,6 +54,7 @@ import torch.fx as fx
 from ..errors import CaptureError
 from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
+from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs
 from .cut_points import legal_cuts, liveness, segment_table
@@ -133,6 +135,11 @@ def normalize_loss_pass(st: CompileState) -> CompileState:
     if st.loss_output is not None:
         st.gm = normalize_loss(st.gm, st.loss_output)
         st.loss_scale = st.gm.meta["rp_loss"]
+    return st
+
+
+def causal_attention_pass(st: CompileState) -> CompileState:
+    st.gm = causal_attention(st.gm)
     return st
 
 
@@ -238,6 +245,7 @@ PASSES = [
     ("capture", capture, "graph"),
     ("keep_loss_output", keep_loss_output_pass, "graph"),
     ("normalize_loss", normalize_loss_pass, "graph"),
+    ("causal_attention", causal_attention_pass, "graph"),
     ("split_lm_head", split_lm_head_pass, "graph"),
     ("annotate_costs", annotate_costs_pass, "costs"),
     ("find_batch", find_batch_pass, "batch"),

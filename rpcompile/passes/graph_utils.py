@@ -31,6 +31,8 @@ _SETITEM = {operator.setitem, torch.Tensor.__setitem__}
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                        operator.ilshift, operator.irshift, operator.imatmul}
+# Named like in-place ops (a trailing underscore) but pure: `a & b`, `a | b`, `not a`, `a is b`.
+_PURE_UNDERSCORED = {operator.and_, operator.or_, operator.not_, operator.is_}
 
 
 def _functorch_switches():
@@ -62,7 +64,7 @@ def mutated_values(node: fx.Node) -> list:
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         if node.target._schema.is_mutable and node.args:
             targets.append(node.args[0])
-    elif node.op in ("call_method", "call_function") and node.args:
+    elif node.op in ("call_method", "call_function") and node.args and node.target not in _PURE_UNDERSCORED:
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
             targets.append(node.args[0])
@@ -87,7 +89,8 @@ def is_impure(node: fx.Node) -> bool:
             return False  # logging only: safe to drop
         if isinstance(node.target, torch._ops.OpOverload):
             return node.target._schema.is_mutable
-        if getattr(node.target, "__name__", "").endswith("_") and not node.target.__name__.endswith("__"):
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__") and node.target not in _PURE_UNDERSCORED:
             return True
         if node.target is torch.nn.functional.batch_norm:
             return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False))

@@ -90,18 +90,18 @@ def _capture_shards(st, names):
     from . import PASSES, CompileState
     from .cut_points import liveness
     from .lm_head import estimate_num_shards, find_lm_head
-    passes = {name: run for name, run, _ in PASSES}
+    order = [name for name, _, _ in PASSES]
 
-    def run(config, upto):
+    def run(config, stop):
+        """The state the pass named `stop` would see."""
         s = CompileState(captured=st.captured, config=config, mode=st.mode, loss_output=st.loss_output_arg)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name in ("capture", "keep_loss_output", "normalize_loss", "split_lm_head", "annotate_costs",
-                         "find_batch")[:upto]:
-                s = passes[name](s)
+            for _, fn, _ in PASSES[:order.index(stop)]:
+                s = fn(s)
         return s
 
-    unsplit = run(st.config, 3).gm        # the graph split_lm_head sees
+    unsplit = run(st.config, "split_lm_head").gm        # the graph split_lm_head sees
     lm_head = find_lm_head(unsplit)
     if lm_head is None or lm_head.reason is not None:
         return None
@@ -112,7 +112,7 @@ def _capture_shards(st, names):
 
     def state(K):
         if K not in states:
-            s = run(dataclasses.replace(st.config, lm_head_shards=K), 6)
+            s = run(dataclasses.replace(st.config, lm_head_shards=K), "cut_points")
             s.bindings, s.hardware, s.liveness = st.bindings, st.hardware, liveness(s.gm)
             states[K] = s
         return states[K]
