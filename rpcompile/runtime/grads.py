@@ -36,8 +36,8 @@ def param_index(key) -> int:
 class GradSet:
     """One flat host buffer of a GradLayout, allocated at its first use."""
 
-    def __init__(self, layout, pin: bool, row_sums: dict, kind: str):
-        self.layout, self.pin, self.kind = layout, pin, kind
+    def __init__(self, layout, pin: bool, row_sums: dict, kind: str, exact: bool = False):
+        self.layout, self.pin, self.kind, self.exact = layout, pin, kind, exact
         self.row_sums = row_sums        # param index -> host buffer its row pieces are summed into
         self._flat = None
         self._host_views: dict = {}     # stage -> {key: view of the host piece}, made once
@@ -46,7 +46,7 @@ class GradSet:
     def flat(self) -> torch.Tensor:
         with self._lock:
             if self._flat is None:
-                self._flat = host_empty((self.layout.numel,), torch.float32, self.pin, self.kind)
+                self._flat = host_empty((self.layout.numel,), torch.float32, self.pin, self.kind, exact=self.exact)
             return self._flat
 
     def piece(self, stage: int) -> torch.Tensor:
@@ -78,18 +78,20 @@ class HostGrads:
         self._lock = threading.Lock()
 
     def set_for(self, layout, parity: int) -> GradSet:
-        """Set `parity` (0 or 1) of `layout`; the row-sum buffers are shared by both sets."""
+        """Set `parity` (0 or 1) of `layout`; the row-sum buffers are shared by both sets. They
+        are kept across steps, so pinned ones are exact (Note [exact pinned buffers])."""
         with self._lock:
             sets = self._sets.get(layout.signature)
             if sets is None:
-                sums = {i: host_empty(shape, torch.float32, self.pin, "gradients")
+                sums = {i: host_empty(shape, torch.float32, self.pin, "gradients", exact=True)
                         for i, shape in layout.row_sums.items()}
                 sets = self._sets[layout.signature] = [
-                    GradSet(layout, self.pin, sums, "gradients"),
-                    GradSet(layout, self.pin, sums, "gradients in flight")]
+                    GradSet(layout, self.pin, sums, "gradients", exact=True),
+                    GradSet(layout, self.pin, sums, "gradients in flight", exact=True)]
             return sets[parity]
 
     def fresh(self, layout) -> GradSet:
-        """A set nobody else uses (a differentiable call's)."""
+        """A set nobody else uses (a differentiable call's): made per call, so pinned ones come from
+        the caching host allocator, which serves the next call's from the blocks this one freed."""
         sums = {i: host_empty(shape, torch.float32, self.pin, "call gradients") for i, shape in layout.row_sums.items()}
         return GradSet(layout, self.pin, sums, "call gradients")
