@@ -161,6 +161,10 @@ class GraphRunner:
         if host_weights is None and gate is None and self.overlapped is not None:
             gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
         layout = plan.host_memory.grad_layout
+        if grad_set is not None and self.overlapped is not None and self.host_grads.switches(layout, grad_set):
+            # the plans share their gradient buffers (runtime/grads.py): another plan's step last
+            # wrote this one, and the optimizer may still read its gradients
+            self.overlapped.synchronize()
         grads = self.host_grads.fresh(layout) if grad_set is None else self.host_grads.set_for(layout, grad_set)
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
