@@ -171,6 +171,28 @@ class GraphRunner:
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
 
+    def host_buffer_bytes(self) -> dict:
+        """Bytes of the host buffers this runner holds across steps, by the kind `cm.plan` names
+        them (passes/host_memory.py): working copies and gradient sets, each buffer once."""
+        out: dict = {}
+        seen = set()
+
+        def add(kind, t):
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+        copies = getattr(self.mode, "copies", None)
+        for t in (copies._flats if copies is not None else []):
+            add("working copies", t)
+        for entry in self.host_weights._copies.values():
+            add("working copies", entry[1])
+        grads = self.host_grads
+        for kind, t in zip(grads.KINDS, grads._flats):
+            add(kind, t)
+        for t in grads._sums.values():
+            add("gradients", t)
+        return out
+
     def working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured
         on real tensors by the dynamo backend)."""

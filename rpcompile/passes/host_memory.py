@@ -146,13 +146,15 @@ class HostMemory:
         return f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
 
 
-def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str) -> HostMemory:
+def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:
     params = plan.captured.params
     trainable = [p for p in params if p.requires_grad]
     masters = sum(p.numel() * p.element_size() for p in params)
     state = sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES
     copies = 0
-    if on_gpu or optimizer_mode == "delayed":
+    # working copies: what GPUs upload from, what delayed mode's steps read, and what worker
+    # processes read (shared memory) where CPU worker threads would read the parameters
+    if on_gpu or optimizer_mode == "delayed" or workers == "processes":
         for p in params:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
