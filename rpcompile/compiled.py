@@ -105,6 +105,13 @@ class CompiledModel(torch.nn.Module):
         its jobs as stage, role and device, e.g. `0F@0 1F@1 2FB@0 3B@1` (None before the first)."""
         return self.runner.executor.last_schedule
 
+    def host_buffer_bytes(self) -> dict:
+        """Bytes of the host buffers rpcompile allocated for this model and keeps across steps, by
+        the kind `print(cm.plan)` names them ("working copies", "gradients", "gradients in
+        flight"): what the plan's host memory says, allocated (the parameters, their `.grad` and
+        the optimizer's state are yours, and a step's activations come and go)."""
+        return self.runner.host_buffer_bytes()
+
     def dump(self, path: str) -> None:
         """Write every plan's stage graphs (.py), plan.json, plan.txt and, after a step, the
         executed schedule as a Chrome/Perfetto trace (schedule.trace.json)."""

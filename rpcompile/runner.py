@@ -161,11 +161,37 @@ class GraphRunner:
         if host_weights is None and gate is None and self.overlapped is not None:
             gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
         layout = plan.host_memory.grad_layout
+        if grad_set is not None and self.overlapped is not None and self.host_grads.switches(layout, grad_set):
+            # the plans share their gradient buffers (runtime/grads.py): another plan's step last
+            # wrote this one, and the optimizer may still read its gradients
+            self.overlapped.synchronize()
         grads = self.host_grads.fresh(layout) if grad_set is None else self.host_grads.set_for(layout, grad_set)
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
                          buffer_index={n: i for i, n in enumerate(cap.buffer_names)})
+
+    def host_buffer_bytes(self) -> dict:
+        """Bytes of the host buffers this runner holds across steps, by the kind `cm.plan` names
+        them (passes/host_memory.py): working copies and gradient sets, each buffer once."""
+        out: dict = {}
+        seen = set()
+
+        def add(kind, t):
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                out[kind] = out.get(kind, 0) + t.numel() * t.element_size()
+        copies = getattr(self.mode, "copies", None)
+        for t in (copies._flats if copies is not None else []):
+            add("working copies", t)
+        for entry in self.host_weights._copies.values():
+            add("working copies", entry[1])
+        grads = self.host_grads
+        for kind, t in zip(grads.KINDS, grads._flats):
+            add(kind, t)
+        for t in grads._sums.values():
+            add("gradients", t)
+        return out
 
     def working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured

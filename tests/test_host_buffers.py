@@ -45,11 +45,11 @@ def test_warm_steps_allocate_no_host_buffers_and_the_plan_says_what_is_allocated
     assert +count == {} and +nbytes == {}, f"warm steps allocated {dict(count)} buffers ({dict(nbytes)} bytes)"
 
     # the head is split over the vocabulary: row gradients, added into the tied embedding's
-    # whole gradient, or (untied) summed into a buffer of their own
+    # whole gradient, or (untied) its whole gradient in place or summed into a buffer of its own
     layout = cm.plan.host_memory.grad_layout
     keys = [k for ks in layout.keys.values() for k, _, _ in ks]
     split = {k[0] for k in keys if isinstance(k, tuple)}
-    assert split and (split <= set(keys) if tied else set(layout.row_sums) == split)
+    assert split and (split <= set(keys) if tied else set(layout.row_sums) | set(layout.whole_rows) == split)
 
     planned = cm.plan.host_memory
     allocated, _ = _counted_since(start)
@@ -58,3 +58,48 @@ def test_warm_steps_allocate_no_host_buffers_and_the_plan_says_what_is_allocated
     assert allocated["working copies"] == planned.working_copies
     # CPU devices hand activations on as they are (no host copy); a GPU downloads them
     assert allocated["activations"] == 0 < planned.activations
+
+
+def test_exact_pinned_buffers_are_registered_pageable_memory_of_their_size(monkeypatch):
+    """Note [exact pinned buffers]: a pinned buffer allocated once is pageable memory of exactly
+    its size, page-aligned, registered with CUDA (here a stand-in), and unregistered before its
+    memory goes, when the tensor object dies."""
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", address, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address, host_buffers._registered.get(address) is not None))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    before = host_buffers.snapshot()
+    t = host_buffers.host_empty((3, 1000), torch.bfloat16, True, "working copies", exact=True)
+    assert t.shape == (3, 1000) and t.dtype == torch.bfloat16 and t.data_ptr() % 4096 == 0
+    assert calls == [("register", t.data_ptr(), 6000)]
+    assert _counted_since(before)[0]["working copies"] == 6000
+    address = t.data_ptr()
+    del t
+    import gc
+    gc.collect()
+    # unregistered while its memory was still held, then let go
+    assert calls[1] == ("unregister", address, True) and address not in host_buffers._registered
+
+    class Refuses(Cudart):
+        def cudaHostRegister(self, address, nbytes, flags):
+            return 1
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refuses())
+    monkeypatch.setattr(torch, "empty", _empty_without_pinning(torch.empty))
+    t = host_buffers.host_empty((10,), torch.float32, True, "gradients", exact=True)   # falls back to pin_memory
+    assert t.shape == (10,) and not host_buffers._registered
+
+
+def _empty_without_pinning(empty):
+    """torch.empty that accepts pin_memory=True on a machine without CUDA (where it would fail)."""
+    def f(*args, pin_memory=False, **kwargs):
+        return empty(*args, **kwargs)
+    return f

@@ -133,3 +133,69 @@ def test_host_gradients_are_reused_across_steps(mode):
     sets = 2 if mode == "delayed" else 1
     assert flats[sets:] == flats[:-sets] and len(set(flats)) == sets
     assert len(cm.runner.host_grads._sets) == 1
+
+
+def _layout(stage_keys, shapes):
+    """The GradLayout of stages with the given gradient keys, over parameters of `shapes`."""
+    from types import SimpleNamespace
+
+    from rpcompile.passes.host_memory import grad_layout
+    params = [torch.empty(s) for s in shapes]
+    stages = [SimpleNamespace(index=s, grad_params=keys) for s, keys in enumerate(stage_keys)]
+    return grad_layout(SimpleNamespace(captured=SimpleNamespace(params=params), stages=stages))
+
+
+def test_row_gradients_of_one_stage_are_the_whole_gradient_in_place():
+    """An untied head's vocabulary shards in one stage lie one after the other in row order:
+    they are its whole gradient, with no buffer to sum them into; shards in two stages are summed
+    into a buffer of their own; a tied weight's rows are added into its whole gradient."""
+    from rpcompile.runtime.grads import GradSet
+    from rpcompile.runtime.modes import sum_param_grads
+    # param 0: head (6, 2) in one stage, its shards listed out of order; 1: another (4, 2) in two
+    # stages; 2: tied (4, 2), whole in stage 0 and rows in stage 1
+    layout = _layout([[2, (1, 0, 2)], [(0, 3, 6), 3, (0, 0, 3), (1, 2, 4), (2, 0, 4)]],
+                     [(6, 2), (4, 2), (4, 2), (5,)])
+    assert layout.whole_rows == {0: (12, (6, 2))} and layout.row_sums == {1: (4, 2)}
+    offsets = {k: off for keys in layout.keys.values() for k, off, _ in keys}
+    assert offsets[(0, 0, 3)] == 12 and offsets[(0, 3, 6)] == 18
+    assert layout.numel == 8 + 4 + 12 + 5 + 4 + 8
+    assert layout.nbytes(2) == 4 * (2 * layout.numel + 8)
+
+    gs = GradSet(layout, False, {1: torch.empty(4, 2)}, "gradients")
+    jobs = {}
+    for s in (0, 1):
+        views = gs.host_views(s)
+        for key, v in views.items():
+            v.copy_(torch.randn(v.shape))
+        jobs[s] = dict(views)
+    want_head = torch.cat([jobs[1][(0, 0, 3)], jobs[1][(0, 3, 6)]])
+    want_other = torch.cat([jobs[0][(1, 0, 2)], jobs[1][(1, 2, 4)]])
+    want_tied = jobs[0][2] + jobs[1][(2, 0, 4)]
+    totals = sum_param_grads(jobs, gs.row_sums)
+    assert totals[0].data_ptr() == jobs[1][(0, 0, 3)].data_ptr() and torch.equal(totals[0], want_head)
+    assert totals[1] is gs.row_sums[1] and torch.equal(totals[1], want_other)
+    assert torch.equal(totals[2], want_tied) and torch.equal(totals[3], jobs[1][3])
+
+
+def test_plans_share_the_gradient_buffers():
+    """Two layouts (two plans of one model) view the same buffer per parity, as large as the
+    larger; a larger layout's set replaces the buffer, and the smaller layout's set is made anew
+    on it; a switch of layout is said, so the runner can wait for the optimizer first."""
+    from rpcompile.runtime import host_buffers
+    from rpcompile.runtime.grads import HostGrads
+    small, large = _layout([[0], [1]], [(3, 2), (4,)]), _layout([[0, 1]], [(3, 2), (8,)])
+    hg = HostGrads(pin=False)
+    before = host_buffers.snapshot()[0]
+    a0 = hg.set_for(small, 0)
+    a0.flat()
+    assert not hg.switches(small, 0) and hg.switches(large, 0)
+    b0 = hg.set_for(large, 0)
+    assert b0.flat().numel() == large.numel and b0.flat().data_ptr() != a0.flat().data_ptr()
+    c0 = hg.set_for(small, 0)          # the small layout's set, anew on the larger buffer
+    assert c0 is not a0 and c0.flat().data_ptr() == b0.flat().data_ptr()
+    assert hg.set_for(small, 0) is c0 and hg.set_for(small, 1).flat().data_ptr() != c0.flat().data_ptr()
+    hg.set_for(large, 1).flat()
+    grown = host_buffers.snapshot()[0] - before
+    assert grown["gradients"] == grown["gradients in flight"] == 4 * (small.numel + large.numel)
+    hg.set_for(small, 1).flat()       # a smaller layout never allocates again
+    assert host_buffers.snapshot()[0] - before == grown

@@ -18,10 +18,11 @@ def test_only_the_newest_upload_of_each_stream_is_waited_on():
 def test_refresh_many_rewrites_changed_copies_only():
     params = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(3)]
     hw = HostWeights(pin=False)
-    copies = []
+    copies, events = [], []
     for p in params:
         with hw.refreshed(p, torch.bfloat16) as entry:
-            hw.mark_upload(entry, FakeEvent(), "stream")
+            events.append(FakeEvent())
+            hw.mark_upload(entry, events[-1], "stream")
             copies.append(entry)
     with torch.no_grad():
         params[0].add_(1.0)
@@ -32,7 +33,7 @@ def test_refresh_many_rewrites_changed_copies_only():
         assert torch.equal(entry[1], p.detach().to(torch.bfloat16))
         assert entry[0] == p._version
     assert torch.equal(copies[1][1], before)
-    assert copies[2][2][2].waited == 1 and copies[0][2][2].waited == 0   # the newest upload only
+    assert events[2].waited == 1 and events[0].waited == 0   # the newest upload only
 
 
 def test_delayed_write_many_goes_to_one_slot():
@@ -48,3 +49,26 @@ def test_delayed_write_many_goes_to_one_slot():
         assert torch.equal(slots[1][0], p.detach().to(torch.bfloat16))
         assert not torch.equal(slots[0][0], slots[1][0])
     assert dw._copies[id(frozen)][0] is dw._copies[id(frozen)][1]
+
+
+def test_rows_of_a_parameter_are_views_of_its_one_copy():
+    """A tied embedding is uploaded whole by one job and by vocabulary rows by others: one copy,
+    rows of it, refreshed as one when the parameter moves; a stream's newer upload replaces its
+    older mark, and a rewrite waits for the newest upload of every stream that read the copy."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    hw = HostWeights(pin=False)
+    events = [FakeEvent() for _ in range(3)]
+    with hw.refreshed(p, torch.bfloat16) as whole:
+        hw.mark_upload(whole, events[0], "s0")
+    with hw.refreshed(p, torch.bfloat16, rows=(2, 4)) as part:
+        assert part[1].data_ptr() == whole[1][2:4].data_ptr() and torch.equal(part[1], p.detach()[2:4].bfloat16())
+        hw.mark_upload(part, events[1], "s0")
+    with hw.refreshed(p, torch.bfloat16, rows=(4, 6)) as part:
+        hw.mark_upload(part, events[2], "s1")
+    assert [m[2] for m in whole[2]] == [events[1], events[2]]
+    assert hw.nbytes() == p.numel() * 2
+    with torch.no_grad():
+        p.mul_(3.0)
+    with hw.refreshed(p, torch.bfloat16, rows=(0, 2)) as part:
+        assert torch.equal(whole[1], p.detach().bfloat16())
+    assert [e.waited for e in events] == [0, 1, 1]

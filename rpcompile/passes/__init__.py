@@ -235,7 +235,8 @@ def describe_io(st: CompileState) -> CompileState:
 
 
 def host_memory_pass(st: CompileState) -> CompileState:
-    st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode)
+    st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode,
+                                      st.config.workers)
     return st
 
 

@@ -27,15 +27,19 @@ class GradLayout:
 
     Each stage that makes parameter gradients owns the contiguous piece `stages[s]` =
     (start, stop), so its job downloads them with one copy; inside it, `keys[s]` lists
-    (key, offset, shape) in `stage.grad_params` order (key: a parameter index, or
-    (index, first row, end row) for rows of it). A parameter whose gradient comes in row
-    pieces only (a vocabulary-split head that is not tied) is summed into a buffer of its
-    own: `row_sums` maps its index to its shape.
+    (key, offset, shape) (key: a parameter index, or (index, first row, end row) for rows of
+    it), in `stage.grad_params` order except that the row pieces of a parameter that has only
+    row pieces, all of them in this stage, lie one after the other in row order: they are its
+    whole gradient, in place (`whole_rows` maps its index to (offset, shape)). Any other parameter
+    whose gradient comes in row pieces only (a vocabulary-split head that is not tied, its
+    shards in several stages) is summed into a buffer of its own: `row_sums` maps its index to
+    its shape. (A tied weight's rows are added into its whole gradient.)
     """
 
     stages: dict = field(default_factory=dict)
     keys: dict = field(default_factory=dict)
     row_sums: dict = field(default_factory=dict)
+    whole_rows: dict = field(default_factory=dict)
     numel: int = 0
 
     @property
@@ -49,23 +53,56 @@ class GradLayout:
         return GRAD_ITEMSIZE * (sets * self.numel + rows)
 
 
+def _rows_in_place(params, stages) -> set:
+    """Parameters with row gradients only, all in one stage and tiling their rows exactly."""
+    rows: dict = {}            # index -> [(stage, start, stop)]
+    whole = set()
+    for st in stages:
+        for key in getattr(st, "grad_params", []):
+            if isinstance(key, tuple):
+                rows.setdefault(key[0], []).append((st.index, key[1], key[2]))
+            else:
+                whole.add(key)
+    out = set()
+    for i, parts in rows.items():
+        if i in whole or len({s for s, _, _ in parts}) != 1:
+            continue
+        spans = sorted((a, b) for _, a, b in parts)
+        if spans[0][0] == 0 and spans[-1][1] == params[i].shape[0] and \
+                all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])):
+            out.add(i)
+    return out
+
 
 def grad_layout(plan) -> GradLayout:
     params = plan.captured.params
     layout = GradLayout()
     whole = set()
     rows_only = set()
+    in_place = _rows_in_place(params, plan.stages)
     for st in plan.stages:
         keys = list(getattr(st, "grad_params", []))
         if not keys:
             continue
+        # an in-place parameter's row pieces together, in row order, where its first one was
+        ordered, done = [], set()
+        for key in keys:
+            if isinstance(key, tuple) and key[0] in in_place:
+                if key[0] not in done:
+                    done.add(key[0])
+                    ordered += sorted((k for k in keys if isinstance(k, tuple) and k[0] == key[0]),
+                                      key=lambda k: k[1])
+            else:
+                ordered.append(key)
         start = layout.numel
         placed = []
-        for key in keys:
+        for key in ordered:
             if isinstance(key, tuple):
                 i, a, b = key
                 shape = (b - a, *params[i].shape[1:])
                 rows_only.add(i)
+                if i in in_place and a == 0:
+                    layout.whole_rows[i] = (layout.numel, tuple(params[i].shape))
             else:
                 shape = tuple(params[key].shape)
                 whole.add(key)
@@ -73,7 +110,7 @@ def grad_layout(plan) -> GradLayout:
             layout.numel += math.prod(shape)
         layout.stages[st.index] = (start, layout.numel)
         layout.keys[st.index] = placed
-    layout.row_sums = {i: tuple(params[i].shape) for i in sorted(rows_only - whole)}
+    layout.row_sums = {i: tuple(params[i].shape) for i in sorted(rows_only - whole - in_place)}
     return layout
 
 
@@ -109,13 +146,15 @@ class HostMemory:
         return f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
 
 
-def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str) -> HostMemory:
+def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:
     params = plan.captured.params
     trainable = [p for p in params if p.requires_grad]
     masters = sum(p.numel() * p.element_size() for p in params)
     state = sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES
     copies = 0
-    if on_gpu or optimizer_mode == "delayed":
+    # working copies: what GPUs upload from, what delayed mode's steps read, and what worker
+    # processes read (shared memory) where CPU worker threads would read the parameters
+    if on_gpu or optimizer_mode == "delayed" or workers == "processes":
         for p in params:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)

@@ -47,25 +47,31 @@ def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
     One wait per job: a job's gradients come down in one copy, whose completion covers them
     all (Note [few calls per step]). A parameter's gradient is the view of the first job that
     made all of it, the other jobs' gradients of it added in place (the views are this step's
-    own, Note [host gradient buffers]); a parameter with rows only is summed into its buffer
-    of `row_sums` (param index -> host buffer, kept across steps)."""
+    own, Note [host gradient buffers]); a parameter with rows only is its entry of `row_sums`
+    (param index -> its whole gradient, kept across steps): where its rows already lie there,
+    in order (GradLayout.whole_rows), nothing is copied, else they are summed into it."""
     for grads in job_grads.values():
         resolve(list(grads.values())[-1:])
     entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
                for key, g in job_grads[j].items()]
     totals = {}
-    for key, g in entries:
-        if not isinstance(key, tuple):
-            if key in totals:
-                totals[key].add_(g)
-            else:
-                totals[key] = g
+    rows: dict = {}
     for key, g in entries:
         if isinstance(key, tuple):
-            i, start, stop = key
-            if i not in totals:
-                totals[i] = row_sums[i].zero_()
-            totals[i][start:stop] += g
+            rows.setdefault(key[0], []).append((key[1], key[2], g))
+        elif key in totals:
+            totals[key].add_(g)
+        else:
+            totals[key] = g
+    for i, parts in rows.items():
+        if i not in totals:
+            whole = row_sums[i]
+            if not all(whole[start:stop].data_ptr() == g.data_ptr() for start, stop, g in parts):
+                whole.zero_()
+                torch._foreach_add_([whole[start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
+            totals[i] = whole
+        else:
+            torch._foreach_add_([totals[i][start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
     return totals
 
 

@@ -39,59 +39,60 @@ class HostWeights:
 
     A parameter's `_version` counts its in-place updates (an optimizer step is one), so a copy
     is rewritten only after the parameter moved. A copy is never rewritten while an upload
-    from it is in flight: the mark of its last upload is waited on first.
+    from it is in flight: the marks of its uploads (the newest per stream) are waited on first.
+
+    One copy per parameter, allocated once and of exactly its size (Note [exact pinned
+    buffers] in runtime/host_buffers.py): rows of a parameter (the vocabulary shards of an LM
+    head, a tied embedding's among them) are views of it, so a parameter that is uploaded
+    whole by one job and by rows by others has one copy, not two.
     """
 
     def __init__(self, pin: bool = True):
-        self._copies: dict = {}      # (id(param), rows) -> [version, pinned tensor, last upload mark, lock]
+        self._copies: dict = {}      # id(param) -> [version, pinned tensor, upload marks (newest per stream), lock]
         self._lock = threading.Lock()
         self._pin = pin
 
-    def _entry(self, param, rows):
+    def _entry(self, param):
         with self._lock:
-            key = (id(param), rows)
-            entry = self._copies.get(key)
+            entry = self._copies.get(id(param))
             if entry is None:
-                entry = self._copies[key] = [None, None, None, threading.Lock()]
+                entry = self._copies[id(param)] = [None, None, [], threading.Lock()]
             return entry
 
     @staticmethod
     def _stale(entry, param, dtype) -> bool:
         return entry[0] != param._version or entry[1] is None or entry[1].dtype != dtype
 
-    @staticmethod
-    def _source(param, rows):
-        return param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
-
     @contextlib.contextmanager
     def refreshed(self, param: torch.Tensor, dtype: torch.dtype, rows=None):
-        """[version, pinned copy, last upload mark, lock] of param (or of its rows [start, stop)),
-        up to date and held against other refreshes of it while the caller issues its upload."""
-        entry = self._entry(param, rows)
+        """[version, pinned copy, upload marks, lock] of param (the copy a view of its rows
+        [start, stop) when rows are given), up to date and held against other refreshes of it
+        while the caller issues its upload."""
+        entry = self._entry(param)
         # One lock per copy: the devices' uploaders and the optimizer refresh different
         # parameters at the same time.
         with entry[3]:
             if self._stale(entry, param, dtype):
-                src = self._source(param, rows)
                 if entry[1] is None or entry[1].dtype != dtype:
-                    entry[1] = host_empty(src.shape, dtype, self._pin, "working copies")
-                    entry[2] = None
-                if entry[2] is not None:
-                    wait_for_uploads([entry[2]])
+                    entry[1] = host_empty(param.shape, dtype, self._pin, "working copies", exact=True)
+                    entry[2].clear()
+                wait_for_uploads(entry[2])
+                entry[2].clear()
                 with torch.no_grad():
-                    entry[1].copy_(src)
+                    entry[1].copy_(param.detach())
                 entry[0] = param._version
-            yield entry
+            yield entry if rows is None else [entry[0], entry[1][rows[0]:rows[1]], entry[2], entry[3]]
 
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:
-        """An upload from entry's copy was issued on `stream`; `event` marks its end."""
-        entry[2] = upload_mark(event, stream)
+        """An upload from entry's copy was issued on `stream`; `event` marks its end (it replaces
+        the stream's older mark: a stream runs its copies in issue order)."""
+        entry[2][:] = [m for m in entry[2] if m[1] is not stream] + [upload_mark(event, stream)]
 
     def refresh_many(self, params, dtype) -> None:
         """Rewrite the copies of the given (whole) parameters that changed, with one wait and one
         copy call for all of them (the optimizer thread calls this after stepping a chunk)."""
-        entries = [(p, self._entry(p, None)) for p in params]
+        entries = [(p, self._entry(p)) for p in params]
         stale = [(p, e) for p, e in entries if e[1] is not None and self._stale(e, p, dtype)]
         if not stale:     # (a copy never made yet is made by its first upload)
             return
@@ -99,14 +100,18 @@ class HostWeights:
         for lock in locks:
             lock.acquire()
         try:
-            wait_for_uploads([e[2] for _, e in stale if e[2] is not None])
+            wait_for_uploads([m for _, e in stale for m in e[2]])
             with torch.no_grad():
                 torch._foreach_copy_([e[1] for _, e in stale], [p.detach() for p, _ in stale])
             for p, e in stale:
                 e[0] = p._version
+                e[2].clear()
         finally:
             for lock in locks:
                 lock.release()
+
+    def nbytes(self) -> int:
+        return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None)
 
 
 class DelayedWeights:
@@ -119,23 +124,37 @@ class DelayedWeights:
     k + 2 reads, never the copy step k + 1 is reading. So every step sees one consistent set of
     parameters whatever the timing, and results are deterministic. A copy is rewritten only
     after the uploads from it have completed (their marks).
+
+    Each copy is views of one flat buffer per dtype (frozen parameters, which never change, in
+    a third one that serves both parities): a few allocations rather than one per parameter,
+    each of exactly its size (Note [exact pinned buffers] in runtime/host_buffers.py), and a
+    handful of shared files and registrations in worker processes.
     """
 
     snapshot = True      # CPU devices read these copies too, never the live parameters
 
     def __init__(self, params, dtype, pin: bool):
         self._copies = {}            # id(param) -> [[tensor, [upload marks], lock] for slot 0 and 1]
-        for p in params:
-            src = p.detach()
-            want = working_dtype(p, dtype)
-            slots = []
+        self._flats: list = []       # the flat buffers the copies are views of
+        placed: dict = {}            # (shared, dtype) -> [(param, offset)]
+        sizes: dict = {}             # (shared, dtype) -> elements
+        for p in {id(p): p for p in params}.values():
             # A frozen parameter (a LoRA base) never changes: one copy serves both parities.
-            for _ in range(2 if p.requires_grad else 1):
-                t = host_empty(src.shape, want, pin, "working copies")
-                with torch.no_grad():
-                    t.copy_(src)
-                slots.append([t, [], threading.Lock()])
-            self._copies[id(p)] = slots * (1 if p.requires_grad else 2)
+            group = (not p.requires_grad, working_dtype(p, dtype))
+            placed.setdefault(group, []).append((p, sizes.get(group, 0)))
+            sizes[group] = sizes.get(group, 0) + p.numel()
+        for (shared, want), members in placed.items():
+            views = []
+            for _ in range(1 if shared else 2):
+                flat = host_empty((sizes[(shared, want)],), want, pin, "working copies", exact=True)
+                self._flats.append(flat)
+                views.append([flat[off:off + p.numel()].view(p.shape) for p, off in members])
+            with torch.no_grad():
+                for copy in views:
+                    torch._foreach_copy_(copy, [p.detach() for p, _ in members])
+            for k, (p, _) in enumerate(members):
+                slots = [[copy[k], [], threading.Lock()] for copy in views]
+                self._copies[id(p)] = slots * 2 if shared else slots
 
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
@@ -161,8 +180,7 @@ class DelayedWeights:
                 s[2].release()
 
     def nbytes(self) -> int:
-        tensors = {id(s[0]): s[0] for slots in self._copies.values() for s in slots}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() * t.element_size() for t in self._flats)
 
 
 class _SlotView:
