@@ -106,20 +106,3 @@ def test_host_bytes_of_delayed_adamw_are_what_the_plan_says(tied, workers):
                        ("gradients in flight (delayed)", "gradients in flight")]:
         assert f"{name} {_fmt_bytes(allocated[kind])}" in line
     assert f"master weights {_fmt_bytes(4 * n)}" in line and f"optimizer state (AdamW assumed) {_fmt_bytes(8 * t)}" in line
-
-
-@pytest.mark.xfail(strict=True, reason="issue #16: delayed mode keeps a second fp32 gradient set (the optimizer "
-                   "reads step t's while step t + 1 writes its own), and a tied weight's head rows a piece of their "
-                   "own; one set needs the jobs to wait for the optimizer before writing their gradients "
-                   "(runtime/job.py, runtime/worker.py)")
-def test_delayed_adamw_needs_at_most_20_bytes_per_parameter():
-    """fp32 master 4 + fp32 gradient 4 + AdamW moments 8 + two bf16 working copies 4."""
-    model = _model(tied=True)
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, dtype=torch.bfloat16,
-                                                   optimizer_mode="delayed"))
-    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    for t in range(2):
-        cm.train_step(**lm_batch(batch=4, seq=16, vocab=VOCAB, seed=t))
-    cm.synchronize()
-    hm = cm.plan.host_memory
-    assert (hm.total - hm.activations) / hm.num_params <= 20
