@@ -40,6 +40,27 @@ def use_order(plan) -> list:
     return order
 
 
+def host_indices(plan) -> list:
+    """Parameter indices in the order their gradients lie in the plan's host gradient buffer
+    (GradLayout), then the rest in captured order: the order the flat masters and working
+    copies take, so a run contiguous in one is contiguous in the others (Note [flat host
+    optimizer] in runtime/flat.py)."""
+    layout, params = plan.host_memory.grad_layout, plan.captured.params
+    order, seen = [], set()
+    for s in sorted(layout.keys, key=lambda s: layout.stages[s][0]):
+        for key, _, _ in layout.keys[s]:
+            i = param_index(key)
+            if i not in seen and (not isinstance(key, tuple) or i in layout.whole_rows):
+                seen.add(i)
+                order.append(i)
+    return order + [i for i in range(len(params)) if i not in seen]
+
+
+def host_order(plan) -> list:
+    """The parameters in host_indices order."""
+    return [plan.captured.params[i] for i in host_indices(plan)]
+
+
 def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
     """Host gradient per parameter index from {job: {key: host view}}, summed over the jobs (a
     job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
@@ -98,18 +119,19 @@ class OverlappedMode:
         self.optimizer = optimizer
 
     def start(self, runner, plan, micro):
+        self.optimizer.flatten(host_order(plan))
         # one set of host gradients: Note [host gradient buffers]
         return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready,
                                grad_set=0)
 
-    def _submission(self, plan, step):
+    def _submission(self, plan, step, order_of=use_order):
         """(parameter indices in use order, grads()) of a finished step. The optimizer thread
         waits for the gradients' downloads, not train_step: the next step's jobs start while
         the last job's gradients still come down. It holds the gradients only, never the step
         (whose activations are freed for the next step)."""
         params, job_grads, row_sums = plan.captured.params, step.param_grads, step.grads.row_sums
         have = grad_indices(job_grads)
-        order = [i for i in use_order(plan) if i in have]
+        order = [i for i in order_of(plan) if i in have]
 
         def grads():
             totals = sum_param_grads(job_grads, row_sums)
@@ -138,7 +160,9 @@ class DelayedMode(OverlappedMode):
         params = plan.captured.params
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
-            self.copies = DelayedWeights(params, runner.working_dtype(plan), pin=runner.host_placement)
+            order = host_order(plan)
+            self.optimizer.flatten(order)
+            self.copies = DelayedWeights(order, runner.working_dtype(plan), pin=runner.host_placement)
         return self.copies
 
     def start(self, runner, plan, micro):
@@ -155,7 +179,8 @@ class DelayedMode(OverlappedMode):
         return step
 
     def finish(self, runner, plan, step):
-        order, grads = self._submission(plan, step)
+        # one submission, in the order of the flat buffers (Note [flat host optimizer])
+        order, grads = self._submission(plan, step, host_indices)
         params = plan.captured.params
         have = set(order)
         slot = self.steps % 2

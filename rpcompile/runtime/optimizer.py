@@ -25,11 +25,15 @@ import weakref
 
 import torch
 
+from .flat import FlatMasters, FlatStepper
+
 
 class OverlappedOptimizer:
     def __init__(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32):
         self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
         self.chunks = chunks
+        self.masters = FlatMasters()            # Note [flat host optimizer] (runtime/flat.py)
+        self.stepper = FlatStepper(optimizer, self.masters)
         self._ready: dict = {}                  # id(param) -> threading.Event
         self._queue: queue.Queue = queue.Queue()
         self._completed = 0                     # submissions stepped (or failed)
@@ -40,6 +44,13 @@ class OverlappedOptimizer:
         self._thread.start()
         # Ended and joined at exit while the interpreter is whole (see executor._stop).
         weakref.finalize(self, _stop_thread, self._queue, self._thread)
+
+    def flatten(self, params) -> None:
+        """Move the trainable host parameters, in this order, into flat buffers (Note [flat host
+        optimizer]); the caller's thread, with no submission in flight."""
+        if not self.masters.covers([p for p in params if p.requires_grad]):
+            self.synchronize()
+            self.masters.flatten(params)
 
     def _event(self, p):
         ev = self._ready.get(id(p))
@@ -126,11 +137,7 @@ class OverlappedOptimizer:
         for start in range(0, len(params), size):
             chunk = params[start:start + size]
             a = time.perf_counter()
-            for p, g in zip(chunk, grads[start:start + size]):
-                p.grad = g
-            self.optimizer.step()
-            for p in chunk:
-                p.grad = None
+            self.stepper.step(chunk, grads[start:start + size])
             b = time.perf_counter()
             if refresh is not None:
                 refresh(chunk)

@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from .flat import merge_adjacent
 from .host_buffers import host_empty
 
 _marks = itertools.count()
@@ -172,7 +173,8 @@ class DelayedWeights:
         try:
             wait_for_uploads([m for s in slots for m in s[1]])
             with torch.no_grad():
-                torch._foreach_copy_([s[0] for s in slots], [p.detach() for p in params])
+                # one copy per run of parameters adjacent in both (Note [flat host optimizer])
+                torch._foreach_copy_(*merge_adjacent([s[0] for s in slots], [p.detach() for p in params]))
             for s in slots:
                 s[1].clear()
         finally:
