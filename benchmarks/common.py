@@ -305,6 +305,42 @@ def gpu_peaks(devices) -> dict:
             "peak_gpu_alloc_bytes_per_device": alloc}
 
 
+def process_tree_memory(root: int = None) -> dict:
+    """Host memory of this process and its descendants by kind, from /proc/PID/smaps_rollup:
+    {kind: {"pss_bytes", "rss_bytes", "processes"}}. Pss shares a page among the processes that
+    map it, so the kinds add up to what the tree holds (shared-memory files included once);
+    kinds: main, rpcompile worker, compile worker (Inductor's pool), other. Empty off Linux."""
+    root = os.getpid() if root is None else root
+    children: dict = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out: dict = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                fields = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.split()[-1:] == ["kB"]}
+        except OSError:
+            continue
+        kind = ("main" if pid == root else "rpcompile worker" if "rpcompile.runtime.worker" in cmd
+                else "compile worker" if "compile_worker" in cmd or "_inductor" in cmd else "other")
+        k = out.setdefault(kind, {"pss_bytes": 0, "rss_bytes": 0, "processes": 0})
+        k["pss_bytes"] += fields.get("Pss", 0)
+        k["rss_bytes"] += fields.get("Rss", 0)
+        k["processes"] += 1
+    return out
+
+
 def host_maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from ..common import GiB, Trainer, adamw_kwargs, build_model, count_params
+from ..common import GiB, Trainer, adamw_kwargs, build_model, count_params, process_tree_memory
 
 
 def _on(options: dict, key: str) -> bool:
@@ -136,6 +136,7 @@ class RPCompileTrainer(Trainer):
                        # gradients come down once per backward/fused stage job (same dtype assumed)
                        plan_grad_download_bytes_per_step_est=int(sum(r["param_bytes"] for r in rows
                                                                       if r["kind"] in ("bwd", "fused"))))
+        out["host_memory_by_process"] = process_tree_memory()   # at the end: the steady state
         opt = self.cm.runner.overlapped
         if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
             out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}
