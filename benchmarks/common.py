@@ -305,11 +305,29 @@ def gpu_peaks(devices) -> dict:
             "peak_gpu_alloc_bytes_per_device": alloc}
 
 
+def _smaps_pss(pid: int) -> dict:
+    """Pss bytes of a process by what is mapped: shared memory (/dev/shm files), anonymous (heap,
+    malloc arenas, pinned host blocks), files (libraries, CUDA's), other."""
+    out = {"shared memory": 0, "anonymous": 0, "files": 0, "other": 0}
+    what = "other"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if not head.endswith(":"):              # a mapping's first line: address range ... [path]
+                parts = line.split(None, 5)
+                path = parts[5].strip() if len(parts) > 5 else ""
+                what = ("shared memory" if path.startswith("/dev/shm") else "anonymous" if path in ("", "[heap]")
+                        else "files" if path.startswith("/") else "other")
+            elif head == "Pss:":
+                out[what] += int(line.split()[1]) * 1024
+    return out
+
+
 def process_tree_memory(root: int = None) -> dict:
-    """Host memory of this process and its descendants by kind, from /proc/PID/smaps_rollup:
-    {kind: {"pss_bytes", "rss_bytes", "processes"}}. Pss shares a page among the processes that
-    map it, so the kinds add up to what the tree holds (shared-memory files included once);
-    kinds: main, rpcompile worker, compile worker (Inductor's pool), other. Empty off Linux."""
+    """Host memory of this process and its descendants by kind, from /proc/PID/smaps:
+    {kind: {"pss_bytes", "rss_bytes", "processes", "pss_by_mapping"}}. Pss shares a page among
+    the processes that map it, so the kinds add up to what the tree holds (shared-memory files
+    once); kinds: main, rpcompile worker, compile worker (Inductor's pool), other. Empty off Linux."""
     root = os.getpid() if root is None else root
     children: dict = {}
     for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -330,14 +348,17 @@ def process_tree_memory(root: int = None) -> dict:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 fields = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.split()[-1:] == ["kB"]}
+            by_mapping = _smaps_pss(pid)
         except OSError:
             continue
         kind = ("main" if pid == root else "rpcompile worker" if "rpcompile.runtime.worker" in cmd
                 else "compile worker" if "compile_worker" in cmd or "_inductor" in cmd else "other")
-        k = out.setdefault(kind, {"pss_bytes": 0, "rss_bytes": 0, "processes": 0})
+        k = out.setdefault(kind, {"pss_bytes": 0, "rss_bytes": 0, "processes": 0, "pss_by_mapping": {}})
         k["pss_bytes"] += fields.get("Pss", 0)
         k["rss_bytes"] += fields.get("Rss", 0)
         k["processes"] += 1
+        for name, b in by_mapping.items():
+            k["pss_by_mapping"][name] = k["pss_by_mapping"].get(name, 0) + b
     return out
 
 
