@@ -33,7 +33,7 @@ GPU_COUNTS = (1, 2, 4)
 DELAYED, ROUNDPIPE = "rpcompile-delayed", "roundpipe"
 # rpcompile in delayed mode with either kind of workers (threads, or one process per GPU); in a
 # run with both, the rows read the faster
-DELAYED_SYSTEMS = (DELAYED, "rpcompile-delayed-proc")
+DELAYED_SYSTEMS = (DELAYED, "rpcompile-delayed-proc", "rpcompile-delayed-threads")
 EXACT_MODES = {"rpcompile": "exact", "rpcompile-overlapped": "overlapped"}
 EXACT_BARS = ((1, "≥", operator.ge), (4, ">", operator.gt))      # no slower on 1 GPU, faster on 4
 

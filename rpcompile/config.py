@@ -53,7 +53,9 @@ class Config:
     workers: "threads" (one worker thread per device, in this process) or "processes" (one
         worker process per device: Note [worker processes] in runtime/worker.py; host buffers
         in shared memory; several GPUs launch their kernels in parallel instead of taking turns
-        under one interpreter lock).
+        under one interpreter lock). None (the default): processes on two or more GPUs (4x H200,
+        Qwen3-1.7B, delayed mode, one run: 97,279 tokens/s against 79,821 with threads), threads
+        on one GPU, on CPU devices and with peer_transfers.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -73,7 +75,7 @@ class Config:
     inductor_options: Optional[dict] = None
     unbatched_inputs: Sequence = ()
     dynamic_lengths: bool = True
-    workers: str = "threads"
+    workers: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -102,6 +104,9 @@ class Config:
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"Config.inductor_options={self.inductor_options!r}: give a dict of Inductor options, "
                              "e.g. {'cpp_wrapper': True}")
+        if self.workers is None:
+            multi_gpu = self.on_gpu and len(self.devices) > 1
+            self.workers = "processes" if multi_gpu and not self.peer_transfers else "threads"
         if self.workers not in ("threads", "processes"):
             raise ValueError(f"Config.workers={self.workers!r}: use 'threads' or 'processes'")
         if self.workers == "processes" and self.peer_transfers:

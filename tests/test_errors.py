@@ -44,6 +44,20 @@ def test_config_errors():
         rpcompile.Config(memory_budget="lots")
 
 
+def test_default_workers(monkeypatch):
+    """Worker processes on two or more GPUs, threads otherwise (Config.workers=None)."""
+    assert rpcompile.Config(devices=["cpu", "cpu"]).workers == "threads"
+    assert rpcompile.Config(devices=["cpu", "cpu"], workers="processes").workers == "processes"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rpcompile.Config(devices=["cuda:0", "cuda:1"]).workers == "processes"
+    assert rpcompile.Config(devices=["cuda:0"]).workers == "threads"
+    assert rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True).workers == "threads"
+    assert rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads").workers == "threads"
+    with pytest.raises(ValueError, match="needs workers='threads'"):
+        rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="processes", peer_transfers=True)
+
+
 def test_impossible_memory_budget_says_what_fits():
     model = qwen3()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=1000))

@@ -45,6 +45,9 @@ SYSTEMS = {
     "rpcompile-delayed-proc": _rpcompile("rpcompile-delayed-proc",
                                          "rpcompile, Config(optimizer_mode='delayed', workers='processes') + "
                                          "cm.attach_optimizer(AdamW)", rpcompile_delayed="1", rpcompile_processes="1"),
+    "rpcompile-delayed-threads": _rpcompile("rpcompile-delayed-threads",
+                                            "rpcompile, Config(optimizer_mode='delayed', workers='threads') + "
+                                            "cm.attach_optimizer(AdamW)", rpcompile_delayed="1", rpcompile_threads="1"),
     "rpcompile-p2p": _rpcompile("rpcompile-p2p", "rpcompile, Config(peer_transfers=True)", rpcompile_peer="1"),
     "rpcompile-overlapped-p2p": _rpcompile("rpcompile-overlapped-p2p",
                                            "rpcompile, Config(optimizer_mode='overlapped', peer_transfers=True)",

@@ -14,6 +14,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
                           default asynchronous step); system "rpcompile-delayed"
   rpcompile_peer=1        Config(peer_transfers=True): boundary activations go device to device
                           where peer access exists; system "rpcompile-p2p"
+  rpcompile_threads=1     Config(workers="threads"): one worker thread per device (the default on one
+                          GPU; on several, processes are)
   rpcompile_processes=1   Config(workers="processes"): one worker process per device; system
                           "rpcompile-delayed-proc" (with rpcompile_delayed=1)
   rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
@@ -61,6 +63,9 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no workers field")
         kwargs["workers"] = "processes"
         notes.append("Config(workers='processes'): one worker process per device")
+    if _on(spec.options, "rpcompile_threads"):
+        kwargs["workers"] = "threads"
+        notes.append("Config(workers='threads'): one worker thread per device")
     if spec.options.get("rpcompile_worker_switch_ms"):
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
