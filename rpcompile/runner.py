@@ -146,13 +146,13 @@ class GraphRunner:
             return loss_weights
         return self._row_weights(plan, micro)
 
-    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, grad_set=None) -> StepState:
+    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, shared_grads=True) -> StepState:
         """The state of one step; host_weights: where its weights are read (delayed mode's
         copies), else the live parameters through the runner's pinned copies; gate(p) waits
         for p's pending optimizer step, ready(p) says whether it has none (overlapped mode;
         a call in delayed mode reads the live parameters, so it waits for them too);
-        grad_set: which set of host gradient buffers it downloads into (None: a set of its
-        own, Note [host gradient buffers])."""
+        shared_grads: download into the host gradient buffer kept across steps (False: a set
+        of its own, Note [host gradient buffers])."""
         cap = plan.captured
         dtype = self.working_dtype(plan)
         rng_base = 0
@@ -161,11 +161,11 @@ class GraphRunner:
         if host_weights is None and gate is None and self.overlapped is not None:
             gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
         layout = plan.host_memory.grad_layout
-        if grad_set is not None and self.overlapped is not None and self.host_grads.switches(layout, grad_set):
+        if shared_grads and self.overlapped is not None and self.host_grads.switches(layout):
             # the plans share their gradient buffers (runtime/grads.py): another plan's step last
             # wrote this one, and the optimizer may still read its gradients
             self.overlapped.synchronize()
-        grads = self.host_grads.fresh(layout) if grad_set is None else self.host_grads.set_for(layout, grad_set)
+        grads = self.host_grads.set_for(layout) if shared_grads else self.host_grads.fresh(layout)
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
@@ -187,8 +187,7 @@ class GraphRunner:
         for entry in self.host_weights._copies.values():
             add("working copies", entry[1])
         grads = self.host_grads
-        for kind, t in zip(grads.KINDS, grads._flats):
-            add(kind, t)
+        add("gradients", grads.flat)
         for t in grads._sums.values():
             add("gradients", t)
         return out
@@ -266,7 +265,7 @@ class GraphRunner:
     def call_forward(self, plan, leaves, keep_for_backward: bool):
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
-        step = self.new_step(plan, micro)
+        step = self.new_step(plan, micro, shared_grads=False)   # autograd may keep what it is handed
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
         self.run_jobs(plan, step, jobs)
         outputs = []

@@ -72,25 +72,35 @@ def _eager_plain(model, batches, lr):
     return losses
 
 
-def test_delayed_mode_does_not_wait_for_the_optimizer():
-    """A slow optimizer: the next step starts at once (it reads the copies of two steps ago)."""
+def test_delayed_mode_does_not_wait_for_the_optimizer_step():
+    """A held optimizer: the next step starts at once (it reads the copies of two steps ago) and
+    runs until its backward jobs would write the gradient pieces the held submission still
+    reads (Note [one gradient set]); they go on as the optimizer gives them back."""
     import threading
     model = qwen3()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
                                                    optimizer_mode="delayed"))
     release = threading.Event()
+    held = threading.Event()
 
     class HeldSGD(torch.optim.SGD):
         def step(self, closure=None):
+            held.set()
             release.wait(30)
             return super().step(closure)
 
     cm.attach_optimizer(HeldSGD(model.parameters(), lr=0.1))
     before = [p.detach().clone() for p in model.parameters()]
     cm.train_step(**lm_batch(seed=0))
-    cm.train_step(**lm_batch(seed=1))      # would block forever in overlapped mode
+    assert held.wait(10)
+    second = threading.Thread(target=cm.train_step, kwargs=lm_batch(seed=1))
+    second.start()                         # would not start in overlapped mode
+    second.join(1.0)
+    assert second.is_alive(), "step 1 wrote a gradient piece the optimizer still reads"
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the optimizer is still held"
     release.set()
+    second.join(30)
+    assert not second.is_alive()
     cm.train_step(**lm_batch(seed=2))      # waits for optimizer step 0 only
     cm.synchronize()
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -53,8 +53,7 @@ def test_warm_steps_allocate_no_host_buffers_and_the_plan_says_what_is_allocated
 
     planned = cm.plan.host_memory
     allocated, _ = _counted_since(start)
-    assert allocated["gradients"] + allocated["gradients in flight"] == planned.grads + planned.grads_in_flight
-    assert allocated["gradients in flight"] == planned.grads_in_flight
+    assert allocated["gradients"] == planned.grads and "gradients in flight" not in allocated
     assert allocated["working copies"] == planned.working_copies
     # CPU devices hand activations on as they are (no host copy); a GPU downloads them
     assert allocated["activations"] == 0 < planned.activations

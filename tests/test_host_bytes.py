@@ -88,13 +88,13 @@ def test_host_bytes_of_delayed_adamw_are_what_the_plan_says(tied, workers):
     own = {ptr: b for ptr, b in _host_tensors(cm).items() if ptr not in theirs}
     allocated = cm.host_buffer_bytes()
     # the bytes the plan states are allocated: the working copies (two bf16 copies of trainable
-    # parameters, one of frozen ones) and the two gradient sets, nothing rounded up
-    assert allocated == {"working copies": planned.working_copies, "gradients": planned.grads,
-                         "gradients in flight": planned.grads_in_flight}
+    # parameters, one of frozen ones) and the one gradient set (Note [one gradient set]), nothing
+    # rounded up
+    assert allocated == {"working copies": planned.working_copies, "gradients": planned.grads}
     t = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert planned.working_copies == 2 * (2 * t + (n - t))
     # and they are all the compiled model holds (beyond a step's inputs and a few scalars)
-    planned_own = planned.working_copies + planned.grads + planned.grads_in_flight
+    planned_own = planned.working_copies + planned.grads
     assert planned_own <= sum(own.values()) <= planned_own + 4096, sorted(own.values())[-8:]
     assert sum(own.values()) / n <= planned.total / n
     # the user's: masters and AdamW's two moments (and its step counters)
@@ -102,7 +102,6 @@ def test_host_bytes_of_delayed_adamw_are_what_the_plan_says(tied, workers):
     # print(cm.plan) shows them
     line = next(s for s in str(cm.plan).splitlines() if s.startswith("host memory"))
     assert f"({planned.total / n:.1f} B/param)" in line
-    for name, kind in [("working copies for upload", "working copies"), ("gradients", "gradients"),
-                       ("gradients in flight (delayed)", "gradients in flight")]:
+    for name, kind in [("working copies for upload", "working copies"), ("gradients", "gradients")]:
         assert f"{name} {_fmt_bytes(allocated[kind])}" in line
     assert f"master weights {_fmt_bytes(4 * n)}" in line and f"optimizer state (AdamW assumed) {_fmt_bytes(8 * t)}" in line

@@ -5,8 +5,8 @@ Per parameter: the master (the user's tensor), the optimizer's state (AdamW: two
 moments; the optimizer is not known at compile time, so AdamW is assumed and said), the
 working copies the devices upload from (pinned, in the compute dtype, on GPUs; two of them in
 delayed mode), and the host gradient buffers (GradLayout: each backward job's gradients in one
-flat fp32 piece; a second set in delayed mode, where the optimizer reads step t's gradients
-while step t + 1 writes its own). In exact mode `param.grad` is the user's tensor besides. Per
+flat fp32 piece; one set in every mode, Note [one gradient set] in runtime/grads.py). In
+exact mode `param.grad` is the user's tensor besides. Per
 step: the activations and checkpoints the jobs hand on through the host, per microbatch times
 the microbatches.
 """
@@ -120,7 +120,6 @@ class HostMemory:
     grads: int                 # one set of host gradient buffers (GradLayout)
     optimizer_state: int
     working_copies: int
-    grads_in_flight: int       # delayed mode: the second set
     activations: int
     num_params: int
     param_grads: int = 0       # exact mode: `param.grad`, which the user holds
@@ -129,14 +128,13 @@ class HostMemory:
     @property
     def total(self) -> int:
         return (self.masters + self.param_grads + self.grads + self.optimizer_state + self.working_copies
-                + self.grads_in_flight + self.activations)
+                + self.activations)
 
     def rows(self) -> list:
         return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
                 ("gradients", self.grads),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
-                ("gradients in flight (delayed)", self.grads_in_flight),
                 ("activations and checkpoints per step", self.activations)]
 
     def summary(self) -> str:
@@ -160,8 +158,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     layout = grad_layout(plan)
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
-    in_flight = layout.nbytes(2) - layout.nbytes(1) if optimizer_mode == "delayed" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in st.handed_on)
-    return HostMemory(masters, layout.nbytes(1), state, copies, in_flight, int(per_micro) * plan.num_microbatches,
+    return HostMemory(masters, layout.nbytes(1), state, copies, int(per_micro) * plan.num_microbatches,
                       sum(p.numel() for p in params), param_grads=param_grads, grad_layout=layout)

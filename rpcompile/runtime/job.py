@@ -63,6 +63,7 @@ class StepState:
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
     first_upload: Any = None                           # (device, future): the first job's weights, sent before the step
+    grad_need: int = 0                                 # optimizer submissions done with a gradient piece before it is written
     buffer_index: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -298,9 +299,18 @@ class JobContext:
         if gate is not None:
             for key in self.stage.grad_params:
                 gate(params[param_index(key)])
+        if self.dev.is_cpu:
+            self._wait_piece_free()
         grads = self.step.grads
         self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index))
         self.grad_acc = grads.views(self.stage.index, self.grad_flat)
+
+    def _wait_piece_free(self):
+        """Before this job writes its piece of the host gradient buffer: the optimizer
+        submissions before this step are done with it (Note [one gradient set])."""
+        if self.step.grad_need:
+            self.span("host", "wait_grad_piece",
+                      lambda: self.step.grads.wait_free(self.stage.index, self.step.grad_need))
 
     def finish(self):
         """End of the job: gradients and updated buffers go to the host."""
@@ -310,6 +320,8 @@ class JobContext:
         if self.grad_got:
             grads = self.step.grads
             piece = grads.piece(self.stage.index)
+            if not self.dev.is_cpu:
+                self._wait_piece_free()
             down = self.span("out", "download_grads", lambda: self.dev.download_into(self.grad_flat, piece),
                              bytes=piece.numel() * piece.element_size())
             views = grads.host_views(self.stage.index)

@@ -4,8 +4,10 @@ what happens to its gradients when its jobs have ended.
 - ExactMode: gradients are added into `param.grad`; the user steps the optimizer.
 - OverlappedMode: the attached optimizer steps in a host thread (Note [overlapped optimizer]);
   the next step's jobs wait only for the parameters they read. Results equal exact mode.
-- DelayedMode: the next step does not wait at all (Note [delayed optimizer]): step t reads the
-  copies optimizer step t - 2 wrote, one step of delay as RoundPipe's asynchronous step.
+- DelayedMode: the next step does not wait for the optimizer step (Note [delayed optimizer]):
+  step t reads the copies optimizer step t - 2 wrote, one step of delay as RoundPipe's
+  asynchronous step; its backward jobs write a gradient piece once the optimizer has read it
+  (Note [one gradient set] in runtime/grads.py).
 
 The runner calls `mode.start(runner, plan, micro)` for a step's state and, once its jobs have
 ended, `mode.finish(runner, plan, step)`.
@@ -56,6 +58,26 @@ def host_indices(plan) -> list:
     return order + [i for i in range(len(params)) if i not in seen]
 
 
+def piece_chunks(layout, order: list) -> tuple:
+    """(chunk lengths, stage pieces per chunk) of parameter indices `order` (host_indices
+    order): a chunk per piece of the gradient buffer, in its order, holding the parameters
+    whose gradient lies there (none for a piece of row gradients only), and a last chunk of
+    those whose gradient is a buffer of its own (row sums)."""
+    piece_of = {}
+    for s in layout.keys:
+        for key, _, _ in layout.keys[s]:
+            i = param_index(key)
+            if i not in piece_of and (not isinstance(key, tuple) or i in layout.whole_rows):
+                piece_of[i] = s
+    stages = sorted(layout.keys, key=lambda s: layout.stages[s][0])
+    counts = {s: 0 for s in stages}
+    for i in order:
+        if i in piece_of:
+            counts[piece_of[i]] += 1
+    lengths = [counts[s] for s in stages] + [sum(1 for i in order if i not in piece_of)]
+    return lengths, [[s] for s in stages] + [[]]
+
+
 def host_order(plan) -> list:
     """The parameters in host_indices order."""
     return [plan.captured.params[i] for i in host_indices(plan)]
@@ -102,7 +124,7 @@ class ExactMode:
     optimizer = None
 
     def start(self, runner, plan, micro):
-        return runner.new_step(plan, micro, grad_set=0)
+        return runner.new_step(plan, micro)
 
     def finish(self, runner, plan, step):
         with torch.no_grad():
@@ -121,8 +143,7 @@ class OverlappedMode:
     def start(self, runner, plan, micro):
         self.optimizer.flatten(host_order(plan))
         # one set of host gradients: Note [host gradient buffers]
-        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready,
-                               grad_set=0)
+        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
 
     def _submission(self, plan, step, order_of=use_order):
         """(parameter indices in use order, grads()) of a finished step. The optimizer thread
@@ -169,7 +190,9 @@ class DelayedMode(OverlappedMode):
         t = self.steps
         pending, self.next_upload = self.next_upload, None
         self.optimizer.wait_completed(t - 1)
-        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2), grad_set=t % 2)
+        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
+        # Note [one gradient set]: a job writes its piece once every earlier submission is done with it
+        step.grad_need = step.grads.submitted
         if pending is not None:   # the upload finish() started, if it is for this step's first job
             was_plan, dev, key = pending
             future = dev.prefetched.pop(key, None)
@@ -179,16 +202,25 @@ class DelayedMode(OverlappedMode):
         return step
 
     def finish(self, runner, plan, step):
-        # one submission, in the order of the flat buffers (Note [flat host optimizer])
+        # one submission, in the order of the flat buffers (Note [flat host optimizer]), a chunk
+        # per piece of the gradient buffer, each piece given back once stepped (Note [one
+        # gradient set])
         order, grads = self._submission(plan, step, host_indices)
         params = plan.captured.params
         have = set(order)
         slot = self.steps % 2
-        copies = self.copies
+        copies, gs = self.copies, step.grads
+        gs.submitted += 1
+        count = gs.submitted
+        lengths, pieces = piece_chunks(plan.host_memory.grad_layout, order)
+        releases = iter(pieces)
+
+        def refresh(ps):
+            copies.write_many(ps, slot)
+            gs.release(next(releases, ()), count)
         others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
-        # nothing waits for single parameters: one optimizer step, not chunks
-        self.optimizer.submit([params[i] for i in order], grads, lambda ps: copies.write_many(ps, slot), others,
-                              chunks=1)
+        self.optimizer.submit([params[i] for i in order], grads, refresh, others, chunks=lengths,
+                              on_done=lambda: gs.release(range(len(gs.consumed)), count))
         self.steps += 1
         self._upload_first_job(runner, plan, self.steps)
 

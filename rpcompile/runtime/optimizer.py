@@ -69,15 +69,17 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, params: list, grads, refresh=None, others=(), chunks=None):
+    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None):
         """Step `params` (in use order) with `grads()`, a callable run in this thread that
         returns their gradients (a list aligned with params, in their dtypes). refresh(list of
-        params) after each chunk is stepped, and for `others` (parameters without a gradient).
-        chunks: how many optimizer steps the parameters are cut into (default: self.chunks)."""
+        params) after each chunk is stepped (an empty chunk too), and for `others` (parameters
+        without a gradient). chunks: how many optimizer steps the parameters are cut into
+        (default: self.chunks), or the list of their lengths. on_done(): after the submission,
+        whether it succeeded or failed."""
         self.raise_if_failed()
         for p in params:
             self._event(p).clear()
-        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks))
+        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done))
 
     def wait_completed(self, count: int, raise_errors: bool = True):
         """Block until at least `count` submissions have been stepped (and raise a failure of
@@ -111,7 +113,7 @@ class OverlappedOptimizer:
                 self._completed_cond.notify_all()
             self._queue.task_done()
 
-    def _run(self, params, grads, refresh, others, chunks):
+    def _run(self, params, grads, refresh, others, chunks, on_done):
         try:
             self._step(params, grads, refresh, chunks)
             if refresh is not None and others:
@@ -121,6 +123,8 @@ class OverlappedOptimizer:
         finally:
             for p in params:
                 self._event(p).set()
+            if on_done is not None:
+                on_done()
 
     def _step(self, params, grads, refresh, chunks):
         t0 = time.perf_counter()
@@ -133,11 +137,16 @@ class OverlappedOptimizer:
                 torch._foreach_mul_(grads, scale)
         t2 = time.perf_counter()
         step_s = refresh_s = 0.0
-        size = max(1, -(-len(params) // max(1, chunks)))
-        for start in range(0, len(params), size):
-            chunk = params[start:start + size]
+        if isinstance(chunks, int):
+            size = max(1, -(-len(params) // max(1, chunks)))
+            chunks = [min(size, len(params) - start) for start in range(0, len(params), size)]
+        start = 0
+        for n in chunks:
+            chunk, chunk_grads = params[start:start + n], grads[start:start + n]
+            start += n
             a = time.perf_counter()
-            self.stepper.step(chunk, grads[start:start + size])
+            if chunk:
+                self.stepper.step(chunk, chunk_grads)
             b = time.perf_counter()
             if refresh is not None:
                 refresh(chunk)

@@ -237,7 +237,7 @@ class ProcessExecutor:
         if known is not None and known[1] is grads:
             return known[0]
         key = next(self._ids)
-        self._to_all(("grads", key, grads.layout, self.memory.ref(grads.flat())))
+        self._to_all(("grads", key, grads.layout, self.memory.ref(grads.flat()), self.memory.ref(grads.consumed)))
         self._grad_sets[id(grads)] = (key, grads)
         return key
 
@@ -263,7 +263,7 @@ class ProcessExecutor:
             weakref.finalize(step, self.hub.step_gone, record)
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
                         micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
-                        dtype=step.dtype, buffers=list(step.buffers))
+                        dtype=step.dtype, buffers=list(step.buffers), grad_need=step.grad_need)
         if step.first_upload is not None:   # asked for as the last step ended (delayed mode)
             dev, future = step.first_upload
             step.first_upload = None

@@ -167,6 +167,8 @@ class DelayedWeights:
     def write_many(self, params, slot: int) -> None:
         """Copy the given parameters (just stepped) into copy `slot`, once the uploads from
         those copies have completed: one wait per stream and one copy call for all."""
+        if not params:
+            return
         slots = [self._copies[id(p)][slot] for p in params]
         for s in slots:
             s[2].acquire()

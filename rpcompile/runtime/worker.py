@@ -380,8 +380,8 @@ class Worker:
         elif kind == "table":
             self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
         elif kind == "grads":
-            _, key, layout, ref = msg
-            gs = GradSet(layout, False, {}, "gradients")
+            _, key, layout, ref, consumed = msg
+            gs = GradSet(layout, False, {}, "gradients", consumed=self.memory.tensor(consumed))
             gs._flat = self.memory.tensor(ref)
             self.grad_sets[key] = gs
         elif kind == "prefetch":       # the next step's first job's weights (delayed mode)
@@ -422,6 +422,7 @@ class Worker:
                 micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
                 step = WorkerStep(self, step_id, plan=plan, params=weights, buffers=desc["buffers"], micro=micro,
                                   rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets[desc["grads"]],
+                                  grad_need=desc["grad_need"],
                                   host_weights=_Snapshot(), param_index=plan.param_index,
                                   buffer_index=plan.buffer_index)
                 self.steps[step_id] = step
