@@ -24,6 +24,20 @@ def _grads(params, step):
     return out
 
 
+def _step_both(stepper, params, ref_opt, ref_params, steps):
+    """Step the flat stepper and the reference optimizer with the same gradients; parameters
+    equal after each step."""
+    for step in steps:
+        grads = _grads(params, step)
+        stepper.step(params, grads)
+        for p, g in zip(ref_params, grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        for p, r in zip(params, ref_params):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
 OPTIMIZERS = {
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
     "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
@@ -43,15 +57,7 @@ def test_runs_step_as_the_users_optimizer(name):
     assert len(masters.buffers) == 1 and params[1].data_ptr() == params[0].data_ptr() + 4 * params[0].numel()
     stepper = FlatStepper(opt, masters)
     stepper.PIECE = 100          # a first step in slices, each slice's state moved before the next
-    for step in range(4):
-        grads = _grads(params, step)
-        stepper.step(params, grads)
-        for p, g in zip(ref_params, grads):
-            p.grad = g.clone()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for p, r in zip(params, ref_params):
-            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    _step_both(stepper, params, ref_opt, ref_params, range(4))
     # the first step went per parameter; the next ones as one run
     assert len(stepper._twins) == 1
     # the user's state and state_dict are the optimizer's own
@@ -104,16 +110,8 @@ def test_other_optimizers_step_per_parameter():
     masters = FlatMasters()
     masters.flatten(params)
     stepper = FlatStepper(opt, masters)
-    for step in range(2):
-        grads = _grads(params, step)
-        stepper.step(params, grads)
-        for p, g in zip(ref_params, grads):
-            p.grad = g.clone()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
+    _step_both(stepper, params, ref_opt, ref_params, range(2))
     assert not stepper._twins
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
 def test_flatten_keeps_values_and_bumps_versions_when_stepped():
