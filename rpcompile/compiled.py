@@ -144,7 +144,9 @@ class CompiledModel(torch.nn.Module):
                                                chunks=chunks))
 
     def synchronize(self) -> None:
-        """Wait for the overlapped optimizer's pending work (no-op in exact mode)."""
+        """Wait for the last step's jobs (delayed mode returns before its backward jobs end:
+        Note [overlapped steps]) and the overlapped optimizer's pending work (exact mode: none)."""
+        self.runner.settle()
         if self.runner.overlapped is not None:
             self.runner.overlapped.synchronize()
 

@@ -51,6 +51,8 @@ class GraphRunner:
         self.host_weights = HostWeights(pin=self.host_placement)
         self.host_grads = HostGrads(pin=self.host_placement)
         self.last_tracer = None
+        self.recent_tracers: list = []   # the last steps' tracers (recent_traces)
+        self.pending = None              # _PendingStep: a step whose backward jobs may still run
         self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
 
     @property
@@ -61,6 +63,7 @@ class GraphRunner:
     def attach(self, optimizer) -> None:
         """Overlapped and delayed modes: step `optimizer` (an OverlappedOptimizer) after each
         train_step; a newly attached one starts the delay again from the parameters as they are."""
+        self.settle()
         self.mode = mode_for(self.config, optimizer)
 
     # --- programs per device ---------------------------------------------------------------
@@ -207,26 +210,63 @@ class GraphRunner:
     def run_jobs(self, plan, step, jobs):
         """Run [(job index, stage, role), ...] as a chain: its schedule is built first
         (runtime/schedule.py, continuing the rotation), then executed."""
+        self.issue_jobs(plan, step, jobs).wait()
+
+    def issue_jobs(self, plan, step, jobs):
+        """Hand the chain to the devices; the returned run waits for its jobs (or some)."""
         if step.tracer is None:
             # (worker processes trace their own devices: the main process touches no GPU)
             step.tracer = Tracer(self.config.devices if self.config.workers == "threads" else [])
         self.last_tracer = step.tracer
+        self.recent_tracers = (self.recent_tracers + [step.tracer])[-3:]
         schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset)
-        self.executor.run(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
+        return self.executor.issue(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
 
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
+        self.settle()
         return None if self.last_tracer is None else self.last_tracer.spans()
+
+    def recent_traces(self) -> list:
+        """Spans of the last (up to) three steps on one clock (seconds from the first's start),
+        each span with its "step" (0 = the oldest of them): overlapped steps share the devices
+        (Note [overlapped steps]), so a device's busy time is read over them together."""
+        self.settle()
+        if not self.recent_tracers:
+            return []
+        t0 = self.recent_tracers[0]._t0
+        out = []
+        for k, tracer in enumerate(self.recent_tracers):
+            for sp in tracer.spans():
+                sp.update(step=k, start_s=sp["start_s"] + tracer._t0 - t0, end_s=sp["end_s"] + tracer._t0 - t0)
+                out.append(sp)
+        return sorted(out, key=lambda r: (r["start_s"], r["end_s"]))
 
     # --- train step ------------------------------------------------------------------------
     def train_step(self, plan, leaves, grad_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward over all microbatches; gradients added into param.grad."""
+        """Forward and backward over all microbatches; gradients added into param.grad (exact
+        mode) or handed to the attached optimizer. In delayed mode train_step returns once the
+        loss is known, while the step's backward jobs still run (Note [overlapped steps])."""
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro)
         for mbatch, w in zip(micro, weights):
             mbatch.seed = w * grad_scale
+        overlap = self.mode.overlaps(plan)
+        if self.pending is not None and not (overlap and self.pending.plan is plan):
+            self.settle()
         step = self.mode.start(self, plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
+        if overlap:
+            self._overlapped_step(plan, step, jobs)
+        else:
+            self._step(plan, step, jobs)
+        loss_name = plan.graph_outputs[0]
+        for m in micro:
+            m.outputs = resolve(m.outputs)
+        total = sum(w * m.outputs[loss_name].double() for w, m in zip(weights, micro))
+        return total.to(micro[0].outputs[loss_name].dtype)
+
+    def _step(self, plan, step, jobs):
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
@@ -235,25 +275,55 @@ class GraphRunner:
             with torch.no_grad():
                 for i, s in saved.items():
                     plan.captured.buffers[i].copy_(s)
+            self.mode.abandon(step)
             raise
         finally:
-            # A step's activations are dead once its jobs ended: their pinned blocks go back to
-            # the caching host allocator now, for the next step, not when the optimizer is done
-            # with the step's gradients (on 4 GPUs the next step's downloads otherwise waited
-            # 100-300 ms each for fresh pinned memory while the optimizer ran).
-            for m in micro:
-                m.acts.clear()
-                m.grads.clear()
+            _drop_activations(step)
         self.mode.finish(self, plan, step)
-        loss_name = plan.graph_outputs[0]
-        for m in micro:
-            m.outputs = resolve(m.outputs)
-        total = sum(w * m.outputs[loss_name].double() for w, m in zip(weights, micro))
-        return total.to(micro[0].outputs[loss_name].dtype)
+
+    def _overlapped_step(self, plan, step, jobs):
+        """Note [overlapped steps]: issue this step, end the one before (its backward jobs ran
+        beside this step's first jobs), then wait for this step's forward jobs (the loss)."""
+        try:
+            run = self.issue_jobs(plan, step, jobs)
+        except BaseException:
+            self.mode.abandon(step)
+            self.settle()
+            raise
+        try:
+            self.settle()
+        except BaseException:      # the step before failed: this one read weights that assumed it
+            _discard(run)
+            _drop_activations(step)
+            self.mode.abandon(step)
+            raise
+        try:
+            run.wait([k for k, st, role in jobs if role != "bwd"])
+        except BaseException:      # (the run has ended: a failure waits for all its jobs)
+            _drop_activations(step)
+            self.mode.abandon(step)
+            raise
+        self.pending = _PendingStep(plan, step, run)
+
+    def settle(self) -> None:
+        """End the step whose backward jobs may still run (Note [overlapped steps]): wait for
+        them and hand its gradients to the optimizer; raise its failure here."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        try:
+            pending.run.wait()
+        except BaseException:
+            self.mode.abandon(pending.step)
+            raise
+        finally:
+            _drop_activations(pending.step)
+        self.mode.finish(self, pending.plan, pending.step)
 
     # --- differentiable call ---------------------------------------------------------------
     def call(self, plan, leaves) -> list:
         """The graph outputs of a call: through autograd when a gradient can flow, else plain."""
+        self.settle()    # a call reads the parameters as the steps before it left them
         params = plan.captured.params
         tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if torch.is_grad_enabled() and (any(p.requires_grad for p in params)
@@ -318,6 +388,29 @@ class GraphRunner:
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         return sum_param_grads(step.param_grads, step.grads.row_sums), input_grads
+
+
+class _PendingStep:
+    def __init__(self, plan, step, run):
+        self.plan, self.step, self.run = plan, step, run
+
+
+def _drop_activations(step):
+    """A step's activations are dead once its jobs ended: their pinned blocks go back to the
+    caching host allocator now, for the next step, not when the optimizer is done with the
+    step's gradients (on 4 GPUs the next step's downloads otherwise waited 100-300 ms each for
+    fresh pinned memory while the optimizer ran)."""
+    for m in step.micro:
+        m.acts.clear()
+        m.grads.clear()
+
+
+def _discard(run):
+    """Wait for every job of a run whose results are not wanted (its failure included)."""
+    try:
+        run.wait()
+    except Exception:  # noqa: BLE001 - the caller raises the failure that made it unwanted
+        pass
 
 
 class PipelineCall(torch.autograd.Function):

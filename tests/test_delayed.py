@@ -84,29 +84,43 @@ def test_delayed_mode_does_not_wait_for_the_optimizer_step():
     held = threading.Event()
 
     class HeldSGD(torch.optim.SGD):
+        calls = 0
+
         def step(self, closure=None):
-            held.set()
-            release.wait(30)
+            HeldSGD.calls += 1
+            if HeldSGD.calls == 2:   # the first chunk (the loss job's piece) goes through
+                held.set()
+                release.wait(30)
             return super().step(closure)
 
     cm.attach_optimizer(HeldSGD(model.parameters(), lr=0.1))
     before = [p.detach().clone() for p in model.parameters()]
     cm.train_step(**lm_batch(seed=0))
-    assert held.wait(10)
-    second = threading.Thread(target=cm.train_step, kwargs=lm_batch(seed=1))
-    second.start()                         # would not start in overlapped mode
-    second.join(1.0)
-    assert second.is_alive(), "step 1 wrote a gradient piece the optimizer still reads"
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the optimizer is still held"
+    # step 1 runs beside the held optimizer step 0: it returns its loss (its forward jobs read
+    # the copies of two steps ago), while its backward jobs wait for the gradient pieces the
+    # held submission still reads (Note [overlapped steps], Note [one gradient set])
+    loss1 = cm.train_step(**lm_batch(seed=1))
+    assert held.wait(10) and torch.isfinite(loss1)
+    pending = cm.runner.pending
+    assert pending is not None and not all(ev.is_set() for ev in pending.run.finished.values()), \
+        "step 1 wrote a gradient piece the optimizer still reads"
+    third = threading.Thread(target=cm.train_step, kwargs=lm_batch(seed=2))
+    third.start()                          # waits for optimizer step 0 (its weights)
+    third.join(1.0)
+    assert third.is_alive(), "step 2 started before optimizer step 0 wrote its weights"
+    assert any(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "the optimizer is still held"
     release.set()
-    second.join(30)
-    assert not second.is_alive()
-    cm.train_step(**lm_batch(seed=2))      # waits for optimizer step 0 only
+    third.join(30)
+    assert not third.is_alive()
     cm.synchronize()
     assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeypatch):
+@pytest.mark.parametrize("raised_by", ["synchronize", "next step"])
+def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeypatch, raised_by):
+    """A step whose backward fails: train_step returned its loss (Note [overlapped steps]), so
+    the failure comes from the next call, synchronize or train_step (whose own step is then
+    stopped); neither step reaches the optimizer, and training goes on as if they never ran."""
     from rpcompile.runtime.job import JobContext
 
     def run(fail_at=None):
@@ -117,13 +131,21 @@ def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeyp
         losses = []
         for t in range(3):
             if t == fail_at:
-                real = JobContext.accumulate_grads
+                cm.synchronize()    # step t - 1's backward jobs ended: the failure is step t's
+                real, failing = JobContext.accumulate_grads, []
 
                 def faulty(self, grads):
-                    raise RuntimeError("injected")
+                    failing[:] = failing or [self.step]     # the first step to get here: step t
+                    if self.step is failing[0]:
+                        raise RuntimeError("injected")
+                    return real(self, grads)
                 monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
                 with pytest.raises(rpcompile.StageError):
                     cm.train_step(**lm_batch(seed=t))
+                    if raised_by == "synchronize":
+                        cm.synchronize()
+                    else:
+                        cm.train_step(**lm_batch(seed=99))
                 monkeypatch.setattr(JobContext, "accumulate_grads", real)
             losses.append(cm.train_step(**lm_batch(seed=t)))
         cm.synchronize()
@@ -194,11 +216,12 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
     losses = [cm.train_step(**b) for b in batches]
     cm.synchronize()
     assert len(cm.plan.stages) % 2 != 0, "pick a plan whose first job moves between devices"
-    assert [(t, slot) for t, _, slot, _ in uploads] == [(1, 1), (2, 0), (3, 1)]
-    assert firsts[0][1] is None
+    # step t's upload starts as step t - 2 ends, while step t - 1 runs (Note [overlapped steps])
+    assert [(t, slot) for t, _, slot, _ in uploads] == [(2, 0), (3, 1)]
+    assert firsts[0][1] is None and firsts[1][1] is None
     devices = {id(dev) for dev, _ in firsts}
     assert len(devices) > 1
-    for (t, dev, _, future), (first_dev, taken) in zip(uploads, firsts[1:]):
+    for (t, dev, _, future), (first_dev, taken) in zip(uploads, firsts[2:]):
         assert first_dev is dev and taken is future, f"step {t}'s first job did not get its upload"
     ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
     for t, (a, b) in enumerate(zip(losses, ref_losses)):

@@ -65,6 +65,7 @@ class Executor:
         weakref.finalize(self, _stop, list(self.workers), list(self.devices))
         self.offset = 0
         self.last_schedule: Optional[Schedule] = None   # the schedule of the last run
+        self.in_flight = 0                               # runs issued and not yet waited for
 
     def next_device(self) -> DeviceRuntime:
         """The device the next run's first job goes to."""
@@ -73,13 +74,20 @@ class Executor:
     def run(self, step: StepState, schedule: Schedule, programs_for) -> None:
         """Run a schedule (runtime/schedule.py): each action on its worker; raise the first
         failure here, a StageError with the schedule's line, the failing job marked."""
+        self.issue(step, schedule, programs_for).wait()
+
+    def issue(self, step: StepState, schedule: Schedule, programs_for) -> "ThreadRun":
+        """Hand a schedule's actions to the workers and return at once: the ThreadRun waits for
+        them. A worker runs what it is handed in order, so the runs issued one after another
+        (Note [overlapped steps], runtime/modes.py) share each device in the order given."""
         if schedule.num_devices != len(self.workers):
             raise ValueError(f"a schedule for {schedule.num_devices} devices given to an executor of "
                              f"{len(self.workers)}")
         actions = schedule.actions
         step.done_events.update({a.job: [threading.Event() for _ in step.micro] for a in actions})
-        for w in self.workers:
-            w.dev.prefetched.clear()
+        if not self.in_flight:   # weights prefetched for jobs of runs that failed
+            for w in self.workers:
+                w.dev.prefetched.clear()
         if step.first_upload is not None:   # started before the step, for its first job
             dev, future = step.first_upload
             dev.prefetched[(id(step), actions[0].job)] = future
@@ -87,7 +95,7 @@ class Executor:
         # workers waiting on jobs that were never queued.
         programs = [programs_for(schedule.stage(a.job), a.role, self.workers[a.device].dev.device) for a in actions]
         self.last_schedule = schedule
-        finished = []
+        finished = {}
         for a, program in zip(actions, programs):
             worker = self.workers[a.device]
             links = JobLinks(next_on_device=(None if a.next_on_device is None
@@ -97,18 +105,39 @@ class Executor:
             ev = threading.Event()
             worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
                              run_job(step, a.job, a.prev_job, stage, a.role, w.dev, p, links), ev))
-            finished.append(ev)
+            finished[a.job] = ev
         self.offset = schedule.next_offset
-        for ev in finished:
-            ev.wait()
-        err = step.error
-        if isinstance(err, StageError) and err.schedule is None:
-            err = err.with_schedule(schedule.render(failed=err.job))
-        if err is not None:
-            raise err
+        self.in_flight += 1
+        return ThreadRun(self, step, schedule, finished)
 
     @property
     def placements(self) -> list:
         """(job index, stage index, role, device index) of every job of the last run."""
         s = self.last_schedule
         return [] if s is None else [(a.job, a.stage, a.role, a.device) for a in s.actions]
+
+
+class ThreadRun:
+    """A run handed to the worker threads: wait for some of its jobs, or all."""
+
+    def __init__(self, executor, step, schedule, finished: dict):
+        self.executor, self.step, self.schedule, self.finished = executor, step, schedule, finished
+        self.ended = False
+
+    def wait(self, jobs=None) -> None:
+        """Block until `jobs` (default: all) have ended; on a failure, until every job has
+        ended, then raise it (a StageError with the schedule's line, the failing job marked)."""
+        for j in (self.finished if jobs is None else jobs):
+            self.finished[j].wait()
+        step = self.step
+        if self.ended or (jobs is not None and step.error is None):
+            return
+        for ev in self.finished.values():
+            ev.wait()
+        self.ended = True
+        self.executor.in_flight -= 1
+        err = step.error
+        if isinstance(err, StageError) and err.schedule is None:
+            err = err.with_schedule(self.schedule.render(failed=err.job))
+        if err is not None:
+            raise err

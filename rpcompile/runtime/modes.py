@@ -10,7 +10,23 @@ what happens to its gradients when its jobs have ended.
   (Note [one gradient set] in runtime/grads.py).
 
 The runner calls `mode.start(runner, plan, micro)` for a step's state and, once its jobs have
-ended, `mode.finish(runner, plan, step)`.
+ended, `mode.finish(runner, plan, step)` (or `mode.abandon(step)` if it failed).
+
+Note [overlapped steps]: a step's jobs form one chain (forward jobs, the fused loss job, the
+backward jobs), so a step alone keeps N devices busy only in its middle: with J jobs of M
+microbatches each, J*M job-microbatches take J+M-1 slots of N devices (9 jobs, 4 microbatches, 4
+GPUs: 36 of 48 slots, 75% at best). In delayed mode the next step needs nothing from this
+step's backward jobs (it reads the weights of the optimizer step before, and writes a gradient
+piece only once this step's submission is done with it), so `train_step` returns once the loss
+is known and the next call issues its jobs behind the backward jobs still running: each
+device runs its jobs in the order they were issued, and the next step's first jobs fill the
+devices this step's chain has left. The call after that first ends the step before it
+(`GraphRunner.settle`: wait for its backward jobs, hand its gradients to the optimizer), so at
+most one step runs behind the caller. A failure of a step's backward jobs is raised by the
+next call (or `cm.synchronize()`), after the step that call issued has been stopped; neither
+step's gradients reach the optimizer. Whatever reads the parameters (a call, `synchronize`,
+attaching an optimizer, a step of another plan) settles first. Steps whose jobs update buffers
+in place (running statistics) do not overlap: the next step reads those buffers.
 """
 from __future__ import annotations
 
@@ -118,7 +134,17 @@ def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
     return totals
 
 
-class ExactMode:
+class _Mode:
+    def overlaps(self, plan) -> bool:
+        """Whether train_step may return while the step's backward jobs still run (Note
+        [overlapped steps]): only where the next step needs nothing of them."""
+        return False
+
+    def abandon(self, step) -> None:
+        """A step started by start() that will not finish (it, or the step before it, failed)."""
+
+
+class ExactMode(_Mode):
     """Gradients land in `param.grad` (fp32 on the host) when train_step returns."""
 
     optimizer = None
@@ -134,7 +160,7 @@ class ExactMode:
                 p.grad = g.to(p.dtype, copy=True) if p.grad is None else p.grad.add_(_as(g, p.dtype))
 
 
-class OverlappedMode:
+class OverlappedMode(_Mode):
     """The attached optimizer (runtime/optimizer.py) steps each step's gradients in its thread."""
 
     def __init__(self, optimizer):
@@ -172,8 +198,13 @@ class DelayedMode(OverlappedMode):
     def __init__(self, optimizer):
         super().__init__(optimizer)
         self.copies = None            # DelayedWeights, made at the first step
-        self.steps = 0                # train steps since the optimizer was attached
+        self.steps = 0                # train steps finished (submitted) since the optimizer was attached
+        self.started = 0              # train steps started: those and the one still running (if any)
         self.next_upload = None       # (plan, device, key): the next step's first job's weights, going up
+
+    def overlaps(self, plan) -> bool:
+        # running statistics a step updates are read by the next one (and restored on failure)
+        return not plan.mutated_buffers
 
     def _copies(self, runner, plan) -> DelayedWeights:
         """The two copies, made from the parameters as they are when the first step (or a step
@@ -187,24 +218,36 @@ class DelayedMode(OverlappedMode):
         return self.copies
 
     def start(self, runner, plan, micro):
-        t = self.steps
+        t = self.started
         pending, self.next_upload = self.next_upload, None
         self.optimizer.wait_completed(t - 1)
         step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
-        # Note [one gradient set]: a job writes its piece once every earlier submission is done with it
-        step.grad_need = step.grads.submitted
+        # Note [one gradient set]: a job writes its piece once every earlier submission is done
+        # with it, the one of a step still running included (Note [overlapped steps])
+        step.grad_need = step.grads.submitted + (t - self.steps)
         if pending is not None:   # the upload finish() started, if it is for this step's first job
             was_plan, dev, key = pending
             future = dev.prefetched.pop(key, None)
             if (future is not None and was_plan is plan and key == ("next step", t)
                     and dev is runner.executor.next_device()):
                 step.first_upload = (dev, future)
+        self.started += 1
         return step
+
+    def abandon(self, step):
+        # its submission's place in the gradient pieces' counts is given up at once, so a later
+        # step's job waiting for it goes on (after the earlier submissions: the counts only grow)
+        self.optimizer.wait_completed(self.steps, raise_errors=False)
+        gs = step.grads
+        gs.submitted += 1
+        gs.release(range(len(gs.consumed)), gs.submitted)
+        self.started -= 1
 
     def finish(self, runner, plan, step):
         # one submission, in the order of the flat buffers (Note [flat host optimizer]), a chunk
         # per piece of the gradient buffer, each piece given back once stepped (Note [one
         # gradient set])
+        self.optimizer.raise_if_failed()
         order, grads = self._submission(plan, step, host_indices)
         params = plan.captured.params
         have = set(order)
@@ -222,7 +265,7 @@ class DelayedMode(OverlappedMode):
         self.optimizer.submit([params[i] for i in order], grads, refresh, others, chunks=lengths,
                               on_done=lambda: gs.release(range(len(gs.consumed)), count))
         self.steps += 1
-        self._upload_first_job(runner, plan, self.steps)
+        self._upload_first_job(runner, plan, self.started)
 
     def _upload_first_job(self, runner, plan, t):
         """Step t's first job reads copy t % 2, final once optimizer step t - 2 is done, so its
@@ -231,6 +274,8 @@ class DelayedMode(OverlappedMode):
         dev = runner.executor.next_device()
         params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
         opt, key = self.optimizer, ("next step", t)
+        if self.next_upload is not None and self.next_upload[2] == key:
+            return            # asked for already (as the step before this one ended)
         dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
                      before=lambda: opt.wait_completed(t - 1, raise_errors=False))
         self.next_upload = (plan, dev, key)

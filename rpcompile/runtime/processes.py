@@ -247,6 +247,11 @@ class ProcessExecutor:
         caller goes on while the devices compute, as with worker threads); raise the first
         failure here (a StageError with the schedule's line, the failing job marked).
         programs_for is unused: workers build their own programs."""
+        self.issue(step, schedule, programs_for).wait()
+
+    def issue(self, step, schedule: Schedule, programs_for=None) -> "_ProcessRun":
+        """Send a run to the workers and return at once: the _ProcessRun waits for its jobs. A
+        worker runs its jobs in the order the runs came (Note [overlapped steps])."""
         if self.broken is not None:
             raise WorkerDied(self.broken)
         if self.hub is None:
@@ -281,41 +286,14 @@ class ProcessExecutor:
         desc["run"] = run_no
         self.last_schedule = schedule
         self.offset = schedule.next_offset
+        run = _ProcessRun(self, step, schedule, record, run_no)
+        self.hub.runs[(record.step_id, run_no)] = run
         try:
             self._to_all(("run", record.step_id, desc))
         except OSError as exc:     # a worker is gone: its receiver may not have said so yet
+            self.hub.runs.pop((record.step_id, run_no), None)
             raise WorkerDied(self.broken or f"a worker process is gone ({exc}); {RESTART}") from None
-        self._collect(step, schedule, record, run_no)
-
-    def _collect(self, step, schedule, record, run_no):
-        waiting = {a.job for a in schedule.actions}
-        first_error, aborted, updated = None, False, []
-        hub = self.hub
-        landed_run = _RunLanded(hub, [record.landed[(run_no, j)] for j in waiting])
-        while waiting:
-            msg = hub.ended.get()
-            if msg is None:
-                raise WorkerDied(self.broken)
-            _, step_id, run, job, info = msg
-            if step_id != record.step_id or run != run_no:
-                continue          # a run that failed before: its late messages
-            waiting.discard(job)
-            aborted = aborted or info.get("aborted", False)
-            err = self._take(step, schedule, job, info, _Landed(hub, record.landed[(run_no, job)]), landed_run)
-            if err is not None and first_error is None:
-                first_error = err
-            updated.append((job, info["buffers"]))
-        # updated buffers in chain order (the messages of different workers come in any order)
-        position = {a.job: k for k, a in enumerate(schedule.actions)}
-        with torch.no_grad():
-            for _, buffers in sorted(updated, key=lambda u: position[u[0]]):
-                for i, value in buffers.items():
-                    step.buffers[i].copy_(value)
-        if first_error is None and aborted:    # never silently: a stopped job has no results
-            first_error = StageError("stage jobs stopped after another job's failure that no worker reported; "
-                                     "the workers' errors are printed above")
-        if first_error is not None:
-            raise first_error.with_schedule(schedule.render(failed=first_error.job))
+        return run
 
     def _take(self, step, schedule, job, info, job_landed, run_landed):
         """A job's results into the step, as worker threads leave them: gradients and outputs
@@ -338,6 +316,76 @@ class ProcessExecutor:
 
 
 
+class _ProcessRun:
+    """A run sent to the workers: wait for some of its jobs, or all. Only the caller's thread
+    reads the workers' "ended" messages; one for another run still waited for is kept for it
+    (runs overlap: Note [overlapped steps]), one for a run that is over is dropped."""
+
+    def __init__(self, executor, step, schedule, record, run_no):
+        self.executor, self.step, self.schedule = executor, step, schedule
+        self.record, self.run_no = record, run_no
+        self.waiting = {a.job for a in schedule.actions}
+        self.over = False
+        self.inbox: list = []
+        self.first_error, self.aborted, self.updated = None, False, []
+        self.run_landed = _RunLanded(executor.hub, [record.landed[(run_no, j)] for j in self.waiting])
+
+    def wait(self, jobs=None) -> None:
+        """Block until `jobs` (default: all) have ended; on a failure, until every job has
+        ended, then raise it."""
+        if self.over:
+            return
+        hub, key = self.executor.hub, (self.record.step_id, self.run_no)
+        want = None if jobs is None else set(jobs)
+        try:
+            while self.waiting and (want is None or self.first_error is not None or want & self.waiting):
+                if not self.inbox and hub.broken is not None:
+                    raise WorkerDied(hub.broken)
+                msg = self.inbox.pop(0) if self.inbox else hub.ended.get()
+                if msg is None:
+                    hub.ended.put(None)    # for any other run's waiter too
+                    raise WorkerDied(hub.broken)
+                _, step_id, run, job, info = msg
+                if (step_id, run) != key:
+                    other = hub.runs.get((step_id, run))
+                    if other is not None:
+                        other.inbox.append(msg)
+                    continue          # else a run that failed before: its late messages
+                self._take(job, info)
+        except WorkerDied:
+            hub.runs.pop(key, None)
+            raise
+        if self.waiting:
+            return
+        self.over = True
+        hub.runs.pop(key, None)
+        self._end()
+
+    def _take(self, job, info):
+        self.waiting.discard(job)
+        self.aborted = self.aborted or info.get("aborted", False)
+        err = self.executor._take(self.step, self.schedule, job, info,
+                                  _Landed(self.executor.hub, self.record.landed[(self.run_no, job)]), self.run_landed)
+        if err is not None and self.first_error is None:
+            self.first_error = err
+        self.updated.append((job, info["buffers"]))
+
+    def _end(self):
+        step, schedule = self.step, self.schedule
+        # updated buffers in chain order (the messages of different workers come in any order)
+        position = {a.job: k for k, a in enumerate(schedule.actions)}
+        with torch.no_grad():
+            for _, buffers in sorted(self.updated, key=lambda u: position[u[0]]):
+                for i, value in buffers.items():
+                    step.buffers[i].copy_(value)
+        err = self.first_error
+        if err is None and self.aborted:    # never silently: a stopped job has no results
+            err = StageError("stage jobs stopped after another job's failure that no worker reported; "
+                             "the workers' errors are printed above")
+        if err is not None:
+            raise err.with_schedule(schedule.render(failed=err.job))
+
+
 class _Hub:
     """The connections to the workers and the receiver thread that reads them: "ended" go to
     the caller's thread, "landed" are recorded here; a step's slots are released once its
@@ -348,6 +396,7 @@ class _Hub:
         self.locks = [threading.Lock() for _ in conns]
         self.by_conn = {c: i for i, c in enumerate(conns)}
         self.ended: queue.Queue = queue.Queue()
+        self.runs: dict = {}             # (step id, run) -> _ProcessRun still waited for
         self.records: dict = {}          # step id -> _StepRecord
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
