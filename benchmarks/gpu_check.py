@@ -78,6 +78,10 @@ def parity(args):
     if args.workers == "processes":   # worker processes (no peer path there), with Inductor too
         variants = [v[:4] + ("processes",) for v in variants if not v[2]] + [
             (two, True, False, "delayed", "processes"), (two, True, False, "overlapped", "processes")]
+    if args.modes:
+        variants = [v for v in variants if v[3] in args.modes.split(",")]
+    if args.no_inductor:
+        variants = [v for v in variants if not v[1]]
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for gpus, inductor, peer, mode, workers in dict.fromkeys(variants):
             model = tiny_qwen3()
@@ -92,10 +96,11 @@ def parity(args):
                 cm.attach_optimizer(opt)
             losses, ref_losses, grad_err, peer_fetches = [], [], None, 0
             previous = [p.detach().clone() for p in ref.parameters()]   # delayed: step t - 1's parameters
-            for step in range(3):
+            for step in range(4):
                 b = batch(6, 64, 512, seed=step)
                 loss = cm.train_step(**b)
-                peer_fetches += sum(s["name"] == "fetch_peer" for s in cm.last_trace)
+                if peer:   # (cm.last_trace waits for the step's backward: delayed steps would not overlap)
+                    peer_fetches += sum(s["name"] == "fetch_peer" for s in cm.last_trace)
                 bd = {k: v.to(dev) for k, v in b.items()}
                 if mode == "delayed":   # the gradient at the previous step's parameters
                     current = [p.detach().clone() for p in ref.parameters()]
@@ -119,7 +124,7 @@ def parity(args):
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
                    f"{'_processes' if workers == 'processes' else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
-                        "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr,
+                        "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
                         "peer_fetches": peer_fetches}
             print(key, json.dumps(res[key]), flush=True)
     return res
@@ -327,6 +332,8 @@ def main():
     ap.add_argument("--workers", default="threads", choices=["threads", "processes"],
                     help="parity: Config.workers of the variants")
     ap.add_argument("--overlapped", action="store_true")
+    ap.add_argument("--modes", default="", help="parity: only these optimizer modes (comma-separated)")
+    ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")

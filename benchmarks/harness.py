@@ -509,9 +509,13 @@ class Harness:
                     r["peer_bytes_per_step_trace"] = peer
             busy = {d: v.get("compute_busy_frac") for d, v in (info["trace"].get("devices") or {}).items()
                     if v.get("compute_busy_frac") is not None}
+            steady = info["trace"].get("steady")
+            if steady:   # overlapped steps: over one period of the last steps, every step's jobs counted
+                busy = steady["compute_busy_frac"]
             if busy:
                 r["compute_busy_frac"] = busy
-                r["notes"].append("compute busy (last step) " + ", ".join(f"{d} {100 * f:.0f}%" for d, f in busy.items()))
+                r["notes"].append(f"compute busy ({'last period' if steady else 'last step'}) "
+                                  + ", ".join(f"{d} {100 * f:.0f}%" for d, f in busy.items()))
         r["setup_s"] = (raw.get("build_s") or 0) + (raw.get("warmup_s") or 0) or None
         return r
 

@@ -149,7 +149,13 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     for d in devices.values():
         assert 0 < d["compute_busy_frac"] <= 1 and d["weights_in_exposed_s"] >= 0
     assert sum(d["bytes"].get("acts_in", 0) for d in devices.values()) > 0
-    assert "compute busy (last step) 0:cpu" in md
+    # busy over the last period (from the second-to-last step's first compute to the last's),
+    # every step's compute counted: runner.recent_traces()
+    steady = res["rpcompile"]["trace"]["steady"]
+    assert steady["period_s"] > 0 and set(steady["compute_busy_frac"]) == {"0:cpu", "1:cpu"}
+    assert all(0 < f <= 1 for f in steady["compute_busy_frac"].values())
+    assert res["rpcompile"]["compute_busy_frac"] == steady["compute_busy_frac"]
+    assert "compute busy (last period) 0:cpu" in md
     assert res["rpcompile"]["warmup_steps"] == 1 and meta["settings"]["warmup_by_system"]["rpcompile"] == 1
     # same weights, same batches: the first loss agrees (bf16 compute both ways)
     assert res["rpcompile"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=0.05)

@@ -151,6 +151,10 @@ class RPCompileTrainer(Trainer):
             trace, out["trace_error"] = None, f"{type(e).__name__}: {e}"
         if trace:
             out["trace"] = trace_summary(trace)
+            recent = self.cm.runner.recent_traces()
+            steady = steady_busy(recent) if recent else None
+            if steady:   # overlapped steps (delayed mode) share the devices: busy over one period
+                out["trace"]["steady"] = steady
             if self.trace_dir:
                 out["trace_files"] = _write_trace(trace, self.trace_dir, f"{self.system}_{len(self.config.devices)}g")
         return out
@@ -169,6 +173,33 @@ def _write_trace(spans, directory, stem) -> list:
         json.dump(spans, f, default=str)
     write_chrome_trace(spans, chrome_path)
     return [spans_path, chrome_path]
+
+
+def steady_busy(spans) -> dict:
+    """Busy share of each device over the last whole period of overlapped steps: from the start
+    of the second-to-last step's first compute span to the start of the last step's (spans of
+    runner.recent_traces(), which carry their "step"), counting every step's compute spans in
+    that window. None with fewer than two steps."""
+    starts: dict = {}
+    for sp in spans:
+        if sp.get("stream") == "compute":
+            k = sp.get("step", 0)
+            starts[k] = min(starts.get(k, float("inf")), float(sp["start_s"]))
+    if len(starts) < 2:
+        return None
+    last = max(starts)
+    lo, hi = starts[last - 1] if last - 1 in starts else None, starts[last]
+    if lo is None or hi <= lo:
+        return None
+    keys = _device_keys(spans)
+    per_dev: dict = {}
+    for sp in spans:
+        if sp.get("stream") == "compute":
+            s, e = max(lo, float(sp["start_s"])), min(hi, float(sp["end_s"]))
+            if e > s:
+                per_dev.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], []).append((s, e))
+    return {"period_s": hi - lo,
+            "compute_busy_frac": {d: _length(_union(iv)) / (hi - lo) for d, iv in sorted(per_dev.items())}}
 
 
 def trace_summary(spans) -> dict:
