@@ -93,22 +93,6 @@ def test_inductor_regions_train_like_eager():
     assert isinstance(pieces[1], torch._dynamo.eval_frame.OptimizedModule)
 
 
-def test_pipelined_stages_chain_gradients_through_pieces(monkeypatch):
-    """Every stage cut (fwd, fused and bwd jobs, 2 microbatches): gradients chain through the
-    pieces' AOTAutograd functions across stages. aot_eager keeps it fast (no Inductor codegen)."""
-    monkeypatch.setattr(regions, "MIN_REPEATS", 1)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda gm, **kw: compile_(gm, **{"backend": "aot_eager", **kw}))
-    config = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, compile_stages=True)
-    cm = train_both(qwen3(layers=1), [lm_batch()], config, steps=2)     # each job a few pieces
-    kinds = {st.kind for st in cm.plan.stages}
-    assert kinds == {"fwd", "fused", "bwd"}
-    split = [g for prog in cm.runner._programs.values()
-             for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None))
-             if g is not None and "rp_regions" in getattr(getattr(g.inner, "compute", g.inner), "meta", {})]
-    assert len(split) >= 3
-
-
 def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     """A decoder layer is compiled once per device, not once per stage program: with several
     stage jobs on one device (forward, fused and backward roles), a layer piece of one program
