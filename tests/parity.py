@@ -43,13 +43,30 @@ def make_optimizer(params, kind, lr):
 TIGHT = 1  # Config(memory_budget=TIGHT): a budget just above the smallest that fits
 
 
-def tight_budget(model, batch, config, call, slack=1.15):
-    """A memory budget 15% above the smallest one any plan fits (read off the PlanningError)."""
-    probe = copy.deepcopy(model)
-    cfg = copy.copy(config)
-    cfg.memory_budget = 1
+def tight_budget(cm, batch, call, slack=1.15):
+    """A memory budget 15% above the smallest one any plan fits (read off the PlanningError of a
+    first call planned at a 1-byte budget).
+
+    The probe is a call of `cm` itself, and its capture is kept for the call after it: the model
+    is captured once, as a model planned at a given budget is (a PlanningError is raised while
+    planning, before any job runs, so the probe changes nothing else).
+    """
+    plans = cm._plans
+    kept = {}
+
+    def lookup(key, leaves, capture, compile):
+        def capture_once():
+            if "cap" not in kept:
+                kept["cap"] = capture()
+                return kept["cap"]
+            del plans.lookup               # the kept capture serves one call: the next captures anew
+            return kept.pop("cap")
+        return type(plans).lookup(plans, key, leaves, capture_once, compile)
+
+    cm.config.memory_budget = 1
+    plans.lookup = lookup
     try:
-        call(rpcompile.compile(probe, config=cfg), batch)
+        call(cm, batch)
     except rpcompile.PlanningError as e:
         return int(e.min_budget * slack)
     raise AssertionError("a 1-byte memory budget should not fit any plan")
@@ -69,9 +86,9 @@ def train_both(model, batches, config, *, call=None, eager_step=None, steps=3, l
     """
     ref = copy.deepcopy(model)
     call = call or (lambda cm, b: cm.train_step(**b))
-    if config.memory_budget == TIGHT:
-        config.memory_budget = tight_budget(model, batches[0], config, call)
     cm = rpcompile.compile(model, config=config)
+    if config.memory_budget == TIGHT:
+        config.memory_budget = tight_budget(cm, batches[0], call)
     opt = make_optimizer(model.parameters(), optimizer, lr)
     opt_ref = make_optimizer(ref.parameters(), optimizer, lr)
 

@@ -47,6 +47,22 @@ def captured(monkeypatch):
     return seen
 
 
+EXACT_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    """One exact-mode run of EXACT_STEPS steps (SMALL, ENGINE), saved: (checkpoint directory, the
+    model it trained), shared by the tests that compare a run against it (nothing changes it)."""
+    out = tmp_path_factory.mktemp("exact") / "ckpt"
+    seen = []
+    real = train.compile_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "compile_model", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+        assert run("--steps", EXACT_STEPS, "--save", out, *SMALL) == 0
+    return out, seen[0]
+
+
 def losses_of(directory) -> list[float]:
     return checkpoint.read_state(directory)["losses"]
 
@@ -113,17 +129,17 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left
 
 
-def test_resume_continues_exactly(tmp_path, captured):
-    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
-    assert run("--steps", 6, "--save", straight, *SMALL) == 0
+def test_resume_continues_exactly(tmp_path, captured, exact_run):
+    straight, straight_model = exact_run             # 6 steps without a break
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
     assert run("--steps", 3, "--save", first, *SMALL) == 0
     assert checkpoint.read_state(first)["step"] == 3
-    assert run("--resume", first, "--steps", 6, "--save", resumed, "--devices", "cpu") == 0
+    assert run("--resume", first, "--steps", EXACT_STEPS, "--save", resumed, "--devices", "cpu") == 0
 
     expected, got = losses_of(straight), losses_of(resumed)
-    assert len(expected) == len(got) == 6
+    assert len(expected) == len(got) == EXACT_STEPS
     assert got == pytest.approx(expected, rel=0, abs=1e-6)
-    a, b = captured[0].state_dict(), captured[2].state_dict()
+    a, b = straight_model.state_dict(), captured[1].state_dict()
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
     # a resumed run keeps its data and batch shape: a contradicting option is refused
     assert main(["--resume", str(first), "--seq-len", "64"]) == 2
@@ -202,27 +218,30 @@ def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path, monkeypatch, capsy
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler put back
 
 
-def test_rpcompile_losses_match_eager(tmp_path):
-    assert run("--steps", 3, "--save", tmp_path / "e", *SMALL, engine="eager") == 0
-    assert run("--steps", 3, "--save", tmp_path / "r", *SMALL, engine="rpcompile") == 0
-    eager, compiled = losses_of(tmp_path / "e"), losses_of(tmp_path / "r")
+def test_rpcompile_losses_match_eager(tmp_path, exact_run):
+    assert run("--steps", EXACT_STEPS, "--save", tmp_path / "e", *SMALL, engine="eager") == 0
+    eager, compiled = losses_of(tmp_path / "e"), losses_of(exact_run[0])
+    if ENGINE != "rpcompile":   # the shared run is the default engine's (tests/test_finetune.py's docstring)
+        assert run("--steps", EXACT_STEPS, "--save", tmp_path / "r", *SMALL, engine="rpcompile") == 0
+        compiled = losses_of(tmp_path / "r")
+    assert len(compiled) == len(eager) == EXACT_STEPS
     assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
     assert compiled == pytest.approx(eager, rel=1e-4)
 
 
-def test_optimizer_modes(tmp_path, captured):
+def test_optimizer_modes(tmp_path, captured, exact_run):
     """--optimizer overlapped trains exactly as exact; delayed lands each step's gradients one
     step late (same first two losses as a run from the same start, then its own curve)."""
-    for mode in ("exact", "overlapped", "delayed"):
-        assert run("--steps", 4, "--save", tmp_path / mode, "--optimizer", mode, *SMALL) == 0
-    exact, overlapped, delayed = (losses_of(tmp_path / m) for m in ("exact", "overlapped", "delayed"))
-    assert overlapped == pytest.approx(exact, rel=0, abs=1e-6)
-    a, b = captured[0].state_dict(), captured[1].state_dict()
+    for mode in ("overlapped", "delayed"):
+        assert run("--steps", EXACT_STEPS, "--save", tmp_path / mode, "--optimizer", mode, *SMALL) == 0
+    exact, overlapped, delayed = (losses_of(d) for d in (exact_run[0], tmp_path / "overlapped", tmp_path / "delayed"))
+    assert len(exact) == EXACT_STEPS and overlapped == pytest.approx(exact, rel=0, abs=1e-6)
+    a, b = exact_run[1].state_dict(), captured[0].state_dict()
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
     assert delayed[0] == pytest.approx(exact[0], rel=0, abs=1e-6)        # both at the initial weights
     assert all(torch.isfinite(torch.tensor(delayed))) and delayed[1] != pytest.approx(exact[1], rel=0, abs=1e-6)
     state = checkpoint.read_state(tmp_path / "delayed")["optimizer"]["state"]
-    assert all(int(s["step"]) == 4 for s in state.values())               # every step was applied
+    assert all(int(s["step"]) == EXACT_STEPS for s in state.values())     # every step was applied
     assert main(["--optimizer", "delayed", "--engine", "eager"]) == 2
 
 

@@ -96,7 +96,7 @@ def test_sizes_that_break_the_capture_capture_again(captures):
 def test_length_over_the_memory_budget_replans(captures):
     """A budget that the plan made at length 16 fits but not at 48: at 48 the same capture is
     planned again, with more stage jobs, and trains like eager."""
-    model = qwen3(layers=4)
+    model = qwen3(layers=2)
     short, long = lm_batch(batch=4, seq=16), lm_batch(batch=4, seq=48, seed=2)
 
     def min_budget(batch):
@@ -121,7 +121,10 @@ def test_length_over_the_memory_budget_replans(captures):
 
 def test_compiled_pieces_stop_growing_after_the_second_length(monkeypatch):
     """compile_stages with aot_eager standing in for Inductor: stage programs are made once, and
-    dynamo compiles each piece at most twice (static, then dynamic), whatever the lengths."""
+    dynamo compiles each piece at most twice (static, then dynamic), whatever the lengths. Every
+    stage is cut (fwd, fused and bwd jobs, 2 microbatches): gradients chain through the pieces'
+    AOTAutograd functions across stages, and loss, gradients (every step) and parameters equal
+    eager at every length."""
     monkeypatch.setattr(regions, "MIN_REPEATS", 1)
     from torch._dynamo.backends.registry import lookup_backend
     aot_eager = lookup_backend("aot_eager")
@@ -136,13 +139,22 @@ def test_compiled_pieces_stop_growing_after_the_second_length(monkeypatch):
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, compile_stages=True)
     lengths = [16, 24, 40, 24]
     counts, programs = [], []
-    cm = rpcompile.compile(qwen3(layers=1), cfg)   # fwd, fused and bwd jobs, each a few pieces
-    for batch in _batches(lengths):
-        cm.train_step(**batch)
+
+    def step(cm, batch):
+        loss = cm.train_step(**batch)
         counts.append(len(graphs))
         programs.append(len(cm.runner._programs))
+        return loss
+
+    # 1 layer: fwd, fused and bwd jobs, each a few pieces
+    cm = train_both(qwen3(layers=1), _batches(lengths), cfg, call=step, steps=len(lengths), check_every_step=True)
     assert counts[1] == counts[2] == counts[3], f"dynamo compiles after each length: {counts}"
     assert programs[0] == programs[-1]
+    assert {st.kind for st in cm.plan.stages} == {"fwd", "fused", "bwd"}
+    split = [g for prog in cm.runner._programs.values()
+             for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None))
+             if g is not None and "rp_regions" in getattr(getattr(g.inner, "compute", g.inner), "meta", {})]
+    assert len(split) >= 3
 
 
 def test_dynamo_backend_trains_at_several_lengths():

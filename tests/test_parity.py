@@ -36,11 +36,12 @@ def test_mlp_parity(devices, microbatches):
     (qwen3, True, 3, 4),
     (qwen3, True, 1, 1),
     (qwen3, False, 2, 3),
-    (llama, False, 3, 3),
     (llama, True, 2, 4),
 ])
 def test_decoder_parity(make, tied, devices, microbatches):
-    """Tiny transformers decoders, labels with -100 spread unevenly, batch of 5."""
+    """Tiny transformers decoders, labels with -100 spread unevenly, batch of 5. (Untied llama on
+    3 devices and 3 microbatches is test_decoder_parity_adamw's: the same loss and gradient
+    checks, its parameters after AdamW steps.)"""
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget=TIGHT)
     batches = [lm_batch(seed=s) for s in range(3)]
     train_both(make(tied=tied), batches, cfg)
@@ -100,7 +101,9 @@ def test_batchnorm_buffers(workers):
                call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
 
 
-def test_differentiable_call_matches_eager():
+def test_differentiable_call_matches_eager_and_a_no_grad_call_returns_outputs():
+    """cm(...) trains like eager through out.loss.backward(); under torch.no_grad the same
+    compiled model returns the eager outputs (and no gradient reaches a parameter)."""
     model = qwen3(tied=False)
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=TIGHT)
 
@@ -113,16 +116,15 @@ def test_differentiable_call_matches_eager():
     out = cm(**lm_batch())
     assert out.logits.shape == (5, 12, 128)
 
-
-def test_no_grad_call_returns_outputs():
-    model = qwen3()
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
-    b = lm_batch()
+    model.zero_grad(set_to_none=True)
+    b = lm_batch(seed=4)
     with torch.no_grad():
         out = cm(**b)
         ref = model(**b)
+    assert not out.loss.requires_grad and not out.logits.requires_grad
     assert torch.allclose(out.logits, ref.logits, atol=1e-5)
     assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_torch_compile_backend_string_and_config():

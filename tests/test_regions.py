@@ -93,61 +93,31 @@ def test_inductor_regions_train_like_eager():
     assert isinstance(pieces[1], torch._dynamo.eval_frame.OptimizedModule)
 
 
-def test_pipelined_stages_chain_gradients_through_pieces(monkeypatch):
-    """Every stage cut (fwd, fused and bwd jobs, 2 microbatches): gradients chain through the
-    pieces' AOTAutograd functions across stages. aot_eager keeps it fast (no Inductor codegen)."""
-    monkeypatch.setattr(regions, "MIN_REPEATS", 1)
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda gm, **kw: compile_(gm, **{"backend": "aot_eager", **kw}))
-    config = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, compile_stages=True)
-    cm = train_both(qwen3(layers=1), [lm_batch()], config, steps=2)     # each job a few pieces
-    kinds = {st.kind for st in cm.plan.stages}
-    assert kinds == {"fwd", "fused", "bwd"}
-    split = [g for prog in cm.runner._programs.values()
-             for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None))
-             if g is not None and "rp_regions" in getattr(getattr(g.inner, "compute", g.inner), "meta", {})]
-    assert len(split) >= 3
-
-
-def test_inductor_options_reach_torch_compile(monkeypatch):
-    """Config.inductor_options is what every stage piece is compiled with (aot_eager stands in
-    for Inductor, which the options are for)."""
-    seen = []
-    compile_ = torch.compile
-
-    def spy(gm, **kw):
-        if "backend" in kw:        # the capture's own call
-            return compile_(gm, **kw)
-        seen.append(kw.pop("options", None))
-        return compile_(gm, **{**kw, "backend": "aot_eager"})
-
-    monkeypatch.setattr(torch, "compile", spy)
-    config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True,
-                              inductor_options={"cpp_wrapper": True})
-    train_both(qwen3(layers=2), [lm_batch()], config, steps=1, min_stages=1)
-    assert seen and all(o == {"cpp_wrapper": True} for o in seen)
-    with pytest.raises(ValueError, match="inductor_options"):
-        rpcompile.Config(inductor_options="cpp_wrapper")
-
-
 def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     """A decoder layer is compiled once per device, not once per stage program: with several
     stage jobs on one device (forward, fused and backward roles), a layer piece of one program
-    is the very compiled object of another's, and results still equal eager."""
+    is the very compiled object of another's, and results still equal eager. Config.inductor_options
+    is what every stage piece is compiled with (aot_eager stands in for Inductor, which the
+    options are for)."""
     monkeypatch.setattr(regions, "MIN_REPEATS", 1)
-    compiles = []
+    compiles, seen = [], []
     compile_ = torch.compile
 
     def counting(gm, **kw):
         if "backend" in kw:        # the capture's own call
             return compile_(gm, **kw)
         compiles.append(gm)
+        seen.append(kw.pop("options", None))
         return compile_(gm, **{**kw, "backend": "aot_eager"})
 
     monkeypatch.setattr(torch, "compile", counting)
-    config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True, memory_budget=TIGHT)
+    config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True, memory_budget=TIGHT,
+                              inductor_options={"cpp_wrapper": True})
     cm = train_both(qwen3(layers=2), [lm_batch()], config, steps=2)     # 10 stage jobs
     assert len(cm.plan.stages) >= 3
+    assert seen and all(o == {"cpp_wrapper": True} for o in seen)
+    with pytest.raises(ValueError, match="inductor_options"):
+        rpcompile.Config(inductor_options="cpp_wrapper")
     by_program = []
     for prog in cm.runner._programs.values():
         for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):

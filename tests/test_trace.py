@@ -1,42 +1,49 @@
 """The executed schedule: rotation, prefetch order and event order, read off cm.last_trace."""
 import json
 
+import pytest
+
 import rpcompile
 
 from models import lm_batch, qwen3
 
+N = 3   # devices
 
-def _run(devices=3, microbatches=2, steps=2):
+
+@pytest.fixture(scope="module")
+def ran():
+    """qwen3 on 3 CPU devices, 2 microbatches, trained 2 steps: (cm, placements of each step,
+    trace of each step). The tests only read it."""
     model = qwen3()
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches,
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * N, num_microbatches=2,
                                                    memory_budget="250KiB"))
-    placements = []
-    for _ in range(steps):
+    placements, traces = [], []
+    for _ in range(2):
         cm.train_step(**lm_batch())
         placements.append(cm.last_placements)
-    return cm, placements
+        traces.append(cm.last_trace)
+    return cm, placements, traces
 
 
-def test_jobs_run_on_the_devices_the_rotation_names():
-    cm, placements = _run()
-    N, J = 3, len(cm.plan.stages)
+def test_jobs_run_on_the_devices_the_rotation_names(ran):
+    cm, placements, traces = ran
+    J = len(cm.plan.stages)
     assert J >= 4
     offset = 0
     for step_places in placements:
         for k, (job, stage, role, device) in enumerate(step_places):
             assert device == (offset + k) % N
         offset = (offset + J) % N
-    trace = cm.last_trace
+    trace = traces[-1]
     for job, stage, role, device in placements[-1]:
         spans = [s for s in trace if s.get("job") == job and s["name"] in ("forward", "forward+backward",
                                                                         "recompute+backward")]
         assert spans and all(s["worker"] == device for s in spans)
 
 
-def test_prefetch_issued_before_previous_job_on_device_finished():
-    cm, placements = _run()
-    trace = cm.last_trace
-    N = 3
+def test_prefetch_issued_before_previous_job_on_device_finished(ran):
+    cm, placements, traces = ran
+    trace = traces[-1]
     jobs = placements[-1]
     for k in range(N, len(jobs)):
         job = jobs[k][0]
@@ -48,9 +55,8 @@ def test_prefetch_issued_before_previous_job_on_device_finished():
         assert issue and issue[0]["start_s"] <= prev_end, f"job {job}: weights not prefetched during job {prev_job}"
 
 
-def test_no_value_read_before_it_was_written():
-    cm, _ = _run()
-    trace = cm.last_trace
+def test_no_value_read_before_it_was_written(ran):
+    trace = ran[2][-1]
     written = {(s["value"], s["microbatch"]): s["end_s"] for s in trace if s["name"] == "offload"}
     fetched = [s for s in trace if s["name"] == "fetch"]
     assert fetched
@@ -59,8 +65,8 @@ def test_no_value_read_before_it_was_written():
         assert key in written and written[key] <= s["start_s"], f"{key} read before its offload finished"
 
 
-def test_dump_writes_perfetto_trace(tmp_path):
-    cm, _ = _run(steps=1)
+def test_dump_writes_perfetto_trace(tmp_path, ran):
+    cm = ran[0]
     cm.dump(str(tmp_path))
     data = json.loads((tmp_path / "schedule.trace.json").read_text())
     names = {e["name"] for e in data["traceEvents"]}
@@ -68,9 +74,9 @@ def test_dump_writes_perfetto_trace(tmp_path):
     assert any(e["ph"] == "M" and e["name"] == "process_name" for e in data["traceEvents"])
 
 
-def test_trace_counts_bytes_moved():
-    cm, _ = _run(steps=1)
-    trace = cm.last_trace
+def test_trace_counts_bytes_moved(ran):
+    cm, _, traces = ran
+    trace = traces[0]       # the first step
     weights = sum(s["bytes"] for s in trace if s["name"] == "upload_weight")
     acts = sum(s["bytes"] for s in trace if s["name"] in ("fetch", "offload"))
     assert acts > 0

@@ -1,6 +1,8 @@
-"""The zoo: every family of tests/zoo.py trains 3 steps on 2 and 3 CPU devices with uneven
-microbatches (5 rows over 3 or 4), with the loss, the gradients and the parameters (SGD with
-momentum) and buffers equal to eager PyTorch's; LoRA through peft on a decoder and on an MoE."""
+"""The zoo: every family of tests/zoo.py trains 3 steps, pipelined over CPU devices with uneven
+microbatches, with the loss, the gradients and the parameters (SGD with momentum) and buffers
+equal to eager PyTorch's; LoRA through peft on a decoder and on an MoE. The families take the
+two layouts in turn (2 devices and 5 rows over 3 microbatches, 3 devices and 4 microbatches), so
+each layout runs on half of them."""
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ from zoo import CASES, LoopMoELM, _hf_eager, lm_batch, plain_eager, qwen2
 LAYOUTS = [(2, 3), (3, 4)]    # (devices, microbatches) of 5 rows: 2+2+1 and 2+1+1+1
 
 
-@pytest.mark.parametrize("devices,microbatches", LAYOUTS, ids=lambda v: str(v))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case,devices,microbatches", [(c, *LAYOUTS[i % 2]) for i, c in enumerate(CASES)],
+                         ids=[f"{c.name}-{LAYOUTS[i % 2][0]}-{LAYOUTS[i % 2][1]}" for i, c in enumerate(CASES)])
 def test_zoo_trains_like_eager(case, devices, microbatches):
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, loss_fn=case.loss_fn,
                            memory_budget=TIGHT if case.tight else None)
