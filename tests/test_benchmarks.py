@@ -629,3 +629,18 @@ def test_throughput_loop_reports_the_drain(tmp_path):
     common.run_trainer(lambda *a, **k: Slow(), spec, common.Recorder(spec.result_path))
     raw = json.loads((tmp_path / "r.json").read_text())
     assert raw["drain_s"] >= 0.2 and raw["steps"][-1]["s"] >= raw["drain_s"]
+
+
+def test_shared_files_are_counted_by_the_process_that_made_them(tmp_path):
+    import os
+
+    from benchmarks.systems.rpcompile_runner import shared_files
+
+    me, other = os.getpid(), os.getpid() + 1
+    for name, size in ((f"{me}-0", 4096), (f"{me}-1", 1000), (f"{other}-0", 1 << 20), ("w0.sock", 0)):
+        with open(tmp_path / name, "wb") as f:
+            f.write(b"x" * size)
+    out = shared_files(str(tmp_path))
+    assert set(out) == {"main", f"worker {other}"}
+    assert out["main"]["files"] == 2 and out["main"]["bytes"] == 5096
+    assert out[f"worker {other}"]["bytes"] == 1 << 20 and out[f"worker {other}"]["resident_bytes"] >= 1 << 20

@@ -142,9 +142,16 @@ class RPCompileTrainer(Trainer):
                        plan_grad_download_bytes_per_step_est=int(sum(r["param_bytes"] for r in rows
                                                                       if r["kind"] in ("bwd", "fused"))))
         out["host_memory_by_process"] = process_tree_memory()   # at the end: the steady state
+        memory = getattr(self.cm.runner.executor, "memory", None)
+        if memory is not None:   # worker processes: the shared files, by the process that made them
+            out["shared_files"] = shared_files(memory.directory)
         opt = self.cm.runner.overlapped
         if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
             out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}
+        waits = getattr(self.cm.runner.mode, "start_waits", None)
+        if waits:   # delayed mode: a step's start waiting for the optimizer step whose weights it reads
+            out["optimizer_s"] = {**out.get("optimizer_s", {}), "start_wait_s": statistics.median(waits[-8:]),
+                                  "start_wait_max_s": max(waits[-8:])}
         try:
             trace = getattr(self.cm, "last_trace", None)
         except Exception as e:  # noqa: BLE001 - optional figure
@@ -173,6 +180,30 @@ def _write_trace(spans, directory, stem) -> list:
         json.dump(spans, f, default=str)
     write_chrome_trace(spans, chrome_path)
     return [spans_path, chrome_path]
+
+
+def shared_files(directory: str) -> dict:
+    """Bytes of the shared-memory files of a run (runtime/shared.py names each file
+    `<pid>-<n>` after the process that made it): {"main" or "worker <pid>": {"files", "bytes",
+    "resident_bytes"}}; the main process makes working copies and gradient buffers, a worker
+    its activation slot chunks (SlotPool, 64 MiB and up, kept for reuse)."""
+    import os
+    out: dict = {}
+    main = str(os.getpid())
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        pid = name.split("-")[0]
+        if not pid.isdigit():     # (the workers' sockets)
+            continue
+        row = out.setdefault("main" if pid == main else f"worker {pid}", {"files": 0, "bytes": 0, "resident_bytes": 0})
+        row["files"] += 1
+        row["bytes"] += st.st_size
+        row["resident_bytes"] += st.st_blocks * 512
+    return out
 
 
 def steady_busy(spans) -> dict:

@@ -30,6 +30,8 @@ in place (running statistics) do not overlap: the next step reads those buffers.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .device import Pending, resolve
@@ -201,6 +203,7 @@ class DelayedMode(OverlappedMode):
         self.steps = 0                # train steps finished (submitted) since the optimizer was attached
         self.started = 0              # train steps started: those and the one still running (if any)
         self.next_upload = None       # (plan, device, key): the next step's first job's weights, going up
+        self.start_waits: list = []   # seconds the last steps' starts waited for the optimizer
 
     def overlaps(self, plan) -> bool:
         # running statistics a step updates are read by the next one (and restored on failure)
@@ -220,7 +223,10 @@ class DelayedMode(OverlappedMode):
     def start(self, runner, plan, micro):
         t = self.started
         pending, self.next_upload = self.next_upload, None
+        waited = time.perf_counter()
         self.optimizer.wait_completed(t - 1)
+        # seconds each step's start waited for the optimizer step it reads (benchmarks read them)
+        self.start_waits = (self.start_waits + [time.perf_counter() - waited])[-16:]
         step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
         # Note [one gradient set]: a job writes its piece once every earlier submission is done
         # with it, the one of a step still running included (Note [overlapped steps])
