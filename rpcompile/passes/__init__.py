@@ -58,7 +58,7 @@ from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs
+from .cost import Hardware, annotate_costs, graph_costs, graph_key, set_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import host_memory
@@ -154,7 +154,14 @@ def split_lm_head_pass(st: CompileState) -> CompileState:
 
 
 def annotate_costs_pass(st: CompileState) -> CompileState:
-    st.gm = annotate_costs(st.gm)
+    kept = getattr(st.captured, "costs", None)   # Note [costs per capture] (passes/cost.py)
+    key = graph_key(st.gm) if kept is not None else None
+    if key is not None and key in kept:
+        st.gm = set_costs(st.gm, kept[key])
+    else:
+        st.gm = annotate_costs(st.gm)
+        if key is not None:
+            kept[key] = graph_costs(st.gm)
     return st
 
 
