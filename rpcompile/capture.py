@@ -52,6 +52,7 @@ class Captured:
     batch_size: Optional[int] = None                   # batch size at capture (None: the dynamo backend's)
     on_copies: bool = False  # traced on copies in the compute dtype (capture_call), not on real inputs
     shape_env: Any = None    # dynamo's ShapeEnv: the size symbols' ranges and guards (shapes.py)
+    costs: dict = field(default_factory=dict)   # the cost pass's results by graph (Note [costs per capture] in passes/cost.py)
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

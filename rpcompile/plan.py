@@ -170,7 +170,7 @@ class Plan:
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
-    passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass
+    passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
     served: list = field(default_factory=list)           # {symbol: size} of the non-batch sizes calls ran it at
 
     @property

@@ -3,7 +3,8 @@
 `compile_graph` runs PASSES, one after another, each a function from a CompileState to a
 CompileState; after each, the state's printable form is kept (`plan.passes`, and
 `cm.dump(dir)` writes them as passes/00_capture.py, 01_keep_loss_output.py, ...), so a model
-that fails is a diff between two files.
+that fails is a diff between two files. Most texts are rendered when first read (Note [pass
+text on demand]).
 
     capture              the dynamo graph, copied (capture.py ran before: meta/fake copies)
     keep_loss_output     train mode: the loss is the only output (passes/outputs.py)
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -56,7 +58,7 @@ from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs
+from .cost import Hardware, annotate_costs, graph_costs, graph_key, set_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import host_memory
@@ -152,7 +154,14 @@ def split_lm_head_pass(st: CompileState) -> CompileState:
 
 
 def annotate_costs_pass(st: CompileState) -> CompileState:
-    st.gm = annotate_costs(st.gm)
+    kept = getattr(st.captured, "costs", None)   # Note [costs per capture] (passes/cost.py)
+    key = graph_key(st.gm) if kept is not None else None
+    if key is not None and key in kept:
+        st.gm = set_costs(st.gm, kept[key])
+    else:
+        st.gm = annotate_costs(st.gm)
+        if key is not None:
+            kept[key] = graph_costs(st.gm)
     return st
 
 
@@ -259,42 +268,102 @@ PASSES = [
 ]
 
 
+# Note [pass text on demand]: rendering every state as text took ~30% of a compile (2.5 of
+# 8.2 s for the Qwen3-1.7B shape of tests/test_cost.py: stage and program graphs as Python, cost
+# lines in sympy), for files only cm.dump writes. So plan.passes holds, per pass, a function
+# that renders the state when the text is first read, holding the objects the text shows as the
+# pass left them (the CompileState's fields are reassigned by later passes, so not the state
+# itself). That is the state's text only while nothing changes those objects afterwards:
+# - the graph passes up to split_lm_head (GRAPH_REWRITES) rewrite st.gm in place, so the text
+#   of every state before the last of them is rendered at once (python_code: 0.08 s a state);
+# - after split_lm_head, st.gm's code is final: annotate_costs only sets node meta (rp_cost,
+#   frozen NodeCosts, never replaced), the later passes and the runtime read it (codegen adds an
+#   rp_param_slice_fqn meta no text shows); so split_lm_head's and annotate_costs' texts render
+#   later from the same graph;
+# - find_batch's BatchInfo and bindings, the cut lists and StagePlans (frozen) are replaced by
+#   later passes, never changed in place; stage and program graphs are new graphs nobody rewrites
+#   (the runtime retargets and compiles copies: runtime/programs.py); the fields describe_io
+#   fills in are set once;
+# - the plan's own text (host_memory) reads what changes after the compile (plan.served, the
+#   user's parameters for the masters line): rendered at once (0.13 s).
+GRAPH_REWRITES = ("keep_loss_output", "normalize_loss", "causal_attention", "split_lm_head")
+
+
+class PassTexts(Sequence):
+    """plan.passes: (pass name, printer, text) per pass, in order; a text given as a function
+    is rendered on first read and kept (Note [pass text on demand])."""
+
+    def __init__(self):
+        self._items: list = []
+
+    def append(self, item) -> None:
+        self._items.append(item)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        name, show, text = self._items[i]
+        if callable(text):
+            text = text()
+            self._items[i] = (name, show, text)
+        return name, show, text
+
+    def __repr__(self) -> str:
+        return f"PassTexts({[name for name, _, _ in self._items]})"
+
+
 def compile_graph(cap, config, mode: str, loss_output=None, at=None) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes."""
     st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
                       loss_output_arg=loss_output)
-    printed = []
-    for name, run, show in PASSES:
+    names = [name for name, _, _ in PASSES]
+    last_rewrite = max(names.index(name) for name in GRAPH_REWRITES)
+    printed = PassTexts()
+    for i, (name, run, show) in enumerate(PASSES):
         st = run(st)
-        printed.append((name, show, _printable(st, show)))
-    st.plan.passes = [(name, show, text) for name, show, text in printed]
+        text = _printer(st, show)
+        printed.append((name, show, text() if i < last_rewrite or show == "plan" else text))
+    st.plan.passes = printed
     return st.plan
 
 
-def _printable(st: CompileState, show: str) -> str:
-    """The state after a pass, as text (graphs as Python, with costs or stages in comments)."""
+def _printer(st: CompileState, show: str):
+    """A function rendering the state after a pass as text (graphs as Python, with costs or
+    stages in comments); it holds the fields the text shows, as they are now."""
+    gm, plan = st.gm, st.plan
     if show == "graph":
-        return st.gm.graph.python_code("self").src
+        return lambda: gm.graph.python_code("self").src
     if show == "costs":
-        lines = [f"# {n.name}: fwd {c.fwd_flops} FLOPs, bwd {c.bwd_flops} FLOPs, out {c.out_bytes} B"
-                 for n in st.gm.graph.nodes if (c := n.meta.get("rp_cost")) is not None]
-        return "\n".join(lines) + "\n\n" + st.gm.graph.python_code("self").src
+        return lambda: _costs_text(gm)
     if show == "batch":
-        return f"# {st.batch}\n# planning bindings: {st.bindings}\n"
+        batch, bindings = st.batch, st.bindings
+        return lambda: f"# {batch}\n# planning bindings: {bindings}\n"
     if show == "cuts":
-        return f"# legal cut positions ({len(st.cuts)}): {st.cuts}\n"
+        cuts = st.cuts
+        return lambda: f"# legal cut positions ({len(cuts)}): {cuts}\n"
     if show == "stage_plan":
-        return f"# {st.stage_plan}\n"
+        stage_plan = st.stage_plan
+        return lambda: f"# {stage_plan}\n"
+    stages = list(st.stages)
     if show == "stages":
-        return "\n\n".join(s.forward.print_readable(print_output=False) for s in st.stages)
+        return lambda: "\n\n".join(s.forward.print_readable(print_output=False) for s in stages)
     if show == "programs":
-        return "\n\n".join(g.print_readable(print_output=False) for s in st.stages for g in s.programs.values())
+        programs = [g for s in stages for g in s.programs.values()]
+        return lambda: "\n\n".join(g.print_readable(print_output=False) for g in programs)
     if show == "io":
-        p = st.plan
-        return (f"# split leaves {sorted(p.split_leaves)}; size symbols {p.sym_sources}; outputs {p.graph_outputs} "
-                f"(batched {p.output_batched}); mutated buffers {p.mutated_buffers}\n")
-    return str(st.plan) + "\n"
+        return lambda: (f"# split leaves {sorted(plan.split_leaves)}; size symbols {plan.sym_sources}; outputs "
+                        f"{plan.graph_outputs} (batched {plan.output_batched}); mutated buffers {plan.mutated_buffers}\n")
+    return lambda: str(plan) + "\n"
+
+
+def _costs_text(gm) -> str:
+    lines = [f"# {n.name}: fwd {c.fwd_flops} FLOPs, bwd {c.bwd_flops} FLOPs, out {c.out_bytes} B"
+             for n in gm.graph.nodes if (c := n.meta.get("rp_cost")) is not None]
+    return "\n".join(lines) + "\n\n" + gm.graph.python_code("self").src
 
 
 def _bindings(gm, batch, micro: int) -> dict:

@@ -36,6 +36,9 @@ __all__ = [
     "NodeCost",
     "Hardware",
     "annotate_costs",
+    "graph_key",
+    "graph_costs",
+    "set_costs",
     "evaluate",
     "graph_symbols",
     "node_seconds",
@@ -617,4 +620,56 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
     """Set ``node.meta["rp_cost"]`` (a :class:`NodeCost` of sympy expressions) on every call node."""
     _Annotator(gm).run()
     gm.graph.lint()
+    return gm
+
+
+# Note [costs per capture]: one capture is planned more than once: at each new size no held plan
+# fits (Note [plans per length] in plan_cache.py), or for another Config (tests/test_cost.py plans
+# the Qwen3-1.7B shape three ways; the cost pass took 0.8-2 s of each 4-7 s compile on 2 busy CPU
+# cores, 0.03 s when it finds its costs kept). The costs are symbolic in the size symbols,
+# so they depend on neither the sizes planned at nor the devices (Hardware turns them into
+# seconds later); they are a function of the graph the pass sees, its nodes' fake values (the
+# capture's, or made from them by the earlier passes) and the flop formulas. The passes before
+# (capture .. split_lm_head) are deterministic, so the same capture, mode, loss output and LM head
+# shard count give the same graph. The compile_graph pass keeps the costs on the Captured
+# (`Captured.costs`) under graph_key: every node's name, op, target, arguments (nodes by name) and
+# the meta the pass reads (rp_kind, rp_requires_grad, rp_param_slice), with the formulas
+# registered; a graph with that key takes the same NodeCosts (frozen) and size estimates. A
+# capture's fake values live in its own FakeTensorMode, so the costs are not shared between
+# captures (two captures of one model are two keys). A cost warning ("could not measure") is not
+# repeated for the same graph (Python's default filter shows it once anyway).
+@dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+def graph_key(gm: fx.GraphModule) -> tuple:
+    """What annotate_costs' results depend on within one capture (Note [costs per capture])."""
+    _register_grouped_mm()
+    nodes = []
+    for n in gm.graph.nodes:
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
+        entry = (n.name, n.op, n.target, args, n.meta.get("rp_kind"), n.meta.get("rp_requires_grad"),
+                 n.meta.get("rp_param_slice"))
+        try:
+            hash(entry)
+        except TypeError:   # slices (before Python 3.12) and such: their text
+            entry = tuple(x if i < 2 else repr(x) for i, x in enumerate(entry))
+        nodes.append(entry)
+    return tuple(nodes), tuple(EXTRA_FLOP_FORMULAS.items())
+
+
+def graph_costs(gm: fx.GraphModule) -> tuple:
+    """The costs annotate_costs set on gm: ({node name: NodeCost}, size estimates)."""
+    return ({n.name: c for n in gm.graph.nodes if (c := n.meta.get("rp_cost")) is not None},
+            dict(gm.meta.get("rp_size_estimates", {})))
+
+
+def set_costs(gm: fx.GraphModule, costs: tuple) -> fx.GraphModule:
+    """annotate_costs' result from graph_costs of a graph with the same graph_key."""
+    by_name, estimates = costs
+    for n in gm.graph.nodes:
+        if n.name in by_name:
+            n.meta["rp_cost"] = by_name[n.name]
+    gm.meta["rp_size_estimates"] = dict(estimates)
     return gm
