@@ -234,11 +234,11 @@ class GraphRunner:
         self.settle()
         if not self.recent_tracers:
             return []
-        t0 = self.recent_tracers[0]._t0
+        t0 = self.recent_tracers[0].t0
         out = []
         for k, tracer in enumerate(self.recent_tracers):
             for sp in tracer.spans():
-                sp.update(step=k, start_s=sp["start_s"] + tracer._t0 - t0, end_s=sp["end_s"] + tracer._t0 - t0)
+                sp.update(step=k, start_s=sp["start_s"] + tracer.t0 - t0, end_s=sp["end_s"] + tracer.t0 - t0)
                 out.append(sp)
         return sorted(out, key=lambda r: (r["start_s"], r["end_s"]))
 

@@ -262,7 +262,7 @@ class ProcessExecutor:
         plan = step.plan
         record = getattr(step, "remote", None)
         desc = {"plan": self._plan_key(plan), "actions": list(schedule.actions),
-                "trace": step.tracer is not None, "t0": step.tracer._t0 if step.tracer is not None else 0.0}
+                "trace": step.tracer is not None, "t0": step.tracer.t0 if step.tracer is not None else 0.0}
         if record is None:
             record = step.remote = self.hub.record(next(self._ids))
             weakref.finalize(step, self.hub.step_gone, record)

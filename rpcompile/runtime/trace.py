@@ -21,7 +21,7 @@ class Tracer:
         self._lock = threading.Lock()
         self._raw = []                       # (device label, stream, name, attrs, start, end)
         self._resolved = []                  # spans already turned into dicts (a worker process's)
-        self._t0 = time.perf_counter()
+        self.t0 = time.perf_counter()         # the host clock's origin of the spans' seconds
         self._cuda_t0 = {}
         for d, label in zip(devices, labels or [str(d) for d in devices]):
             if d.type == "cuda" and label not in self._cuda_t0:
@@ -70,7 +70,7 @@ class Tracer:
                 t0 = self._cuda_t0[device]
                 s, e = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
             else:
-                s, e = start - self._t0, end - self._t0
+                s, e = start - self.t0, end - self.t0
             out.append({"device": str(device), "stream": stream, "name": name, "start_s": s, "end_s": e, **attrs})
         return out
 

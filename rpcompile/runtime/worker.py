@@ -432,7 +432,7 @@ class Worker:
             self.claim_first_upload(step, desc)
             if desc["trace"]:
                 step.tracer = Tracer([self.device], [self.label], self.clock)
-                step.trace_shift = step.tracer._t0 - desc["t0"]
+                step.trace_shift = step.tracer.t0 - desc["t0"]
             else:
                 step.tracer = None
             early = self.early.pop(step_id, [])
