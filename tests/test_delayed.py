@@ -236,6 +236,18 @@ def _compiled(tied=True):
     return model, cm
 
 
+def _two_steps_ran():
+    """An untied model in delayed mode whose plan has run twice (its next steps are submitted
+    early): (model, compiled, the last job's index, the parameters now)."""
+    model, cm = _compiled(tied=False)
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for t in range(2):
+        cm.train_step(**lm_batch(seed=t))
+    cm.synchronize()
+    plan = next(iter(cm.runner.mode.grad_keys.values()))[0]
+    return model, cm, len(plan.stages) - 1, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def test_chunks_wait_for_their_readers_and_give_pieces_back_once_read():
     """Note [chunk-wise submission]: a chunk waits for every job that reads its parameters or
     wrote a gradient it sums; a piece goes back after the last chunk that reads it, a tied
@@ -273,14 +285,7 @@ def test_chunks_are_stepped_while_later_backward_jobs_run(monkeypatch):
     first chunk's parameters have moved while the embedding has not."""
     import threading
     from rpcompile.runtime.job import JobContext
-    model, cm = _compiled(tied=False)
-    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for t in range(2):
-        cm.train_step(**lm_batch(seed=t))
-    cm.synchronize()
-    plan = next(iter(cm.runner.mode.grad_keys.values()))[0]
-    last = len(plan.stages) - 1
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, cm, last, before = _two_steps_ran()
     release, real = threading.Event(), JobContext.accumulate_grads
 
     def held(self, grads):
@@ -306,14 +311,7 @@ def test_a_failure_after_the_early_submission_says_what_was_stepped(monkeypatch)
     """A backward job of a step submitted early fails: the chunks stepped before it keep the
     step, the error says so, the other parameters are unchanged, and training goes on."""
     from rpcompile.runtime.job import JobContext
-    model, cm = _compiled(tied=False)
-    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    for t in range(2):
-        cm.train_step(**lm_batch(seed=t))
-    cm.synchronize()
-    plan = next(iter(cm.runner.mode.grad_keys.values()))[0]
-    last = len(plan.stages) - 1
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, cm, last, before = _two_steps_ran()
     real = JobContext.accumulate_grads
 
     def faulty(self, grads):
