@@ -29,3 +29,8 @@ class StageError(RPCompileError):
                          job=self.job, schedule=schedule)
         err.__cause__ = self.__cause__
         return err
+
+
+class StepAbandoned(RPCompileError):
+    """Internal: a step's job failed while the optimizer waited for its gradients (Note
+    [chunk-wise submission]); the runner raises the job's own error."""

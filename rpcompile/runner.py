@@ -270,7 +270,8 @@ class GraphRunner:
         # Buffers the step updates in place (running statistics) are restored if it fails.
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
-            self.run_jobs(plan, step, jobs)
+            run = self.issue_jobs(plan, step, jobs)
+            run.wait()
         except BaseException:
             with torch.no_grad():
                 for i, s in saved.items():
@@ -279,7 +280,7 @@ class GraphRunner:
             raise
         finally:
             _drop_activations(step)
-        self.mode.finish(self, plan, step)
+        self.mode.finish(self, plan, step, run)
 
     def _overlapped_step(self, plan, step, jobs):
         """Note [overlapped steps]: issue this step, end the one before (its backward jobs ran
@@ -304,6 +305,7 @@ class GraphRunner:
             self.mode.abandon(step)
             raise
         self.pending = _PendingStep(plan, step, run)
+        self.mode.submit_early(self, plan, step, run)
 
     def settle(self) -> None:
         """End the step whose backward jobs may still run (Note [overlapped steps]): wait for
@@ -313,12 +315,14 @@ class GraphRunner:
             return
         try:
             pending.run.wait()
-        except BaseException:
-            self.mode.abandon(pending.step)
+        except BaseException as exc:
+            note = self.mode.abandon(pending.step)
+            if note:
+                exc.add_note(note)
             raise
         finally:
             _drop_activations(pending.step)
-        self.mode.finish(self, pending.plan, pending.step)
+        self.mode.finish(self, pending.plan, pending.step, pending.run)
 
     # --- differentiable call ---------------------------------------------------------------
     def call(self, plan, leaves) -> list:

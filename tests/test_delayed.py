@@ -1,6 +1,7 @@
 """Delayed optimizer mode: step t's gradients are taken at the parameters after optimizer
 steps 0..t-2 (Note [delayed optimizer]); checked against that recurrence written in eager."""
 import copy
+import time
 
 import pytest
 import torch
@@ -226,3 +227,106 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
     ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
     for t, (a, b) in enumerate(zip(losses, ref_losses)):
         close(a, b, 1e-5, 1e-6, f"loss at step {t}")
+
+
+def _compiled(tied=True):
+    model = qwen3(tied=tied)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="delayed"))
+    return model, cm
+
+
+def _two_steps_ran():
+    """An untied model in delayed mode whose plan has run twice (its next steps are submitted
+    early): (model, compiled, the last job's index, the parameters now)."""
+    model, cm = _compiled(tied=False)
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for t in range(2):
+        cm.train_step(**lm_batch(seed=t))
+    cm.synchronize()
+    plan = next(iter(cm.runner.mode.grad_keys.values()))[0]
+    return model, cm, len(plan.stages) - 1, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_chunks_wait_for_their_readers_and_give_pieces_back_once_read():
+    """Note [chunk-wise submission]: a chunk waits for every job that reads its parameters or
+    wrote a gradient it sums; a piece goes back after the last chunk that reads it, a tied
+    weight's rows in the loss job's piece being copied out there for the embedding's chunk."""
+    from rpcompile.runtime.grads import param_index
+    from rpcompile.runtime.submission import grad_chunks, host_indices
+    model, cm = _compiled(tied=True)
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for t in range(2):
+        cm.train_step(**lm_batch(seed=t))
+    cm.synchronize()
+    plan, keys = next(iter(cm.runner.mode.grad_keys.values()))
+    chunks = grad_chunks(plan, host_indices(plan), keys)
+    assert sum(chunks.lengths) == len(chunks.order) == len(host_indices(plan))
+    embed = plan.captured.param_names.index("model.embed_tokens.weight")
+    released, carried = set(), {key for items in chunks.carry for _, key in items}
+    for k in range(len(chunks.lengths)):
+        members = set(chunks.members(k))
+        readers = {j for j, st in enumerate(plan.stages)
+                   if members & (set(st.params) | {key[0] for key in st.param_slices.values()})}
+        assert all(j <= chunks.wait_upto[k] for j in readers | set(chunks.reads[k]))
+        for s, ks in chunks.reads[k].items():   # what it sums is there: not given back, or carried
+            assert s not in released or all(key in carried for key in ks)
+            assert all(param_index(key) in members for key in ks)
+        released |= set(chunks.release[k])
+    loss_piece = next(j for j, st in enumerate(plan.stages) if st.kind == "fused")
+    assert chunks.release[0] == [loss_piece], "the loss job's piece goes back with the first chunk"
+    assert [param_index(key) for _, key in chunks.carry[0]] == [embed], "the tied rows are carried"
+    assert embed in chunks.members(len(chunks.lengths) - 2), "the embedding is stepped by the last piece's chunk"
+
+
+def test_chunks_are_stepped_while_later_backward_jobs_run(monkeypatch):
+    """Once a plan's jobs have run, a step's gradients go to the optimizer as its loss is known,
+    and a chunk is stepped as soon as its jobs landed: with the last backward job held, the
+    first chunk's parameters have moved while the embedding has not."""
+    import threading
+    from rpcompile.runtime.job import JobContext
+    model, cm, last, before = _two_steps_ran()
+    release, real = threading.Event(), JobContext.accumulate_grads
+
+    def held(self, grads):
+        if self.job_index == last:
+            release.wait(30)
+        return real(self, grads)
+    monkeypatch.setattr(JobContext, "accumulate_grads", held)
+    try:
+        cm.train_step(**lm_batch(seed=2))
+        norm = model.get_parameter("model.norm.weight")
+        deadline = time.monotonic() + 20
+        while torch.equal(norm, before["model.norm.weight"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not torch.equal(norm, before["model.norm.weight"]), "the first chunk waits for the last job"
+        assert torch.equal(model.get_parameter("model.embed_tokens.weight"), before["model.embed_tokens.weight"])
+    finally:
+        release.set()
+    cm.synchronize()
+    assert not torch.equal(model.get_parameter("model.embed_tokens.weight"), before["model.embed_tokens.weight"])
+
+
+def test_a_failure_after_the_early_submission_says_what_was_stepped(monkeypatch):
+    """A backward job of a step submitted early fails: the chunks stepped before it keep the
+    step, the error says so, the other parameters are unchanged, and training goes on."""
+    from rpcompile.runtime.job import JobContext
+    model, cm, last, before = _two_steps_ran()
+    real = JobContext.accumulate_grads
+
+    def faulty(self, grads):
+        if self.job_index == last:
+            raise RuntimeError("injected")
+        return real(self, grads)
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    cm.train_step(**lm_batch(seed=2))
+    with pytest.raises(rpcompile.StageError) as info:
+        cm.synchronize()
+    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    assert "already stepped" in "\n".join(getattr(info.value, "__notes__", []))
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert "model.norm.weight" in moved and "model.embed_tokens.weight" not in moved
+    losses = [cm.train_step(**lm_batch(seed=t)) for t in range(3, 6)]
+    cm.synchronize()
+    assert all(torch.isfinite(x) for x in losses)
+    assert not torch.equal(model.get_parameter("model.embed_tokens.weight"), before["model.embed_tokens.weight"])

@@ -145,8 +145,11 @@ class DeviceRuntime:
             p = p if p.dtype == want else p.to(want)
             return p if wait else (p, None)
         with host_weights.refreshed(param, want, rows) as entry:
-            if self.is_cpu:    # a delayed-mode copy: rewritten only after this step ended
-                return entry[1] if wait else (entry[1], None)
+            if self.is_cpu:
+                # a delayed-mode copy, rewritten once the jobs reading it landed (Note [chunk-wise
+                # submission]); .data: its own version counter, so the rewrite of another
+                # parameter in the same flat buffer does not trip a saved tensor's check
+                return entry[1].data if wait else (entry[1].data, None)
             d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
             host_weights.mark_upload(entry, ev, self.weights_in)
         return d if wait else (d, ev)

@@ -12,8 +12,8 @@ import threading
 import weakref
 from typing import Optional
 
-from ..errors import StageError
-from .device import DeviceRuntime
+from ..errors import StageError, StepAbandoned
+from .device import DeviceRuntime, resolve
 from .job import JobLinks, StepState, run_job
 from .schedule import Schedule
 
@@ -123,6 +123,7 @@ class ThreadRun:
     def __init__(self, executor, step, schedule, finished: dict):
         self.executor, self.step, self.schedule, self.finished = executor, step, schedule, finished
         self.ended = False
+        self.landed = _landing(finished, weakref.ref(step), step.param_grads)
 
     def wait(self, jobs=None) -> None:
         """Block until `jobs` (default: all) have ended; on a failure, until every job has
@@ -141,3 +142,18 @@ class ThreadRun:
             err = err.with_schedule(self.schedule.render(failed=err.job))
         if err is not None:
             raise err
+
+
+def _landing(finished: dict, step_ref, param_grads: dict):
+    """landed(job): block until `job` has ended and its gradients are on the host (any thread
+    may ask; it holds no step: an optimizer submission waiting with it keeps none alive);
+    StepAbandoned if a job of the step failed (ThreadRun.wait raises that failure)."""
+    def landed(job: int) -> None:
+        finished[job].wait()
+        step = step_ref()
+        if step is not None and step.error is not None:
+            raise StepAbandoned(f"job {job}'s step failed")
+        grads = param_grads.get(job)
+        if grads:
+            resolve(list(grads.values())[-1:])    # one copy brought them all (Note [few calls per step])
+    return landed

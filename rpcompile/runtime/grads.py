@@ -20,7 +20,8 @@ Note [one gradient set]: in delayed mode step t + 1 does not wait for the optimi
 reads step t's gradients beside it; a second set (8.1 GB on Qwen3-1.7B, 4.7 B/param) kept
 them apart. Instead the optimizer steps a submission piece by piece in the buffer's order
 (the backward's order: the next step's first backward job writes the piece the optimizer
-steps first) and counts, per piece, the submissions done with it (`GradSet.consumed`, an int32
+steps first; a piece goes back after the last chunk that reads it: Note [chunk-wise submission]
+in runtime/submission.py) and counts, per piece, the submissions done with it (`GradSet.consumed`, an int32
 table in the host buffers' placement, so worker processes read it too). A job writes its piece
 (on a GPU: downloads into it; on a CPU device: starts accumulating in it) once the counter says
 every earlier submission is done with it (`wait_free`), which on 4 GPUs it always is by then
@@ -40,6 +41,7 @@ import time
 
 import torch
 
+from .device import Pending, resolve
 from .host_buffers import host_empty
 
 
@@ -163,3 +165,38 @@ class HostGrads:
         the caching host allocator, which serves the next call's from the blocks this one freed."""
         sums = {i: host_empty(shape, torch.float32, self.pin, "call gradients") for i, shape in layout.row_sums.items()}
         return GradSet(layout, self.pin, sums, "call gradients")
+
+
+def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
+    """Host gradient per parameter index from {job: {key: host view}}, summed over the jobs (a
+    job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
+
+    One wait per job: a job's gradients come down in one copy, whose completion covers them
+    all (Note [few calls per step]). A parameter's gradient is the view of the first job that
+    made all of it, the other jobs' gradients of it added in place (the views are this step's
+    own, Note [host gradient buffers]); a parameter with rows only is its entry of `row_sums`
+    (param index -> its whole gradient, kept across steps): where its rows already lie there,
+    in order (GradLayout.whole_rows), nothing is copied, else they are summed into it."""
+    for grads in job_grads.values():
+        resolve(list(grads.values())[-1:])
+    entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
+               for key, g in job_grads[j].items()]
+    totals = {}
+    rows: dict = {}
+    for key, g in entries:
+        if isinstance(key, tuple):
+            rows.setdefault(key[0], []).append((key[1], key[2], g))
+        elif key in totals:
+            totals[key].add_(g)
+        else:
+            totals[key] = g
+    for i, parts in rows.items():
+        if i not in totals:
+            whole = row_sums[i]
+            if not all(whole[start:stop].data_ptr() == g.data_ptr() for start, stop, g in parts):
+                whole.zero_()
+                torch._foreach_add_([whole[start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
+            totals[i] = whole
+        else:
+            torch._foreach_add_([totals[i][start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
+    return totals

@@ -10,7 +10,9 @@ what happens to its gradients when its jobs have ended.
   (Note [one gradient set] in runtime/grads.py).
 
 The runner calls `mode.start(runner, plan, micro)` for a step's state and, once its jobs have
-ended, `mode.finish(runner, plan, step)` (or `mode.abandon(step)` if it failed).
+ended, `mode.finish(runner, plan, step, run)` (or `mode.abandon(step)` if it failed); delayed mode
+hands a step's gradients on as its loss is known (`submit_early`, Note [chunk-wise submission] in
+runtime/submission.py).
 
 Note [overlapped steps]: a step's jobs form one chain (forward jobs, the fused loss job, the
 backward jobs), so a step alone keeps N devices busy only in its middle: with J jobs of M
@@ -34,8 +36,8 @@ import time
 
 import torch
 
-from .device import Pending, resolve
-from .grads import param_index
+from .grads import param_index, sum_param_grads
+from .submission import ChunkGrads, grad_chunks, host_indices
 from .weights import DelayedWeights
 
 
@@ -60,80 +62,15 @@ def use_order(plan) -> list:
     return order
 
 
-def host_indices(plan) -> list:
-    """Parameter indices in the order their gradients lie in the plan's host gradient buffer
-    (GradLayout), then the rest in captured order: the order the flat masters and working
-    copies take, so a run contiguous in one is contiguous in the others (Note [flat host
-    optimizer] in runtime/flat.py)."""
-    layout, params = plan.host_memory.grad_layout, plan.captured.params
-    order, seen = [], set()
-    for s in sorted(layout.keys, key=lambda s: layout.stages[s][0]):
-        for key, _, _ in layout.keys[s]:
-            i = param_index(key)
-            if i not in seen and (not isinstance(key, tuple) or i in layout.whole_rows):
-                seen.add(i)
-                order.append(i)
-    return order + [i for i in range(len(params)) if i not in seen]
-
-
-def piece_chunks(layout, order: list) -> tuple:
-    """(chunk lengths, stage pieces per chunk) of parameter indices `order` (host_indices
-    order): a chunk per piece of the gradient buffer, in its order, holding the parameters
-    whose gradient lies there (none for a piece of row gradients only), and a last chunk of
-    those whose gradient is a buffer of its own (row sums)."""
-    piece_of = {}
-    for s in layout.keys:
-        for key, _, _ in layout.keys[s]:
-            i = param_index(key)
-            if i not in piece_of and (not isinstance(key, tuple) or i in layout.whole_rows):
-                piece_of[i] = s
-    stages = sorted(layout.keys, key=lambda s: layout.stages[s][0])
-    counts = {s: 0 for s in stages}
-    for i in order:
-        if i in piece_of:
-            counts[piece_of[i]] += 1
-    lengths = [counts[s] for s in stages] + [sum(1 for i in order if i not in piece_of)]
-    return lengths, [[s] for s in stages] + [[]]
+def _param_names(plan, params, shown: int = 4) -> str:
+    names = {id(p): n for n, p in zip(plan.captured.param_names, plan.captured.params)}
+    listed = [names.get(id(p), "?") for p in params]
+    return ", ".join(listed[:shown]) + (f" and {len(listed) - shown} more" if len(listed) > shown else "")
 
 
 def host_order(plan) -> list:
     """The parameters in host_indices order."""
     return [plan.captured.params[i] for i in host_indices(plan)]
-
-
-def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
-    """Host gradient per parameter index from {job: {key: host view}}, summed over the jobs (a
-    job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).
-
-    One wait per job: a job's gradients come down in one copy, whose completion covers them
-    all (Note [few calls per step]). A parameter's gradient is the view of the first job that
-    made all of it, the other jobs' gradients of it added in place (the views are this step's
-    own, Note [host gradient buffers]); a parameter with rows only is its entry of `row_sums`
-    (param index -> its whole gradient, kept across steps): where its rows already lie there,
-    in order (GradLayout.whole_rows), nothing is copied, else they are summed into it."""
-    for grads in job_grads.values():
-        resolve(list(grads.values())[-1:])
-    entries = [(key, g.tensor if isinstance(g, Pending) else g) for j in sorted(job_grads)
-               for key, g in job_grads[j].items()]
-    totals = {}
-    rows: dict = {}
-    for key, g in entries:
-        if isinstance(key, tuple):
-            rows.setdefault(key[0], []).append((key[1], key[2], g))
-        elif key in totals:
-            totals[key].add_(g)
-        else:
-            totals[key] = g
-    for i, parts in rows.items():
-        if i not in totals:
-            whole = row_sums[i]
-            if not all(whole[start:stop].data_ptr() == g.data_ptr() for start, stop, g in parts):
-                whole.zero_()
-                torch._foreach_add_([whole[start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
-            totals[i] = whole
-        else:
-            torch._foreach_add_([totals[i][start:stop] for start, stop, _ in parts], [g for _, _, g in parts])
-    return totals
 
 
 class _Mode:
@@ -142,8 +79,13 @@ class _Mode:
         [overlapped steps]): only where the next step needs nothing of them."""
         return False
 
-    def abandon(self, step) -> None:
-        """A step started by start() that will not finish (it, or the step before it, failed)."""
+    def abandon(self, step):
+        """A step started by start() that will not finish (it, or the step before it, failed);
+        returns a note for the error, or None."""
+
+    def submit_early(self, runner, plan, step, run) -> None:
+        """The step's loss is known and its backward jobs run: hand its gradients on now, if the
+        mode can (Note [chunk-wise submission])."""
 
 
 class ExactMode(_Mode):
@@ -154,7 +96,7 @@ class ExactMode(_Mode):
     def start(self, runner, plan, micro):
         return runner.new_step(plan, micro)
 
-    def finish(self, runner, plan, step):
+    def finish(self, runner, plan, step, run):
         with torch.no_grad():
             for i, g in sum_param_grads(step.param_grads, step.grads.row_sums).items():
                 p = plan.captured.params[i]
@@ -187,7 +129,7 @@ class OverlappedMode(_Mode):
             return [_as(totals[i], params[i].dtype) for i in order]
         return order, grads
 
-    def finish(self, runner, plan, step):
+    def finish(self, runner, plan, step, run):
         order, grads = self._submission(plan, step)
         params = plan.captured.params
         self.optimizer.submit([params[i] for i in order], grads, runner.pinned_refresh(step.dtype))
@@ -204,6 +146,9 @@ class DelayedMode(OverlappedMode):
         self.started = 0              # train steps started: those and the one still running (if any)
         self.next_upload = None       # (plan, device, key): the next step's first job's weights, going up
         self.start_waits: list = []   # seconds the last steps' starts waited for the optimizer
+        self.skipped = 0              # optimizer submissions of steps that failed after it (abandon)
+        self.grad_keys: dict = {}     # id(plan) -> (plan, {job: gradient keys}) of a step that ended
+        self.carried: dict = {}       # rows key -> its rows, copied out of their piece (Note [chunk-wise submission])
 
     def overlaps(self, plan) -> bool:
         # running statistics a step updates are read by the next one (and restored on failure)
@@ -224,7 +169,7 @@ class DelayedMode(OverlappedMode):
         t = self.started
         pending, self.next_upload = self.next_upload, None
         waited = time.perf_counter()
-        self.optimizer.wait_completed(t - 1)
+        self.optimizer.wait_completed(t - 1 + self.skipped)
         # seconds each step's start waited for the optimizer step it reads (benchmarks read them)
         self.start_waits = (self.start_waits + [time.perf_counter() - waited])[-16:]
         step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
@@ -241,36 +186,65 @@ class DelayedMode(OverlappedMode):
         return step
 
     def abandon(self, step):
+        if step.submission is not None:
+            # submitted when its loss was known (Note [chunk-wise submission]): the optimizer
+            # stops it at the next chunk; its place in the pieces' counts is given up by then
+            self.optimizer.wait_completed(step.submission, raise_errors=False)
+            stepped = self.optimizer.abandoned.pop(step.submission, [])
+            self.steps -= 1
+            self.skipped += 1
+            self.started -= 1
+            if not stepped:
+                return None
+            names = _param_names(step.plan, stepped)
+            return (f"the optimizer had already stepped {len(stepped)} parameters with this step's gradients, "
+                    f"which were complete ({names}); the other parameters are unchanged")
         # its submission's place in the gradient pieces' counts is given up at once, so a later
         # step's job waiting for it goes on (after the earlier submissions: the counts only grow)
-        self.optimizer.wait_completed(self.steps, raise_errors=False)
+        self.optimizer.wait_completed(self.steps + self.skipped, raise_errors=False)
         gs = step.grads
         gs.submitted += 1
         gs.release(range(len(gs.consumed)), gs.submitted)
         self.started -= 1
+        return None
 
-    def finish(self, runner, plan, step):
-        # one submission, in the order of the flat buffers (Note [flat host optimizer]), a chunk
-        # per piece of the gradient buffer, each piece given back once stepped (Note [one
-        # gradient set])
+    def submit_early(self, runner, plan, step, run):
+        keys = self.grad_keys.get(id(plan))
+        if keys is not None and keys[0] is plan:
+            self._submit(runner, plan, step, run, keys[1])
+
+    def finish(self, runner, plan, step, run):
+        if step.submission is not None:
+            return
+        keys = {job: list(grads) for job, grads in step.param_grads.items() if grads}
+        # the gradient keys of a plan's jobs are the same every step: the next steps of this
+        # plan are submitted when their loss is known (Note [chunk-wise submission])
+        self.grad_keys[id(plan)] = (plan, keys)
+        self._submit(runner, plan, step, run, keys)
+
+    def _submit(self, runner, plan, step, run, keys):
+        """One submission, in the order of the flat buffers (Note [flat host optimizer]), a
+        chunk per piece of the gradient buffer, each stepped once its jobs landed and each
+        piece given back after the last chunk that reads it (Note [chunk-wise submission])."""
         self.optimizer.raise_if_failed()
-        order, grads = self._submission(plan, step, host_indices)
         params = plan.captured.params
-        have = set(order)
+        have = {param_index(key) for ks in keys.values() for key in ks}
+        chunks = grad_chunks(plan, [i for i in host_indices(plan) if i in have], keys)
         slot = self.steps % 2
         copies, gs = self.copies, step.grads
         gs.submitted += 1
         count = gs.submitted
-        lengths, pieces = piece_chunks(plan.host_memory.grad_layout, order)
-        releases = iter(pieces)
+        releases = iter(chunks.release)
 
         def refresh(ps):
             copies.write_many(ps, slot)
             gs.release(next(releases, ()), count)
+        grads = ChunkGrads(chunks, gs, run.landed, {i: params[i].dtype for i in chunks.order}, self.carried)
         others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
-        self.optimizer.submit([params[i] for i in order], grads, refresh, others, chunks=lengths,
+        self.optimizer.submit([params[i] for i in chunks.order], grads, refresh, others, chunks=chunks.lengths,
                               on_done=lambda: gs.release(range(len(gs.consumed)), count))
         self.steps += 1
+        step.submission = self.steps + self.skipped     # the optimizer's count once it is done
         self._upload_first_job(runner, plan, self.started)
 
     def _upload_first_job(self, runner, plan, t):
@@ -279,11 +253,11 @@ class DelayedMode(OverlappedMode):
         rather than when step t starts."""
         dev = runner.executor.next_device()
         params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
-        opt, key = self.optimizer, ("next step", t)
+        opt, key, done = self.optimizer, ("next step", t), t - 1 + self.skipped
         if self.next_upload is not None and self.next_upload[2] == key:
             return            # asked for already (as the step before this one ended)
         dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
-                     before=lambda: opt.wait_completed(t - 1, raise_errors=False))
+                     before=lambda: opt.wait_completed(done, raise_errors=False))
         self.next_upload = (plan, dev, key)
 
 

@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from ..errors import StepAbandoned
 from .flat import FlatMasters, FlatStepper
 
 
@@ -39,6 +40,7 @@ class OverlappedOptimizer:
         self._completed = 0                     # submissions stepped (or failed)
         self._completed_cond = threading.Condition()
         self._error = None
+        self.abandoned: dict = {}               # submission number -> parameters stepped before its step failed
         self.timings: list = []                 # per submission: seconds in grads / clip / step / refresh
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
@@ -71,7 +73,10 @@ class OverlappedOptimizer:
 
     def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None):
         """Step `params` (in use order) with `grads()`, a callable run in this thread that
-        returns their gradients (a list aligned with params, in their dtypes). refresh(list of
+        returns their gradients (a list aligned with params, in their dtypes), or, where it has
+        `grads.chunk(k)` (runtime/submission.py), chunk k's gradients one chunk at a time (which
+        may raise StepAbandoned: the submission then stops, the chunks stepped before kept, and
+        `abandoned[its number]` lists their parameters). refresh(list of
         params) after each chunk is stepped (an empty chunk too), and for `others` (parameters
         without a gradient). chunks: how many optimizer steps the parameters are cut into
         (default: self.chunks), or the list of their lengths. on_done(): after the submission,
@@ -114,10 +119,13 @@ class OverlappedOptimizer:
             self._queue.task_done()
 
     def _run(self, params, grads, refresh, others, chunks, on_done):
+        stepped: list = []
         try:
-            self._step(params, grads, refresh, chunks)
+            self._step(params, grads, refresh, chunks, stepped)
             if refresh is not None and others:
                 refresh(others)
+        except StepAbandoned:         # the step failed: its error is raised by the runner
+            self.abandoned[self._completed + 1] = stepped
         except BaseException as exc:  # surfaced in the caller's thread by the next call
             self._error = exc
         finally:
@@ -126,9 +134,11 @@ class OverlappedOptimizer:
             if on_done is not None:
                 on_done()
 
-    def _step(self, params, grads, refresh, chunks):
+    def _step(self, params, grads, refresh, chunks, stepped):
         t0 = time.perf_counter()
-        grads = grads()
+        by_chunk = getattr(grads, "chunk", None) if self.max_grad_norm is None else None
+        if by_chunk is None:      # (the global norm needs every gradient first)
+            grads = grads()
         t1 = time.perf_counter()
         if self.max_grad_norm is not None and grads:
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
@@ -140,13 +150,20 @@ class OverlappedOptimizer:
         if isinstance(chunks, int):
             size = max(1, -(-len(params) // max(1, chunks)))
             chunks = [min(size, len(params) - start) for start in range(0, len(params), size)]
-        start = 0
-        for n in chunks:
-            chunk, chunk_grads = params[start:start + n], grads[start:start + n]
+        start, grads_s = 0, t1 - t0
+        for k, n in enumerate(chunks):
+            chunk = params[start:start + n]
+            if by_chunk is None:
+                chunk_grads = grads[start:start + n]
+            else:
+                w = time.perf_counter()
+                chunk_grads = by_chunk(k)
+                grads_s += time.perf_counter() - w
             start += n
             a = time.perf_counter()
             if chunk:
                 self.stepper.step(chunk, chunk_grads)
+                stepped.extend(chunk)
             b = time.perf_counter()
             if refresh is not None:
                 refresh(chunk)
@@ -156,7 +173,7 @@ class OverlappedOptimizer:
             refresh_s += time.perf_counter() - b
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.timings = (self.timings + [{"grads_s": t1 - t0, "clip_s": t2 - t1, "step_s": step_s,
+        self.timings = (self.timings + [{"grads_s": grads_s, "clip_s": t2 - t1, "step_s": step_s,
                                          "refresh_s": refresh_s, "total_s": time.perf_counter() - t0}])[-16:]
 
 

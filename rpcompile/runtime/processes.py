@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import RPCompileError, StageError
+from ..errors import RPCompileError, StageError, StepAbandoned
 from . import portable, warmup
 from .device import Pending
 from .schedule import Schedule
@@ -329,6 +329,7 @@ class _ProcessRun:
         self.inbox: list = []
         self.first_error, self.aborted, self.updated = None, False, []
         self.run_landed = _RunLanded(executor.hub, [record.landed[(run_no, j)] for j in self.waiting])
+        self.landed = _landing(executor.hub, record, run_no)
 
     def wait(self, jobs=None) -> None:
         """Block until `jobs` (default: all) have ended; on a failure, until every job has
@@ -386,6 +387,19 @@ class _ProcessRun:
             raise err.with_schedule(schedule.render(failed=err.job))
 
 
+def _landing(hub, record, run_no):
+    """landed(job): block until `job`'s copies have landed (any thread may ask: the receiver
+    thread records them; it holds no step); StepAbandoned if a job of the run failed
+    (_ProcessRun.wait raises that failure)."""
+    def landed(job: int) -> None:
+        event = record.landed[(run_no, job)]
+        event.wait()
+        if hub.broken is not None or event in hub.failed:
+            raise StepAbandoned(hub.broken or f"job {job} failed")
+        _Landed(hub, event).synchronize()
+    return landed
+
+
 class _Hub:
     """The connections to the workers and the receiver thread that reads them: "ended" go to
     the caller's thread, "landed" are recorded here; a step's slots are released once its
@@ -402,6 +416,7 @@ class _Hub:
         self.broken: Optional[str] = None
         self.stopping = False
         self.landed_errors: dict = {}    # landed event -> why its copies did not land
+        self.failed = weakref.WeakSet()  # landed events of jobs that failed or were stopped
 
     def to_all(self, msg):
         for conn, lock in zip(self.conns, self.locks):
@@ -457,6 +472,8 @@ class _Hub:
         ev = record.landed.get((run_no, job))
         if info.get("error") and ev is not None:
             self.landed_errors[ev] = f"the copies of job {job} did not land: {info['error']}"
+        if info.get("failed") and ev is not None:
+            self.failed.add(ev)
         if ev is not None and not ev.is_set():
             with self.lock:     # before waking a waiter, who may drop the step (and release it)
                 record.outstanding -= 1

@@ -371,7 +371,7 @@ class Worker:
                            exc, stage=a.stage, device=self.label, job=a.job)
             self.to_main(("ended", step_id, desc["run"], a.job, {"grads": [], "outputs": {}, "buffers": {},
                                                                 "error": describe(err)}))
-            self.to_main(("landed", step_id, desc["run"], a.job, {"spans": [], "first_calls": []}))
+            self.to_main(("landed", step_id, desc["run"], a.job, {"spans": [], "first_calls": [], "failed": True}))
 
     def _handle(self, msg):
         kind = msg[0]
@@ -512,7 +512,7 @@ class Worker:
             spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
-                           "error": error}))
+                           "error": error, "failed": err is not None or aborted}))
         # if waiting for the copies failed, the main process hears so (it waits for "landed")
         self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
 
