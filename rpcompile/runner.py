@@ -176,7 +176,8 @@ class GraphRunner:
 
     def host_buffer_bytes(self) -> dict:
         """Bytes of the host buffers this runner holds across steps, by the kind `cm.plan` names
-        them (passes/host_memory.py): working copies and gradient sets, each buffer once."""
+        them (passes/host_memory.py): working copies, gradient sets and carried gradient rows, each
+        buffer once."""
         out: dict = {}
         seen = set()
 
@@ -193,6 +194,8 @@ class GraphRunner:
         add("gradients", grads.flat)
         for t in grads._sums.values():
             add("gradients", t)
+        for t in getattr(self.mode, "carried", {}).values():
+            add("gradient rows carried to a later chunk", t)
         return out
 
     def working_dtype(self, plan):

@@ -123,16 +123,17 @@ class HostMemory:
     activations: int
     num_params: int
     param_grads: int = 0       # exact mode: `param.grad`, which the user holds
+    carried_rows: int = 0      # delayed mode: gradient rows copied out of their piece (runtime/submission.py)
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
 
     @property
     def total(self) -> int:
-        return (self.masters + self.param_grads + self.grads + self.optimizer_state + self.working_copies
-                + self.activations)
+        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.optimizer_state
+                + self.working_copies + self.activations)
 
     def rows(self) -> list:
         return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
-                ("gradients", self.grads),
+                ("gradients", self.grads), ("gradient rows carried to a later chunk", self.carried_rows),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
                 ("activations and checkpoints per step", self.activations)]
@@ -160,5 +161,10 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in st.handed_on)
+    carried = 0
+    if optimizer_mode == "delayed":
+        from ..runtime.submission import carried_rows
+        carried = GRAD_ITEMSIZE * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
     return HostMemory(masters, layout.nbytes(1), state, copies, int(per_micro) * plan.num_microbatches,
-                      sum(p.numel() for p in params), param_grads=param_grads, grad_layout=layout)
+                      sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried,
+                      grad_layout=layout)

@@ -75,13 +75,13 @@ def piece_of(layout) -> dict:
     return {**{i: s for i, s in rows.items() if i not in owner}, **owner}
 
 
-def host_indices(plan) -> list:
+def host_indices(plan, layout=None) -> list:
     """Parameter indices in the order the optimizer steps them: by the piece of the gradient
     buffer (GradLayout) that completes their gradient (piece_of), in the buffer's order, then
     the rest in captured order. The flat masters and working copies take this order, so a run
     contiguous in one is contiguous in the others (Note [flat host optimizer] in
     runtime/flat.py), and a chunk of the submission is a run of them."""
-    layout, params = plan.host_memory.grad_layout, plan.captured.params
+    layout, params = layout or plan.host_memory.grad_layout, plan.captured.params
     owner = piece_of(layout)
     order, seen = [], set()
     for s in _pieces(layout):
@@ -93,12 +93,12 @@ def host_indices(plan) -> list:
     return order + [i for i in range(len(params)) if i not in seen]
 
 
-def grad_chunks(plan, order: list, keys: dict) -> GradChunks:
+def grad_chunks(plan, order: list, keys: dict, layout=None) -> GradChunks:
     """The chunks of a submission of parameter indices `order` (host_indices order, those with
     a gradient), whose gradients the jobs wrote under `keys` ({job: [gradient keys]}): a chunk
     per piece of the gradient buffer, in its order, holding the parameters that piece completes
     (piece_of), and a last one of those with none (empty unless the keys differ from the plan's)."""
-    layout = plan.host_memory.grad_layout
+    layout = layout or plan.host_memory.grad_layout
     owner = piece_of(layout)
     stages = _pieces(layout)
     counts = {s: 0 for s in stages}
@@ -133,6 +133,16 @@ def grad_chunks(plan, order: list, keys: dict) -> GradChunks:
     for k in range(len(chunks.lengths)):
         chunks.release.append([s for s in stages if last_reader.get(s, own[s]) == k])
     return chunks
+
+
+def carried_rows(plan, layout) -> dict:
+    """rows key -> shape: the gradient rows a submission of the plan's own gradient keys copies
+    out of their piece (GradChunks.carry), each into a host buffer kept across steps."""
+    keys = {s: [key for key, _, _ in ks] for s, ks in layout.keys.items()}
+    have = {param_index(key) for ks in keys.values() for key in ks}
+    chunks = grad_chunks(plan, [i for i in host_indices(plan, layout) if i in have], keys, layout)
+    shapes = {key: tuple(shape) for ks in layout.keys.values() for key, _, shape in ks}
+    return {key: shapes[key] for items in chunks.carry for _, key in items}
 
 
 class ChunkGrads:
