@@ -12,6 +12,8 @@ import torch
 
 import rpcompile
 
+from models import lm_batch, qwen3
+
 
 def close(a, b, rtol, atol, what):
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
@@ -151,3 +153,23 @@ class FakeEvent:
 
     def synchronize(self):
         self.waited += 1
+
+
+def delayed_run(workers="threads", fail_at=None, fail=None):
+    """Three delayed-mode AdamW steps (lr 1e-3) of qwen3(seed=3) on 2 CPU devices, 2
+    microbatches, a 300KiB budget, lm_batch(seed=t) at step t. Before step `fail_at`,
+    fail(cm, model, t) runs a step that fails. Returns the losses and the parameters after
+    cm.synchronize(). Without a failure (worker threads) this is the `delayed_reference`
+    fixture (conftest.py) that test_delayed.py and test_processes.py compare against."""
+    model = qwen3(seed=3)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode="delayed",
+                                                   workers=workers))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for t in range(3):
+        if t == fail_at:
+            fail(cm, model, t)
+        losses.append(cm.train_step(**lm_batch(seed=t)))
+    cm.synchronize()
+    return losses, [p.detach().clone() for p in model.parameters()]

@@ -41,11 +41,15 @@ def padded_batch(batch, seq, side, vocab=128, seed=0):
 ])
 def test_padded_batch_parity(side, devices, microbatches, batch):
     """The issue's reproduction and its variants: the loss, the gradients and the parameters
-    after 3 SGD steps equal eager on the whole padded batch."""
+    after 3 SGD steps equal eager on the whole padded batch; every attention keeps its mask
+    (test_causal_mask.py's padded batches of llama: no is_causal rewrite)."""
+    from test_causal_mask import _sdpa_nodes
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches)
     batches = [padded_batch(batch, 12, side, seed=s) for s in range(3)]
     cm = train_both(llama(), batches, cfg, min_stages=0, check_every_step=True)
     assert cm.plan.split_leaves == {0, 1, 2}, "input_ids, attention_mask and labels are all split"
+    sdpa = _sdpa_nodes(cm.plan.gm)
+    assert sdpa and all(isinstance(n.kwargs.get("attn_mask"), torch.fx.Node) for n in sdpa)
 
 
 def test_padding_changes_the_loss():

@@ -9,7 +9,7 @@ import torch
 import rpcompile
 
 from models import lm_batch, qwen3
-from parity import close
+from parity import close, delayed_run
 
 
 def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None):
@@ -118,45 +118,37 @@ def test_delayed_mode_does_not_wait_for_the_optimizer_step():
 
 
 @pytest.mark.parametrize("raised_by", ["synchronize", "next step"])
-def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeypatch, raised_by):
+def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeypatch, raised_by, delayed_reference):
     """A step whose backward fails: train_step returned its loss (Note [overlapped steps]), so
     the failure comes from the next call, synchronize or train_step (whose own step is then
-    stopped); neither step reaches the optimizer, and training goes on as if they never ran."""
+    stopped); neither step reaches the optimizer, and training goes on as if they never ran:
+    losses and parameters equal, bit for bit, those of the same run without the failure
+    (delayed_reference, parity.delayed_run)."""
     from rpcompile.runtime.job import JobContext
 
-    def run(fail_at=None):
-        model = qwen3(seed=3)
-        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                       memory_budget="300KiB", optimizer_mode="delayed"))
-        cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-        losses = []
-        for t in range(3):
-            if t == fail_at:
-                cm.synchronize()    # step t - 1's backward jobs ended: the failure is step t's
-                real, failing = JobContext.accumulate_grads, []
+    def fail(cm, model, t):
+        cm.synchronize()    # step t - 1's backward jobs ended: the failure is step t's
+        real, failing = JobContext.accumulate_grads, []
 
-                def faulty(self, grads):
-                    failing[:] = failing or [self.step]     # the first step to get here: step t
-                    if self.step is failing[0]:
-                        raise RuntimeError("injected")
-                    return real(self, grads)
-                monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
-                with pytest.raises(rpcompile.StageError):
-                    cm.train_step(**lm_batch(seed=t))
-                    if raised_by == "synchronize":
-                        cm.synchronize()
-                    else:
-                        cm.train_step(**lm_batch(seed=99))
-                monkeypatch.setattr(JobContext, "accumulate_grads", real)
-            losses.append(cm.train_step(**lm_batch(seed=t)))
-        cm.synchronize()
-        return losses, [p.detach().clone() for p in model.parameters()]
+        def faulty(self, grads):
+            failing[:] = failing or [self.step]     # the first step to get here: step t
+            if self.step is failing[0]:
+                raise RuntimeError("injected")
+            return real(self, grads)
+        monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+        with pytest.raises(rpcompile.StageError):
+            cm.train_step(**lm_batch(seed=t))
+            if raised_by == "synchronize":
+                cm.synchronize()
+            else:
+                cm.train_step(**lm_batch(seed=99))
+        monkeypatch.setattr(JobContext, "accumulate_grads", real)
 
-    losses_a, params_a = run()
-    losses_b, params_b = run(fail_at=2)
-    for a, b in zip(losses_a, losses_b):
+    losses_a, params_a = delayed_reference
+    losses_b, params_b = delayed_run(fail_at=2, fail=fail)
+    for a, b in zip(losses_a, losses_b, strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(params_a, params_b):
+    for a, b in zip(params_a, params_b, strict=True):
         assert torch.equal(a, b)
 
 

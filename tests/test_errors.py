@@ -143,23 +143,34 @@ def test_failure_while_building_programs_does_not_strand_workers(monkeypatch):
 
 def test_process_exits_cleanly_with_live_workers(tmp_path):
     """A script that trains and exits with the compiled model still alive ends with status 0
-    (worker and optimizer threads ending during interpreter shutdown used to abort it)."""
+    (worker and optimizer threads ending during interpreter shutdown used to abort it). The
+    abort depended on timing, about one run in three before the fix: the script imports torch
+    and rpcompile once and forks three processes, each of which builds, compiles and trains
+    the model and then exits through the interpreter's own shutdown (sys.exit), the compiled
+    model alive in its globals; the script reports each one's exit status."""
     import subprocess
     import sys
     script = tmp_path / "train_and_exit.py"
     script.write_text(
-        "import sys, torch, torch.nn.functional as F, rpcompile\n"
+        "import os, sys, torch, torch.nn.functional as F, rpcompile\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "from models import MLP\n"
-        "m = MLP(depth=2)\n"
-        "cm = rpcompile.compile(m, rpcompile.Config(devices=['cpu', 'cpu'], num_microbatches=2,\n"
-        "                      loss_fn=F.mse_loss, optimizer_mode='overlapped'))\n"
-        "cm.attach_optimizer(torch.optim.AdamW(m.parameters()))\n"
-        "cm.train_step(torch.randn(4, 8), target=torch.randn(4, 4))\n"
-        "print('trained')\n")
+        "for run in range(3):\n"
+        "    sys.stdout.flush(); sys.stderr.flush()\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        m = MLP(depth=2)\n"
+        "        cm = rpcompile.compile(m, rpcompile.Config(devices=['cpu', 'cpu'], num_microbatches=2,\n"
+        "                              loss_fn=F.mse_loss, optimizer_mode='overlapped'))\n"
+        "        cm.attach_optimizer(torch.optim.AdamW(m.parameters()))\n"
+        "        cm.train_step(torch.randn(4, 8), target=torch.randn(4, 4))\n"
+        "        print('trained', flush=True)\n"
+        "        sys.exit(0)\n"
+        "    _, status = os.waitpid(pid, 0)\n"
+        "    print('exit status', os.waitstatus_to_exitcode(status), flush=True)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    for _ in range(3):      # the abort depended on timing: about one run in three before the fix
-        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-        assert res.returncode == 0, res.stderr[-2000:]
-        assert "trained" in res.stdout and "terminate called" not in res.stderr
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n") == ["trained", "exit status 0"] * 3 + [""], (res.stdout, res.stderr[-2000:])
+    assert "terminate called" not in res.stderr

@@ -5,7 +5,6 @@ import copy
 import threading
 import time
 
-import pytest
 import torch
 
 import rpcompile
@@ -60,13 +59,35 @@ def _steps_seen(opt, count):
     return merged
 
 
+def _record_grad_buffers(cm):
+    """The address of each step's flat host gradient buffer, in order (appended as steps start)."""
+    flats = []
+    real = cm.runner.new_step
+
+    def new_step(*args, **kwargs):
+        step = real(*args, **kwargs)
+        flats.append(step.grads.flat().data_ptr())
+        return step
+    cm.runner.new_step = new_step
+    return flats
+
+
+def _assert_one_gradient_set(cm, flats, steps):
+    """Every step wrote the same host gradient memory (Note [one gradient set])."""
+    assert len(flats) == steps and len(set(flats)) == 1
+    assert len(cm.runner.host_grads._sets) == 1
+
+
 def test_delayed_step_does_not_rewrite_gradients_the_optimizer_holds():
     """The optimizer is held on step 0's gradients while step 1 runs: step 1's backward jobs
     wait before writing the pieces it still reads (Note [one gradient set]), so what the
-    optimizer then reads is step 0's, and step 1's are step 1's."""
+    optimizer then reads is step 0's, and step 1's are step 1's. Every step, held or not,
+    writes the same host gradient buffer (test_host_gradients_are_reused_across_steps for
+    delayed mode)."""
     model = qwen3(tied=True, vocab=VOCAB)
     ref = copy.deepcopy(model)
     cm = _compile(model, "delayed")
+    flats = _record_grad_buffers(cm)
     hold = threading.Event()
     names = {id(p): n for n, p in model.named_parameters()}
     opt = RecordingSGD(model.parameters(), names, hold=hold)
@@ -87,14 +108,21 @@ def test_delayed_step_does_not_rewrite_gradients_the_optimizer_holds():
         want = _eager_grads(ref, _batch(t))
         for name, g in want.items():
             close(seen[t][name], g, 1e-4, 1e-6, f"step {t}: grad of {name}")
+    for t in (2, 3):       # two more steps, the optimizer no longer held
+        cm.train_step(**_batch(t))
+    cm.synchronize()
+    _assert_one_gradient_set(cm, flats, 4)
 
 
 def test_overlapped_next_step_waits_before_writing_gradients():
     """The optimizer steps chunk by chunk, slowly; the next step writes the one set of host
-    gradients only where the optimizer is done, so every chunk steps with its own step's."""
+    gradients only where the optimizer is done, so every chunk steps with its own step's; every
+    step writes the same host gradient buffer (test_host_gradients_are_reused_across_steps for
+    overlapped mode)."""
     model = qwen3(tied=True, vocab=VOCAB)
     ref = copy.deepcopy(model)
     cm = _compile(model, "overlapped")
+    flats = _record_grad_buffers(cm)
     names = {id(p): n for n, p in model.named_parameters()}
     opt = RecordingSGD(model.parameters(), names, sleep=0.02)
     cm.attach_optimizer(opt, chunks=4)
@@ -108,35 +136,26 @@ def test_overlapped_next_step_waits_before_writing_gradients():
     for t, seen in enumerate(_steps_seen(opt, 3)):
         for name, g in want[t].items():
             close(seen[name], g, 1e-4, 1e-6, f"step {t}: grad of {name}")
+    _assert_one_gradient_set(cm, flats, 3)
 
 
-@pytest.mark.parametrize("mode", ["exact", "overlapped", "delayed"])
-def test_host_gradients_are_reused_across_steps(mode):
-    """The host gradient buffers of a step are the same memory every step, in every mode (Note
-    [one gradient set]); exact mode's param.grad are copies, equal to eager's."""
+def test_host_gradients_are_reused_across_steps():
+    """The host gradient buffers of a step are the same memory every step (Note [one gradient
+    set]); exact mode's param.grad are copies, equal to eager's. (Overlapped and delayed mode:
+    test_overlapped_next_step_waits_before_writing_gradients and
+    test_delayed_step_does_not_rewrite_gradients_the_optimizer_holds check the same.)"""
     model = qwen3(tied=True, vocab=VOCAB)
     ref = copy.deepcopy(model)
-    cm = _compile(model, mode)
-    if mode != "exact":
-        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    flats = []
-    real = cm.runner.new_step
-
-    def new_step(*args, **kwargs):
-        step = real(*args, **kwargs)
-        flats.append(step.grads.flat().data_ptr())
-        return step
-    cm.runner.new_step = new_step
+    cm = _compile(model, "exact")
+    flats = _record_grad_buffers(cm)
     for t in range(4):
         cm.train_step(**_batch(t))
-        if mode == "exact":
-            ref(**_batch(t)).loss.backward()
-            check_grads(model, ref)
-            assert all(p.grad.untyped_storage().data_ptr() not in flats for p in model.parameters())
-            model.zero_grad(), ref.zero_grad()
+        ref(**_batch(t)).loss.backward()
+        check_grads(model, ref)
+        assert all(p.grad.untyped_storage().data_ptr() not in flats for p in model.parameters())
+        model.zero_grad(), ref.zero_grad()
     cm.synchronize()
-    assert len(set(flats)) == 1
-    assert len(cm.runner.host_grads._sets) == 1
+    _assert_one_gradient_set(cm, flats, 4)
 
 
 def _layout(stage_keys, shapes):

@@ -81,27 +81,19 @@ def _three_layer_overlapped():
     return model, ref, cm, opt, torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["exact", "overlapped", "delayed"])
-def test_finished_steps_are_freed_without_the_garbage_collector(mode):
-    """A step's host gradients and activations are freed when it ends, not when the cyclic
-    collector runs or the next step starts (on 4 GPUs a reference cycle let host memory grow
-    by a step's worth each step). In overlapped mode, also: one submission per step, and the
-    optimizer thread refreshes a chunk's copies in one call (Note [few calls per step]): its
-    timings are kept per submission."""
+def _steps_free_their_state(cm, opt, mode, steps=3):
+    """Runs `steps` steps (lm_batch(seed=t)) with the cyclic garbage collector off: every
+    finished step is freed all the same. In overlapped mode, also: one submission per step,
+    and the optimizer thread refreshes a chunk's copies in one call (Note [few calls per
+    step]): its timings are kept per submission."""
     import gc
 
     from rpcompile.runtime.job import StepState
 
-    model = qwen3(tied=False, layers=3)
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                   memory_budget="300KiB", optimizer_mode=mode))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if mode != "exact":
-        cm.attach_optimizer(opt)
     gc.collect()
     gc.disable()
     try:
-        for step in range(3):
+        for step in range(steps):
             cm.train_step(**lm_batch(seed=step))
             if mode == "exact":
                 opt.step(), opt.zero_grad()
@@ -111,42 +103,60 @@ def test_finished_steps_are_freed_without_the_garbage_collector(mode):
         gc.enable()
     assert alive == 0, f"{alive} finished steps are still alive"
     if mode == "overlapped":
-        assert len(cm.plan.stages) >= 3 and cm.runner.overlapped._completed == 3
+        assert len(cm.plan.stages) >= 3 and cm.runner.overlapped._completed == steps
         timings = cm.runner.overlapped.timings
-        assert len(timings) == 3 and all(t["total_s"] >= t["step_s"] > 0 for t in timings)
+        assert len(timings) == steps and all(t["total_s"] >= t["step_s"] > 0 for t in timings)
+
+
+@pytest.mark.parametrize("mode", ["exact", "delayed"])
+def test_finished_steps_are_freed_without_the_garbage_collector(mode):
+    """A step's host gradients and activations are freed when it ends, not when the cyclic
+    collector runs or the next step starts (on 4 GPUs a reference cycle let host memory grow
+    by a step's worth each step). Overlapped mode: test_a_failing_step_changes_nothing's first
+    steps (the same model and config)."""
+    model = qwen3(tied=False, layers=3)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode=mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode != "exact":
+        cm.attach_optimizer(opt)
+    _steps_free_their_state(cm, opt, mode)
 
 
 def test_a_failing_step_changes_nothing(monkeypatch):
     """A step whose last job fails leaves parameters, gradients and optimizer state as they
-    were, and training then goes on to eager's results."""
+    were, and training then goes on to eager's results. The steps before it are
+    test_finished_steps_are_freed_without_the_garbage_collector's for overlapped mode."""
     from rpcompile.runtime.job import JobContext
 
     model, ref, cm, opt, opt_ref = _three_layer_overlapped()
-    for step in range(2):
-        batch = lm_batch(seed=step)
-        if step == 1:       # the last job fails after the other jobs made their gradients
-            cm.synchronize()
-            params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
-            last = len(cm.plan.stages) - 1
-            real = JobContext.accumulate_grads
-
-            def faulty(self, grads):
-                if self.stage.index == last:
-                    raise RuntimeError("injected")
-                return real(self, grads)
-            monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
-            with pytest.raises(rpcompile.StageError):
-                cm.train_step(**batch)
-            monkeypatch.setattr(JobContext, "accumulate_grads", real)
-            cm.synchronize()
-            for n, p in model.named_parameters():
-                assert p.grad is None, n
-                assert torch.equal(p.detach(), params[n]), n
-                assert all(torch.equal(opt.state[p][k], v) for k, v in state[n].items()), n
-        cm.train_step(**batch)
-        ref(**batch).loss.backward()
+    _steps_free_their_state(cm, opt, "overlapped", steps=3)
+    for step in range(3):
+        ref(**lm_batch(seed=step)).loss.backward()
         opt_ref.step(), opt_ref.zero_grad()
+    # step 3: the last job fails after the other jobs made their gradients
+    batch = lm_batch(seed=3)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in model.named_parameters()}
+    last = len(cm.plan.stages) - 1
+    real = JobContext.accumulate_grads
+
+    def faulty(self, grads):
+        if self.stage.index == last:
+            raise RuntimeError("injected")
+        return real(self, grads)
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    with pytest.raises(rpcompile.StageError):
+        cm.train_step(**batch)
+    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    cm.synchronize()
+    for n, p in model.named_parameters():
+        assert p.grad is None, n
+        assert torch.equal(p.detach(), params[n]), n
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state[n].items()), n
+    cm.train_step(**batch)
+    ref(**batch).loss.backward()
+    opt_ref.step(), opt_ref.zero_grad()
     cm.synchronize()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-4, 1e-6, name)

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
+from rpcompile import passes
 from rpcompile.passes.cost import annotate_costs
 
 from models import lm_batch, qwen3
@@ -15,14 +16,15 @@ from test_cost import capture
 
 
 def test_plan_names_module_ranges_units_and_symbols():
-    one = rpcompile.compile(qwen3(layers=3), rpcompile.Config(lm_head_shards=3))
-    one.train_step(**lm_batch(batch=4))
-    (whole,) = [r["modules"] for r in one.plan.stage_rows()]
-    assert whole == "model.embed_tokens, model.layers.0-2, model.norm, lm_head shards 1-3/3, loss"
-
     cm = rpcompile.compile(qwen3(layers=3), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
                                                              lm_head_shards=3))
     cm.train_step(**lm_batch(batch=4))
+    # the same capture planned for one device (as rpcompile.Config(lm_head_shards=3) plans its
+    # first call): one job, the whole model in one row
+    one = passes.compile_graph(cm.plan.captured, rpcompile.Config(lm_head_shards=3), "train")
+    (whole,) = [r["modules"] for r in one.stage_rows()]
+    assert whole == "model.embed_tokens, model.layers.0-2, model.norm, lm_head shards 1-3/3, loss"
+
     text = str(cm.plan)
     rows = cm.plan.stage_rows()
     modules = [r["modules"] for r in rows]

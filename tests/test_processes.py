@@ -9,7 +9,7 @@ import torch
 import rpcompile
 
 from models import lm_batch, qwen3
-from parity import check_grads, close, train_both
+from parity import check_grads, close, delayed_run, train_both
 from rpcompile.runtime.processes import WorkerDied
 from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull
 
@@ -81,33 +81,25 @@ def _bad_batch(seed):
     return b
 
 
-def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing():
-    def run(workers, fail_at=None):
-        model = qwen3(seed=3)
-        cm = rpcompile.compile(model, _config(workers, optimizer_mode="delayed"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cm.attach_optimizer(opt)
-        losses = []
-        for t in range(3):
-            if t == fail_at:
-                cm.synchronize()
-                before = [p.detach().clone() for p in model.parameters()]
-                with pytest.raises(rpcompile.StageError) as info:
-                    cm.train_step(**_bad_batch(t))
-                # the error names the stage and device, and the schedule with the failing job marked
-                assert "on cpu" in str(info.value) and "failed]" in str(info.value)
-                assert "IndexError" in str(info.value.__cause__) or "index" in str(info.value.__cause__).lower()
-                cm.synchronize()
-                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-            losses.append(cm.train_step(**lm_batch(seed=t)))
+def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing(delayed_reference):
+    """parity.delayed_run in worker processes, with a step whose batch fails in a worker: the
+    losses and parameters of worker threads without the failure (delayed_reference)."""
+    def fail(cm, model, t):
         cm.synchronize()
-        return losses, [p.detach().clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(rpcompile.StageError) as info:
+            cm.train_step(**_bad_batch(t))
+        # the error names the stage and device, and the schedule with the failing job marked
+        assert "on cpu" in str(info.value) and "failed]" in str(info.value)
+        assert "IndexError" in str(info.value.__cause__) or "index" in str(info.value.__cause__).lower()
+        cm.synchronize()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
-    losses_t, params_t = run("threads")
-    losses_p, params_p = run("processes", fail_at=2)
-    for t, (a, b) in enumerate(zip(losses_t, losses_p)):
+    losses_t, params_t = delayed_reference
+    losses_p, params_p = delayed_run("processes", fail_at=2, fail=fail)
+    for t, (a, b) in enumerate(zip(losses_t, losses_p, strict=True)):
         close(b, a, 1e-6, 1e-7, f"loss at step {t}")
-    for a, b in zip(params_t, params_p):
+    for a, b in zip(params_t, params_p, strict=True):
         close(b, a, 1e-6, 1e-7, "parameter after 3 delayed steps")
 
 
