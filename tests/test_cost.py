@@ -1,5 +1,4 @@
 """Tests of the cost annotation pass (rpcompile/passes/cost.py)."""
-import time
 
 import pytest
 import sympy
@@ -269,10 +268,8 @@ def qwen():
     model = tiny_qwen3()
     ids = torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     gm = capture(model, input_ids=ids, labels=ids)
-    t0, c0 = time.perf_counter(), time.process_time()
     annotate_costs(gm)
-    seconds = (time.perf_counter() - t0, time.process_time() - c0)
-    return model, ids, gm, seconds
+    return model, ids, gm
 
 
 def _total(gm, field, nodes=None):
@@ -283,15 +280,8 @@ def _sdpa_nodes(gm):
     return [n for n in calls(gm) if n.target is torch._C._nn.scaled_dot_product_attention]
 
 
-def test_qwen3_annotates_fast(qwen):
-    _, _, gm, (wall, cpu) = qwen
-    # CPU time of this process: the test machine may be shared, which stretches wall time
-    assert cpu < 1.0, f"annotate_costs took {cpu:.2f}s CPU ({wall:.2f}s wall) on a 2-layer model"
-    assert wall < 5.0
-
-
 def test_qwen3_forward_flops_match_eager(qwen):
-    model, ids, gm, _ = qwen
+    model, ids, gm = qwen
     (B,) = graph_symbols(gm).values()
     total = _total(gm, "fwd_flops")
     assert total.free_symbols == {B}
@@ -318,7 +308,7 @@ def test_qwen3_forward_flops_match_eager(qwen):
 
 
 def test_qwen3_backward_and_no_grad_nodes(qwen):
-    _, _, gm, _ = qwen
+    _, _, gm = qwen
     lins = [n for n in calls(gm) if n.target is torch._C._nn.linear]
     assert len(lins) == 2 * 7 + 1
     for n in lins:  # every linear's input is an activation: grad input + grad weight
@@ -334,7 +324,7 @@ def test_qwen3_backward_and_no_grad_nodes(qwen):
 
 
 def test_qwen3_param_and_saved_bytes(qwen):
-    model, _, gm, _ = qwen
+    model, _, gm = qwen
     (B,) = graph_symbols(gm).values()
     model_bytes = sum(nbytes(p) for p in model.parameters())
     assert evaluate(_total(gm, "param_bytes"), {}) >= model_bytes
@@ -352,7 +342,7 @@ def test_qwen3_param_and_saved_bytes(qwen):
 
 
 def test_qwen3_meta_capture_same_flops(qwen):
-    _, _, gm_cpu, _ = qwen
+    _, _, gm_cpu = qwen
     model = tiny_qwen3().to(device="meta", dtype=torch.bfloat16)
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     gm = annotate_costs(capture(model, input_ids=ids, labels=ids))
