@@ -108,8 +108,8 @@ class CompiledModel(torch.nn.Module):
     def host_buffer_bytes(self) -> dict:
         """Bytes of the host buffers rpcompile allocated for this model and keeps across steps, by
         the kind `print(cm.plan)` names them ("working copies", "gradients", "gradient rows
-        carried to a later chunk"): what the plan's host memory says, allocated (the parameters, their `.grad` and
-        the optimizer's state are yours, and a step's activations come and go)."""
+        carried to a later chunk"): what the plan's host memory says, allocated (the parameters,
+        their `.grad` and the optimizer's state are yours, and a step's activations come and go)."""
         return self.runner.host_buffer_bytes()
 
     def dump(self, path: str) -> None:
