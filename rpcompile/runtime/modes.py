@@ -37,7 +37,7 @@ import time
 import torch
 
 from .grads import param_index, sum_param_grads
-from .submission import ChunkGrads, grad_chunks, host_indices
+from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
 
 
@@ -228,8 +228,8 @@ class DelayedMode(OverlappedMode):
         piece given back after the last chunk that reads it (Note [chunk-wise submission])."""
         self.optimizer.raise_if_failed()
         params = plan.captured.params
-        have = {param_index(key) for ks in keys.values() for key in ks}
-        chunks = grad_chunks(plan, [i for i in host_indices(plan) if i in have], keys)
+        chunks = submission_chunks(plan, keys)
+        have = set(chunks.order)
         slot = self.steps % 2
         copies, gs = self.copies, step.grads
         gs.submitted += 1

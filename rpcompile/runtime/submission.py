@@ -136,12 +136,18 @@ def grad_chunks(plan, order: list, keys: dict, layout=None) -> GradChunks:
     return chunks
 
 
+def submission_chunks(plan, keys: dict, layout=None) -> GradChunks:
+    """The chunks of a submission of the gradients the jobs wrote under `keys` ({job: [gradient
+    keys]}): those parameters, in host_indices order (GradChunks.order)."""
+    have = {param_index(key) for ks in keys.values() for key in ks}
+    return grad_chunks(plan, [i for i in host_indices(plan, layout) if i in have], keys, layout)
+
+
 def carried_rows(plan, layout) -> dict:
     """rows key -> shape: the gradient rows a submission of the plan's own gradient keys copies
     out of their piece (GradChunks.carry), each into a host buffer kept across steps."""
     keys = {s: [key for key, _, _ in ks] for s, ks in layout.keys.items()}
-    have = {param_index(key) for ks in keys.values() for key in ks}
-    chunks = grad_chunks(plan, [i for i in host_indices(plan, layout) if i in have], keys, layout)
+    chunks = submission_chunks(plan, keys, layout)
     shapes = {key: tuple(shape) for ks in layout.keys.values() for key, _, shape in ks}
     return {key: shapes[key] for items in chunks.carry for _, key in items}
 
@@ -155,6 +161,7 @@ class ChunkGrads:
     def __init__(self, chunks: GradChunks, grads, landed, dtypes: dict, carried: dict):
         self.chunks, self.grads, self.landed, self.dtypes = chunks, grads, landed, dtypes
         self.carried = carried        # rows key -> a host buffer of its own, kept across submissions
+        self._carried_keys = {item for items in chunks.carry for item in items}
         self._landed_upto = -1
 
     def chunk(self, k: int) -> list:
@@ -179,10 +186,6 @@ class ChunkGrads:
                 src.append(view)
             torch._foreach_copy_(dst, src)
         return out
-
-    @property
-    def _carried_keys(self) -> set:
-        return {item for items in self.chunks.carry for item in items}
 
     def __call__(self) -> list:
         return [g for k in range(len(self.chunks.lengths)) for g in self.chunk(k)]
