@@ -274,9 +274,7 @@ class Plan:
             f"rpcompile plan ({self.mode}): {len(rows)} stage job{'s' * (len(rows) != 1)} per step, handed round-robin "
             f"to {n_dev} device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job"
             + (f" (costed at {at})" if at else ""),
-            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model"
-            + ("; steps overlap: the period, Note [overlapped period]" if getattr(self.stage_plan, "overlapped", False)
-               else "") + "); device memory budget "
+            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model); device memory budget "
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
             f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "

@@ -37,19 +37,8 @@ def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh):
     return t, mem
 
 
-def expected_est(T, J, N, M, overlapped=False, handover_s=0.0):
-    """est_time from the module's documented model (Note [overlapped period]), written out."""
-    if not overlapped:
-        return T * max(math.ceil(J / N), 1 + (J - 1) / M)
-    h = handover_s
-    loss_known = T if J == 1 else T + T / M + h                 # a forward job, then the fused one
-    behind = T + (J - N) * (T / M + h) if J > N else 0.0       # behind the step before, per device
-    return max(J * T / N, (T + (J - 1) * (T / M + h)) / 2, behind, loss_known)
-
-
 def check_plan(plan: StagePlan, segs, cut_bytes, *, num_devices, num_microbatches,
-               memory_budget=None, upload_bw=math.inf, job_overhead_s=0.0, max_jobs=None,
-               overlapped=False, handover_s=0.0):
+               memory_budget=None, upload_bw=math.inf, job_overhead_s=0.0, max_jobs=None):
     """Structure, costs and est_time of a plan, recomputed from scratch."""
     n = len(segs)
     c, end = plan.fused
@@ -80,9 +69,9 @@ def check_plan(plan: StagePlan, segs, cut_bytes, *, num_devices, num_microbatche
         assert m == em
         if memory_budget is not None:
             assert m <= memory_budget
-    est = expected_est(max(plan.job_times), plan.num_jobs, num_devices, num_microbatches, overlapped, handover_s)
+    J = plan.num_jobs
+    est = max(plan.job_times) * max(math.ceil(J / num_devices), 1 + (J - 1) / num_microbatches)
     assert plan.est_time == pytest.approx(est, rel=1e-12, abs=1e-300)
-    assert plan.overlapped == overlapped
 
 
 def random_case(seed):
@@ -115,9 +104,6 @@ def random_case(seed):
         kw["job_overhead_s"] = rng.choice([0.1, 0.5, 1.0])
     if rng.random() < 0.2:
         kw["max_jobs"] = rng.randint(1, 7)
-    if rng.random() < 0.4:      # delayed mode: the period of overlapped steps
-        kw["overlapped"] = True
-        kw["handover_s"] = rng.choice([0.0, 0.0, 0.05, 0.3])
     return segs, cut_bytes, kw
 
 
@@ -158,7 +144,7 @@ def test_dp_matches_brute_force(first):
 
 def test_random_cases_cover_interesting_shapes():
     """Guard against the generator drifting into trivial cases."""
-    stats = {"c0": 0, "c>0": 0, "infeasible": 0, "budget_binds": 0, "multi_bwd": 0, "overlapped_c>0": 0}
+    stats = {"c0": 0, "c>0": 0, "infeasible": 0, "budget_binds": 0, "multi_bwd": 0}
     for seed in SEEDS:
         segs, cut_bytes, kw = random_case(seed)
         plan, err = _outcome(solve_stages, segs, cut_bytes, kw)
@@ -167,7 +153,6 @@ def test_random_cases_cover_interesting_shapes():
             continue
         stats["c0" if plan.split == 0 else "c>0"] += 1
         stats["multi_bwd"] += len(plan.bwd_bounds) > 1
-        stats["overlapped_c>0"] += kw.get("overlapped", False) and plan.split > 0
         if kw.get("memory_budget") is not None:
             free = solve_stages(segs, cut_bytes, **{**kw, "memory_budget": None})
             stats["budget_binds"] += free.est_time < plan.est_time
@@ -387,72 +372,6 @@ def test_input_validation():
     plan = solve_stages(segs, [0, 0], num_devices=1, num_microbatches=1,
                         memory_budget=math.inf)
     assert plan.fused == (0, 1)
-
-
-# ------------------------------------------------------------------- overlapped steps
-
-
-def fifo_period(times, fused, N, M, handover_s, steps=60):
-    """Seconds per step of delayed mode's overlapped steps, by list simulation: job k of step s
-    runs on device (s * J + k) mod N, each device runs its jobs in the order they were issued,
-    microbatch m of a job waits for microbatch m of the job before it (plus the hand-over), step
-    s + 1 is issued once step s's loss (the fused job) is known and step s's chain has ended for
-    step s + 2 (at most two steps in flight)."""
-    J = len(times)
-    free = [0.0] * N
-    loss, end = [], []
-    for s in range(steps):
-        issue = max(loss[s - 1] if s >= 1 else 0.0, end[s - 2] if s >= 2 else 0.0)
-        prev = None
-        for k, t in enumerate(times):
-            d = (s * J + k) % N
-            at = max(free[d], issue)
-            ends = []
-            for m in range(M):
-                at = (at if prev is None else max(at, prev[m] + handover_s)) + t / M
-                ends.append(at)
-            free[d], prev = at, ends
-            if k == fused:
-                loss.append(at)
-        end.append(prev[-1])
-    return (loss[-1] - loss[steps // 2]) / (steps - 1 - steps // 2)
-
-
-@pytest.mark.parametrize("N,M", [(1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (3, 2)])
-def test_overlapped_period_matches_a_list_simulation(N, M):
-    """Note [overlapped period]: for equal jobs the estimate is the simulated period, to 2%
-    (forward jobs a quarter of a plan, as backward jobs are 3x the work); the bound of a step
-    alone is not (ceil(J / N), 1 + (J - 1) / M)."""
-    from rpcompile.passes.partition import _est_terms
-    off = 0
-    for J in [1] + list(range(3, 21)):
-        for h in (0.0, 0.02, 0.1):
-            fused = 0 if J == 1 else max(1, (J - 1) // 4)
-            sim = fifo_period([1.0] * J, fused, N, M, h)
-            est = max(b + c for b, c in _est_terms(J, N, M, True, h))
-            assert est == pytest.approx(sim, rel=0.02), (J, h)
-            alone = max(math.ceil(J / N), 1 + (J - 1) / M)
-            off += abs(alone - sim) > 0.02 * sim
-    # the overlapped model is not the step-alone one in disguise (on one device they agree)
-    assert off > 10 if N > 1 else off == 0
-
-
-def test_overlapped_steps_choose_fewer_jobs_when_hand_overs_cost():
-    """A Llama-like table on 4 devices: with steps overlapped each hand-over adds to the period
-    (J - N of them per period), so the plan takes fewer, longer jobs than the step-alone bound,
-    and its estimate is the simulated period of its own job times."""
-    layer = Segment(0.011, 0.040, 436 << 20, 436 << 20, 10 << 20)
-    segs = [Segment(0.001, 0.003, 1 << 30, 1 << 30, 0)] + [layer] * 32 + [Segment(0.03, 0.09, 1 << 30, 1 << 30, 0)]
-    kw = dict(num_devices=4, num_microbatches=4, upload_bw=55e9, job_overhead_s=0.04)
-    alone = solve_stages(segs, [32 << 20] * 35, **kw)
-    free = solve_stages(segs, [32 << 20] * 35, **kw, overlapped=True)
-    costly = solve_stages(segs, [32 << 20] * 35, **kw, overlapped=True, handover_s=0.05)
-    assert costly.num_jobs < free.num_jobs and costly.num_jobs < alone.num_jobs
-    for plan, h in ((free, 0.0), (costly, 0.05)):
-        check_plan(plan, segs, [32 << 20] * 35, **kw, overlapped=True, handover_s=h)
-        sim = fifo_period(list(plan.job_times), len(plan.fwd_bounds), 4, 4, h)
-        assert sim <= plan.est_time * 1.02
-        assert sim >= plan.est_time * 0.85
 
 
 # ------------------------------------------------------------------------- performance

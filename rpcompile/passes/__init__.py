@@ -191,25 +191,15 @@ def _stages_compiled(config) -> bool:
     return bool(config.on_gpu if config.compile_stages is None else config.compile_stages)
 
 
-def _mutated_buffers(gm) -> list:
-    """Indices of the buffers the graph updates in place (running statistics)."""
-    return sorted({n.meta["rp_index"] for n in gm.graph.nodes
-                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
-                   and any(is_impure(u) for u in n.users)})
-
-
 def solve_stages_pass(st: CompileState) -> CompileState:
     config, hw = st.config, st.hardware
     st.budget = _memory_budget(config)
-    # the steps of delayed mode overlap (DelayedMode.overlaps): the plan is costed by its period
-    overlapped = st.mode == "train" and config.optimizer_mode == "delayed" and not _mutated_buffers(st.gm)
-    n = len(config.devices)
 
     def solve(segments, cut_bytes):
-        return solve_stages(segments, cut_bytes, num_devices=n,
+        return solve_stages(segments, cut_bytes, num_devices=len(config.devices),
                             num_microbatches=config.num_microbatches, memory_budget=st.budget,
-                            upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(n),
-                            max_jobs=config.max_jobs, overlapped=overlapped, handover_s=hw.handover_s(n))
+                            upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
+                            max_jobs=config.max_jobs)
     try:
         st.stage_plan = solve(st.segments, st.cut_bytes)
     except PlanningError as e:   # with the longest length that fits (Note [longest length])
@@ -246,7 +236,9 @@ def describe_io(st: CompileState) -> CompileState:
                 lm_head=st.lm_head, batch=st.batch)
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
-    plan.mutated_buffers = _mutated_buffers(gm)
+    plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
+                                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
+                                   and any(is_impure(u) for u in n.users)})
     st.plan = plan
     return st
 

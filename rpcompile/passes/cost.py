@@ -129,7 +129,6 @@ class Hardware:
     mem_bw: float
     upload_bw: float
     job_overhead_per_device_s: float = 0.0
-    handover_per_device_s: float = 0.0    # a microbatch's hand-over between jobs (Note [overlapped period])
 
     @classmethod
     def cpu(cls) -> "Hardware":
@@ -141,17 +140,10 @@ class Hardware:
         # (and each hand-over between jobs) waits longer the more devices there are: measured on
         # H200s, a microbatch's hop between jobs took ~12 ms with 2 devices and ~38 ms (median)
         # with 4; 32 stage jobs on 4 GPUs ran 16% slower than 8 (the plan without this term).
-        # A hop (a microbatch's compute end on one job to its start on the next) took 13.5 ms
-        # (median; 5-116 ms) on 4x H200 with Llama-3.1-8B, and the model of overlapped steps
-        # fits the measured periods with 20 ms (Note [overlapped period] in passes/partition.py).
-        return cls(peak_flops=790e12, mem_bw=3.0e12, upload_bw=55e9, job_overhead_per_device_s=0.010,
-                   handover_per_device_s=0.005)
+        return cls(peak_flops=790e12, mem_bw=3.0e12, upload_bw=55e9, job_overhead_per_device_s=0.010)
 
     def job_overhead_s(self, num_devices: int) -> float:
         return self.job_overhead_per_device_s * num_devices
-
-    def handover_s(self, num_devices: int) -> float:
-        return self.handover_per_device_s * num_devices
 
     def seconds(self, cost: NodeCost, bindings: dict, *, dtype_bytes: int | None = None):
         return node_seconds(cost, bindings, peak_flops=self.peak_flops, mem_bw=self.mem_bw,

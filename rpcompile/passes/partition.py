@@ -31,10 +31,8 @@ resident.) With J jobs and T the slowest job, a step takes about
     est_time = T * max(ceil(J / N), 1 + (J - 1) / M)
 
 the larger of the device-capacity bound and the critical path of a chain of J jobs over M
-microbatches; where steps overlap (delayed mode), the period of Note [overlapped period]. Both
-are ``max over terms (b_J * T + c_J)`` (_est_terms). The best plan minimises est_time; ties go
-to fewer jobs, then to the lexicographically smallest ``(fwd cuts, c, bwd cuts)``, so plans are
-deterministic.
+microbatches. The best plan minimises est_time; ties go to fewer jobs, then to the
+lexicographically smallest ``(fwd cuts, c, bwd cuts)``, so plans are deterministic.
 
 Why an exact DP and not a heuristic: est_time depends on the plan only through (T, J), and
 it grows with both. So for each c and each number of forward stages kf we need only the
@@ -119,7 +117,6 @@ class StagePlan:
     job_times: tuple[float, ...]
     job_memory: tuple[int, ...]
     est_time: float
-    overlapped: bool = False  # est_time is the period of overlapped steps (Note [overlapped period])
 
     def jobs(self) -> Iterator[tuple[str, tuple[int, int]]]:
         """Yield (kind, (i, j)) for every job in execution order."""
@@ -155,46 +152,12 @@ class StagePlan:
         return max(self.job_memory)
 
 
-def _est_terms(num_jobs: int, num_devices: int, num_microbatches: int, overlapped: bool = False,
-               handover_s: float = 0.0) -> tuple:
-    """est_time = max over these (b, c) of b * T + c, T the slowest job's seconds."""
-    J, N, M = num_jobs, num_devices, num_microbatches
-    if not overlapped:
-        # Device-capacity bound vs. critical path of a chain of J jobs where job k+1 can start
-        # its first microbatch once job k finished its first one. The busiest device runs
-        # ceil(J / N) jobs: steps do not overlap (the first forward job reads the parameters whose
-        # gradients the last backward job makes), so a remainder is not shared with the next step.
-        return ((max(math.ceil(J / N), 1 + (J - 1) / M), 0.0),)
-    h = handover_s
-    terms = [(J / N, 0.0),                                   # device capacity, shared across steps
-             ((1 + (J - 1) / M) / 2, (J - 1) * h / 2)]       # a chain per two periods
-    if J > N:                                                # behind the step before, on each device
-        terms.append((1 + (J - N) / M, (J - N) * h))
-    terms.append((1.0, 0.0) if J == 1 else (1 + 1 / M, h))   # the next step starts once the loss is known
-    return tuple(terms)
-
-
-# Note [overlapped period]: in delayed mode the next step's jobs are issued once this step's
-# loss is known and queue behind this step's backward jobs on each device (Note [overlapped
-# steps] in runtime/modes.py), so a step costs a period, not its chain. With J jobs of T seconds,
-# M microbatches and h seconds per hand-over between jobs (a microbatch's end on one device to
-# its start on the next), the period is the largest of:
-# - J * T / N: the devices' work; with the steps overlapping, the job that is one too many on a
-#   device this step is shared with the next (not ceil(J / N), as for a step alone);
-# - T + (J - N) * (T / M + h): device d runs job k of step t + 1 after the job of step t before
-#   it in its queue, job J - N + k, which itself follows job k of step t through J - N hand-overs;
-# - (T + (J - 1) * (T / M + h)) / 2: at most two steps are in flight, so two periods hold a chain;
-# - T + T / M + h: the next step is issued once the loss is known, after at least one forward job.
-# A list simulation of FIFO devices (one queue per device, two steps in flight) with equal jobs
-# matches this within 0.5% on average over N = 1..8, M = 1..16, J = 1..24 and forward jobs a
-# quarter to a half of them (tests/test_partition_solver.py keeps a copy); it is 29% under
-# where half the jobs are forward jobs and the loss waits for several (backward jobs, 3x the
-# work, are most of a real plan's). The optimizer's gate (step t + 2 reads step t's update) is
-# not in it: it depends on the host, not the plan. Measured on
-# 4x H200 (seq 2048, M = 4, h = 20 ms): Qwen3-1.7B 4 jobs 0.664 s (this model: 0.650 s) and 9
-# jobs 0.703 s (0.684 s); Llama-3.1-8B 9 jobs 2.01 s (1.73 s) and 16 jobs 2.24 s (2.03 s), where
-# the host optimizer (1.6 s of work a step, not in this model) shares the period. The bound
-# ceil(J / N) ranked both pairs the other way.
+def _est_factor(num_jobs: int, num_devices: int, num_microbatches: int) -> float:
+    # Device-capacity bound vs. critical path of a chain of J jobs where job k+1 can start
+    # its first microbatch once job k finished its first one. The busiest device runs
+    # ceil(J / N) jobs: steps do not overlap (the first forward job reads the parameters whose
+    # gradients the last backward job makes), so a remainder is not shared with the next step.
+    return max(math.ceil(num_jobs / num_devices), 1 + (num_jobs - 1) / num_microbatches)
 
 
 # ----------------------------------------------------------------------------- cost tables
@@ -230,7 +193,7 @@ class _Costs:
     """
 
     def __init__(self, segments, cut_bytes, *, num_devices, num_microbatches, memory_budget,
-                 upload_bw, job_overhead_s, max_jobs, overlapped=False, handover_s=0.0):
+                 upload_bw, job_overhead_s, max_jobs):
         segments = list(segments)
         n = len(segments)
         if n < 1:
@@ -244,9 +207,8 @@ class _Costs:
             raise ValueError(f"max_jobs must be None or a positive int, got {max_jobs!r}")
         if not upload_bw > 0:
             raise ValueError(f"upload_bw must be > 0, got {upload_bw!r}")
-        for k, v in (("job_overhead_s", job_overhead_s), ("handover_s", handover_s)):
-            if not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{k} must be finite and >= 0, got {v!r}")
+        if not (job_overhead_s >= 0 and math.isfinite(job_overhead_s)):
+            raise ValueError(f"job_overhead_s must be finite and >= 0, got {job_overhead_s!r}")
         for k, s in enumerate(segments):
             for name in ("fwd_s", "bwd_s"):
                 v = getattr(s, name)
@@ -267,7 +229,6 @@ class _Costs:
         self.N = num_devices
         self.M = num_microbatches
         self.max_jobs = max_jobs
-        self.overlapped, self.handover_s = bool(overlapped), float(handover_s)
         self.memory_budget = memory_budget
         self.segments = segments
         self.cut_bytes = [int(b) for b in cut_bytes]
@@ -348,24 +309,8 @@ class _Costs:
     def fits(self, mem: int) -> bool:
         return self.budget_int is None or mem <= self.budget_int
 
-    def terms(self, num_jobs: int) -> tuple:
-        return _est_terms(num_jobs, self.N, self.M, self.overlapped, self.handover_s)
-
-    def est(self, T, num_jobs: int):
-        """est_time of J jobs whose slowest takes T (a float, or elementwise over a tensor)."""
-        if isinstance(T, torch.Tensor):
-            return torch.stack([T * b + c for b, c in self.terms(num_jobs)]).amax(dim=0)
-        return max(T * b + c for b, c in self.terms(num_jobs))
-
-    def est_table(self, max_jobs: int):
-        """value_fn(T, J) for _best_combination: est over tensors of T and J (J <= max_jobs),
-        with the same float operations as est(), so the values match StagePlan.est_time bit for bit."""
-        rows = [self.terms(j) for j in range(1, max_jobs + 1)]
-        width = max(len(r) for r in rows)
-        rows = [((0.0, 0.0),) * width] + [r + r[:1] * (width - len(r)) for r in rows]   # (J = 0 unused)
-        B = torch.tensor([[r[i][0] for r in rows] for i in range(width)], dtype=_F64)
-        C = torch.tensor([[r[i][1] for r in rows] for i in range(width)], dtype=_F64)
-        return lambda T, J: (B[:, J] * T + C[:, J]).amax(dim=0)
+    def factor(self, num_jobs: int) -> float:
+        return _est_factor(num_jobs, self.N, self.M)
 
     def max_side_stages(self, max_jobs) -> int:
         # kf, kb <= c <= n - 1 (stages are non-empty, fused is non-empty), J = kf + 1 + kb.
@@ -383,8 +328,8 @@ class _Costs:
         jobs = [("fwd", b) for b in fwd] + [("fused", fused)] + [("bwd", b) for b in bwd]
         times = tuple(self.job_time(k, *b) for k, b in jobs)
         mems = tuple(self.job_mem(k, *b) for k, b in jobs)
-        est = self.est(max(times), len(jobs))
-        return StagePlan(fwd, fused, bwd, times, mems, est, self.overlapped)
+        est = max(times) * self.factor(len(jobs))
+        return StagePlan(fwd, fused, bwd, times, mems, est)
 
 
 # ------------------------------------------------------------------------------ the DP
@@ -486,10 +431,10 @@ def _reconstruct(costs: _Costs, Db, est_best: float, J: int) -> StagePlan:
     n = costs.n
     if J == 1:
         return costs.make_plan((), 0, ())
-    # est(t) (a max of fl(b * t + c), b > 0) is monotone in t, so "plan est <= est_best" <=>
-    # "every job's est(t) <= est_best".
+    f = costs.factor(J)
+    # fl(t * f) is monotone in t, so "plan est <= est_best" <=> "every job's t*f <= est_best".
     okF, okB = (_fill_rows(torch.empty_like(costs.valid),
-                           lambda r: costs.est(costs.W[k][r], J) <= est_best) for k in ("fwd", "bwd"))
+                           lambda r: costs.W[k][r] * f <= est_best) for k in ("fwd", "bwd"))
     okU = okB[:, n].clone()
     okU[n] = False  # the fused stage is never empty
     K = Db.shape[0] - 1
@@ -498,7 +443,7 @@ def _reconstruct(costs: _Costs, Db, est_best: float, J: int) -> StagePlan:
     # backward stages over [0, c) all fit the threshold.
     G = torch.zeros(S + 1, n + 1, dtype=torch.bool)
     # Db holds +inf where infeasible, so this test is exact.
-    bwd_fits = _fill_rows(torch.empty(Db.shape, dtype=torch.bool), lambda r: costs.est(Db[r], J) <= est_best)
+    bwd_fits = _fill_rows(torch.empty(Db.shape, dtype=torch.bool), lambda r: Db[r] * f <= est_best)
     for kf in range(1, S + 1):
         kb = J - 1 - kf
         if 1 <= kb <= K:
@@ -537,15 +482,11 @@ def _reconstruct(costs: _Costs, Db, est_best: float, J: int) -> StagePlan:
 
 def solve_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *, num_devices: int,
                  num_microbatches: int, memory_budget=None, upload_bw: float = _INF,
-                 job_overhead_s: float = 0.0, max_jobs: Optional[int] = None,
-                 overlapped: bool = False, handover_s: float = 0.0) -> StagePlan:
-    """Exact minimum-est_time stage plan (see the module docstring for the model); with
-    `overlapped`, of the period of overlapped steps (Note [overlapped period]), `handover_s` the
-    seconds a microbatch's hand-over between two jobs takes."""
+                 job_overhead_s: float = 0.0, max_jobs: Optional[int] = None) -> StagePlan:
+    """Exact minimum-est_time stage plan (see the module docstring for the model)."""
     costs = _Costs(segments, cut_bytes, num_devices=num_devices,
                    num_microbatches=num_microbatches, memory_budget=memory_budget,
-                   upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs,
-                   overlapped=overlapped, handover_s=handover_s)
+                   upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs)
     return _solve(costs)
 
 
@@ -554,7 +495,10 @@ def _solve(costs: _Costs) -> StagePlan:
     Df = _minmax_layers(costs.W["fwd"], K, -_INF, _INF)
     Db = _minmax_layers(costs.W["bwd"], K, -_INF, _INF)
     fused = costs.W["bwd"][:, n]  # the fused job over [c, n) has the backward cost formula
-    best = _best_combination(costs, Df, Db, fused, _INF, costs.est_table(2 * K + 1), costs.max_jobs)
+    # Python-float factors, indexed by J, so est values match StagePlan.est_time bit for bit.
+    fac = torch.tensor([0.0] + [costs.factor(j) for j in range(1, 2 * K + 2)], dtype=_F64)
+    best = _best_combination(costs, Df, Db, fused, _INF, lambda T, J: T * fac[J],
+                             costs.max_jobs)
     if best is None:
         _raise_infeasible(costs)
     est_best, J = best
@@ -639,14 +583,12 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
 def brute_force_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *,
                        num_devices: int, num_microbatches: int, memory_budget=None,
                        upload_bw: float = _INF, job_overhead_s: float = 0.0,
-                       max_jobs: Optional[int] = None, overlapped: bool = False,
-                       handover_s: float = 0.0) -> StagePlan:
+                       max_jobs: Optional[int] = None) -> StagePlan:
     """Exhaustive reference for tests and tiny n: every c, every subset of forward cuts and,
     independently, every subset of backward cuts. O(n 4^n)."""
     costs = _Costs(segments, cut_bytes, num_devices=num_devices,
                    num_microbatches=num_microbatches, memory_budget=memory_budget,
-                   upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs,
-                   overlapped=overlapped, handover_s=handover_s)
+                   upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs)
     n = costs.n
     best_key, best = None, None
     mem_key, mem_plan = None, None  # smallest max-memory plan, for the error message
