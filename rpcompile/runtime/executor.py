@@ -7,21 +7,21 @@ offset and executes schedules.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from typing import Optional
 
 from ..errors import StageError, StepAbandoned
 from .device import DeviceRuntime, resolve
-from .job import JobLinks, StepState, prefetch, run_job
-from .job_queue import JobQueue
+from .job import JobLinks, StepState, run_job
 from .schedule import Schedule
 
 
 class _Worker:
     def __init__(self, dev: DeviceRuntime, name: str):
         self.dev = dev
-        self.jobs = JobQueue(lambda item: item[2])
+        self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -31,13 +31,12 @@ class _Worker:
             item = self.jobs.get()
             if item is None:      # the executor was collected: end the thread
                 return
-            fn, finished, _ = item
+            fn, finished = item
             try:
                 fn()
             finally:
                 # Drop the job (and the step it refers to) before blocking for the next one.
                 item = fn = None
-                self.jobs.job_ended()
                 finished.set()
 
 
@@ -101,14 +100,11 @@ class Executor:
             worker = self.workers[a.device]
             links = JobLinks(next_on_device=(None if a.next_on_device is None
                                              else (a.next_on_device, schedule.stage(a.next_on_device))),
-                             next_queued=worker.jobs.prefetch_next if a.next_on_device is None else None,
                              next_dev=None if a.next_device is None else self.workers[a.next_device].dev,
                              next_reads=a.next_reads, later_reads=a.later_reads)
             ev = threading.Event()
-            stage = schedule.stage(a.job)
-            worker.jobs.put((lambda a=a, stage=stage, w=worker, p=program, links=links:
-                             run_job(step, a.job, a.prev_job, stage, a.role, w.dev, p, links), ev,
-                             lambda a=a, stage=stage, w=worker: prefetch(step, w.dev, a.job, stage)))
+            worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
+                             run_job(step, a.job, a.prev_job, stage, a.role, w.dev, p, links), ev))
             finished[a.job] = ev
         self.offset = schedule.next_offset
         self.in_flight += 1

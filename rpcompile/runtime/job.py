@@ -91,8 +91,6 @@ class JobLinks:
     schedule action's links (runtime/schedule.py), resolved to a stage and a device."""
 
     next_on_device: Any = None        # (job index, stage) this device runs next: its weights are prefetched
-    next_queued: Any = None           # () -> None: where next_on_device is None, prefetches the weights of
-                                      # the job queued next on this device, of a later run (Note [prefetch across steps])
     next_dev: Any = None              # DeviceRuntime of the next job in the chain
     next_reads: frozenset = frozenset()    # names the next job reads
     later_reads: frozenset = frozenset()   # names any job after the next one reads
@@ -199,16 +197,12 @@ class JobContext:
 
     def prefetch_next(self, mb):
         """Queue the next job's weights on this device behind this job's own (once per job)."""
-        if self._prefetch_issued:
+        if self._prefetch_issued or self.links.next_on_device is None:
             return
         self._prefetch_issued = True
-        if self.links.next_on_device is None:
-            if self.links.next_queued is not None:
-                self.span("host", "prefetch_issue", self.links.next_queued, mb, issued_by=self.job_index, queued=True)
-            return
         nj, nst = self.links.next_on_device
         self.span("host", "prefetch_issue", lambda: None, mb, stage=nst.index, job=nj, issued_by=self.job_index)
-        prefetch(self.step, self.dev, nj, nst)
+        _prefetch(self.step, self.dev, nj, nst)
 
     def fetch(self, mb, name):
         peer = self.step.peer.pop((mb, name), None)
@@ -338,16 +332,7 @@ class JobContext:
                 for key in self.stage.grad_params if key in self.grad_got}
 
 
-# Note [prefetch across steps]: a job prefetches the weights of the job its device runs next in
-# the same run (JobLinks.next_on_device). A device's last job of a run had nothing to prefetch,
-# so the first job of the next run on that device uploaded its weights only when it started: in
-# delayed mode, where the next step's jobs queue behind this step's (Note [overlapped steps]),
-# every device's first job of a step waited for its upload between two jobs of the chain (a
-# 6.1 GiB forward job of Llama-3.1-8B started 75 ms behind the job before it, against 5-20 ms
-# for prefetched ones). So the last job of a run on a device prefetches for the job queued next
-# on the device, if a later run has been issued by then (the executors' `next_queued`). Only
-# one job's weights beside the running job's are ever up, as within a run.
-def prefetch(step: StepState, dev, job_index: int, stage) -> None:
+def _prefetch(step: StepState, dev, job_index: int, stage) -> None:
     dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
                  step.host_weights, step.ready, step.tracer, {"stage": stage.index, "job": job_index})
 
@@ -358,7 +343,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     ctx = None
     try:
         # This job's weights, unless the job before it on this device already queued them.
-        prefetch(step, dev, job_index, stage)
+        _prefetch(step, dev, job_index, stage)
         ctx = JobContext(step, job_index, prev_job, stage, role, dev, links)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in range(len(step.micro)):

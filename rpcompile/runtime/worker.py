@@ -46,8 +46,7 @@ from . import portable
 from .device import DeviceRuntime, Pending, _map
 from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
-from .job import JobLinks, Microbatch, StepState, prefetch, run_job
-from .job_queue import JobQueue
+from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
 from .shared import FreeChunks, Ref, SharedMemory, SlotPool, cuda_register
 from .trace import Tracer
@@ -249,7 +248,7 @@ class Worker:
         self.early: dict = {}          # step id -> messages that came before the step
         self.main, self.main_lock = main, threading.Lock()
         self.peers: dict = {}          # index -> (conn, lock)
-        self.jobs = JobQueue(self._prefetch_of)
+        self.jobs: queue.Queue = queue.Queue()
         self.notices: queue.Queue = queue.Queue()
         self.step_lock = threading.Lock()
         self.first_calls_sent = 0
@@ -463,20 +462,11 @@ class Worker:
             self.dev.host_slots = self.pool(step.step_id).empty
             self.run_one(step, a, plan)
             item = step = None
-            self.jobs.job_ended()
-
-    def _prefetch_of(self, item):
-        """The upload of a queued job's weights (Note [prefetch across steps])."""
-        if item is None:
-            return None
-        step, a, plan = item
-        return lambda: prefetch(step, self.dev, a.job, plan.stages[a.stage])
 
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]
         nxt = a.next_on_device
         links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[step.job_stage[nxt]]),
-                         next_queued=self.jobs.prefetch_next if nxt is None else None,
                          next_reads=a.next_reads, later_reads=a.later_reads)
         try:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
