@@ -1,5 +1,6 @@
 """Tests of the split_lm_head pass: loss/gradient parity, structure, refusals."""
 
+import math
 import warnings
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rpcompile.passes.lm_head import (
+    _hint,
     estimate_num_shards,
     find_lm_head,
     shard_bounds,
@@ -385,6 +387,50 @@ def test_default_num_shards_bounds():
     for vocab, K in [(200, 6), (8192, 64)]:
         gm, _, _ = capture(TinyLM(vocab), *batch(vocab))
         assert estimate_num_shards(gm) == K
+
+
+def test_shards_by_memory_keep_each_shards_logits_under_the_cap():
+    """Note [shards by memory]: at least ceil(fp32 logits / cap) shards, never fewer than the
+    FLOPs rule's, at most 64."""
+    gm, _, _ = capture(TinyLM(200), *batch(200))
+    head = find_lm_head(gm)
+    logits = _hint(head.num_tokens) * 200 * 4
+    by_flops = estimate_num_shards(gm, head)
+    assert estimate_num_shards(gm, head, max_logit_bytes=10 * logits) == by_flops
+    for share in (8, 13, 40):
+        assert estimate_num_shards(gm, head, max_logit_bytes=logits / share) == max(by_flops, share)
+    assert estimate_num_shards(gm, head, max_logit_bytes=1) == 64
+
+
+def test_a_long_sequence_fits_a_budget_the_flops_rule_cannot():
+    """At long sequences the FLOPs rule gives few shards (attention outgrows the head): a
+    budget of half what its plan needs fits with shards sized by memory, the plan's jobs stay
+    within it, and the loss is eager's."""
+    import copy
+
+    import rpcompile
+    from models import lm_batch, qwen3
+
+    V = 8192
+    model = qwen3(vocab=V)
+    b = lm_batch(batch=2, seq=512, vocab=V)
+
+    def compiled(**kw):
+        return rpcompile.compile(copy.deepcopy(model), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1, **kw))
+    probe = compiled()                     # no budget on CPU devices: the FLOPs rule alone
+    probe.train_step(**b)
+    flops_only = probe.plan.lm_head["K"]
+    with pytest.raises(rpcompile.PlanningError) as e:
+        compiled(memory_budget=1, lm_head_shards=flops_only).train_step(**b)
+    budget = e.value.min_budget // 2
+    with pytest.raises(rpcompile.PlanningError):
+        compiled(memory_budget=budget, lm_head_shards=flops_only).train_step(**b)
+    cm = compiled(memory_budget=budget)
+    loss = cm.train_step(**b)
+    K = cm.plan.lm_head["K"]
+    assert K == min(64, math.ceil(2 * 512 * V * 4 / (budget / 16))) > flops_only
+    assert max(cm.plan.stage_plan.job_memory) <= budget
+    torch.testing.assert_close(loss, model(**b).loss, rtol=1e-5, atol=1e-6)
 
 
 def test_shard_bounds_cover_vocab():

@@ -148,9 +148,18 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards)
+        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards, max_logit_bytes=max_logit_bytes(st.config))
         st.lm_head = st.gm.meta.get("rp_lm_head")
     return st
+
+
+def max_logit_bytes(config):
+    """The most fp32 logits of the whole captured batch one LM-head shard may make: a
+    microbatch's share at most memory budget / SHARD_SHARE (Note [shards by memory] in
+    passes/lm_head.py); None without a budget."""
+    from .lm_head import SHARD_SHARE
+    budget = _memory_budget(config)
+    return None if budget is None else budget * config.num_microbatches / SHARD_SHARE
 
 
 def annotate_costs_pass(st: CompileState) -> CompileState:

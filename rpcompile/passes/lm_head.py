@@ -29,7 +29,19 @@ backward: a fused last stage with all K shards saves about the full fp32 logits'
 K, when the caller does not set it (:func:`estimate_num_shards`): a shard about the cost
 of one decoder layer, i.e. round(head FLOPs / FLOPs of one layer) in [1, 64], the layers
 being the members of the numbered module container (``model.layers.N``) seen in
-``nn_module_stack`` and their FLOPs those of their linear / matmul / attention nodes.
+``nn_module_stack`` and their FLOPs those of their linear / matmul / attention nodes; and at
+least as many as keep one shard's logits within a share of the device's memory (Note [shards
+by memory]).
+
+Note [shards by memory]: attention's FLOPs grow with the square of the sequence length and the
+head's only linearly, so at long sequences the FLOPs rule asks for few shards while the logits
+grow: Qwen3-1.7B at 28,672 tokens got 2 shards of 8.11 GiB fp32 logits each, and the plan needed
+26.35 GiB (a backward stage holds a shard's logits and their gradient) where the card had 24
+(the max-sequence search of issue 12 stopped at 24,576 tokens). So K is also at least
+ceil(fp32 logits of a microbatch / (memory budget / SHARD_SHARE)): with a shard's logits at most
+1/16 of the budget, a stage holds the value and its gradient and the saved exp(l - m) of a
+dozen shards before the logits alone fill the device. At the benchmarks' sizes (16,384 tokens a
+microbatch, 80-141 GB cards) the FLOPs rule's 5 shards already satisfy it.
 
 Patterns recognised (see :func:`find_lm_head`):
 
@@ -90,6 +102,7 @@ __all__ = [
 ]
 
 MAX_SHARDS = 64
+SHARD_SHARE = 16   # a shard's fp32 logits at most 1/16 of the memory budget (Note [shards by memory])
 
 _LINEAR_TARGETS = (torch._C._nn.linear, F.linear)
 _CE_TARGETS = (F.cross_entropy,)
@@ -380,13 +393,22 @@ def _node_flops(node: fx.Node, at: dict | None = None) -> int:
     return 0
 
 
-def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict | None = None) -> int:
-    """K for the head: its FLOPs over those of one decoder layer, rounded, in [1, 64]. at:
-    {symbol name: size} to count the FLOPs at instead of the size hints (what a capture at those
-    sizes would choose: Note [longest length] in passes/longest.py)."""
+def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict | None = None,
+                        max_logit_bytes: float | None = None) -> int:
+    """K for the head: its FLOPs over those of one decoder layer, rounded, and at least as many as
+    keep each shard's fp32 logits (of the whole captured batch) within max_logit_bytes (Note
+    [shards by memory]), in [1, 64]. at: {symbol name: size} to count at instead of the size
+    hints (what a capture at those sizes would choose: Note [longest length] in passes/longest.py)."""
     head = head or find_lm_head(gm)
     if head is None:
         return 1
+    K = _shards_by_flops(gm, head, at)
+    if max_logit_bytes:
+        K = max(K, math.ceil(_hint(head.num_tokens, at) * head.vocab_size * 4 / max_logit_bytes))
+    return int(max(1, min(MAX_SHARDS, head.vocab_size, K)))
+
+
+def _shards_by_flops(gm: fx.GraphModule, head: LMHead, at: dict | None) -> int:
     head_nodes = {head.linear, *head.chain, head.loss}
     # decoder layers: the numbered container (e.g. model.layers.N) with most members
     stacks: dict[fx.Node, list[list[str]]] = {}
@@ -414,9 +436,7 @@ def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict
     layer_flops = sum(
         _node_flops(n, at) for n in gm.graph.nodes if n not in head_nodes and in_layers(n)
     ) / layers
-    if layer_flops <= 0:
-        return 1
-    return int(max(1, min(MAX_SHARDS, head.vocab_size, round(head.flops_at(at) / layer_flops))))
+    return 1 if layer_flops <= 0 else round(head.flops_at(at) / layer_flops)
 
 
 def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:
@@ -560,8 +580,10 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int) -> None:
         g.erase_node(dead)
 
 
-def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None) -> fx.GraphModule:
-    """Rewrite the LM head and its cross-entropy into K vocabulary shards with an online log-sum-exp."""
+def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
+                  max_logit_bytes: float | None = None) -> fx.GraphModule:
+    """Rewrite the LM head and its cross-entropy into K vocabulary shards with an online log-sum-exp
+    (K: num_shards, or estimate_num_shards with max_logit_bytes)."""
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"split_lm_head: num_shards must be a positive int, got {num_shards!r}")
     summaries = []
@@ -575,7 +597,7 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None) -> fx.Graph
                               "warning)", stacklevel=2)
             summaries.append(head.summary())
             continue
-        K = num_shards if num_shards is not None else estimate_num_shards(gm, head)
+        K = num_shards if num_shards is not None else estimate_num_shards(gm, head, max_logit_bytes=max_logit_bytes)
         if K > head.vocab_size:
             raise ValueError(
                 f"split_lm_head: num_shards={K} exceeds the vocabulary size {head.vocab_size}"

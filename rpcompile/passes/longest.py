@@ -36,7 +36,8 @@ It is found at planning time, in the caller's thread, before anything runs:
   capture chooses the LM head's shard count from the cost model at its sizes
   (lm_head.estimate_num_shards: head FLOPs over one layer's; attention grows faster than the
   head, so shorter captures choose more shards, each with a smaller slice of the logits, which
-  need less memory). So there (train mode, Config.lm_head_shards None, the head split) each
+  need less memory; and at least enough shards to keep each one's logits within a share of the
+  budget, Note [shards by memory]). So there (train mode, Config.lm_head_shards None, the head split) each
   length L is planned with the shard count a capture at L would choose: estimate_num_shards on
   the graph before split_lm_head with the length symbols bound to L (its FLOPs substituted from
   the symbolic shapes, no capture), and a graph split into that many shards: the passes from
@@ -87,7 +88,7 @@ def _capture_shards(st, names):
     if (st.at is not None or st.mode != "train" or st.config.lm_head_shards is not None
             or not isinstance(head, dict) or not head.get("split")):
         return None
-    from . import PASSES, CompileState
+    from . import PASSES, CompileState, max_logit_bytes
     from .cut_points import liveness
     from .lm_head import estimate_num_shards, find_lm_head
     order = [name for name, _, _ in PASSES]
@@ -107,8 +108,10 @@ def _capture_shards(st, names):
         return None
     states = {head["K"]: st}
 
+    cap = max_logit_bytes(st.config)
+
     def shards(L):
-        return estimate_num_shards(unsplit, lm_head, at=dict.fromkeys(names, L))
+        return estimate_num_shards(unsplit, lm_head, at=dict.fromkeys(names, L), max_logit_bytes=cap)
 
     def state(K):
         if K not in states:
