@@ -22,7 +22,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
-                          and as a Chrome trace beside it (.chrome.json), for where each device waits
+                          and as a Chrome trace beside it (.chrome.json), for where each device waits;
+                          the last three steps on one clock (runner.recent_traces) to <...>.recent.json
 With --device cpu the same runs on CPU "devices" (threads), for the tests.
 """
 from __future__ import annotations
@@ -163,7 +164,10 @@ class RPCompileTrainer(Trainer):
             if steady:   # overlapped steps (delayed mode) share the devices: busy over one period
                 out["trace"]["steady"] = steady
             if self.trace_dir:
-                out["trace_files"] = _write_trace(trace, self.trace_dir, f"{self.system}_{len(self.config.devices)}g")
+                stem = f"{self.system}_{len(self.config.devices)}g"
+                out["trace_files"] = _write_trace(trace, self.trace_dir, stem)
+                if recent:   # the last steps on one clock, each span with its "step": how steps overlap
+                    out["trace_files"] += _write_trace(recent, self.trace_dir, f"{stem}.recent")
         return out
 
 
