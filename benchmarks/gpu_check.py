@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py parity --out $OUT/parity.json
     python benchmarks/gpu_check.py speed --gpus 1 --steps 3 --out $OUT/speed.json
     python benchmarks/gpu_check.py lmhead --out $OUT/lmhead.json
+    python benchmarks/gpu_check.py peaks --seq-len 65536 --budget 24GiB --out $OUT/peaks.json
 
 Writes JSON (and prints it). Not a test: CI has no GPU.
 """
@@ -317,9 +318,57 @@ def lmhead(args):
     return out
 
 
+def peaks(args):
+    """Issue 12's memory figures: Qwen3-1.7B on one GPU, one sequence of --seq-len tokens, the
+    card capped at --budget (set_per_process_memory_fraction) and the planner given the same
+    budget; per stage job its planned memory, the live peak of its traced graph
+    (runtime.fake.live_peak) and the measured peak (torch.cuda.max_memory_allocated over the job,
+    reset as it starts: the prefetch of the next job's weights counts, as in the plan)."""
+    from rpcompile.runtime import executor
+    from rpcompile.runtime.fake import live_peak, trace_job
+    budget = rpcompile.Config(devices=["cpu"], memory_budget=args.budget or "24GiB").memory_budget
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
+    model = qwen3_1_7b()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cuda:0"], num_microbatches=1, dtype=torch.bfloat16,
+                                                   optimizer_mode="delayed", memory_budget=budget))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
+    measured, real = {}, executor.run_job
+
+    def run_job(step, job_index, *a, **k):
+        torch.cuda.reset_peak_memory_stats(0)
+        try:
+            return real(step, job_index, *a, **k)
+        finally:
+            measured[job_index] = max(measured.get(job_index, 0), torch.cuda.max_memory_allocated(0))
+    executor.run_job = run_job
+    out = {"seq_len": args.seq_len, "budget_gib": budget / 2**30, "steps": []}
+    for step in range(args.steps):
+        t0 = time.time()
+        try:
+            loss = cm.train_step(**batch(1, args.seq_len, 151936, seed=step))
+            cm.synchronize()
+            out["steps"].append({"loss": float(loss), "s": time.time() - t0})
+        except Exception as e:    # an OOM: which job, and the figures so far
+            out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            break
+    executor.run_job = real
+    plan = cm.plan
+    if plan is not None:
+        rows = []
+        for k, st in enumerate(plan.stages):
+            traced, where = live_peak(trace_job(cm, k, device="cpu"))
+            rows.append({"job": k, "kind": st.kind, "planned_gib": plan.stage_plan.job_memory[k] / 2**30,
+                         "traced_gib": traced / 2**30, "traced_at": where,
+                         "measured_gib": measured[k] / 2**30 if k in measured else None})
+            print(json.dumps(rows[-1]), flush=True)
+        out.update(jobs=rows, plan=str(plan))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -341,7 +390,7 @@ def main():
     if args.hang_s:
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
-    res = {"parity": parity, "speed": speed, "lmhead": lmhead}[args.what](args)
+    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -4,6 +4,7 @@
 the job handle: the program ops' fake implementations (Note [program ops]) hand out fake
 tensors shaped like the values the real job would see (sizes at the capture's example
 shapes), and the compute graph traces into aten ops. Nothing is uploaded or run.
+`live_peak(gm)` reads such a graph's peak memory off it: the most bytes live at once.
 """
 from __future__ import annotations
 
@@ -77,3 +78,52 @@ def trace_job(cm, stage_index: int, role=None, device=None) -> torch.fx.GraphMod
     finally:
         ops._local.reseed = previous
         ops.unregister(handle)
+
+
+def live_peak(gm: torch.fx.GraphModule) -> tuple:
+    """(bytes, node name): the most bytes of tensors live at once in a traced job graph
+    (trace_job), its ops run in program order, a value freed after its last use, views counted
+    with the storage they share. A lower bound of the device memory the job takes run eagerly
+    (no allocator rounding or fragmentation, no kernel workspaces); fused (Inductor) code keeps
+    fewer intermediates. Beside the plan's job memory it shows where the memory model is off:
+    Qwen3-1.7B at 65,536 tokens, the forward job with 14 LM-head shards planned 3.57 GiB, traced
+    5.75 GiB (a shard's logits, their difference with the running max and its exp live together);
+    a one-layer backward job planned 12.95 GiB, traced 8.26 GiB."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    nodes = list(gm.graph.nodes)
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    refs: dict = {}        # storage -> [bytes, live nodes holding it]
+    held: dict = {}        # node -> its storages
+    live = best = 0
+    where = None
+
+    def drop(node):
+        nonlocal live
+        for key in held.pop(node, ()):
+            refs[key][1] -= 1
+            if refs[key][1] == 0:
+                live -= refs.pop(key)[0]
+    for i, n in enumerate(nodes):
+        value = n.meta.get("val")
+        keys = []
+        for t in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, torch.Tensor):
+                key = StorageWeakRef(t.untyped_storage()).cdata
+                if key not in refs:
+                    refs[key] = [t.untyped_storage().nbytes(), 0]
+                    live += refs[key][0]
+                refs[key][1] += 1
+                keys.append(key)
+        held[n] = keys
+        if live > best:
+            best, where = live, n.name
+        for a in n.all_input_nodes:
+            if last[a] == i:
+                drop(a)
+        if n not in last:
+            drop(n)
+    return best, where
