@@ -207,9 +207,12 @@ def params_read(node: fx.Node) -> list:
 def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, hw: Hardware):
     """Segments between consecutive cuts with their times and bytes, and the live bytes at each cut."""
     segments = []
+    # bytes of each node's value; views 0: they share their base's memory
+    out = {n: 0 if n.meta.get("rp_cost") is None or n.meta["rp_cost"].is_view
+           else int(evaluate(n.meta["rp_cost"].out_bytes, bindings)) for n in lv.body}
     for a, b in zip(cuts, cuts[1:]):
         fwd = bwd = 0.0
-        saved = peak = 0
+        saved = 0
         params = {}
         for n in lv.body[a:b]:
             cost = n.meta.get("rp_cost")
@@ -217,14 +220,15 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
                 f, fb = node_seconds(cost, bindings, peak_flops=hw.peak_flops, mem_bw=hw.mem_bw)
                 fwd, bwd = fwd + f, bwd + fb
                 saved += int(evaluate(cost.saved_bytes, bindings))
-                if not cost.is_view:
-                    peak = max(peak, int(evaluate(cost.out_bytes, bindings)))
             for key, nbytes, numel, grad in params_read(n):
                 params[key] = (nbytes, numel, grad)
         pbytes = sum(v[0] for v in params.values())
         gbytes = sum(4 * v[1] for v in params.values() if v[2])
+        # Note [working bytes]: the values made inside the segment that live at once in its forward
+        work = max((out[lv.body[p]] + sum(out[m] for m in lv.live[p] if lv.index[m] >= a) for p in range(a, b)),
+                   default=0)
         segments.append(Segment(fwd_s=fwd, bwd_s=bwd, param_bytes=pbytes, grad_bytes=gbytes, saved_bytes=saved,
-                                peak_bytes=peak))
+                                peak_bytes=max((out[n] for n in lv.body[a:b]), default=0), work_bytes=work))
     nbytes = lv.node_bytes(bindings, cuts)
     cut_bytes = [sum(nbytes[n] for n in lv.live[p]) for p in cuts]
     return segments, cut_bytes

@@ -20,10 +20,11 @@ Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and
     bwd/fused job time = max(M * sum bwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
     (A_p = cut_bytes[p]: the activations, or their gradients, a job moves over the host link
     for each microbatch at its two boundaries, beside its weights)
-    fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j]) + X
+    fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j]) + max(X, W)
     bwd/fused job memory = 2*P + G + S + 2*(cut_bytes[i] + cut_bytes[j]) + 2*X
     (X: the largest peak_bytes of the stage's segments: the working memory of its biggest op,
-    e.g. an unsplit LM head's fp32 logits; in the backward that value and its gradient)
+    e.g. an unsplit LM head's fp32 logits; in the backward that value and its gradient. W: the
+    largest work_bytes, the values a segment's forward holds at once, Note [working bytes])
 
 (2*P because the running stage's weights and the prefetched next stage's weights are both
 resident.) With J jobs and T the slowest job, a step takes about
@@ -87,6 +88,18 @@ class Segment:
     grad_bytes: int  # device bytes of the gradients of those parameters (accumulated on device)
     saved_bytes: int  # bytes saved for backward by the segment, per microbatch
     peak_bytes: int = 0  # largest value the segment makes (its gradient is as large), per microbatch
+    work_bytes: int = 0  # the most bytes of the values it makes that its forward holds at once, per microbatch
+
+
+# Note [working bytes]: a forward job holds, beside its weights and boundary values, the values
+# its ops make until their last reader has run; counting only the largest (X) under-counted
+# where several of that size live together: Qwen3-1.7B at 65,536 tokens, a forward job of 14
+# LM-head shards (a shard's fp32 logits, their difference with the running max and its exp
+# live at once) was planned at 3.57 GiB, and the live peak of its traced graph
+# (runtime.fake.live_peak) is 5.75 GiB. So a segment also carries the most bytes its own values
+# hold at once in its forward (cut_points.segment_table, from the liveness sweep), and a forward
+# job counts the larger of that and X. Backward jobs keep 2X + S: against their traced graphs
+# that over-counts (one-layer backward jobs there: 12.95 GiB planned, 8.26 GiB traced).
 
 
 class PlanningError(ValueError):
@@ -214,7 +227,7 @@ class _Costs:
                 v = getattr(s, name)
                 if not (math.isfinite(v) and v >= 0):
                     raise ValueError(f"segment {k}: {name} must be finite and >= 0, got {v!r}")
-            for name in ("param_bytes", "grad_bytes", "saved_bytes", "peak_bytes"):
+            for name in ("param_bytes", "grad_bytes", "saved_bytes", "peak_bytes", "work_bytes"):
                 if getattr(s, name) < 0:
                     raise ValueError(f"segment {k}: {name} must be >= 0")
         if any(b < 0 for b in cut_bytes):
@@ -238,7 +251,7 @@ class _Costs:
 
         fwd_s, bwd_s = col("fwd_s", _F64), col("bwd_s", _F64)
         pb, gb, sb = col("param_bytes", _I64), col("grad_bytes", _I64), col("saved_bytes", _I64)
-        xb = col("peak_bytes", _I64)
+        xb, wb = col("peak_bytes", _I64), col("work_bytes", _I64)
         cb = torch.tensor(self.cut_bytes, dtype=_I64)
         pos = torch.arange(n + 1)
         n1, bw, ovh, M = n + 1, float(upload_bw), float(job_overhead_s), self.M
@@ -262,13 +275,13 @@ class _Costs:
                 return out
 
             P = range_sums(pb)
-            X = range_max(xb)
+            X, Wk = range_max(xb), range_max(wb)
             # the host link carries the weights once and the boundary values per microbatch
             upload = (P.to(_F64) + M * (cb[r, None] + cb[None, :]).to(_F64)) / bw
             ends = 2 * (cb[r, None] + cb[None, :])
             self.time["fwd"][r] = torch.maximum(M * range_sums(fwd_s), upload) + ovh
             self.time["bwd"][r] = torch.maximum(M * range_sums(bwd_s), upload) + ovh
-            self.mem["fwd"][r] = 2 * P + ends + X
+            self.mem["fwd"][r] = 2 * P + ends + torch.maximum(X, Wk)
             self.mem["bwd"][r] = 2 * P + range_sums(gb) + range_sums(sb) + ends + 2 * X
         # Memory values are integers, so ``mem <= budget`` <=> ``mem <= floor(budget)``:
         # comparing int64 with an int keeps the test exact for any budget type.
@@ -554,7 +567,10 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         what += f", {_gib(G)} GiB gradients, {_gib(S)} GiB saved for backward per microbatch"
     what += f", 2 x {_gib(ends)} GiB activations across its boundaries"
     X = max(s.peak_bytes for s in segs)
-    if X:
+    W = max(s.work_bytes for s in segs) if kind == "fwd" else 0
+    if W > X:
+        what += f", {_gib(W)} GiB for the values its forward holds at once"
+    elif X:
         what += f", {'2 x ' if kind != 'fwd' else ''}{_gib(X)} GiB for its largest value"
     names = {"fwd": "forward", "bwd": "backward", "fused": "fused last"}
     fixes = ("use more microbatches (less activation memory per microbatch), lower-precision "
