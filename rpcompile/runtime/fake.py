@@ -86,9 +86,9 @@ def live_peak(gm: torch.fx.GraphModule) -> tuple:
     with the storage they share. A lower bound of the device memory the job takes run eagerly
     (no allocator rounding or fragmentation, no kernel workspaces); fused (Inductor) code keeps
     fewer intermediates. Beside the plan's job memory it shows where the memory model is off:
-    Qwen3-1.7B at 65,536 tokens, the forward job with 14 LM-head shards planned 3.57 GiB, traced
-    5.75 GiB (a shard's logits, their difference with the running max and its exp live together);
-    a one-layer backward job planned 12.95 GiB, traced 8.26 GiB."""
+    Qwen3-1.7B at 65,536 tokens, the forward job with 14 LM-head shards was planned at 3.57 GiB
+    and traces at 5.75 GiB (hence Note [working bytes] in passes/partition.py); a one-layer
+    backward job is planned at 12.95 GiB and traces at 8.26 GiB."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     nodes = list(gm.graph.nodes)
