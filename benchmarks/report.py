@@ -64,7 +64,13 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}×" if a and b else ""
 
 
-def render_throughput_table(results: list, reference: str = "rpcompile") -> str:
+def render_throughput_table(results: list, reference: Optional[str] = None) -> str:
+    """The markdown table of a throughput run; the ratio column divides the reference's tokens/s
+    (default: "rpcompile" if it ran, else the first rpcompile system of the run) by each system's."""
+    systems = [r.get("system") for r in results]
+    if reference is None:
+        reference = "rpcompile" if "rpcompile" in systems else next(
+            (s for s in systems if str(s).startswith("rpcompile")), "rpcompile")
     ref = next((r.get("tokens_per_s") for r in results if r.get("system") == reference), None)
     cols = ["system", "status", "tokens/s", "s/step", "MFU", "of ceiling", "peak GPU mem", "host mem peak",
             "loss (first → last)", f"{reference} ÷ system", "setup s", "notes"]

@@ -644,3 +644,13 @@ def test_shared_files_are_counted_by_the_process_that_made_them(tmp_path):
     assert set(out) == {"main", f"worker {other}"}
     assert out["main"]["files"] == 2 and out["main"]["bytes"] == 5096
     assert out[f"worker {other}"]["bytes"] == 1 << 20 and out[f"worker {other}"]["resident_bytes"] >= 1 << 20
+
+
+def test_table_ratio_is_of_the_rpcompile_system_that_ran():
+    """Without a plain rpcompile run the ratio column divides the first rpcompile system's
+    tokens/s (rpcompile-delayed beside RoundPipe) by each system's, and says so in its header."""
+    text = report.render_throughput_table([{"system": "rpcompile-delayed", "status": "ok", "tokens_per_s": 26266.0},
+                                           {"system": "roundpipe", "status": "ok", "tokens_per_s": 14640.0}])
+    header, _, delayed, rp = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
+    col = header.index("rpcompile-delayed ÷ system")
+    assert rp[col] == "1.79×" and delayed[col] == "—"
