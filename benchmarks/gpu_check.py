@@ -324,9 +324,10 @@ def peaks(args):
     budget; per stage job its planned memory, the live peak of its traced graph
     (runtime.fake.live_peak) and the measured peak (torch.cuda.max_memory_allocated over the job,
     reset as it starts: the prefetch of the next job's weights counts, as in the plan)."""
+    from rpcompile.config import parse_bytes
     from rpcompile.runtime import executor
     from rpcompile.runtime.fake import live_peak, trace_job
-    budget = rpcompile.Config(devices=["cpu"], memory_budget=args.budget or "24GiB").memory_budget
+    budget = parse_bytes(args.budget or "24GiB")
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
     model = qwen3_1_7b()

@@ -167,6 +167,11 @@ class HostGrads:
         return GradSet(layout, self.pin, sums, "call gradients")
 
 
+def as_dtype(t, dtype):
+    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:
     """Host gradient per parameter index from {job: {key: host view}}, summed over the jobs (a
     job that took only rows of a parameter, keyed (index, start, stop), adds into those rows).

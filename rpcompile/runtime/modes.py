@@ -36,14 +36,9 @@ import time
 
 import torch
 
-from .grads import param_index, sum_param_grads
+from .grads import as_dtype, param_index, sum_param_grads
 from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
-
-
-def _as(t, dtype):
-    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def grad_indices(job_grads: dict) -> set:
@@ -101,7 +96,7 @@ class ExactMode(_Mode):
             for i, g in sum_param_grads(step.param_grads, step.grads.row_sums).items():
                 p = plan.captured.params[i]
                 # a copy: the host gradient buffers are rewritten by the next step
-                p.grad = g.to(p.dtype, copy=True) if p.grad is None else p.grad.add_(_as(g, p.dtype))
+                p.grad = g.to(p.dtype, copy=True) if p.grad is None else p.grad.add_(as_dtype(g, p.dtype))
 
 
 class OverlappedMode(_Mode):
@@ -126,7 +121,7 @@ class OverlappedMode(_Mode):
 
         def grads():
             totals = sum_param_grads(job_grads, row_sums)
-            return [_as(totals[i], params[i].dtype) for i in order]
+            return [as_dtype(totals[i], params[i].dtype) for i in order]
         return order, grads
 
     def finish(self, runner, plan, step, run):

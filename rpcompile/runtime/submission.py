@@ -31,12 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grads import param_index, sum_param_grads
-
-
-def _as(t, dtype):
-    """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
-    return t if t.dtype == dtype else t.to(dtype)
+from .grads import as_dtype, param_index, sum_param_grads
 
 
 @dataclass
@@ -174,7 +169,7 @@ class ChunkGrads:
             views = self.grads.host_views(s)
             job_grads[s] = {key: self.carried[key] if (s, key) in self._carried_keys else views[key] for key in ks}
         totals = sum_param_grads(job_grads, self.grads.row_sums)
-        out = [_as(totals[i], self.dtypes[i]) for i in chunks.members(k)]
+        out = [as_dtype(totals[i], self.dtypes[i]) for i in chunks.members(k)]
         if chunks.carry[k]:
             dst, src = [], []
             for s, key in chunks.carry[k]:
