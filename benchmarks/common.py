@@ -536,10 +536,17 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         reset_gpu_peaks(devices)
         t = time.perf_counter()
         ids = batch_ids(spec.spec.vocab, 1, s, step=0, rank=rank, seed=spec.seed)
+        repeat_s = None
         try:
             loss = float(trainer.step(ids))
             trainer.finish()
             good, err = math.isfinite(loss), None if math.isfinite(loss) else f"loss {loss}"
+            probe_s = time.perf_counter() - t
+            if good:   # the same length again: a step at a known length, what a new length costs beside
+                t2 = time.perf_counter()
+                trainer.step(ids)
+                trainer.finish()
+                repeat_s = time.perf_counter() - t2
         except Exception as e:  # noqa: BLE001 - an OOM is an answer, anything else a failure
             if not is_oom(e):
                 raise
@@ -549,8 +556,8 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         if good or not trainer.restart_after_oom:
             free_memory(devices)
         mem = _mem(devices, reduce_max) if good or not trainer.restart_after_oom else {}
-        probes.append({"seq_len": s, "ok": good, "loss": loss, "s": time.perf_counter() - t, "error": err,
-                       "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes")})
+        probes.append({"seq_len": s, "ok": good, "loss": loss, "s": probe_s if good else time.perf_counter() - t,
+                       "repeat_s": repeat_s, "error": err, "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes")})
         if good:
             ok = s
         else:

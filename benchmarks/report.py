@@ -174,17 +174,33 @@ def losscurve_footer(results: list, meta: dict) -> str:
     return text
 
 
+def new_length_extra(probes: list) -> str:
+    """What a step at a new length costs over a step at a known one: each probe that trained ran
+    twice (common._max_seq_search), so probe s - repeat s. The first such probe also captures and
+    compiles (shown apart); the rest, as "median (max)"."""
+    extra = [p["s"] - p["repeat_s"] for p in probes if p.get("ok") and p.get("repeat_s") is not None]
+    if not extra:
+        return ""
+    text = f"first {extra[0]:.1f}"
+    if len(extra) > 1:
+        rest = sorted(extra[1:])
+        text += f"; then {rest[len(rest) // 2]:.1f} ({rest[-1]:.1f})"
+    return text
+
+
 def render_maxseq_table(results: list, reference: str = "rpcompile") -> str:
     ref = next((r.get("max_seq") for r in results if r.get("system") == reference), None)
     cols = ["system", "status", "max seq len", "longest ok / shortest failed", "probes", "peak GPU mem at max",
-            f"{reference} ÷ system", "time s", "notes"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---", "---", "---:", "---", "---:", "---:", "---:", "---:", "---"]) + "|"]
+            f"{reference} ÷ system", "new length: s over a known one", "time s", "notes"]
+    lines = ["| " + " | ".join(cols) + " |",
+             "|" + "|".join(["---", "---", "---:", "---", "---:", "---:", "---:", "---", "---:", "---"]) + "|"]
     for r in results:
         ms = r.get("max_seq")
         bounds = "" if r.get("maxseq_ok") is None else f"{r.get('maxseq_ok'):,} / {_num(r.get('maxseq_fail')) or '–'}"
         rel = "—" if r.get("system") == reference else ratio(ref, ms)
         row = [r.get("system", "?"), _status(r), "none" if ms == 0 else _num(ms), bounds, _num(len(r["probes"])) if r.get("probes") else "",
-               _gib(r.get("peak_gpu_at_max_bytes")), rel, _num(r.get("wall_s"), "{:.0f}"), _notes(r)]
+               _gib(r.get("peak_gpu_at_max_bytes")), rel, new_length_extra(r.get("probes") or []),
+               _num(r.get("wall_s"), "{:.0f}"), _notes(r)]
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return "\n".join(lines)
 

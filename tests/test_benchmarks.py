@@ -220,6 +220,17 @@ def test_max_seq_search_restarts_a_child_that_dies(tmp_path, how):
     assert meta["mode"] == "maxseq" and "max sequence length" in md
 
 
+def test_max_seq_search_times_a_new_length_beside_a_known_one(tmp_path):
+    # every length that trains runs twice: the second step is the known-length figure
+    res, md, meta = _harness(tmp_path, "--systems", "simulated", "--max-seq-search", "--maxseq-start", "1024",
+                             "--option", "oom_above=2500", "--option", "new_length_s=0.3", "--timeout", "60")
+    ok = [p for p in res["simulated"]["probes"] if p["ok"]]
+    assert [p["seq_len"] for p in ok] == [1024, 2048]
+    assert all(p["s"] - p["repeat_s"] > 0.25 and p["repeat_s"] < 0.25 for p in ok)
+    assert all(p["repeat_s"] is None for p in res["simulated"]["probes"] if not p["ok"])
+    assert "new length: s over a known one" in md and "first 0.3; then 0.3 (0.3)" in md
+
+
 # --- the same data, optimizer and warm-up for every system --------------------------------------
 def test_every_process_trains_its_slice_of_one_global_batch():
     # FSDP2's ranks used to draw their own batches; now they split the batch every system trains

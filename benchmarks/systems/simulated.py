@@ -6,6 +6,7 @@ Options (harness --option KEY=VALUE):
   oom_above=N    a sequence longer than N tokens runs out of memory: raises torch.OutOfMemoryError,
                  or with exit_on_oom=1 ends the process the way RoundPipe's worker threads do
   restart_after_oom=1   ask for a new process after an OOM in a max-length probe
+  new_length_s=S  more seconds for a step at a sequence length not seen before (a compile)
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ class SimulatedTrainer(Trainer):
     def __init__(self, spec, rank=0, world=1):
         self.o = spec.options
         self.restart_after_oom = str(self.o.get("restart_after_oom", "0")) == "1"
-        self.steps = 0
+        self.steps, self.lengths = 0, set()
         if self.o.get("fail") == "build":
             raise RuntimeError("simulated failure while building")
 
     def step(self, ids):
-        time.sleep(float(self.o.get("sleep", 0)))
+        new = ids.shape[1] not in self.lengths
+        self.lengths.add(ids.shape[1])
+        time.sleep(float(self.o.get("sleep", 0)) + (float(self.o.get("new_length_s", 0)) if new else 0))
         if self.o.get("fail") == "step":
             raise RuntimeError("simulated failure in a step")
         limit = int(self.o.get("oom_above", 0))
