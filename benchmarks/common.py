@@ -414,6 +414,10 @@ class Trainer:
     def recover(self) -> None:
         """Make the next step() possible after one failed with out-of-memory."""
 
+    def probe_info(self) -> dict:
+        """What a system adds to each max-length probe's record (plans, compile seconds so far)."""
+        return {}
+
     def info(self) -> dict:
         """Extra facts for the report (plan, notes)."""
         return {}
@@ -557,7 +561,8 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
             free_memory(devices)
         mem = _mem(devices, reduce_max) if good or not trainer.restart_after_oom else {}
         probes.append({"seq_len": s, "ok": good, "loss": loss, "s": probe_s if good else time.perf_counter() - t,
-                       "repeat_s": repeat_s, "error": err, "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes")})
+                       "repeat_s": repeat_s, "error": err, "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes"),
+                       **trainer.probe_info()})
         if good:
             ok = s
         else:

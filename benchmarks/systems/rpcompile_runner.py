@@ -126,6 +126,12 @@ class RPCompileTrainer(Trainer):
         if not self.overlapped:
             self.opt.zero_grad(set_to_none=True)
 
+    def probe_info(self):
+        """Plans and captures so far, and the seconds of first calls (compiles) so far."""
+        from rpcompile.runtime.warmup import first_calls
+        return {"plans": len(self.cm._plans.plans()), "captures": self.cm._plans.captures(),
+                "first_call_s": round(sum(sec for _, sec in first_calls), 1)}
+
     def info(self):
         out = {"notes": list(self.notes),
                "config": {"devices": [str(d) for d in self.config.devices],

@@ -23,7 +23,7 @@ def compiled(prog, options=None, shared=None):
     shared = {} if shared is None else shared
 
     def inductor(gm):
-        return torch.compile(gm, dynamic=None, options=options)
+        return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options))
 
     if hasattr(prog, "forward_graph"):
         prog.forward_graph = WarmupGuard(compile_regions(prog.forward_graph, inductor, shared))
@@ -31,6 +31,56 @@ def compiled(prog, options=None, shared=None):
         prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
         prog.backward_graph = WarmupGuard(prog.backward_graph)
     return prog
+
+
+class LengthDynamic(torch.nn.Module):
+    """A compiled graph whose sequence-length dims are dynamic from its first call.
+
+    Note [length-dynamic pieces]: one plan serves every sequence length (Note [dynamic lengths]
+    in lengths.py), and torch.compile's automatic dynamic shapes would compile each piece static
+    at the first length and again, dynamic, at the second: 59 s on an H100 for Qwen3-1.7B's
+    second length (16,384 then 32,768 tokens), where the issue allows 10. The capture knows
+    which sizes are lengths: its symbolic sizes (`example_value` of the graph's inputs). So
+    each call marks those dims `maybe_mark_dynamic` and passes those int arguments as
+    `DynamicInt`: the first compile is already symbolic in the length and static in everything
+    else (weights, hidden sizes, the batch), and later lengths reuse it. The marks are set on
+    every call (a few attribute writes) because dynamo may compile again for other reasons
+    (grad mode: the forward and the recompute), and each compile must see them."""
+
+    def __init__(self, gm, compiled):
+        super().__init__()
+        self.compiled = compiled
+        self.dims, self.ints = length_inputs(gm)
+
+    def forward(self, *args):
+        if self.dims or self.ints:
+            args = list(args)
+            for i, dims in self.dims:
+                torch._dynamo.maybe_mark_dynamic(args[i], dims)
+            for i in self.ints:
+                args[i] = _DynamicInt(args[i])
+        return self.compiled(*args)
+
+
+try:    # torch >= 2.10: an int argument that dynamo treats as symbolic from the first compile
+    from torch.fx.experimental.sym_node import DynamicInt as _DynamicInt
+except ImportError:     # older torch: automatic dynamic recompiles once at the second length
+    _DynamicInt = int
+
+
+def length_inputs(gm) -> tuple:
+    """([(input index, [symbolic dims])], [indices of symbolic int inputs]) of gm, from its
+    placeholders' `example_value` (the capture's symbolic sizes)."""
+    dims, ints = [], []
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.Tensor):
+            sym = [d for d, size in enumerate(ev.shape) if isinstance(size, torch.SymInt)]
+            if sym:
+                dims.append((i, sym))
+        elif isinstance(ev, torch.SymInt):
+            ints.append(i)
+    return dims, ints
 
 
 class ProgramCache:
