@@ -18,12 +18,11 @@ topological order, so the pieces called in order compute the graph; the backward
 each compiled piece's autograd function like through any other op.
 
 Pieces and sequence lengths (Note [dynamic lengths] in lengths.py): one plan serves every length,
-so its programs and pieces do too, and the runner compiles pieces with torch.compile's default
-automatic dynamic shapes: a piece is compiled static at the first length and once more, with the
-dims and size arguments that changed symbolic, at the second; every later length reuses that.
-Not `dynamic=True` from the start: a piece's weights are plain inputs, so every weight dim would
-be symbolic too and Inductor would lose its static-shape kernels in every steady step, to save
-one recompile per piece.
+so its programs and pieces do too, and the runner compiles each piece symbolic in the length
+from its first call (Note [length-dynamic pieces] in runtime/programs.py). Not `dynamic=True`: a
+piece's weights are plain inputs, so every weight dim would be symbolic too and Inductor would
+lose its static-shape kernels in every steady step. A plan made anew for a longer length
+(plan_cache.py) reuses the pieces its device has compiled: only pieces it has not seen compile.
 """
 from __future__ import annotations
 
@@ -36,10 +35,13 @@ import torch.fx as fx
 
 # A run of one block shorter than this is not cut out (a decoder layer has ~50-100 nodes).
 MIN_BLOCK_NODES = 8
-# A graph is cut only when some block piece occurs this many times in it: cutting pays where a
-# compiled piece is reused; elsewhere each extra graph costs more than it saves (measured on
-# CPU: a plan of 17 stages of one or two partial layers compiled 2.3x slower when cut).
-MIN_REPEATS = 2
+# A graph is cut only when some block piece occurs this many times in it. 1: a piece is reused
+# across the stage programs of a device as well (the `shared` dict of compile_regions), and
+# long-sequence plans are mostly one-layer jobs: Qwen3-1.7B at 65,536 tokens under 24 GiB has
+# 27 one-layer backward jobs, each compiled whole (its own names, no cache hit) with 2, one
+# layer piece with 1. (With 2, measured on CPU before pieces were shared across programs, a plan
+# of 17 stages of one or two partial layers compiled 2.3x slower when cut.)
+MIN_REPEATS = 1
 
 # The root of a module path is a dynamo source, `L['model']` or `L['args'][0]`; after it, the
 # first integer component is the block index: `layers.3`, `layers[3]`, `layers['3']`.
