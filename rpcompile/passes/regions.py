@@ -11,9 +11,11 @@ Qwen3-1.7B-shaped model on an H200: first step 99 s -> 49 s as one stage of all 
 A node's block is the first index on its module path (`node.meta["nn_module_stack"]`, which
 dynamo fills and the stage graphs keep), e.g. `model.layers.3`; only the container most nodes
 belong to counts, and runs shorter than MIN_BLOCK_NODES do not (a ModuleList of single Linears
-is not worth cutting: it would only lose fusion). What lies between blocks (embedding, masks,
-final norm, LM head shards, loss, a layer cut short by the stage) forms its own pieces. A graph
-in which no block piece repeats stays whole. Every piece is a contiguous run of the
+is not worth cutting: it would only lose fusion). Each LM-head shard (passes/lm_head.py) is a
+block of its own too: the shards exist to bound the logits live at once, and in one compiled
+graph Inductor scheduled them together (Note [one piece per shard]). What lies between blocks
+(embedding, masks, final norm, loss, a layer cut short by the stage) forms its own pieces. A
+graph without blocks stays whole. Every piece is a contiguous run of the
 topological order, so the pieces called in order compute the graph; the backward chains through
 each compiled piece's autograd function like through any other op.
 
@@ -64,26 +66,38 @@ def block_of(node: fx.Node) -> Optional[tuple]:
     return path[:m.end(1)], int(m.group(2) or m.group(3))
 
 
+SHARD = "rp_lm_head"     # the block key of an LM-head shard's nodes: (SHARD, k)
+
+# Note [one piece per shard]: the LM head is split into vocabulary shards so that one shard's
+# logits (and their gradient) are live at a time. Compiled as one graph, Inductor undid that: on
+# CPU its output code for a fused job's backward computed the logit gradients of all 8 shards in
+# one fused kernel with 8 logit-sized outputs, and on an H100 a forward job of 14 Qwen3-1.7B
+# shards at 65,536 tokens peaked at 12.5 GiB against the 5.75 GiB of its graph run op by op
+# (the fused job after it ran out of a 24 GiB budget planned at 23.8). As pieces of their own,
+# the shards run one after the other, forward and backward, as the memory model counts them.
+# The cost: shards differ in their constant bounds, so each compiles on its own.
+
+
 def block_keys(body: list) -> dict:
     """{node: block_of(node)}, a getitem of a multi-output node keyed as that node (it stays
-    with it: no tuple crosses a cut)."""
+    with it: no tuple crosses a cut). An LM-head shard's nodes are block (SHARD, k)."""
     keys = {}
     for n in body:
         src = n.args[0] if n.target is operator.getitem and n.args else None
-        keys[n] = keys[src] if isinstance(src, fx.Node) and src in keys else block_of(n)
+        shard = n.meta.get("rp_lm_head")
+        keys[n] = (keys[src] if isinstance(src, fx.Node) and src in keys
+                   else (SHARD, shard["k"]) if shard else block_of(n))
     return keys
 
 
 def _runs(body: list) -> list:
     """Contiguous runs of body as [(block key or None, nodes)], blocks of the main container only."""
     keys = block_keys(body)
-    counts = Counter(k[0] for k in keys.values() if k is not None)
-    if not counts:
-        return []
-    container = counts.most_common(1)[0][0]
+    counts = Counter(k[0] for k in keys.values() if k is not None and k[0] != SHARD)
+    container = counts.most_common(1)[0][0] if counts else None
     runs = []
     for n in body:
-        k = keys[n] if keys[n] is not None and keys[n][0] == container else None
+        k = keys[n] if keys[n] is not None and keys[n][0] in (container, SHARD) else None
         if runs and runs[-1][0] == k:
             runs[-1][1].append(n)
         else:
