@@ -1,4 +1,6 @@
 """Regional compilation: stage graphs cut at decoder layers, identical layers compiled once."""
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,3 +170,37 @@ def test_each_lm_head_shard_is_a_piece_of_its_own(monkeypatch):
 def _aot_eager_compile(compile_):
     """torch.compile with aot_eager standing in for Inductor (the stage pieces only)."""
     return lambda gm, **kw: compile_(gm, **{**kw, "backend": kw.get("backend", "aot_eager")})
+
+
+def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
+    """A longer sequence that the first plan cannot fit gets a plan of more, smaller jobs, cut
+    elsewhere inside the layers; its whole-layer pieces are the very pieces compiled for the
+    first plan (Note [canonical piece outputs]), so only the new partial pieces compile.
+    Without the canonical outputs, every whole layer of the new plan compiled again."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    monkeypatch.setattr(torch, "compile", _aot_eager_compile(torch.compile))
+    torch.manual_seed(0)
+    # wider than models.qwen3, so that the plans cut inside layers
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         max_position_embeddings=256))
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=1, compile_stages=True,
+                                                   memory_budget=8 * 2**20))   # 5 jobs at 128 tokens, 17 at 256
+    layer_nodes = Counter(block_of(n) for n in cm_plan_nodes(cm, lm_batch(batch=1, seq=128, vocab=512)))
+    shared = next(iter(cm.runner.programs._pieces.values()))
+    first = set(shared)
+    cm.train_step(**lm_batch(batch=1, seq=256, vocab=512))
+    assert len(cm._plans.plans()) == 2, "the longer length needs a plan of its own"
+    new = [shared[k].compiled._orig_mod for k in set(shared) - first]
+    whole = [gm for gm in new if _whole_layer(gm, layer_nodes)]
+    assert new and not whole, f"{len(whole)} of {len(new)} new pieces are whole layers compiled again"
+
+
+def cm_plan_nodes(cm, batch):
+    cm.train_step(**batch)
+    return [n for n in cm.plan.gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def _whole_layer(gm, layer_nodes) -> bool:
+    blocks = Counter(block_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+    return len(blocks) == 1 and None not in blocks and all(c == layer_nodes[b] for b, c in blocks.items())

@@ -131,6 +131,39 @@ def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: st
     return fx.GraphModule(gm, g, class_name=name)
 
 
+# Note [canonical piece outputs]: a piece returns the values used outside it, and which those
+# are depends on the stage job around it: a forward job also hands out the values its backward
+# jobs start from, which lie inside a layer where forward and backward jobs are cut differently.
+# So the same decoder layer was a different piece in each plan (one more output here, one fewer
+# there), and a plan made for a longer length compiled its layers again: 12 of its 12 new pieces
+# on CPU for a 6-layer Qwen3. A block piece returns, besides, every value that is live at a legal
+# cut (cut_points marks them `rp_at_cut`), so its code is the same in every plan and job; an
+# output nobody reads is dropped as soon as the piece returns. Legal cuts are not the same in
+# every layer (the first and last differ, and cuts are thinned), so the marks go by position: the
+# i-th node of every block of a container of equal blocks is marked when the i-th node of any of
+# them is live at a cut.
+
+
+def mark_cut_values(body: list, at_cuts: list) -> None:
+    """Mark `meta["rp_at_cut"]` on the nodes of at_cuts, and on the same positions of every block
+    like theirs (Note [canonical piece outputs])."""
+    keys = block_keys(body)
+    blocks: dict = {}
+    for n in body:
+        if keys[n] is not None and keys[n][0] != SHARD:
+            blocks.setdefault(keys[n], []).append(n)
+    by_shape: dict = {}        # (container, node count) -> the positions marked in any block
+    where = {n: (k, i) for k, nodes in blocks.items() for i, n in enumerate(nodes)}
+    for n in at_cuts:
+        n.meta["rp_at_cut"] = True
+        if n in where:
+            k, i = where[n]
+            by_shape.setdefault((k[0], len(blocks[k])), set()).add(i)
+    for k, nodes in blocks.items():
+        for i in by_shape.get((k[0], len(nodes)), ()):
+            nodes[i].meta["rp_at_cut"] = True
+
+
 def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
     """gm as a graph that calls its pieces `region0`, `region1`, ... (children) in order, with
     gm's signature and outputs; `meta["rp_regions"]` names them. gm itself, unchanged, when no
@@ -144,7 +177,9 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
             for x in n.all_input_nodes:
                 if x not in inside:
                     reads.setdefault(x)
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        # Note [canonical piece outputs]
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)
+                   or (block is not None and n.meta.get("rp_at_cut") and n.users)]
         piece = _piece(gm, nodes, list(reads), outputs, f"{type(gm).__name__}_region{i}")
         pieces.append((block, piece, list(reads), outputs))
     keys = Counter(piece_key(p) for block, p, _, _ in pieces if block is not None)
