@@ -64,13 +64,17 @@ def ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}×" if a and b else ""
 
 
+def reference_system(results: list) -> str:
+    """"rpcompile" if it ran, else the first rpcompile system of the run: what ratio columns divide."""
+    systems = [r.get("system") for r in results]
+    return "rpcompile" if "rpcompile" in systems else next(
+        (s for s in systems if str(s).startswith("rpcompile")), "rpcompile")
+
+
 def render_throughput_table(results: list, reference: Optional[str] = None) -> str:
     """The markdown table of a throughput run; the ratio column divides the reference's tokens/s
     (default: "rpcompile" if it ran, else the first rpcompile system of the run) by each system's."""
-    systems = [r.get("system") for r in results]
-    if reference is None:
-        reference = "rpcompile" if "rpcompile" in systems else next(
-            (s for s in systems if str(s).startswith("rpcompile")), "rpcompile")
+    reference = reference or reference_system(results)
     ref = next((r.get("tokens_per_s") for r in results if r.get("system") == reference), None)
     cols = ["system", "status", "tokens/s", "s/step", "MFU", "of ceiling", "peak GPU mem", "host mem peak",
             "loss (first → last)", f"{reference} ÷ system", "setup s", "notes"]
@@ -188,7 +192,8 @@ def new_length_extra(probes: list) -> str:
     return text
 
 
-def render_maxseq_table(results: list, reference: str = "rpcompile") -> str:
+def render_maxseq_table(results: list, reference: Optional[str] = None) -> str:
+    reference = reference or reference_system(results)
     ref = next((r.get("max_seq") for r in results if r.get("system") == reference), None)
     cols = ["system", "status", "max seq len", "longest ok / shortest failed", "probes", "peak GPU mem at max",
             f"{reference} ÷ system", "new length: s over a known one", "time s", "notes"]

@@ -665,3 +665,8 @@ def test_table_ratio_is_of_the_rpcompile_system_that_ran():
     header, _, delayed, rp = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
     col = header.index("rpcompile-delayed ÷ system")
     assert rp[col] == "1.79×" and delayed[col] == "—"
+    # the max-length table too (57,344 against 22,528 tokens on one H100 under 24 GiB)
+    text = report.render_maxseq_table([{"system": "rpcompile-delayed", "status": "ok", "max_seq": 57344},
+                                       {"system": "roundpipe", "status": "ok", "max_seq": 22528}])
+    header, _, delayed, rp = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
+    assert rp[header.index("rpcompile-delayed ÷ system")] == "2.55×"
