@@ -336,7 +336,7 @@ def test_shard_meta_and_contiguity():
         nodes = [n for n in shards if n.meta["rp_lm_head"]["k"] == k]
         idx = sorted(order[n] for n in nodes)
         assert idx == list(range(idx[0], idx[0] + len(idx))), f"shard {k} not contiguous"
-        assert all(n.meta["rp_lm_head"] == {"k": k, "K": K, "start": bounds[k][0], "stop": bounds[k][1]}
+        assert all(n.meta["rp_lm_head"] == {"k": k, "K": K, "start": bounds[k][0], "stop": bounds[k][1], "apart": False}
                    and n.meta["rp_lm_head_part"] == "shard" for n in nodes)
         sl = [n.meta["rp_param_slice"] for n in nodes if "rp_param_slice" in n.meta]
         assert sl == [(wname, 0, *bounds[k])]

@@ -29,18 +29,17 @@ def test_split_cuts_one_piece_per_decoder_layer():
     cm = _planned(qwen3(layers=3), lm_batch())
     split = split_regions(cm.plan.gm)
     pieces = _pieces(split)
-    # Embedding, mask and rotary tables; the 3 layers; final norm; the LM head's one shard; loss.
-    assert len(pieces) == 7
+    # Embedding, mask and rotary tables; the 3 layers; final norm, LM head shards and loss.
+    assert len(pieces) == 5
     layer_of = [{block_of(n) for n in p.graph.nodes if n.op not in ("placeholder", "output")} for p in pieces]
     assert [{b[1] for b in blocks} for blocks in layer_of[1:4]] == [{0}, {1}, {2}]
-    assert layer_of[0] == layer_of[4] == layer_of[6] == {None}
-    assert {n.meta.get("rp_lm_head", {}).get("k") for n in pieces[5].graph.nodes if n.op == "call_function"} == {0}
+    assert layer_of[0] == {None} and layer_of[4] == {None}
     # Canonical names: identical layers give byte-identical code, and so one compiled function.
     assert pieces[1].code == pieces[2].code == pieces[3].code
     assert piece_key(pieces[1]) == piece_key(pieces[3]) != piece_key(pieces[0])
     compiled = []
     compile_regions(cm.plan.gm, lambda gm: compiled.append(gm) or gm, {})
-    assert len(compiled) == 5     # the 3 layers share one
+    assert len(compiled) == 3     # the 3 layers share one
 
 
 def test_split_graph_gives_the_same_values_and_gradients():
@@ -94,7 +93,7 @@ def test_inductor_regions_train_like_eager():
              if "rp_regions" in getattr(prog.backward_graph.inner.compute, "meta", {})]
     assert split, "expected the fused stage's compute to be split into regions"
     pieces = _pieces(split[0])
-    assert len(pieces) == 6 and pieces[1] is pieces[2], "the two layers share one compiled piece"
+    assert len(pieces) == 4 and pieces[1] is pieces[2], "the two layers share one compiled piece"
     assert isinstance(pieces[1], torch._dynamo.eval_frame.OptimizedModule)
 
 
@@ -204,3 +203,16 @@ def cm_plan_nodes(cm, batch):
 def _whole_layer(gm, layer_nodes) -> bool:
     blocks = Counter(block_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
     return len(blocks) == 1 and None not in blocks and all(c == layer_nodes[b] for b, c in blocks.items())
+
+
+def test_shards_the_flops_rule_made_stay_in_one_graph(monkeypatch):
+    """Shards the memory rule did not ask for (here: a shard count given by the user; at the
+    benchmarks' sizes, the FLOPs rule's) are no blocks: one piece holds them all."""
+    from rpcompile.passes.regions import SHARD, block_keys
+    cm = _planned(qwen3(layers=2), lm_batch(), lm_head_shards=4)
+    body = [n for n in cm.plan.gm.graph.nodes if n.op not in ("placeholder", "output")]
+    assert cm.plan.gm.meta["rp_lm_head"]["K"] == 4
+    assert not any(k is not None and k[0] == SHARD for k in block_keys(body).values())
+    pieces = _pieces(split_regions(cm.plan.gm))
+    holding = [p for p in pieces if any(n.meta.get("rp_lm_head") for n in p.graph.nodes)]
+    assert len(holding) == 1

@@ -68,8 +68,8 @@ cross-entropy in the graph: their head is left whole, silently.
 Meta written. Every new node gets ``example_value`` (fake propagation), the
 ``nn_module_stack`` of the head (prologue, shards) or of the loss (epilogue) and
 ``meta["rp_lm_head_part"]`` in {"prologue", "shard", "epilogue"}. Shard nodes, and only
-they, get ``meta["rp_lm_head"] = {"k": k, "K": K, "start": start, "stop": stop}`` (vocab
-rows [start, stop)); each weight (and bias) row slice gets
+they, get ``meta["rp_lm_head"] = {"k": k, "K": K, "start": start, "stop": stop, "apart": bool}`` (vocab
+rows [start, stop); "apart": the memory rule set K, so each shard compiles apart); each weight (and bias) row slice gets
 ``meta["rp_param_slice"] = (placeholder name, 0, start, stop)`` when it slices a parameter
 or buffer placeholder. The node that replaces the loss inherits the loss node's ``rp_*``
 meta (normalize_loss's ``rp_loss``). ``gm.meta["rp_lm_head"]`` summarises the head of the
@@ -497,7 +497,7 @@ def _fake_mode_of(*nodes: fx.Node) -> Any:
         return None
 
 
-def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int) -> None:
+def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = False) -> None:
     g = gm.graph
     V = head.vocab_size
     fake_mode = _fake_mode_of(head.hidden, head.weight, head.target)
@@ -526,7 +526,7 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int) -> None:
     wkind = _placeholder_kind(head.weight)
     bkind = _placeholder_kind(head.bias) if isinstance(head.bias, fx.Node) else None
     for k, (a, b) in enumerate(shard_bounds(V, num_shards)):
-        node.part, node.shard = "shard", {"k": k, "K": num_shards, "start": a, "stop": b}
+        node.part, node.shard = "shard", {"k": k, "K": num_shards, "start": a, "stop": b, "apart": apart}
         w_k = fn(operator.getitem, head.weight, slice(a, b), _name=f"lm_head_weight_{k}")
         if wkind in ("param", "buffer"):
             w_k.meta["rp_param_slice"] = (head.weight.name, 0, a, b)
@@ -598,12 +598,15 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
             summaries.append(head.summary())
             continue
         K = num_shards if num_shards is not None else estimate_num_shards(gm, head, max_logit_bytes=max_logit_bytes)
+        # shards the memory rule asked for run as compiled pieces of their own (Note [one piece
+        # per shard] in passes/regions.py); the FLOPs rule's stay in one graph
+        apart = num_shards is None and bool(max_logit_bytes) and K > estimate_num_shards(gm, head)
         if K > head.vocab_size:
             raise ValueError(
                 f"split_lm_head: num_shards={K} exceeds the vocabulary size {head.vocab_size}"
             )
         summaries.append(head.summary(K))
-        _rewrite(gm, head, K)
+        _rewrite(gm, head, K, apart)
     if summaries:
         gm.meta["rp_lm_head"] = summaries[0]  # a graph has one LM head; the first if several
     gm.graph.lint()
