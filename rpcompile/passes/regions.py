@@ -11,9 +11,10 @@ Qwen3-1.7B-shaped model on an H200: first step 99 s -> 49 s as one stage of all 
 A node's block is the first index on its module path (`node.meta["nn_module_stack"]`, which
 dynamo fills and the stage graphs keep), e.g. `model.layers.3`; only the container most nodes
 belong to counts, and runs shorter than MIN_BLOCK_NODES do not (a ModuleList of single Linears
-is not worth cutting: it would only lose fusion). Each LM-head shard (passes/lm_head.py) is a
-block of its own too: the shards exist to bound the logits live at once, and in one compiled
-graph Inductor scheduled them together (Note [one piece per shard]). What lies between blocks
+is not worth cutting: it would only lose fusion). Where the memory rule set the LM head's shard
+count (passes/lm_head.py), each shard is a block of its own too: the shards exist to bound the
+logits live at once, and in one compiled graph Inductor scheduled them together (Note [one
+piece per shard]). What lies between blocks
 (embedding, masks, final norm, loss, a layer cut short by the stage) forms its own pieces. A
 graph without blocks stays whole. Every piece is a contiguous run of the
 topological order, so the pieces called in order compute the graph; the backward chains through
