@@ -44,8 +44,9 @@ class LengthDynamic(torch.nn.Module):
     each call marks those dims `maybe_mark_dynamic` and passes those int arguments as
     `DynamicInt`: the first compile is already symbolic in the length and static in everything
     else (weights, hidden sizes, the batch), and later lengths reuse it. The marks are set on
-    every call (a few attribute writes) because dynamo may compile again for other reasons
-    (grad mode: the forward and the recompute), and each compile must see them."""
+    every call because dynamo may compile again for other reasons (grad mode: the forward and
+    the recompute), and each compile must see them; a call costs 6-8 us more than the
+    compiled function alone (CPU, 5 marked inputs and one int)."""
 
     def __init__(self, gm, compiled):
         super().__init__()
