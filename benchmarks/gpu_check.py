@@ -338,9 +338,8 @@ def peaks(args):
 
     def run_job(step, job_index, *a, **k):
         torch.cuda.reset_peak_memory_stats(0)
-        try:
-            return real(step, job_index, *a, **k)
-        finally:
+        real(step, job_index, *a, **k)
+        if step.error is None:      # after a failure (an OOM) jobs stop early: no figure
             measured[job_index] = max(measured.get(job_index, 0), torch.cuda.max_memory_allocated(0))
     executor.run_job = run_job
     out = {"seq_len": args.seq_len, "budget_gib": budget / 2**30, "steps": []}
