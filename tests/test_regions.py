@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.passes import regions
+from rpcompile.passes.cut_points import body_nodes
 from rpcompile.passes.regions import block_of, compile_regions, piece_key, split_regions
 
 from models import MLP, lm_batch, qwen3
@@ -17,6 +18,16 @@ def _planned(model, batch, **config):
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], **config))
     cm.train_step(**batch)
     return cm
+
+
+def _split_graphs(cm):
+    """The compute graphs of cm's stage programs that run as pieces, one list per program role."""
+    for prog in cm.runner._programs.values():
+        for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):
+            inner = getattr(g, "inner", None)
+            inner = getattr(inner, "compute", inner)
+            if "rp_regions" in getattr(inner, "meta", {}):
+                yield inner
 
 
 def _pieces(split):
@@ -31,7 +42,7 @@ def test_split_cuts_one_piece_per_decoder_layer():
     pieces = _pieces(split)
     # Embedding, mask and rotary tables; the 3 layers; final norm, LM head shards and loss.
     assert len(pieces) == 5
-    layer_of = [{block_of(n) for n in p.graph.nodes if n.op not in ("placeholder", "output")} for p in pieces]
+    layer_of = [{block_of(n) for n in body_nodes(p)} for p in pieces]
     assert [{b[1] for b in blocks} for blocks in layer_of[1:4]] == [{0}, {1}, {2}]
     assert layer_of[0] == {None} and layer_of[4] == {None}
     # Canonical names: identical layers give byte-identical code, and so one compiled function.
@@ -122,14 +133,8 @@ def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     assert seen and all(o == {"cpp_wrapper": True} for o in seen)
     with pytest.raises(ValueError, match="inductor_options"):
         rpcompile.Config(inductor_options="cpp_wrapper")
-    by_program = []
-    for prog in cm.runner._programs.values():
-        for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):
-            inner = getattr(g, "inner", None)
-            inner = getattr(inner, "compute", inner)
-            if "rp_regions" in getattr(inner, "meta", {}):
-                by_program.append({piece_key(p._orig_mod): p for p in _pieces(inner)
-                                   if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None})
+    by_program = [{piece_key(p._orig_mod): p for p in _pieces(split)
+                   if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None} for split in _split_graphs(cm)]
     common = [k for k in by_program[0] if sum(k in d for d in by_program) >= 2]
     assert common, "no piece occurs in two stage programs"
     for k in common:
@@ -153,16 +158,13 @@ def test_each_lm_head_shard_is_a_piece_of_its_own(monkeypatch):
     K = cm.plan.gm.meta["rp_lm_head"]["K"]
     assert K >= 3
     shards = []
-    for prog in cm.runner._programs.values():
-        for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):
-            inner = getattr(g, "inner", None)
-            inner = getattr(inner, "compute", inner)
-            for p in (_pieces(inner) if "rp_regions" in getattr(inner, "meta", {}) else []):
-                gm = getattr(p, "_orig_mod", p)
-                ks = {n.meta.get("rp_lm_head", {}).get("k") for n in gm.graph.nodes if n.op == "call_function"}
-                if ks - {None}:
-                    assert len(ks - {None}) == 1, f"a piece holds several shards: {ks}"
-                    shards.append(ks.pop() if None not in ks else (ks - {None}).pop())
+    for split in _split_graphs(cm):
+        for p in _pieces(split):
+            gm = getattr(p, "_orig_mod", p)
+            ks = {n.meta.get("rp_lm_head", {}).get("k") for n in gm.graph.nodes if n.op == "call_function"} - {None}
+            if ks:
+                assert len(ks) == 1, f"a piece holds several shards: {ks}"
+                shards.append(ks.pop())
     assert set(shards) == set(range(K)), f"every shard a piece of its own: {sorted(shards)} of {K}"
 
 
@@ -185,7 +187,8 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
                                          max_position_embeddings=256))
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=1, compile_stages=True,
                                                    memory_budget=8 * 2**20))   # 5 jobs at 128 tokens, 17 at 256
-    layer_nodes = Counter(block_of(n) for n in cm_plan_nodes(cm, lm_batch(batch=1, seq=128, vocab=512)))
+    cm.train_step(**lm_batch(batch=1, seq=128, vocab=512))
+    layer_nodes = Counter(block_of(n) for n in body_nodes(cm.plan.gm))
     shared = next(iter(cm.runner.programs._pieces.values()))
     first = set(shared)
     cm.train_step(**lm_batch(batch=1, seq=256, vocab=512))
@@ -195,13 +198,8 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     assert new and not whole, f"{len(whole)} of {len(new)} new pieces are whole layers compiled again"
 
 
-def cm_plan_nodes(cm, batch):
-    cm.train_step(**batch)
-    return [n for n in cm.plan.gm.graph.nodes if n.op not in ("placeholder", "output")]
-
-
 def _whole_layer(gm, layer_nodes) -> bool:
-    blocks = Counter(block_of(n) for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
+    blocks = Counter(block_of(n) for n in body_nodes(gm))
     return len(blocks) == 1 and None not in blocks and all(c == layer_nodes[b] for b, c in blocks.items())
 
 
@@ -210,9 +208,8 @@ def test_shards_the_flops_rule_made_stay_in_one_graph(monkeypatch):
     benchmarks' sizes, the FLOPs rule's) are no blocks: one piece holds them all."""
     from rpcompile.passes.regions import SHARD, block_keys
     cm = _planned(qwen3(layers=2), lm_batch(), lm_head_shards=4)
-    body = [n for n in cm.plan.gm.graph.nodes if n.op not in ("placeholder", "output")]
     assert cm.plan.gm.meta["rp_lm_head"]["K"] == 4
-    assert not any(k is not None and k[0] == SHARD for k in block_keys(body).values())
+    assert not any(k is not None and k[0] == SHARD for k in block_keys(body_nodes(cm.plan.gm)).values())
     pieces = _pieces(split_regions(cm.plan.gm))
     holding = [p for p in pieces if any(n.meta.get("rp_lm_head") for n in p.graph.nodes)]
     assert len(holding) == 1
