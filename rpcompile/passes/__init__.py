@@ -66,7 +66,6 @@ from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
-from .regions import mark_cut_values
 
 __all__ = ["compile_graph", "CompileState", "PASSES", "PlanningError"]
 
@@ -188,7 +187,6 @@ def cut_points(st: CompileState) -> CompileState:
     st.hardware = Hardware.h100() if st.config.on_gpu else Hardware.cpu()
     st.liveness = liveness(st.gm)
     st.cuts = legal_cuts(st.gm, st.liveness, st.bindings)
-    mark_cut_values(st.liveness.body, [n for p in st.cuts for n in st.liveness.live[p]])
     st.segments, st.cut_bytes = segment_table(st.gm, st.liveness, st.cuts, st.bindings, st.hardware)
     if _stages_compiled(st.config):   # Note [cuts between blocks]: the alternative without cuts inside layers
         cuts = legal_cuts(st.gm, st.liveness, st.bindings, within_blocks=False)

@@ -96,8 +96,9 @@ def block_keys(body: list) -> dict:
     return keys
 
 
-def _runs(body: list) -> list:
-    """Contiguous runs of body as [(block key or None, nodes)], blocks of the main container only."""
+def _runs(body: list, handed: set = frozenset()) -> list:
+    """Contiguous runs of body as [(block key or None, nodes)], blocks of the main container only,
+    a block's run cut after the last node in handed inside it (Note [pieces at handed-out values])."""
     keys = block_keys(body)
     counts = Counter(k[0] for k in keys.values() if k is not None and k[0] != SHARD)
     container = counts.most_common(1)[0][0] if counts else None
@@ -108,6 +109,7 @@ def _runs(body: list) -> list:
             runs[-1][1].append(n)
         else:
             runs.append((k, [n]))
+    runs = _cut_at_handouts(runs, handed)
     # Short runs (a block cut by a stage boundary into a sliver) join the nodes between blocks.
     merged = []
     for k, nodes in runs:
@@ -119,55 +121,66 @@ def _runs(body: list) -> list:
     return merged
 
 
-def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: str) -> fx.GraphModule:
-    """nodes as a GraphModule of reads -> outputs, with names that depend only on the ops
-    (`in_0`, `linear_1`, ...), so identical blocks give identical code."""
+# Note [shard bounds as inputs]: LM-head shards of one size differ only in their vocabulary bounds,
+# constants in the comparisons and the offset of the labels (passes/lm_head.py marks those nodes
+# `rp_shard_bound`). A shard piece takes its bounds as int inputs instead, which the runner
+# passes as dynamic ints (runtime/programs.py, LengthDynamic), so one compiled piece serves every
+# shard of its size: 25 shards of Qwen3-1.7B at 65,536 tokens compiled apart, each once for
+# the forward and once for the training call, at every plan with a new shard count.
+
+
+def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: str) -> tuple:
+    """(nodes as a GraphModule of reads -> outputs, with names that depend only on the ops
+    (`in_0`, `linear_1`, ...), so identical blocks give identical code; the ints it takes after
+    reads: the shard bounds it was given as inputs, Note [shard bounds as inputs])."""
     g = fx.Graph()
     env = {}
     for i, x in enumerate(reads):
         env[x] = g.placeholder(f"in_{i}")
         env[x].meta = dict(x.meta)
+    bounds: dict = {}       # int value -> its placeholder
+    for n in nodes:
+        i = n.meta.get("rp_shard_bound")
+        if i is not None and isinstance(n.args[i], int) and n.args[i] not in bounds:
+            bounds[n.args[i]] = g.placeholder(f"in_{len(reads) + len(bounds)}")
+            bounds[n.args[i]].meta["rp_dynamic_int"] = True
     for n in nodes:
         args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
+        i = n.meta.get("rp_shard_bound")
+        if i is not None and args[i] in bounds:
+            args = (*args[:i], bounds[args[i]], *args[i + 1:])
         env[n] = g.create_node(n.op, n.target, args, kwargs, type_expr=n.type)
         env[n].meta = dict(n.meta)
         env[n].meta.pop("stack_trace", None)   # layer-independent code, without source comments
     g.output(tuple(env[o] for o in outputs))
     g.lint()
-    return fx.GraphModule(gm, g, class_name=name)
+    return fx.GraphModule(gm, g, class_name=name), list(bounds)
 
 
-# Note [canonical piece outputs]: a piece returns the values used outside it, and which those
+# Note [pieces at handed-out values]: a piece returns the values used outside it, and which those
 # are depends on the stage job around it: a forward job also hands out the values its backward
-# jobs start from, which lie inside a layer where forward and backward jobs are cut differently.
-# So the same decoder layer was a different piece in each plan (one more output here, one fewer
-# there), and a plan made for a longer length compiled its layers again: 12 of its 12 new pieces
-# on CPU for a 6-layer Qwen3. A block piece returns, besides, every value that is live at a legal
-# cut (cut_points marks them `rp_at_cut`), so its code is the same in every plan and job; an
-# output nobody reads is dropped as soon as the piece returns. Legal cuts are not the same in
-# every layer (the first and last differ, and cuts are thinned), so the marks go by position: the
-# i-th node of every block of a container of equal blocks is marked when the i-th node of any of
-# them is live at a cut.
+# jobs start from, which lie inside a layer where the backward jobs are cut inside layers. With
+# one more output there, the same decoder layer was a different piece in each plan, and a plan
+# made for a longer length compiled its layers again (12 of its 12 new pieces on CPU, a 6-layer
+# Qwen3). So a block's run is cut after the last value the graph hands out from inside it: the
+# two parts are pieces whose code depends only on that position in the layer (their outputs are
+# the values crossing it), shared by every layer and plan cut there, and every other layer stays
+# the plain layer. An earlier cure, returning from every layer each value live at any legal cut,
+# made the layers identical too but held ~16 extra token-sized values at each layer's end: a
+# forward job of Qwen3-1.7B at 65,536 tokens measured 7.2 GiB on an H100 against 3.3 before it
+# and 4.2 planned.
 
 
-def mark_cut_values(body: list, at_cuts: list) -> None:
-    """Mark `meta["rp_at_cut"]` on the nodes of at_cuts, and on the same positions of every block
-    like theirs (Note [canonical piece outputs])."""
-    keys = block_keys(body)
-    blocks: dict = {}
-    for n in body:
-        if keys[n] is not None and keys[n][0] != SHARD:
-            blocks.setdefault(keys[n], []).append(n)
-    by_shape: dict = {}        # (container, node count) -> the positions marked in any block
-    where = {n: (k, i) for k, nodes in blocks.items() for i, n in enumerate(nodes)}
-    for n in at_cuts:
-        n.meta["rp_at_cut"] = True
-        if n in where:
-            k, i = where[n]
-            by_shape.setdefault((k[0], len(blocks[k])), set()).add(i)
-    for k, nodes in blocks.items():
-        for i in by_shape.get((k[0], len(nodes)), ()):
-            nodes[i].meta["rp_at_cut"] = True
+def _cut_at_handouts(runs: list, handed: set) -> list:
+    """runs with each block run cut after its last node in handed (not its own last node)."""
+    out = []
+    for k, nodes in runs:
+        last = max((i for i, n in enumerate(nodes[:-1]) if n in handed), default=None) if k is not None else None
+        if last is None:
+            out.append((k, nodes))
+        else:
+            out += [(k, nodes[:last + 1]), (k, nodes[last + 1:])]
+    return out
 
 
 def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -175,19 +188,18 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
     gm's signature and outputs; `meta["rp_regions"]` names them. gm itself, unchanged, when no
     block piece occurs MIN_REPEATS times."""
     body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     pieces = []
-    for i, (block, nodes) in enumerate(_runs(body)):
+    for i, (block, nodes) in enumerate(_runs(body, set(out.all_input_nodes))):
         inside = set(nodes)
         reads = {}
         for n in nodes:
             for x in n.all_input_nodes:
                 if x not in inside:
                     reads.setdefault(x)
-        # Note [canonical piece outputs]
-        outputs = [n for n in nodes if any(u not in inside for u in n.users)
-                   or (block is not None and n.meta.get("rp_at_cut") and n.users)]
-        piece = _piece(gm, nodes, list(reads), outputs, f"{type(gm).__name__}_region{i}")
-        pieces.append((block, piece, list(reads), outputs))
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        piece, ints = _piece(gm, nodes, list(reads), outputs, f"{type(gm).__name__}_region{i}")
+        pieces.append((block, piece, list(reads) + ints, outputs))
     keys = Counter(piece_key(p) for block, p, _, _ in pieces if block is not None)
     if not any(count >= MIN_REPEATS for key, count in keys.items() if key is not None):
         return gm
@@ -198,11 +210,10 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
             env[n] = top.node_copy(n)
     names = []
     for i, (_, _, reads, outputs) in enumerate(pieces):
-        call = top.call_module(f"region{i}", tuple(env[x] for x in reads))
+        call = top.call_module(f"region{i}", tuple(env[x] if isinstance(x, fx.Node) else x for x in reads))
         for j, o in enumerate(outputs):
             env[o] = top.create_node("call_function", operator.getitem, (call, j), name=o.name)
         names.append(f"region{i}")
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     top.output(fx.map_arg(out.args[0], env.__getitem__))
     top.lint()
     split = fx.GraphModule({name: p for name, (_, p, _, _) in zip(names, pieces)}, top, class_name=type(gm).__name__)
