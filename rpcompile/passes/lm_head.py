@@ -547,8 +547,12 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
             s_k = fn(torch.add, fn(torch.mul, s, fn(torch.exp, fn(torch.sub, m, m_new))), s_k,
                      _name=f"lm_head_sumexp_{k}")
         s, m = s_k, m_new
-        hit = fn(torch.logical_and, fn(torch.ge, y, a), fn(torch.lt, y, b))
+        ge, lt = fn(torch.ge, y, a), fn(torch.lt, y, b)
         off = fn(torch.sub, y, a) if a else y
+        if apart:       # Note [shard bounds as inputs] (passes/regions.py)
+            for n in (ge, lt, off) if a else ():
+                n.meta["rp_shard_bound"] = 1
+        hit = fn(torch.logical_and, ge, lt)
         idx = fn(torch.clamp, off, 0, b - a - 1)
         # l_k[rows, idx] rather than gather: its backward keeps only the indices, gather's
         # keeps l_k too (a second N x (b - a) fp32 tensor per shard saved for backward).

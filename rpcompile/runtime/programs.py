@@ -79,7 +79,7 @@ def length_inputs(gm) -> tuple:
             sym = [d for d, size in enumerate(ev.shape) if isinstance(size, torch.SymInt)]
             if sym:
                 dims.append((i, sym))
-        elif isinstance(ev, torch.SymInt):
+        elif isinstance(ev, torch.SymInt) or n.meta.get("rp_dynamic_int"):  # a shard bound (passes/regions.py)
             ints.append(i)
     return dims, ints
 
