@@ -489,3 +489,30 @@ def test_bad_num_shards():
         split_lm_head(clone(gm), 0)
     with pytest.raises(ValueError):
         split_lm_head(clone(gm), V_ODD + 1)
+
+
+def test_shards_of_every_count_are_one_piece():
+    """Where the memory rule set the shard count, every shard after the first is the same piece
+    whatever its bounds, rows and the count: the bounds are its int inputs (Note [shard bounds
+    as inputs] in passes/regions.py), so a plan with another count compiles no shard again. The
+    split graph still computes the loss and gradients of the unsplit one."""
+    from rpcompile.passes.regions import piece_key, split_regions
+    gm, inputs = _hf("qwen3", tied=False)
+    ref_loss, ref_grads = loss_and_grads(gm, inputs)
+    tokens = 3 * 8
+    keys, counts = set(), []
+    for K in (5, 9):
+        g = split_lm_head(clone(gm), max_logit_bytes=tokens * V_ODD * 4 / K)
+        assert g.meta["rp_lm_head"]["K"] == K
+        assert all(n.meta["rp_lm_head"]["apart"] for n in shard_nodes(g))
+        split = split_regions(g)
+        pieces = [getattr(split, name) for name in split.meta["rp_regions"]]
+        later = [p for p in pieces if any(n.target is F.linear for n in p.graph.nodes)
+                 and max(n.meta.get("rp_lm_head", {}).get("k", -1) for n in p.graph.nodes) > 0]
+        counts.append(len(later))
+        keys |= {piece_key(p) for p in later}
+        loss, grads = loss_and_grads(split, inputs)
+        torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert counts == [4, 8] and len(keys) == 1, f"{len(keys)} distinct pieces for shards 1.. of {counts}"

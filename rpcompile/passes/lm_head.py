@@ -549,11 +549,12 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
         s, m = s_k, m_new
         ge, lt = fn(torch.ge, y, a), fn(torch.lt, y, b)
         off = fn(torch.sub, y, a) if a else y
-        if apart:       # Note [shard bounds as inputs] (passes/regions.py)
-            for n in (ge, lt, off) if a else ():
-                n.meta["rp_shard_bound"] = 1
         hit = fn(torch.logical_and, ge, lt)
         idx = fn(torch.clamp, off, 0, b - a - 1)
+        if apart:       # Note [shard bounds as inputs] (passes/regions.py): arg indices
+            for n, i in ((w_k, 1), (b_k, 1), (ge, 1), (lt, 1), (off, 1), (idx, 2)) if a else ():
+                if n is not None:
+                    n.meta["rp_shard_bound"] = i
         # l_k[rows, idx] rather than gather: its backward keeps only the indices, gather's
         # keeps l_k too (a second N x (b - a) fp32 tensor per shard saved for backward).
         rows = fn(torch.sub, fn(torch.cumsum, fn(torch.ones_like, y), 0), 1)

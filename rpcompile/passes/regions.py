@@ -121,40 +121,53 @@ def _runs(body: list, handed: set = frozenset()) -> list:
     return merged
 
 
-# Note [shard bounds as inputs]: LM-head shards of one size differ only in their vocabulary bounds,
-# constants in the comparisons and the offset of the labels (passes/lm_head.py marks those nodes
-# `rp_shard_bound`). A shard piece takes its bounds as int inputs instead, which the runner
-# passes as dynamic ints (runtime/programs.py, LengthDynamic), so one compiled piece serves every
-# shard of its size: 25 shards of Qwen3-1.7B at 65,536 tokens compiled apart, each once for
-# the forward and once for the training call, at every plan with a new shard count.
+# Note [shard bounds as inputs]: LM-head shards differ only in their vocabulary rows: the row
+# count of their weight slice, and constants in the comparisons and the offset of the labels
+# (passes/lm_head.py marks those args `rp_shard_bound`). A shard piece takes those ints as
+# inputs, and the runner passes them as dynamic ints and the slice's rows as a dynamic dim
+# (runtime/programs.py, LengthDynamic), so one compiled piece serves every shard after the
+# first, of every shard count: compiled apart, the 25 shards of Qwen3-1.7B at 65,536 tokens
+# compiled each once for the forward and once for the training call, and again at every plan
+# with another shard count.
 
 
 def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: str) -> tuple:
     """(nodes as a GraphModule of reads -> outputs, with names that depend only on the ops
     (`in_0`, `linear_1`, ...), so identical blocks give identical code; the ints it takes after
-    reads: the shard bounds it was given as inputs, Note [shard bounds as inputs])."""
+    reads: shard bounds made inputs, Note [shard bounds as inputs])."""
     g = fx.Graph()
     env = {}
     for i, x in enumerate(reads):
         env[x] = g.placeholder(f"in_{i}")
         env[x].meta = dict(x.meta)
-    bounds: dict = {}       # int value -> its placeholder
+    ints, lifted = [], {}       # the lifted ints' values; node -> its arg made of their placeholders
+
+    def lift(v: int) -> fx.Node:
+        ints.append(v)
+        ph = g.placeholder(f"in_{len(reads) + len(ints) - 1}")
+        ph.meta["rp_dynamic_int"] = True
+        return ph
     for n in nodes:
         i = n.meta.get("rp_shard_bound")
-        if i is not None and isinstance(n.args[i], int) and n.args[i] not in bounds:
-            bounds[n.args[i]] = g.placeholder(f"in_{len(reads) + len(bounds)}")
-            bounds[n.args[i]].meta["rp_dynamic_int"] = True
+        v = n.args[i] if i is not None else None
+        if isinstance(v, int):
+            lifted[n] = lift(v)
+        elif isinstance(v, slice):      # a weight slice read whole inside the piece
+            lifted[n] = slice(lift(v.start), lift(v.stop), v.step)
+    for x in reads if ints else ():       # the weight (bias) slices: their rows
+        if x.meta.get("rp_param_slice") is not None:
+            env[x].meta["rp_dynamic_dims"] = [x.meta["rp_param_slice"][1]]
     for n in nodes:
         args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
-        i = n.meta.get("rp_shard_bound")
-        if i is not None and args[i] in bounds:
-            args = (*args[:i], bounds[args[i]], *args[i + 1:])
+        if n in lifted:
+            i = n.meta["rp_shard_bound"]
+            args = (*args[:i], lifted[n], *args[i + 1:])
         env[n] = g.create_node(n.op, n.target, args, kwargs, type_expr=n.type)
         env[n].meta = dict(n.meta)
         env[n].meta.pop("stack_trace", None)   # layer-independent code, without source comments
     g.output(tuple(env[o] for o in outputs))
     g.lint()
-    return fx.GraphModule(gm, g, class_name=name), list(bounds)
+    return fx.GraphModule(gm, g, class_name=name), ints
 
 
 # Note [pieces at handed-out values]: a piece returns the values used outside it, and which those

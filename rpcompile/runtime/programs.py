@@ -75,8 +75,9 @@ def length_inputs(gm) -> tuple:
     dims, ints = [], []
     for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         ev = n.meta.get("example_value")
-        if isinstance(ev, torch.Tensor):
-            sym = [d for d, size in enumerate(ev.shape) if isinstance(size, torch.SymInt)]
+        if isinstance(ev, torch.Tensor):     # symbolic dims, and a shard's rows (passes/regions.py)
+            sym = sorted({d for d, size in enumerate(ev.shape) if isinstance(size, torch.SymInt)}
+                         | set(n.meta.get("rp_dynamic_dims", ())))
             if sym:
                 dims.append((i, sym))
         elif isinstance(ev, torch.SymInt) or n.meta.get("rp_dynamic_int"):  # a shard bound (passes/regions.py)
