@@ -41,6 +41,8 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
     rp_cost               annotate_costs              cut_points, partition, plan rows
     rp_size_estimates     annotate_costs (gm.meta)    tests (the estimates behind data-dependent sizes)
     rp_regions            regions                     regions (repeated blocks compiled once)
+    rp_shard_bound        lm_head (shards apart)      regions (the arg a shard piece takes as an input)
+    rp_dynamic_int, _dims regions (piece inputs)      runtime.programs.length_inputs (marked dynamic)
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: st
 
 # Note [pieces at handed-out values]: a piece returns the values used outside it, and which those
 # are depends on the stage job around it: a forward job also hands out the values its backward
-# jobs start from, which lie inside a layer where the backward jobs are cut inside layers. With
+# jobs start from, which lie inside a layer wherever a backward job begins inside one. With
 # one more output there, the same decoder layer was a different piece in each plan, and a plan
 # made for a longer length compiled its layers again (12 of its 12 new pieces on CPU, a 6-layer
 # Qwen3). So a block's run is cut after the last value the graph hands out from inside it: the
