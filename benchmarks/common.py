@@ -531,6 +531,38 @@ def next_probe(ok: int, fail: Optional[int], start: int, limit: int, step: int =
     return mid if mid < fail else None
 
 
+class _probe_profiler:
+    """cProfile over a max-length probe's first step when `--option profile_probes=N`: the N
+    functions of most cumulative seconds go into the probe's record as `profile` [[function,
+    cumulative s, own s, calls]], to show where a new length's seconds go (planning, building
+    programs, compiling, host allocations). Off: does nothing."""
+
+    def __init__(self, spec):
+        self.n = int(spec.options.get("profile_probes", 0) or 0)
+        self.prof = None
+
+    def __enter__(self):
+        if self.n:
+            import cProfile
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prof is not None:
+            self.prof.disable()
+        return False
+
+    def top(self) -> dict:
+        if self.prof is None:
+            return {}
+        import pstats
+        stats = pstats.Stats(self.prof).stats
+        rows = sorted(((f"{os.path.basename(fn)}:{line}({name})", ct, tt, nc)
+                       for (fn, line, name), (cc, nc, tt, ct, _) in stats.items()), key=lambda r: -r[1])
+        return {"profile": [[f, round(ct, 3), round(tt, 3), nc] for f, ct, tt, nc in rows[:self.n]]}
+
+
 def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
     ok, fail = spec.maxseq_ok, spec.maxseq_fail
     probes = list(spec.maxseq_probes)
@@ -540,10 +572,11 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         reset_gpu_peaks(devices)
         t = time.perf_counter()
         ids = batch_ids(spec.spec.vocab, 1, s, step=0, rank=rank, seed=spec.seed)
-        repeat_s = None
+        repeat_s, prof = None, _probe_profiler(spec)
         try:
-            loss = float(trainer.step(ids))
-            trainer.finish()
+            with prof:
+                loss = float(trainer.step(ids))
+                trainer.finish()
             good, err = math.isfinite(loss), None if math.isfinite(loss) else f"loss {loss}"
             probe_s = time.perf_counter() - t
             if good:   # the same length again: a step at a known length, what a new length costs beside
@@ -562,6 +595,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         mem = _mem(devices, reduce_max) if good or not trainer.restart_after_oom else {}
         probes.append({"seq_len": s, "ok": good, "loss": loss, "s": probe_s if good else time.perf_counter() - t,
                        "repeat_s": repeat_s, "error": err, "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes"),
+                       **prof.top(),
                        **trainer.probe_info()})
         if good:
             ok = s

@@ -544,8 +544,7 @@ class Harness:
             current = raw.get("current_probe")
             if st == "restart":                       # the child recorded the failed probe itself
                 current = None
-            oomish = st in ("oom", "timeout") or "out of memory" in (run["stderr_tail"] or "").lower()
-            if current and oomish and "timeout after" not in why:
+            if current and _probe_failed(st, why, run["stderr_tail"]):
                 probes.append({"seq_len": current, "ok": False, "error": f"{st}: {_short(why)}"})
                 fail = current if fail is None else min(fail, current)
             elif st != "restart":
@@ -582,6 +581,17 @@ class Harness:
                   + (f" ({_short(r.get('reason'))})" if r.get("reason") else ""), flush=True)
             self.write()
         return self.results
+
+
+def _probe_failed(status: str, why: str, stderr_tail: str) -> bool:
+    """Whether a max-length child that ended this way answered its current probe "does not fit"
+    (the search goes on below it in a new child): out of device memory, a probe past
+    --probe-timeout, or the host-memory guard (the length's host buffers do not fit the host's
+    RAM: rpcompile at 131,072 tokens on a 126 GiB host). Not the search's own --timeout."""
+    if "timeout after" in why:
+        return False
+    return (status in ("oom", "timeout") or "out of memory" in (stderr_tail or "").lower()
+            or why.startswith("host memory guard"))
 
 
 def _finite(x) -> bool:

@@ -223,12 +223,29 @@ def test_max_seq_search_restarts_a_child_that_dies(tmp_path, how):
 def test_max_seq_search_times_a_new_length_beside_a_known_one(tmp_path):
     # every length that trains runs twice: the second step is the known-length figure
     res, md, meta = _harness(tmp_path, "--systems", "simulated", "--max-seq-search", "--maxseq-start", "1024",
-                             "--option", "oom_above=2500", "--option", "new_length_s=0.3", "--timeout", "60")
+                             "--option", "oom_above=2500", "--option", "new_length_s=0.3", "--timeout", "60",
+                             "--option", "profile_probes=5")
     ok = [p for p in res["simulated"]["probes"] if p["ok"]]
     assert [p["seq_len"] for p in ok] == [1024, 2048]
     assert all(p["s"] - p["repeat_s"] > 0.25 and p["repeat_s"] < 0.25 for p in ok)
+    # --option profile_probes=N: the new length's step profiled, its N costliest functions kept
+    for p in ok:
+        assert len(p["profile"]) == 5
+        sleep = next(r for r in p["profile"] if "sleep" in r[0])
+        assert sleep[1] >= 0.25
     assert all(p["repeat_s"] is None for p in res["simulated"]["probes"] if not p["ok"])
     assert "new length: s over a known one" in md and "first 0.3; then 0.3 (0.3)" in md
+
+
+def test_a_probe_stopped_by_the_host_memory_guard_is_a_length_that_does_not_fit():
+    # the search goes on below it in a new child, as after an OOM, instead of ending the system's search
+    from benchmarks.harness import _probe_failed
+    guard = "host memory guard: 118 GiB of the host's RAM in use (the run's processes: 114 GiB resident)"
+    assert _probe_failed("failed", guard, "")
+    assert _probe_failed("oom", "out of memory", "")
+    assert _probe_failed("timeout", "probe of 65536 tokens ran past 300 s", "")
+    assert not _probe_failed("timeout", "timeout after 500 s", "")
+    assert not _probe_failed("failed", "RuntimeError: a bug", "Traceback ...")
 
 
 # --- the same data, optimizer and warm-up for every system --------------------------------------
