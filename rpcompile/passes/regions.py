@@ -154,8 +154,8 @@ def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: st
             lifted[n] = lift(v)
         elif isinstance(v, slice):      # a weight slice read whole inside the piece
             lifted[n] = slice(lift(v.start), lift(v.stop), v.step)
-    for x in reads if ints else ():       # the weight (bias) slices: their rows
-        if x.meta.get("rp_param_slice") is not None:
+    for x in reads:       # a shard's weight (bias) slice: its rows (a piece without the bounds too)
+        if x.meta.get("rp_param_slice") is not None and (x.meta.get("rp_lm_head") or {}).get("apart"):
             env[x].meta["rp_dynamic_dims"] = [x.meta["rp_param_slice"][1]]
     for n in nodes:
         args, kwargs = fx.map_arg((n.args, n.kwargs), env.__getitem__)
