@@ -531,7 +531,7 @@ def next_probe(ok: int, fail: Optional[int], start: int, limit: int, step: int =
     return mid if mid < fail else None
 
 
-class _probe_profiler:
+class _ProbeProfiler:
     """cProfile over a max-length probe's first step when `--option profile_probes=N`: the N
     functions of most cumulative seconds go into the probe's record as `profile` [[function,
     cumulative s, own s, calls]], to show where a new length's seconds go (planning, building
@@ -572,7 +572,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         reset_gpu_peaks(devices)
         t = time.perf_counter()
         ids = batch_ids(spec.spec.vocab, 1, s, step=0, rank=rank, seed=spec.seed)
-        repeat_s, prof = None, _probe_profiler(spec)
+        repeat_s, prof = None, _ProbeProfiler(spec)
         try:
             with prof:
                 loss = float(trainer.step(ids))
