@@ -40,7 +40,7 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
     rp_param_slice(_fqn)  lm_head, codegen            codegen (a stage uploads only its rows)
     rp_cost               annotate_costs              cut_points, partition, plan rows
     rp_size_estimates     annotate_costs (gm.meta)    tests (the estimates behind data-dependent sizes)
-    rp_regions            regions                     regions (repeated blocks compiled once)
+    rp_regions(_keys)     regions (gm.meta)           regions (repeated blocks compiled once)
     rp_shard_bound        lm_head (shards apart)      regions (the arg a shard piece takes as an input)
     rp_dynamic_int, _dims regions (piece inputs)      runtime.programs.length_inputs (marked dynamic)
 """

@@ -402,10 +402,18 @@ def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict
     head = head or find_lm_head(gm)
     if head is None:
         return 1
-    K = _shards_by_flops(gm, head, at)
-    if max_logit_bytes:
-        K = max(K, math.ceil(_hint(head.num_tokens, at) * head.vocab_size * 4 / max_logit_bytes))
+    return max(_clamp(head, _shards_by_flops(gm, head, at)), _shards_by_memory(head, at, max_logit_bytes))
+
+
+def _clamp(head: LMHead, K: int) -> int:
     return int(max(1, min(MAX_SHARDS, head.vocab_size, K)))
+
+
+def _shards_by_memory(head: LMHead, at: dict | None, max_logit_bytes: float | None) -> int:
+    """The fewest shards whose fp32 logits each fit max_logit_bytes (Note [shards by memory]); 1 without it."""
+    if not max_logit_bytes:
+        return 1
+    return _clamp(head, math.ceil(_hint(head.num_tokens, at) * head.vocab_size * 4 / max_logit_bytes))
 
 
 def _shards_by_flops(gm: fx.GraphModule, head: LMHead, at: dict | None) -> int:
@@ -602,10 +610,13 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
                               "warning)", stacklevel=2)
             summaries.append(head.summary())
             continue
-        K = num_shards if num_shards is not None else estimate_num_shards(gm, head, max_logit_bytes=max_logit_bytes)
-        # shards the memory rule asked for run as compiled pieces of their own (Note [one piece
-        # per shard] in passes/regions.py); the FLOPs rule's stay in one graph
-        apart = num_shards is None and bool(max_logit_bytes) and K > estimate_num_shards(gm, head)
+        K, apart = num_shards, False
+        if num_shards is None:
+            # shards the memory rule asked for run as compiled pieces of their own (Note [one
+            # piece per shard] in passes/regions.py); the FLOPs rule's stay in one graph
+            by_flops = _clamp(head, _shards_by_flops(gm, head, None))
+            K = max(by_flops, _shards_by_memory(head, None, max_logit_bytes))
+            apart = K > by_flops
         if K > head.vocab_size:
             raise ValueError(
                 f"split_lm_head: num_shards={K} exceeds the vocabulary size {head.vocab_size}"

@@ -213,7 +213,8 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
         outputs = [n for n in nodes if any(u not in inside for u in n.users)]
         piece, ints = _piece(gm, nodes, list(reads), outputs, f"{type(gm).__name__}_region{i}")
         pieces.append((block, piece, list(reads) + ints, outputs))
-    keys = Counter(piece_key(p) for block, p, _, _ in pieces if block is not None)
+    piece_keys = [piece_key(p) for _, p, _, _ in pieces]
+    keys = Counter(key for (block, _, _, _), key in zip(pieces, piece_keys) if block is not None)
     if not any(count >= MIN_REPEATS for key, count in keys.items() if key is not None):
         return gm
     top = fx.Graph()
@@ -232,6 +233,7 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
     split = fx.GraphModule({name: p for name, (_, p, _, _) in zip(names, pieces)}, top, class_name=type(gm).__name__)
     split.meta = dict(getattr(gm, "meta", {}))
     split.meta["rp_regions"] = names
+    split.meta["rp_region_keys"] = piece_keys     # their piece_key, for compile_regions
     return split
 
 
@@ -251,9 +253,9 @@ def compile_regions(gm: fx.GraphModule, compile_fn, shared: dict):
     split = split_regions(gm)
     if split is gm:
         return compile_fn(gm)
-    for name in split.meta["rp_regions"]:
+    for name, key in zip(split.meta["rp_regions"], split.meta["rp_region_keys"]):
         piece = getattr(split, name)
-        key = piece_key(piece) or id(piece)
+        key = key or id(piece)
         if key not in shared:
             shared[key] = compile_fn(piece)
         setattr(split, name, shared[key])
