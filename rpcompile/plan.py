@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from .passes.cost import _tensor_bytes, evaluate
+from .passes.host_memory import host_values
 
 
 def _fmt_bytes(n: float) -> str:
@@ -208,9 +209,7 @@ class Plan:
             shards = sorted({h["k"] for h in heads})
             # activations (fwd) or their gradients (fused, bwd) the job writes to host memory in
             # a step: every microbatch's, at the planned microbatch size
-            sent = st.outputs if st.kind == "fwd" else [x for x in getattr(st, "grad_inputs", [])
-                                                        if st.kinds.get(x) in (None, "act", "input")]
-            host_act = self.num_microbatches * sum(self.value_bytes(by_name.get(x)) for x in sent)
+            host_act = self.num_microbatches * sum(self.value_bytes(by_name.get(x)) for x in host_values(st))
             rows.append({
                 "stage": st.index, "kind": st.kind, "positions": [a, b],
                 "first": nodes[0].name if nodes else "", "last": nodes[-1].name if nodes else "",

@@ -7,8 +7,11 @@ working copies the devices upload from (pinned, in the compute dtype, on GPUs; t
 delayed mode), and the host gradient buffers (GradLayout: each backward job's gradients in one
 flat fp32 piece; one set in every mode, Note [one gradient set] in runtime/grads.py). In
 exact mode `param.grad` is the user's tensor besides. Per
-step: the activations and checkpoints the jobs hand on through the host, per microbatch times
-the microbatches.
+step: what the jobs write to the host (`host_values`: the forward jobs' activations and
+checkpoints, the others' gradients of activations), per microbatch times the microbatches, for
+each step alive at once (two in delayed mode, where a step runs beside the last one's backward
+jobs: Note [overlapped steps] in runtime/modes.py; each has its slots, Note [slot sets] in
+runtime/shared.py).
 """
 from __future__ import annotations
 
@@ -126,6 +129,8 @@ class HostMemory:
     carried_rows: int = 0      # delayed mode: gradient rows copied out of their piece (runtime/submission.py)
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
 
+    steps_alive: int = 1       # steps whose activations are on the host at once
+
     @property
     def total(self) -> int:
         return (self.masters + self.param_grads + self.grads + self.carried_rows + self.optimizer_state
@@ -136,13 +141,22 @@ class HostMemory:
                 ("gradients", self.grads), ("gradient rows carried to a later chunk", self.carried_rows),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
-                ("activations and checkpoints per step", self.activations)]
+                (f"activations and checkpoints ({self.steps_alive} step{'s' if self.steps_alive > 1 else ''})",
+                 self.activations)]
 
     def summary(self) -> str:
         from ..plan import _fmt_bytes
         per = self.total / max(1, self.num_params)
         parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in self.rows() if b)
         return f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
+
+
+def host_values(st) -> list:
+    """What a job writes to host memory per microbatch: a forward job's outputs (activations
+    and checkpoints), a fused or backward job's gradients of activations and inputs."""
+    if st.kind == "fwd":
+        return list(st.outputs)
+    return [x for x in getattr(st, "grad_inputs", []) if st.kinds.get(x) in (None, "act", "input")]
 
 
 def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:
@@ -160,11 +174,12 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     layout = grad_layout(plan)
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
-    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in st.handed_on)
+    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
+    alive = 2 if optimizer_mode == "delayed" else 1
     carried = 0
     if optimizer_mode == "delayed":
         from ..runtime.submission import carried_rows
         carried = GRAD_ITEMSIZE * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
-    return HostMemory(masters, layout.nbytes(1), state, copies, int(per_micro) * plan.num_microbatches,
+    return HostMemory(masters, layout.nbytes(1), state, copies, int(per_micro) * plan.num_microbatches * alive,
                       sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried,
-                      grad_layout=layout)
+                      steps_alive=alive, grad_layout=layout)

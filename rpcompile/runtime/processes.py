@@ -28,7 +28,7 @@ from ..errors import RPCompileError, StageError, StepAbandoned
 from . import portable, warmup
 from .device import Pending
 from .schedule import Schedule
-from .shared import SharedMemory
+from .shared import SharedMemory, SlotSets
 from .weights import working_dtype
 from .worker import accept, decode, recv, send, serve_socket
 
@@ -95,6 +95,7 @@ class ProcessExecutor:
     def __init__(self, config):
         self.config = config
         self.memory = SharedMemory()
+        self.slot_sets = SlotSets()        # Note [slot sets] (runtime/shared.py)
         self.workers = [_Slot(_RemoteDevice(d, self, i)) for i, d in enumerate(config.devices)]
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="rpcompile-prefetch")   # send_prefetch
         self.offset = 0
@@ -159,7 +160,7 @@ class ProcessExecutor:
                 continue
             _, i = recv(conn)
             conns[i] = conn
-        hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))])
+        hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))], self.slot_sets)
         # one hand-over counter per worker (Note [hand-over flags], runtime/handover.py)
         self.counters = self.memory.empty((len(config.devices),), torch.int32).zero_()
         counters = self.memory.ref(self.counters)
@@ -264,7 +265,7 @@ class ProcessExecutor:
         desc = {"plan": self._plan_key(plan), "actions": list(schedule.actions),
                 "trace": step.tracer is not None, "t0": step.tracer.t0 if step.tracer is not None else 0.0}
         if record is None:
-            record = step.remote = self.hub.record(next(self._ids))
+            record = step.remote = self.hub.record(next(self._ids), self.slot_sets.take())
             weakref.finalize(step, self.hub.step_gone, record)
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
                         micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
@@ -283,6 +284,7 @@ class ProcessExecutor:
             desc["seeds"] = seeds
         with self.hub.lock:
             run_no = record.new_run([a.job for a in schedule.actions], step.tracer)
+            desc["slots"] = {a.job: list(record.slots.get((run_no, a.job), ())) for a in schedule.actions}
         desc["run"] = run_no
         self.last_schedule = schedule
         self.offset = schedule.next_offset
@@ -403,10 +405,10 @@ def _landing(hub, record, run_no):
 class _Hub:
     """The connections to the workers and the receiver thread that reads them: "ended" go to
     the caller's thread, "landed" are recorded here; a step's slots are released once its
-    StepState is gone and all its jobs landed."""
+    StepState is gone and all its jobs landed, and its slot set goes back to `slot_sets`."""
 
-    def __init__(self, devices, procs, conns):
-        self.devices, self.procs, self.conns = devices, procs, conns
+    def __init__(self, devices, procs, conns, slot_sets):
+        self.devices, self.procs, self.conns, self.slot_sets = devices, procs, conns, slot_sets
         self.locks = [threading.Lock() for _ in conns]
         self.by_conn = {c: i for i, c in enumerate(conns)}
         self.ended: queue.Queue = queue.Queue()
@@ -422,8 +424,8 @@ class _Hub:
         for conn, lock in zip(self.conns, self.locks):
             send(conn, lock, msg)
 
-    def record(self, step_id) -> "_StepRecord":
-        r = _StepRecord(step_id)
+    def record(self, step_id, slots: dict) -> "_StepRecord":
+        r = _StepRecord(step_id, slots)
         with self.lock:
             self.records[step_id] = r
         return r
@@ -474,9 +476,13 @@ class _Hub:
             self.landed_errors[ev] = f"the copies of job {job} did not land: {info['error']}"
         if info.get("failed") and ev is not None:
             self.failed.add(ev)
-        if ev is not None and not ev.is_set():
-            with self.lock:     # before waking a waiter, who may drop the step (and release it)
+        wake = ev is not None and not ev.is_set()
+        with self.lock:     # before waking a waiter, who may drop the step (and release it)
+            if info.get("chunks"):          # the job's slots grew: the set keeps the new chunks
+                record.slots.setdefault((run_no, job), []).extend(info["chunks"])
+            if wake:
                 record.outstanding -= 1
+        if wake:
             ev.set()
         self.maybe_release(record)
 
@@ -493,15 +499,17 @@ class _Hub:
             try:
                 self.to_all(("release", record.step_id))
             except OSError:
-                pass
+                return
+            self.slot_sets.give(record.slots)
 
 
 class _StepRecord:
     """The main process's account of a step on the workers: per run and job, whether its copies
     landed."""
 
-    def __init__(self, step_id):
+    def __init__(self, step_id, slots: dict):
         self.step_id = step_id
+        self.slots = slots           # its slot set: (run, job) -> chunk Refs (Note [slot sets])
         self.runs = 0
         self.landed: dict = {}       # (run, job) -> threading.Event
         self.tracers: dict = {}      # run -> Tracer

@@ -120,40 +120,51 @@ class SharedMemory:
         return base[ref.offset:ref.offset + n].view(ref.dtype).view(ref.shape)
 
 
-class FreeChunks:
-    """Chunks of shared memory no step uses now, for the next SlotPool (a worker's pools
-    take from it in the jobs thread and give back in the receiver thread)."""
+class SlotSets:
+    """Note [slot sets]: the shared files a step's downloads land in (activations, checkpoints,
+    gradients of activations, outputs), per job of the step, reused by a later step's same job
+    whichever worker runs it. A step takes a set when it is issued and gives it back when the
+    main process releases it (every job landed, its StepState gone), so there are as many sets
+    as steps alive at once (two in delayed mode: a step and the one whose backward jobs run
+    beside it), each holding one step's downloads: what the plan counts as activations and
+    checkpoints (passes/host_memory.py). Before, each worker kept the chunks (64 MiB and up) its
+    steps had used for its own later steps; as the jobs rotate over the devices, every worker
+    came to hold room for its largest share of a step, for each step alive, and a chunk one
+    worker freed never served another (Qwen3-1.7B on 4x H200: 31 GiB of shared memory against
+    the 16 GiB of working copies, gradients and activations the plan counted).
+
+    A set maps (run number, job) -> the Refs of that job's chunks. The job's worker
+    bump-allocates its downloads in them in order (the same shapes every step: the same slots)
+    and adds a chunk where they are full, reported with the job's landing; so a set grows to the
+    largest step it served, and no further.
+    """
 
     def __init__(self):
-        self._chunks: list = []
+        self._free: list = []
         self._lock = threading.Lock()
+        self.made = 0
 
-    def take(self, nbytes: int):
+    def take(self) -> dict:
         with self._lock:
-            i = next((i for i, c in enumerate(self._chunks) if c.numel() >= nbytes), None)
-            return None if i is None else self._chunks.pop(i)
+            if self._free:
+                return self._free.pop()
+            self.made += 1
+            return {}
 
-    def give(self, chunks) -> None:
+    def give(self, slots: dict) -> None:
         with self._lock:
-            self._chunks.extend(chunks)
+            self._free.append(slots)
 
 
 class SlotPool:
-    """Host slots for one worker's downloads in one step, bump-allocated in shared files.
-    Its chunks go back to `free` when the main process releases the step: by then every
-    reader of its slots has finished (Note [worker processes] in runtime/worker.py)."""
+    """Host slots for one job's downloads in one step, bump-allocated in the chunks of its slot
+    set (Note [slot sets]) and in chunks it adds (`created`, reported to the main process)."""
 
-    def __init__(self, memory: SharedMemory, chunk_bytes: int = 64 << 20, free: FreeChunks | None = None):
+    def __init__(self, memory: SharedMemory, chunks=(), chunk_bytes: int = 256 << 10):
         self.memory, self.chunk_bytes = memory, chunk_bytes
-        self.free = free or FreeChunks()
-        self._chunks: list = []       # [uint8 tensor, used bytes]
+        self._chunks: list = [[c, 0] for c in chunks]      # [uint8 tensor, used bytes]
+        self.created: list = []
         self._lock = threading.Lock()
-
-    def give_back(self) -> None:
-        """Return the chunks to the free list (this pool is done)."""
-        with self._lock:
-            chunks, self._chunks = [c[0] for c in self._chunks], []
-        self.free.give(chunks)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         n = math.prod(shape) * dtype.itemsize
@@ -161,9 +172,8 @@ class SlotPool:
         with self._lock:
             chunk = next((c for c in self._chunks if c[0].numel() - c[1] >= need), None)
             if chunk is None:
-                base = self.free.take(need)
-                if base is None:
-                    base = self.memory.empty((max(self.chunk_bytes, need),), torch.uint8)
+                base = self.memory.empty((max(self.chunk_bytes, need),), torch.uint8)
+                self.created.append(base)
                 chunk = [base, 0]
                 self._chunks.append(chunk)
             start = chunk[1]

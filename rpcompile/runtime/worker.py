@@ -22,9 +22,9 @@ cache serves them all. What crosses between processes:
   next step only after every job of this one has ended, so no slot of a step is reused while
   still being read, and no working copy is rewritten while an upload reads it.
 
-Each run's downloads land in slots of this worker's SlotPool for the step (a differentiable
-call's backward reads its forward's checkpoints), given back when the main process releases
-the step.
+Each job's downloads land in slots of its SlotPool, in the chunks of the step's slot set
+(Note [slot sets] in runtime/shared.py) that the run message names for the job; chunks the pool
+adds go back to the main process with the job's landing.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
-from .shared import FreeChunks, Ref, SharedMemory, SlotPool, cuda_register
+from .shared import Ref, SharedMemory, SlotPool, cuda_register
 from .trace import Tracer
 from . import warmup
 from ..errors import StageError
@@ -236,8 +236,7 @@ class Worker:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None)
-        self.free_chunks = FreeChunks()
-        self.pools: dict = {}          # step id -> SlotPool
+        self.pools: dict = {}          # step id -> {(run, job): SlotPool}
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
         self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
@@ -292,11 +291,9 @@ class Worker:
                     except BaseException:   # a broken pipe at shutdown: nothing left to tell
                         traceback.print_exc()
 
-    def pool(self, step_id) -> SlotPool:
-        p = self.pools.get(step_id)
-        if p is None:
-            p = self.pools[step_id] = SlotPool(self.memory, free=self.free_chunks)
-        return p
+    def pool(self, step, job) -> SlotPool:
+        """The slots of `job` in the step's current run (made by start_run)."""
+        return self.pools[step.step_id][(step.run_no, job)]
 
     def publish(self, step: WorkerStep, job, mb):
         """Send the values `job` handed on for microbatch mb to the other workers."""
@@ -310,7 +307,7 @@ class Worker:
                     new[(kind, name)] = v
         if not self.peers:
             return
-        pool = self.pool(step.step_id)
+        pool = self.pool(step, job)
 
         def failed(exc):
             step.fail(_failure(f"{self.label}: its worker process could not hand on microbatch {mb} of job {job}",
@@ -393,9 +390,7 @@ class Worker:
             with self.step_lock:
                 self.steps.pop(msg[1], None)
                 self.early.pop(msg[1], None)
-            pool = self.pools.pop(msg[1], None)
-            if pool is not None:
-                pool.give_back()
+            self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
         elif kind in ("done", "fail"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
@@ -429,6 +424,11 @@ class Worker:
             for mb, grads in desc.get("seeds", {}).items():
                 step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
             step.start_run(desc["run"], desc["actions"])
+            pools = self.pools.setdefault(step_id, {})
+            for a in desc["actions"]:
+                if a.device == self.index:
+                    pools[(desc["run"], a.job)] = SlotPool(
+                        self.memory, [self.memory.tensor(r) for r in desc["slots"].get(a.job, ())])
             self.claim_first_upload(step, desc)
             if desc["trace"]:
                 step.tracer = Tracer([self.device], [self.label], self.clock)
@@ -459,7 +459,7 @@ class Worker:
             if item is None:
                 return
             step, a, plan = item
-            self.dev.host_slots = self.pool(step.step_id).empty
+            self.dev.host_slots = self.pool(step, a.job).empty
             self.run_one(step, a, plan)
             item = step = None
 
@@ -495,7 +495,7 @@ class Worker:
         stage = step.plan.stages[a.stage]
         buffers = {} if a.role == "bwd" else {i: step.buffers[i].clone() for i in stage.buffers
                                                if i in step.plan.mutated_buffers}
-        pool, run_no = self.pool(step.step_id), step.run_no
+        pool, run_no = self.pool(step, a.job), step.run_no
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
             "buffers": buffers, "error": None if err is None else describe(err), "aborted": aborted}))
@@ -512,7 +512,8 @@ class Worker:
             spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
-                           "error": error, "failed": err is not None or aborted}))
+                           "error": error, "failed": err is not None or aborted,
+                           "chunks": [self.memory.ref(c) for c in pool.created]}))
         # if waiting for the copies failed, the main process hears so (it waits for "landed")
         self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
 
