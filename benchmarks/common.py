@@ -305,11 +305,12 @@ def gpu_peaks(devices) -> dict:
             "peak_gpu_alloc_bytes_per_device": alloc}
 
 
-def _smaps_pss(pid: int) -> dict:
+def _smaps_pss(pid: int, by_file: dict = None) -> dict:
     """Pss bytes of a process by what is mapped: shared memory (/dev/shm files), anonymous (heap,
-    malloc arenas, pinned host blocks), files (libraries, CUDA's), other."""
+    malloc arenas, pinned host blocks), files (libraries, CUDA's), other. by_file, if given,
+    gathers the Pss of each mapped file outside /dev/shm (path -> bytes)."""
     out = {"shared memory": 0, "anonymous": 0, "files": 0, "other": 0}
-    what = "other"
+    what, path = "other", ""
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             head = line.split(None, 1)[0]
@@ -319,13 +320,17 @@ def _smaps_pss(pid: int) -> dict:
                 what = ("shared memory" if path.startswith("/dev/shm") else "anonymous" if path in ("", "[heap]")
                         else "files" if path.startswith("/") else "other")
             elif head == "Pss:":
-                out[what] += int(line.split()[1]) * 1024
+                b = int(line.split()[1]) * 1024
+                out[what] += b
+                if what == "files" and by_file is not None:
+                    by_file[path] = by_file.get(path, 0) + b
     return out
 
 
 def process_tree_memory(root: int = None) -> dict:
     """Host memory of this process and its descendants by kind, from /proc/PID/smaps:
-    {kind: {"pss_bytes", "rss_bytes", "processes", "pss_by_mapping"}}. Pss shares a page among
+    {kind: {"pss_bytes", "rss_bytes", "processes", "pss_by_mapping", "top_files"}} (top_files: the
+    files outside /dev/shm with the most Pss, [path, bytes]). Pss shares a page among
     the processes that map it, so the kinds add up to what the tree holds (shared-memory files
     once); kinds: main, rpcompile worker, compile worker (Inductor's pool), other. Empty off Linux."""
     root = os.getpid() if root is None else root
@@ -348,17 +353,22 @@ def process_tree_memory(root: int = None) -> dict:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 fields = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in f if l.split()[-1:] == ["kB"]}
-            by_mapping = _smaps_pss(pid)
+            by_file: dict = {}
+            by_mapping = _smaps_pss(pid, by_file)
         except OSError:
             continue
         kind = ("main" if pid == root else "rpcompile worker" if "rpcompile.runtime.worker" in cmd
                 else "compile worker" if "compile_worker" in cmd or "_inductor" in cmd else "other")
-        k = out.setdefault(kind, {"pss_bytes": 0, "rss_bytes": 0, "processes": 0, "pss_by_mapping": {}})
+        k = out.setdefault(kind, {"pss_bytes": 0, "rss_bytes": 0, "processes": 0, "pss_by_mapping": {}, "files": {}})
         k["pss_bytes"] += fields.get("Pss", 0)
         k["rss_bytes"] += fields.get("Rss", 0)
         k["processes"] += 1
         for name, b in by_mapping.items():
             k["pss_by_mapping"][name] = k["pss_by_mapping"].get(name, 0) + b
+        for path, b in by_file.items():
+            k["files"][path] = k["files"].get(path, 0) + b
+    for k in out.values():      # what the file mappings are (Inductor's kernels, CUDA's libraries, ...)
+        k["top_files"] = sorted(([p, b] for p, b in k.pop("files").items()), key=lambda x: -x[1])[:8]
     return out
 
 

@@ -152,6 +152,11 @@ class RPCompileTrainer(Trainer):
         memory = getattr(self.cm.runner.executor, "memory", None)
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
+            sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once
+            out["slot_sets"] = {"made": sets.made, "free": len(sets._free),
+                                # per set: job -> [chunks, bytes], beside the plan's host act column
+                                "jobs": [{job: [len(refs), sum(r.shape[0] for r in refs)] for (_, job), refs in sorted(s.items())}
+                                         for s in list(sets._free)]}
         opt = self.cm.runner.overlapped
         if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
             out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}
@@ -196,7 +201,7 @@ def shared_files(directory: str) -> dict:
     """Bytes of the shared-memory files of a run (runtime/shared.py names each file
     `<pid>-<n>` after the process that made it): {"main" or "worker <pid>": {"files", "bytes",
     "resident_bytes"}}; the main process makes working copies and gradient buffers, a worker
-    its activation slot chunks (SlotPool, 64 MiB and up, kept for reuse)."""
+    the chunks of the slot sets its jobs wrote (Note [slot sets] in runtime/shared.py)."""
     import os
     out: dict = {}
     main = str(os.getpid())
