@@ -86,12 +86,14 @@ def test_host_bytes_of_delayed_adamw_are_what_the_plan_says(tied, workers):
         theirs |= {base.untyped_storage().data_ptr() for name, base in memory._files.items()
                    if not name.startswith(f"{os.getpid()}-")}
         # ... and they are the plan's activations: one slot set per step alive, shared by the
-        # workers (Note [slot sets]); a chunk is at least 256 KiB
-        assert planned.steps_alive == 2 and cm.runner.executor.slot_sets.made == 2
+        # workers (Note [slot sets]; a third where a step's last landing is heard after the next
+        # step was issued); a chunk is at least 256 KiB
+        assert planned.steps_alive == 2 and cm.runner.executor.slot_sets.made in (2, 3)
         slots = [os.path.getsize(os.path.join(memory.directory, f)) for f in os.listdir(memory.directory)
                  if not f.startswith(f"{os.getpid()}-") and not f.endswith(".sock")]
-        jobs = len(cm.plan.stages)
-        assert sum(slots) <= planned.activations + 2 * jobs * (256 << 10), (sum(slots), planned.activations)
+        jobs, sets = len(cm.plan.stages), cm.runner.executor.slot_sets.made
+        per_step = planned.activations // planned.steps_alive
+        assert sum(slots) <= sets * (per_step + jobs * (256 << 10)), (sum(slots), planned.activations)
     own = {ptr: b for ptr, b in _host_tensors(cm).items() if ptr not in theirs}
     allocated = cm.host_buffer_bytes()
     # the bytes the plan states are allocated: the working copies (two bf16 copies of trainable

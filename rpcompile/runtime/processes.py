@@ -482,9 +482,11 @@ class _Hub:
                 record.slots.setdefault((run_no, job), []).extend(info["chunks"])
             if wake:
                 record.outstanding -= 1
+        # released before waking the waiter too: a next step issued once this landing was seen
+        # (delayed mode: after the optimizer step that waited for it) finds the slot set free
+        self.maybe_release(record)
         if wake:
             ev.set()
-        self.maybe_release(record)
 
     def step_gone(self, record):
         record.gone = True
