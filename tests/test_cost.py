@@ -103,6 +103,11 @@ def test_mlp_bytes(mlp_gm):
     relu = next(n for n in calls(mlp_gm) if n.target is torch.relu)
     assert relu.meta["rp_cost"].fwd_flops == 0 and relu.meta["rp_cost"].bwd_flops == 0
     assert sympy.simplify(relu.meta["rp_cost"].saved_bytes - 4 * B * D_HID) == 0  # relu saves its output
+    # ... which are values of the graph: fc2 saves relu's output, relu its own (Note [saved values once])
+    (value, nbytes), = c2.saved_values
+    assert value == (relu.name, 0) and sympy.simplify(nbytes - 4 * B * D_HID) == 0
+    assert [v for v, _ in relu.meta["rp_cost"].saved_values] == [(relu.name, 0)]
+    assert c1.saved_values[0][0][0] == fc1.args[0].name
 
 
 def test_every_call_node_costed(mlp_gm):
@@ -339,6 +344,39 @@ def test_qwen3_param_and_saved_bytes(qwen):
     for n in views:
         assert n.meta["rp_cost"].fwd_flops == 0 and n.meta["rp_cost"].saved_bytes == 0
     assert evaluate(_total(gm, "saved_bytes"), {B: BATCH}) > 0
+
+
+def test_saved_values_count_once_in_a_segment():
+    """Note [saved values once]: a value several ops save (a norm's output read by the q, k
+    and v projections) counts once in the segment table's saved bytes, which then come within
+    20% of the storages eager autograd saves for the whole model (per op: 49% over them)."""
+    import rpcompile
+    from models import lm_batch, qwen3
+    from rpcompile.passes.cut_points import liveness, segment_table
+    model = qwen3(layers=2)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1))
+    batch = lm_batch(batch=2, seq=16)
+    cm.train_step(**batch)
+    plan = cm.plan
+    lv = liveness(plan.gm)
+    per_op = sum(int(evaluate(n.meta["rp_cost"].saved_bytes, plan.bindings)) for n in lv.body if "rp_cost" in n.meta)
+    whole, _ = segment_table(plan.gm, lv, [0, len(lv.body)], plan.bindings, Hardware.cpu())
+    # additive: cut anywhere, the segments' sum is the whole graph's
+    half = len(lv.body) // 2
+    parts, _ = segment_table(plan.gm, lv, [0, half, len(lv.body)], plan.bindings, Hardware.cpu())
+    assert sum(s.saved_bytes for s in parts) == whole[0].saved_bytes
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    eager: dict = {}
+
+    def pack(t):
+        k = t.untyped_storage().data_ptr()
+        if k not in params:
+            eager.setdefault(k, t.untyped_storage().nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)
+    unique = sum(eager.values())
+    assert unique <= whole[0].saved_bytes <= 1.2 * unique < per_op, (whole[0].saved_bytes, unique, per_op)
 
 
 def test_qwen3_meta_capture_same_flops(qwen):

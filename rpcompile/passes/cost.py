@@ -105,7 +105,10 @@ class NodeCost:
     ``fwd_flops``/``bwd_flops``: FLOPs of the forward op and of its backward (0 where no
     gradient flows). ``param_bytes``: bytes of parameter placeholders the node reads directly.
     ``out_bytes``: bytes of the node's output value(s). ``saved_bytes``: activation bytes the op
-    saves for backward. ``requires_grad``: a gradient flows through the node in backward.
+    saves for backward. ``saved_values``: those of them that are values of the graph, the op's
+    inputs or outputs, as ((producer node name, index in its flattened value), bytes): several
+    ops may save one value (Note [saved values once]). ``requires_grad``: a gradient flows
+    through the node in backward.
     ``is_view``: every output aliases an input (moves no data). ``itemsize``: element size of
     the node's (floating) output, the dtype its byte counts were measured in.
     """
@@ -115,6 +118,7 @@ class NodeCost:
     param_bytes: sympy.Expr = _ZERO
     out_bytes: sympy.Expr = _ZERO
     saved_bytes: sympy.Expr = _ZERO
+    saved_values: tuple = ()
     requires_grad: bool = False
     is_view: bool = False
     itemsize: int = 0
@@ -448,6 +452,7 @@ class _Annotator:
             return cost
         subs = {f: getattr(cost, f).xreplace(self.estimates)
                 for f in ("fwd_flops", "bwd_flops", "param_bytes", "out_bytes", "saved_bytes")}
+        subs["saved_values"] = tuple((v, b.xreplace(self.estimates)) for v, b in cost.saved_values)
         return dataclasses.replace(cost, **subs)
 
     def cost(self, node, flat_out) -> NodeCost:
@@ -493,11 +498,15 @@ class _Annotator:
             hit = self._measure(node, flat_args, spec, in_rg, in_param)
             if key is not None:
                 self.cache[key] = hit
-        fwd, bwd, saved, out_rg = hit
+        fwd, bwd, saved, saved_in, saved_out, out_rg = hit
         if len(out_rg) != len(flat_out):  # measured output structure differs from example value
             out_rg = [isinstance(v, torch.Tensor) and _floating(v) and any_rg for v in flat_out]
         self.rg[node] = out_rg
-        return NodeCost(fwd_flops=fwd, bwd_flops=bwd, saved_bytes=saved,
+        # the saved inputs and outputs by the values they are (Note [saved values once])
+        values = [(a.name, j) for a in flat_args if isinstance(a, fx.Node) for j in range(len(_flat(_ev(a))))]
+        saved_values = tuple((values[i], b) for i, b in saved_in if i < len(values))
+        saved_values += tuple(((node.name, j), b) for j, b in saved_out if j < len(flat_out))
+        return NodeCost(fwd_flops=fwd, bwd_flops=bwd, saved_bytes=saved, saved_values=saved_values,
                         requires_grad=any(out_rg), **base)
 
     def _key(self, node, flat_args, spec, in_rg, in_param):
@@ -531,11 +540,12 @@ class _Annotator:
                     self.warned.add(node.target)
                     warnings.warn(f"annotate_costs: could not measure {node.format_node()} "
                                   f"({type(first).__name__}: {first}); costed as 0 FLOPs")
-                return (_ZERO, _ZERO, _ZERO, [])
+                return (_ZERO, _ZERO, _ZERO, (), (), [])
 
     def _measure_once(self, node, flat_args, spec, in_rg, in_param, clone):
         saved: dict = {}
         excluded: set = set()  # storages of parameters and buffers: not activations
+        inputs: dict = {}      # storage -> the flat position of the input leaf that owns it
 
         def pack(t):
             k = _storage_key(t)
@@ -577,6 +587,8 @@ class _Annotator:
                             leaves[id(t)] = t
                         if in_param[i]:
                             excluded.add(_storage_key(t))
+                        elif not clone:
+                            inputs.setdefault(_storage_key(t), i)
                         v = t.clone() if clone else t
                     new.append(v)
                     i += 1
@@ -605,7 +617,18 @@ class _Annotator:
                     torch.autograd.grad(diff, leaves, grads, allow_unused=True)
                 bwd = _expr(bwd_counter.get_total_flops())
         saved_bytes = sum(saved.values(), _ZERO) if diff else _ZERO
-        return fwd, bwd, saved_bytes, out_rg
+        saved_in, saved_out = [], []
+        if diff:
+            outputs = {}
+            for j, v in enumerate(flat_out):
+                if isinstance(v, torch.Tensor):
+                    outputs.setdefault(_storage_key(v), j)
+            for k, b in saved.items():
+                if k in inputs:
+                    saved_in.append((inputs[k], b))
+                elif k in outputs:
+                    saved_out.append((outputs[k], b))
+        return fwd, bwd, saved_bytes, tuple(saved_in), tuple(saved_out), out_rg
 
     def _call(self, node, args, kwargs):
         if node.op == "call_function":

@@ -14,7 +14,8 @@ recompute their forward from a checkpoint, so they cost about 3x a forward stage
 independently of the forward stages (they hold fewer segments). ``c == 0`` means one fused
 job does everything.
 
-Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and saved bytes)::
+Cost model of a stage over segments ``[i, j)`` (P, G, S: sums of param, grad and saved bytes; S
+counts a value several ops save once, Note [saved values once] in passes/cut_points.py)::
 
     fwd job time       = max(M * sum fwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
     bwd/fused job time = max(M * sum bwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
