@@ -153,10 +153,11 @@ class RPCompileTrainer(Trainer):
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
             sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once
-            out["slot_sets"] = {"made": sets.made, "free": len(sets._free),
+            free = sets.free_sets()
+            out["slot_sets"] = {"made": sets.made, "free": len(free),
                                 # per set: job -> [chunks, bytes], beside the plan's host act column
                                 "jobs": [{job: [len(refs), sum(r.shape[0] for r in refs)] for (_, job), refs in sorted(s.items())}
-                                         for s in list(sets._free)]}
+                                         for s in free]}
         opt = self.cm.runner.overlapped
         if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
             out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}

@@ -464,14 +464,15 @@ class _Annotator:
         base = dict(param_bytes=param_bytes, out_bytes=out_bytes, itemsize=itemsize)
 
         flat_args, spec = tree_flatten((node.args, node.kwargs))
-        in_vals, in_rg, in_param = [], [], []
+        in_vals, in_rg, in_param, in_names = [], [], [], []
         for a in flat_args:
             if isinstance(a, fx.Node):
                 vals = _flat(_ev(a))
                 flags = self.rg.get(a, [False] * len(vals))
                 kind = _kind(a) if a.op == "placeholder" else "act"
-                for v, f in zip(vals, flags):
+                for j, (v, f) in enumerate(zip(vals, flags)):
                     in_vals.append(v); in_rg.append(f); in_param.append(kind in ("param", "buffer"))
+                    in_names.append((a.name, j))
         in_tensors = [v for v in in_vals if isinstance(v, torch.Tensor)]
         any_rg = self.grad_enabled and any(in_rg)
 
@@ -503,8 +504,7 @@ class _Annotator:
             out_rg = [isinstance(v, torch.Tensor) and _floating(v) and any_rg for v in flat_out]
         self.rg[node] = out_rg
         # the saved inputs and outputs by the values they are (Note [saved values once])
-        values = [(a.name, j) for a in flat_args if isinstance(a, fx.Node) for j in range(len(_flat(_ev(a))))]
-        saved_values = tuple((values[i], b) for i, b in saved_in if i < len(values))
+        saved_values = tuple((in_names[i], b) for i, b in saved_in if i < len(in_names))
         saved_values += tuple(((node.name, j), b) for j, b in saved_out if j < len(flat_out))
         return NodeCost(fwd_flops=fwd, bwd_flops=bwd, saved_bytes=saved, saved_values=saved_values,
                         requires_grad=any(out_rg), **base)

@@ -402,7 +402,12 @@ def estimate_num_shards(gm: fx.GraphModule, head: LMHead | None = None, at: dict
     head = head or find_lm_head(gm)
     if head is None:
         return 1
-    return max(_clamp(head, _shards_by_flops(gm, head, at)), _shards_by_memory(head, at, max_logit_bytes))
+    return max(_shard_counts(gm, head, at, max_logit_bytes))
+
+
+def _shard_counts(gm: fx.GraphModule, head: LMHead, at: dict | None, max_logit_bytes: float | None) -> tuple:
+    """(shards by the FLOPs rule, shards by the memory rule), each clamped."""
+    return _clamp(head, _shards_by_flops(gm, head, at)), _shards_by_memory(head, at, max_logit_bytes)
 
 
 def _clamp(head: LMHead, K: int) -> int:
@@ -614,9 +619,8 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
         if num_shards is None:
             # shards the memory rule asked for run as compiled pieces of their own (Note [one
             # piece per shard] in passes/regions.py); the FLOPs rule's stay in one graph
-            by_flops = _clamp(head, _shards_by_flops(gm, head, None))
-            K = max(by_flops, _shards_by_memory(head, None, max_logit_bytes))
-            apart = K > by_flops
+            by_flops, by_memory = _shard_counts(gm, head, None, max_logit_bytes)
+            K, apart = max(by_flops, by_memory), by_memory > by_flops
         if K > head.vocab_size:
             raise ValueError(
                 f"split_lm_head: num_shards={K} exceeds the vocabulary size {head.vocab_size}"

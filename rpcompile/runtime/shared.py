@@ -157,6 +157,11 @@ class SlotSets:
         with self._lock:
             self._free.append(slots)
 
+    def free_sets(self) -> list:
+        """The sets no step holds now (what a benchmark reports of them)."""
+        with self._lock:
+            return list(self._free)
+
 
 class SlotPool:
     """Host slots for one job's downloads in one step, bump-allocated in the chunks of its slot
