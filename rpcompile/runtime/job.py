@@ -10,7 +10,7 @@ import torch
 
 from ..errors import InputError, StageError
 from . import ops
-from .device import Pending, resolve
+from .device import Pending
 from .grads import param_index
 
 
@@ -281,8 +281,13 @@ class JobContext:
         if value is None:
             return
         grads = self.step.micro[mb].grads
-        host = self.dev.download(value)
-        grads[name] = host if name not in grads else resolve(grads[name]) + resolve(host)
+        if name in grads:
+            # another job's part of this gradient (a value read by two jobs, such as the hidden
+            # state the LM head's shards share): added on the device, so the sum comes down in
+            # one copy and this thread goes on issuing; summed on the host, it waited for this
+            # part's download and copied the sum into another slot
+            value = value + self.dev.upload(grads[name])
+        grads[name] = self.dev.download(value)
 
     def accumulate_grads(self, grads):
         got = [(key, g) for key, g in zip(self.stage.grad_params, grads) if g is not None]
