@@ -74,6 +74,9 @@ def config_options(spec, config_cls) -> tuple:
     if spec.options.get("rpcompile_max_jobs"):
         kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
         notes.append(f"Config(max_jobs={kwargs['max_jobs']})")
+    if spec.options.get("rpcompile_memory_budget_gib"):
+        kwargs["memory_budget"] = int(float(spec.options["rpcompile_memory_budget_gib"]) * GiB)
+        notes.append(f"Config(memory_budget={spec.options['rpcompile_memory_budget_gib']} GiB)")
     if spec.options.get("rpcompile_inductor"):
         import json
         kwargs["inductor_options"] = json.loads(spec.options["rpcompile_inductor"])
