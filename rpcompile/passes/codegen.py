@@ -202,7 +202,10 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
                         **{n.name: n.meta["rp_param_slice_fqn"] for n in sliced}})
         if kind != "fwd":
             st.grad_outputs = [n.name for n in outputs if _requires_grad(n)]
-            st.grad_inputs = [n.name for n in reads if _requires_grad(n) and n.meta.get("rp_kind") in (None, "input")]
+            # a parameter's row slice is no activation: its gradient goes to the job's parameter
+            # gradients (grad_params), not to the host for a job that reads none
+            st.grad_inputs = [n.name for n in reads if _requires_grad(n) and n.meta.get("rp_kind") in (None, "input")
+                              and n not in sliced]
             grad_param_nodes = [n for n in reads if (n.meta.get("rp_kind") == "param" or n in sliced)
                                 and _requires_grad(n)]
             st.grad_params = [sliced[n] if n in sliced else n.meta["rp_index"] for n in grad_param_nodes]
