@@ -153,6 +153,12 @@ class RPCompileTrainer(Trainer):
                                                                       if r["kind"] in ("bwd", "fused"))))
         out["host_memory_by_process"] = process_tree_memory()   # at the end: the steady state
         memory = getattr(self.cm.runner.executor, "memory", None)
+        cuda = [d for d in self.config.devices if torch.device(d).type == "cuda"]
+        if memory is None and cuda:   # worker threads: the caching allocators are this process's
+            # retries (a cache flush and device sync before a cudaMalloc) and the cudaMalloc/cudaFree
+            # counts say whether long jobs pay the allocator (RESULTS.md, sixteenth session)
+            out["cuda_allocator"] = {str(d): {k: torch.cuda.memory_stats(d).get(k) for k in (
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")} for d in cuda}
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
             sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once
