@@ -156,7 +156,7 @@ def host_values(st) -> list:
     and checkpoints), a fused or backward job's gradients of activations and inputs."""
     if st.kind == "fwd":
         return list(st.outputs)
-    return [x for x in getattr(st, "grad_inputs", []) if st.kinds.get(x) in (None, "act", "input")]
+    return list(getattr(st, "grad_inputs", []))   # activations' and inputs' (no weight rows': codegen)
 
 
 def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:
