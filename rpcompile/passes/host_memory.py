@@ -153,10 +153,11 @@ class HostMemory:
 
 def host_values(st) -> list:
     """What a job writes to host memory per microbatch: a forward job's outputs (activations
-    and checkpoints), a fused or backward job's gradients of activations and inputs."""
+    and checkpoints), a fused or backward job's gradients of activations and inputs (its
+    grad_inputs, which hold no weight rows: passes/codegen.py)."""
     if st.kind == "fwd":
         return list(st.outputs)
-    return list(getattr(st, "grad_inputs", []))   # activations' and inputs' (no weight rows': codegen)
+    return list(getattr(st, "grad_inputs", []))
 
 
 def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:

@@ -131,9 +131,10 @@ class SlotSets:
     steps had used for its own later steps; as the jobs rotate over the devices, every worker
     came to hold room for its largest share of a step, for each step alive, and a chunk one
     worker freed never served another. Measured on 4x H200 (Qwen3-1.7B, one run each, one
-    machine): the workers' files 11.15 GiB against 12.73 GiB before. A set still holds 1.7x what
-    the plan counts for a step (6.5 GiB for two): which jobs write more is open (the benchmarks
-    record each set's bytes per job).
+    machine): the workers' files 11.15 GiB against 12.73 GiB before. A set then held 1.7x what
+    the plan counts for a step (6.5 GiB for two): the LM-head shard jobs also sent their weight
+    rows' gradients, which no job read (each set's bytes per job, which the benchmarks record,
+    showed it; passes/codegen.py keeps them out of a job's grad_inputs now).
 
     A set maps (run number, job) -> the Refs of that job's chunks. The job's worker
     bump-allocates its downloads in them in order (the same shapes every step: the same slots)
