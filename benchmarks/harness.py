@@ -106,6 +106,10 @@ def parse_args(argv=None):
     p.add_argument("--maxseq-start", type=int, default=4096)
     p.add_argument("--maxseq-limit", type=int, default=262144)
     p.add_argument("--probe-timeout", type=float, default=150, help="seconds one max-seq probe may take")
+    p.add_argument("--pss-interval", type=float, default=5.0,
+                   help="seconds between readings of the run's proportional set size (/proc/PID/smaps_rollup "
+                        "walks the child's page tables under its mmap lock: read every 0.5 s it slowed "
+                        "rpcompile's Llama-3.1-8B steps; /proc/meminfo is read every 0.5 s regardless)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runners in RunSpec.options (e.g. roundpipe_strict_adam=1)")
     p.add_argument("--render", default="", help="only append the runs of this JSON file to --out")
@@ -388,17 +392,20 @@ class Harness:
         host_limit = HOST_GUARD * (self.machine.get("host_mem_bytes") or float("inf"))
         t0 = time.time()
         killed, peak, used0, used_peak = None, 0, host_used(), 0
+        rss, rss_at = 0, float("-inf")
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
                                     env=self.child_env(spec.system), stdout=out, stderr=err,
                                     start_new_session=True)
             while True:
                 rc = proc.poll()
-                rss, used = group_rss(proc.pid), host_used()
+                now = time.time()
+                if now - rss_at >= self.args.pss_interval or rc is not None:
+                    rss, rss_at = group_rss(proc.pid), now
+                used = host_used()
                 peak, used_peak = max(peak, rss), max(used_peak, used - used0)
                 if rc is not None:
                     break
-                now = time.time()
                 if now - t0 > timeout:
                     killed = f"timeout after {timeout:.0f} s"
                 elif used > host_limit:
