@@ -11,6 +11,10 @@ takes one suspect out of the step:
   resident_weights  each device keeps every weight it uploaded once: no weight uploads
   switch_0.5ms      sys.setswitchinterval(5e-4): the interpreter lock changes hands 10x as often
 
+With `--kernels`, one more step runs under torch.profiler (CUDA activity) with each job's compute
+in a named range: per job, its range seconds on the GPU, the seconds its kernels ran, the gaps
+between them (the device waiting for the host inside the job), and its kernels of most seconds.
+
 and prints per variant: tokens/s, step seconds, each device's compute busy share and the hand-over
 gaps of the last step (a microbatch's compute end on one job to its start on the next). With
 `--pyspy`, py-spy samples the process during base's timed steps (threads, then --gil) into
@@ -77,6 +81,65 @@ def _resident_weights():
     return lambda: [setattr(cls, name, fn) for name, fn in originals.items()]
 
 
+def _kernel_profile(step, synchronize, out_dir) -> str:
+    """One step under torch.profiler, each compute span of a job in a record_function range:
+    per job the GPU range seconds, kernel seconds inside them, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from rpcompile.runtime.job import JobContext
+    original = JobContext.span
+
+    def span(self, stream_name, name, fn, mb=None, **attrs):
+        if stream_name != "compute":
+            return original(self, stream_name, name, fn, mb, **attrs)
+        def ranged():
+            with record_function(f"rpjob{self.job_index}:{self.role}:mb{mb}"):
+                return fn()
+        return original(self, stream_name, name, ranged, mb, **attrs)
+    JobContext.span = span
+    try:
+        # CPU activity too: without it the trace has no ranges (gpu_user_annotation) to tell jobs apart
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            synchronize()
+    finally:
+        JobContext.span = original
+    path = os.path.join(out_dir, "kernels_trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return _kernels_by_job(json.load(f)["traceEvents"])
+
+
+def _kernels_by_job(events) -> str:
+    ranges = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+              if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("rpjob")]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not ranges and kernels:   # no job ranges recorded: the step as one range
+        ranges = [(kernels[0][0], max(b for _, b, _ in kernels), "step")]
+    jobs: dict = {}
+    for a, b, name in ranges:
+        job = name.split(":mb")[0]
+        j = jobs.setdefault(job, {"range_us": 0.0, "kernel_us": 0.0, "n": 0, "by_name": {}})
+        j["range_us"] += b - a
+        busy_end = a
+        for ka, kb, kname in kernels:
+            if kb <= a or ka >= b:
+                continue
+            ka, kb = max(ka, a), min(kb, b)
+            j["kernel_us"] += max(0.0, kb - max(ka, busy_end))   # union: overlapping kernels once
+            busy_end = max(busy_end, kb)
+            j["n"] += 1
+            short = kname[:70]
+            j["by_name"][short] = j["by_name"].get(short, 0.0) + (kb - ka)
+    lines = ["job:role  GPU range s  kernels s  gaps s  kernels"]
+    for job, j in sorted(jobs.items()):
+        lines.append(f"{job:14s} {j['range_us'] / 1e6:8.3f} {j['kernel_us'] / 1e6:9.3f} "
+                     f"{(j['range_us'] - j['kernel_us']) / 1e6:7.3f}  {j['n']}")
+        for kname, us in sorted(j["by_name"].items(), key=lambda kv: -kv[1])[:12]:
+            lines.append(f"    {us / 1e6:7.3f} s  {kname}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-1.7b")
@@ -90,11 +153,14 @@ def main(argv=None):
     ap.add_argument("--variants", default="base,no_optimizer,resident_weights,switch_0.5ms")
     ap.add_argument("--mode", default="delayed")
     ap.add_argument("--pyspy", action="store_true")
+    ap.add_argument("--kernels", action="store_true", help="one more step under torch.profiler: kernels per job")
+    ap.add_argument("--memory-budget-gib", type=float, default=0.0, help="Config.memory_budget (0: the device's)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (0: the model's own)")
     ap.add_argument("--inductor", default="", help="Config(inductor_options=JSON), e.g. '{\"cpp_wrapper\": true}'")
     ap.add_argument("--cpu", action="store_true", help="CPU devices (a smoke test of this script)")
     a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
     import rpcompile
 
     spec = get_model(a.model)
@@ -105,7 +171,8 @@ def main(argv=None):
     devices = [f"cuda:{i}" for i in range(a.gpus)] if on_gpu else ["cpu"] * a.gpus
     cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=a.microbatches,
                                                    dtype=torch.bfloat16, optimizer_mode=a.mode, workers=a.workers,
-                                                   inductor_options=json.loads(a.inductor) if a.inductor else None))
+                                                   inductor_options=json.loads(a.inductor) if a.inductor else None,
+                                                   memory_budget=int(a.memory_budget_gib * 2**30) if a.memory_budget_gib else None))
     opt = torch.optim.AdamW(model.parameters(), fused=on_gpu,
                             **adamw_kwargs(argparse.Namespace(lr=1e-5)))
     if a.mode != "exact":
@@ -222,12 +289,15 @@ def main(argv=None):
               + "; host s issuing compute " + " ".join(f"{d}={v:.3f}" for d, v in issue.items())
               + (f"; hops median {hops[len(hops) // 2]:.1f} ms max {hops[-1]:.1f} ms" if hops else "")
               + ("; optimizer " + " ".join(f"{k}={v:.3f}" for k, v in opt_mean.items()) if opt_mean else ""), flush=True)
-        if variant == "base" and spans:
+        if spans:
             print(summarize(spans), flush=True)
+        if variant == "base" and spans:
             with open(os.path.join(a.out, "base_trace.json"), "w") as f:
                 json.dump(spans, f, default=str)
         if undo is not None:
             undo()
+    if a.kernels and on_gpu:
+        print(_kernel_profile(step, cm.synchronize, a.out), flush=True)
     with open(os.path.join(a.out, "diagnose.json"), "w") as f:
         json.dump({"args": vars(a), "results": results}, f, indent=1)
 

@@ -15,6 +15,10 @@ from .systems.rpcompile_runner import trace_summary
 
 def summarize(spans: list) -> str:
     compute = defaultdict(dict)   # job -> mb -> (start, end, worker)
+    issue = defaultdict(float)    # job -> host seconds enqueueing its compute
+    for s in spans:
+        if s["stream"] == "compute" and s.get("job") is not None:
+            issue[s["job"]] += s.get("issue_s") or 0.0
     for s in spans:
         if s["stream"] == "compute" and s.get("job") is not None:
             job, mb = s["job"], s.get("microbatch")
@@ -22,7 +26,7 @@ def summarize(spans: list) -> str:
             start = s["start_s"] if prev is None else min(prev[0], s["start_s"])
             end = s["end_s"] if prev is None else max(prev[1], s["end_s"])
             compute[job][mb] = (start, end, s.get("worker"))
-    lines = ["job worker  first start  last end  compute s  hop ms per microbatch (prev job's end -> start)"]
+    lines = ["job worker  first start  last end  compute s  issue s  hop ms per microbatch (prev job's end -> start)"]
     hops = []
     for job in sorted(compute):
         mbs = compute[job]
@@ -35,7 +39,7 @@ def summarize(spans: list) -> str:
         hops += h
         w = next(iter(mbs.values()))[2]
         lines.append(f"{job:3d} {w!s:>6} {min(s for s, _, _ in mbs.values()):12.3f} "
-                     f"{max(e for _, e, _ in mbs.values()):9.3f} {busy:10.3f}  " + " ".join(f"{x:6.1f}" for x in h))
+                     f"{max(e for _, e, _ in mbs.values()):9.3f} {busy:10.3f} {issue[job]:8.3f}  " + " ".join(f"{x:6.1f}" for x in h))
     first = min(s for mbs in compute.values() for s, _, _ in mbs.values())
     last = max(e for mbs in compute.values() for _, e, _ in mbs.values())
     busy = trace_summary(spans)["devices"]
