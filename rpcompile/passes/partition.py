@@ -36,6 +36,9 @@ the larger of the device-capacity bound and the critical path of a chain of J jo
 microbatches. The best plan minimises est_time; ties go to fewer jobs, then to the
 lexicographically smallest ``(fwd cuts, c, bwd cuts)``, so plans are deterministic.
 
+On one device the jobs run one after another, so a step takes the sum of the job times
+(Note [one device sums]).
+
 Why an exact DP and not a heuristic: est_time depends on the plan only through (T, J), and
 it grows with both. So for each c and each number of forward stages kf we need only the
 smallest achievable max forward-job time -- the classic linear-partition ("min-max") DP,
@@ -342,18 +345,19 @@ class _Costs:
         jobs = [("fwd", b) for b in fwd] + [("fused", fused)] + [("bwd", b) for b in bwd]
         times = tuple(self.job_time(k, *b) for k, b in jobs)
         mems = tuple(self.job_mem(k, *b) for k, b in jobs)
-        est = max(times) * self.factor(len(jobs))
+        est = _sum(times) if self.N == 1 else max(times) * self.factor(len(jobs))
         return StagePlan(fwd, fused, bwd, times, mems, est)
 
 
 # ------------------------------------------------------------------------------ the DP
 
 
-def _minmax_layers(W: torch.Tensor, K: int, lo, hi) -> torch.Tensor:
+def _minmax_layers(W: torch.Tensor, K: int, lo, hi, combine=torch.maximum) -> torch.Tensor:
     """Linear-partition DP. W[i, j]: cost of one stage [i, j) (``hi`` where not allowed).
 
     Returns D with D[k, j] = min over splits of [0, j) into exactly k stages of the max
     stage cost (``hi`` if there is none), for k = 0..K. Works for float or int64 costs.
+    With ``combine=torch.add`` (and lo = 0, hi = +inf) it is the sum of the stage costs.
     """
     n1 = W.shape[0]
     D = _fill_rows(torch.empty(K + 1, n1, dtype=W.dtype), lambda r: hi)
@@ -363,10 +367,90 @@ def _minmax_layers(W: torch.Tensor, K: int, lo, hi) -> torch.Tensor:
         prev = D[k - 1, k - 1:, None]
         w = max(1, _CHUNK // prev.shape[0])
         for j in range(k, n1, w):
-            D[k, j:j + w] = torch.maximum(prev, W[k - 1:, j:j + w]).amin(dim=0)
+            D[k, j:j + w] = combine(prev, W[k - 1:, j:j + w]).amin(dim=0)
         if not bool((D[k] < hi).any()):
             break  # no prefix splits into k stages, so none into more either
     return D
+
+
+def _sum(times) -> float:
+    return math.fsum(times)   # exactly rounded: the same for any order of the jobs
+
+
+# Note [one device sums]: on one device the jobs of a step run one after another, so the
+# step takes the sum of the job times, not T * J, the balanced-chain formula (f(J) = J at
+# N = 1). Minimising T * J balanced the jobs and so kept the fused stage, the only one
+# without recompute, as short as the others: Llama-3.1-8B on one H200 (125 GiB budget) ran a
+# 6-layer fused stage and recomputed the forward of the other 26 layers. Minimising the sum
+# makes the fused stage as long as the memory budget allows, and recomputes only the rest.
+# The sum is separable, so each side is a min-sum linear-partition DP (the one above with
+# add for max) and the step is min over (c, kf, kb) of Sf[kf, c] + fused(c) + Sb[kb, c].
+# Ties go to fewer jobs, then to a smaller c; within a side, to the first minimising cut.
+
+
+def _solve_one_device(costs: _Costs) -> StagePlan:
+    n, K, max_jobs = costs.n, costs.max_side_stages(costs.max_jobs), costs.max_jobs
+    fused = costs.W["bwd"][:, n]
+    best = None   # (step seconds, J, c, kf, kb)
+    if fused[0] < _INF:
+        best = (fused[0].item(), 1, 0, 0, 0)
+    if K >= 1:
+        Sf = _minmax_layers(costs.W["fwd"], K, 0.0, _INF, torch.add)
+        Sb = _minmax_layers(costs.W["bwd"], K, 0.0, _INF, torch.add)
+        k = torch.arange(1, K + 1)
+        J = k[:, None] + k[None, :] + 1   # kf forward + fused + kb backward stages
+        for c in range(1, n):
+            if not fused[c] < _INF:
+                continue
+            if max_jobs is None:   # each side on its own: its first minimum has the fewest stages
+                kf, kb = _first_min(Sf[1:, c]), _first_min(Sb[1:, c])
+                v = (Sf[kf + 1, c] + Sb[kb + 1, c] + fused[c]).item()
+            else:
+                tot = (Sf[1:, c, None] + Sb[None, 1:, c] + fused[c]).masked_fill(J > max_jobs, _INF)
+                v = tot.min().item()
+                kf, kb = min(_near(tot, v).nonzero().tolist(), key=lambda p: (p[0] + p[1], p[0]))
+            if not v < _INF:
+                continue
+            cand = (v, kf + kb + 3, c, kf + 1, kb + 1)
+            if best is None or _one_device_better(cand[:3], best[:3]):
+                best = cand
+    if best is None:
+        _raise_infeasible(costs)
+    _, _, c, kf, kb = best
+    if c == 0:
+        return costs.make_plan((), 0, ())
+    return costs.make_plan(_sum_cuts(Sf, costs.W["fwd"], kf, c), c, _sum_cuts(Sb, costs.W["bwd"], kb, c))
+
+
+# Sums of the same job times in another grouping differ in the last bits (M * (a + b) for one
+# job against M * a + M * b for two), so step times this close count as a tie.
+_TIE = 1e-9
+
+
+def _near(x: torch.Tensor, v: float) -> torch.Tensor:
+    return x <= v + _TIE * abs(v)
+
+
+def _first_min(x: torch.Tensor) -> int:
+    return _first(_near(x, x.min().item()))
+
+
+def _one_device_better(a: tuple, b: tuple) -> bool:
+    """Order of one-device plans as (step time, J, ...): a near tie (_TIE) of the step times
+    goes to the rest of the tuple, fewer jobs first."""
+    if abs(a[0] - b[0]) > _TIE * max(abs(a[0]), abs(b[0])):
+        return a[0] < b[0]
+    return a[1:] < b[1:]
+
+
+def _sum_cuts(D: torch.Tensor, W: torch.Tensor, k: int, j: int) -> tuple:
+    """The cuts of a min-sum split of [0, j) into k stages (D from _minmax_layers with add),
+    each stage's start the first one that attains the minimum."""
+    cuts = []
+    for r in range(k, 1, -1):
+        j = _first(D[r - 1, :j] + W[:j, j] <= D[r, j])
+        cuts.append(j)
+    return tuple(reversed(cuts))
 
 
 def _any_and(mat: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -505,6 +589,8 @@ def solve_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *, num_d
 
 
 def _solve(costs: _Costs) -> StagePlan:
+    if costs.N == 1:
+        return _solve_one_device(costs)
     n, K = costs.n, costs.max_side_stages(costs.max_jobs)
     Df = _minmax_layers(costs.W["fwd"], K, -_INF, _INF)
     Db = _minmax_layers(costs.W["bwd"], K, -_INF, _INF)
@@ -626,7 +712,8 @@ def brute_force_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *,
                 if not all(costs.fits(x) for x in plan.job_memory):
                     continue
                 key = (plan.est_time, J, fc, c, bc)
-                if best_key is None or key < best_key:
+                if best_key is None or (_one_device_better(key, best_key) if num_devices == 1
+                                        else key < best_key):
                     best_key, best = key, plan
     if best is None:
         if mem_plan is None:
