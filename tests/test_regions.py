@@ -198,8 +198,8 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                          max_position_embeddings=256))
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=1, compile_stages=True,
-                                                   memory_budget=8 * 2**20))   # 5 jobs at 128 tokens, 17 at 256
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1, compile_stages=True,
+                                                   memory_budget=8 * 2**20))   # 5 jobs at 128 tokens, 8 at 256 (two devices: one device plans for the sum of the job times, Note [one device sums])
     cm.train_step(**lm_batch(batch=1, seq=128, vocab=512))
     layer_nodes = Counter(block_of(n) for n in body_nodes(cm.plan.gm))
     shared = next(iter(cm.runner.programs._pieces.values()))
