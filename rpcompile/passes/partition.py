@@ -386,11 +386,11 @@ def _sum(times) -> float:
 # The sum is separable, so each side is a min-sum linear-partition DP (the one above with
 # add for max) and the step is min over (c, kf, kb) of Sf[kf, c] + fused(c) + Sb[kb, c].
 # Ties go to fewer jobs, then to a smaller c; within a side, to the first minimising cut.
-# Measured (sixteenth session, RESULTS.md): Llama-3.1-8B on one H200 went from 5 jobs (est
-# 6.16 s) to 3 (est 5.24 s) and ran slower, 9,535 against about 9,800 tokens/s: jobs whose
-# backward covers 16-21 layers ran 41-45% over their cost, those of up to 12 layers within
-# 4-8%. Not on main until that is understood (the allocator counters the benchmark records
-# now, or a cap on a job's layers in the cost model).
+# Measured (seventeenth session, RESULTS.md): Llama-3.1-8B on one H200 (x2 host), 5 jobs
+# (est 6.16 s) against 3 (est 5.24 s), one host, benchmarks.diagnose (no memory sampling):
+# compute 6.22 against 5.47 s a step, 9,970 against 11,070 tokens/s; the 21-layer fused job
+# 3.35 s against its 3.23. The sixteenth session's "long jobs run 41-45% over their cost" was
+# the benchmark harness reading /proc/PID/smaps_rollup every 0.5 s (fixed there).
 
 
 def _solve_one_device(costs: _Costs) -> StagePlan:
