@@ -215,7 +215,7 @@ class Plan:
                 "first": nodes[0].name if nodes else "", "last": nodes[-1].name if nodes else "",
                 "modules": names.describe(nodes, loss=loss_node is not None and loss_node in {n.name for n in nodes}),
                 "nodes": len(nodes), "params": n_params, "param_bytes": pbytes,
-                "grad_bytes": 4 * sum(self.param_numel(key) for key in getattr(st, "grad_params", [])),
+                "grad_bytes": self._grad_itemsize() * sum(self.param_numel(key) for key in getattr(st, "grad_params", [])),
                 "host_activation_bytes": int(host_act),
                 "flops_per_microbatch": flops, "est_time_s": t, "planned_memory": mem,
                 "lm_head_shards": shards, "lm_head_num_shards": heads[0]["K"] if heads else 0,
@@ -233,10 +233,11 @@ class Plan:
             return 0.0
 
     def host_link_bytes(self, rows=None) -> dict:
-        """Bytes a step moves over the host link for weights (up) and fp32 gradients (down)."""
+        """Bytes a step moves over the host link for weights (up) and gradients (down, in the
+        host gradient set's dtype: Note [working-dtype gradients])."""
         rows = rows or self.stage_rows()
         up = sum(r["param_bytes"] for r in rows)
-        down = sum(4 * self.param_numel(key) for st in self.stages for key in st.grad_params)
+        down = sum(self._grad_itemsize() * self.param_numel(key) for st in self.stages for key in st.grad_params)
         return {"weights_up": up, "grads_down": down}
 
     def symbol_legend(self) -> list:
@@ -277,7 +278,7 @@ class Plan:
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
             f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "
-            f"of fp32 gradients come down",
+            f"of {self.host_memory.grad_dtype if self.host_memory is not None else 'fp32'} gradients come down",
         ]
         cols = ["job", "kind", "modules", "params", "weights", "FLOPs/mb", "est time", "device mem", "host act"]
         lines = []
@@ -309,6 +310,9 @@ class Plan:
         return "\n".join(out)
 
     __repr__ = __str__
+
+    def _grad_itemsize(self) -> int:
+        return self.host_memory.grad_itemsize if self.host_memory is not None else 4
 
     def _master_dtype(self) -> str:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in self.captured.params})

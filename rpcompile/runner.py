@@ -168,7 +168,8 @@ class GraphRunner:
             # the plans share their gradient buffers (runtime/grads.py): another plan's step last
             # wrote this one, and the optimizer may still read its gradients
             self.overlapped.synchronize()
-        grads = self.host_grads.set_for(layout) if shared_grads else self.host_grads.fresh(layout)
+        grads = (self.host_grads.set_for(layout, self.grad_dtype(plan)) if shared_grads
+                 else self.host_grads.fresh(layout))
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},
@@ -176,8 +177,8 @@ class GraphRunner:
 
     def host_buffer_bytes(self) -> dict:
         """Bytes of the host buffers this runner holds across steps, by the kind `cm.plan` names
-        them (passes/host_memory.py): working copies, gradient sets and carried gradient rows, each
-        buffer once."""
+        them (passes/host_memory.py): working copies, gradient sets, carried gradient rows and the
+        optimizer's widening buffer, each buffer once."""
         out: dict = {}
         seen = set()
 
@@ -196,12 +197,21 @@ class GraphRunner:
             add("gradients", t)
         for t in getattr(self.mode, "carried", {}).values():
             add("gradient rows carried to a later chunk", t)
+        if self.overlapped is not None:
+            add("gradient slices widened for the optimizer", self.overlapped.stepper._wide)
         return out
 
     def working_dtype(self, plan):
         """The devices' dtype for weights and inputs (None: as they are, for graphs captured
         on real tensors by the dynamo backend)."""
         return self.config.compute_dtype if plan.captured.on_copies else None
+
+    def grad_dtype(self, plan):
+        """The dtype of the host gradient set a train step writes: bf16 where the devices work
+        in bf16 and the attached optimizer reads it, else fp32 (Note [working-dtype gradients])."""
+        if self.overlapped is not None and self.working_dtype(plan) == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float32
 
     def pinned_refresh(self, dtype):
         """refresh(params) for the optimizer thread: their pinned working copies, rewritten

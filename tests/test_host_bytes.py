@@ -97,15 +97,18 @@ def test_host_bytes_of_delayed_adamw_are_what_the_plan_says(tied, workers):
     own = {ptr: b for ptr, b in _host_tensors(cm).items() if ptr not in theirs}
     allocated = cm.host_buffer_bytes()
     # the bytes the plan states are allocated: the working copies (two bf16 copies of trainable
-    # parameters, one of frozen ones) and the one gradient set (Note [one gradient set]), nothing
-    # rounded up
+    # parameters, one of frozen ones), the one gradient set (Note [one gradient set]; bf16, Note
+    # [working-dtype gradients]) and the fp32 buffer the optimizer widens its slices into,
+    # nothing rounded up
     carried = {"gradient rows carried to a later chunk": planned.carried_rows} if planned.carried_rows else {}
-    assert allocated == {"working copies": planned.working_copies, "gradients": planned.grads, **carried}
+    assert allocated == {"working copies": planned.working_copies, "gradients": planned.grads, **carried,
+                         "gradient slices widened for the optimizer": planned.widened}
+    assert cm.runner.host_grads.flat.dtype == torch.bfloat16 and planned.widened > 0
     assert planned.carried_rows > 0    # rows a later chunk sums: the tied embedding's, the other head shard's
     t = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert planned.working_copies == 2 * (2 * t + (n - t))
     # and they are all the compiled model holds (beyond a step's inputs and a few scalars)
-    planned_own = planned.working_copies + planned.grads + planned.carried_rows
+    planned_own = planned.working_copies + planned.grads + planned.carried_rows + planned.widened
     assert planned_own <= sum(own.values()) <= planned_own + 4096, sorted(own.values())[-8:]
     assert sum(own.values()) / n <= planned.total / n
     # the user's: masters and AdamW's two moments (and its step counters)

@@ -5,7 +5,9 @@ Per parameter: the master (the user's tensor), the optimizer's state (AdamW: two
 moments; the optimizer is not known at compile time, so AdamW is assumed and said), the
 working copies the devices upload from (pinned, in the compute dtype, on GPUs; two of them in
 delayed mode), and the host gradient buffers (GradLayout: each backward job's gradients in one
-flat fp32 piece; one set in every mode, Note [one gradient set] in runtime/grads.py). In
+flat piece; one set in every mode, Note [one gradient set] in runtime/grads.py; fp32 in exact
+mode, the compute dtype where the attached optimizer reads them, Note [working-dtype
+gradients]). In
 exact mode `param.grad` is the user's tensor besides. Per
 step: what the jobs write to the host (`host_values`: the forward jobs' activations and
 checkpoints, the others' gradients of activations), per microbatch times the microbatches, for
@@ -16,12 +18,19 @@ runtime/shared.py).
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
+
+import torch
 
 
 ADAMW_STATE_BYTES = 8      # exp_avg and exp_avg_sq in fp32, per trainable parameter
-GRAD_ITEMSIZE = 4          # host gradients are fp32 (they accumulate in fp32 on the devices)
+GRAD_ITEMSIZE = 4          # fp32 host gradients (they accumulate in fp32 on the devices)
+
+
+def grad_itemsize(compute_dtype, optimizer_mode: str) -> int:
+    """Bytes per element of the host gradient set (runner.grad_dtype, Note [working-dtype
+    gradients]): bf16's where the devices work in bf16 and the attached optimizer reads it."""
+    return 2 if optimizer_mode != "exact" and compute_dtype == torch.bfloat16 else GRAD_ITEMSIZE
 
 
 @dataclass
@@ -50,10 +59,11 @@ class GradLayout:
         """What identifies the layout: plans with equal signatures can share buffers."""
         return tuple((s, tuple((k, off, tuple(shape)) for k, off, shape in keys)) for s, keys in self.keys.items())
 
-    def nbytes(self, sets: int = 1) -> int:
-        """Bytes of `sets` flat buffers and the row-sum buffers (those are shared by the sets)."""
+    def nbytes(self, sets: int = 1, itemsize: int = GRAD_ITEMSIZE) -> int:
+        """Bytes of `sets` flat buffers of `itemsize` bytes an element and the row-sum buffers
+        (fp32, shared by the sets)."""
         rows = sum(math.prod(shape) for shape in self.row_sums.values())
-        return GRAD_ITEMSIZE * (sets * self.numel + rows)
+        return itemsize * sets * self.numel + GRAD_ITEMSIZE * rows
 
 
 def _rows_in_place(params, stages) -> set:
@@ -127,18 +137,22 @@ class HostMemory:
     num_params: int
     param_grads: int = 0       # exact mode: `param.grad`, which the user holds
     carried_rows: int = 0      # delayed mode: gradient rows copied out of their piece (runtime/submission.py)
+    widened: int = 0           # bf16 gradients: the fp32 buffer the optimizer widens a slice into
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
+    grad_itemsize: int = GRAD_ITEMSIZE   # bytes per element of the host gradient set
+    grad_dtype: str = "fp32"             # its dtype, as the plan prints it
 
     steps_alive: int = 1       # steps whose activations are on the host at once
 
     @property
     def total(self) -> int:
-        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.optimizer_state
-                + self.working_copies + self.activations)
+        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.widened
+                + self.optimizer_state + self.working_copies + self.activations)
 
     def rows(self) -> list:
         return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
                 ("gradients", self.grads), ("gradient rows carried to a later chunk", self.carried_rows),
+                ("gradient slices widened for the optimizer", self.widened),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
                 (f"activations and checkpoints ({self.steps_alive} step{'s' if self.steps_alive > 1 else ''})",
@@ -173,6 +187,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     layout = grad_layout(plan)
+    itemsize = grad_itemsize(compute_dtype, optimizer_mode)
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
@@ -180,7 +195,13 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     carried = 0
     if optimizer_mode == "delayed":
         from ..runtime.submission import carried_rows
-        carried = GRAD_ITEMSIZE * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
-    return HostMemory(masters, layout.nbytes(1), state, copies, int(per_micro) * plan.num_microbatches * alive,
-                      sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried,
-                      steps_alive=alive, grad_layout=layout)
+        carried = itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
+    widened = 0
+    if itemsize < GRAD_ITEMSIZE:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
+        from ..runtime.flat import FlatStepper
+        flat = sum(p.numel() for p in trainable if p.is_floating_point() and p.numel() > 1)
+        widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
+    return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
+                      sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
+                      steps_alive=alive, grad_layout=layout, grad_itemsize=itemsize,
+                      grad_dtype="fp32" if itemsize == GRAD_ITEMSIZE else "bf16")

@@ -13,6 +13,8 @@ from . import ops
 from .host_buffers import host_empty
 from .weights import working_dtype
 
+ROUND_SLICE = 1 << 28   # elements rounded at once on the way down (512 MiB in bf16)
+
 # One lock per generator: CPU "devices" are threads sharing torch's one CPU generator.
 _generator_locks: dict = {}
 _locks_guard = threading.Lock()
@@ -222,11 +224,12 @@ class DeviceRuntime:
 
     def grad_accumulator(self, host_piece):
         """The flat fp32 tensor a job accumulates its parameter gradients in (Note [host
-        gradient buffers]), zeroed: on a CPU "device" the host piece itself, so nothing is
-        copied; on a GPU a device twin that `download_into` brings down in one copy."""
-        if self.is_cpu:
+        gradient buffers]), zeroed: on a CPU "device" the host piece itself where it is fp32, so
+        nothing is copied; else a twin (on the device) that `download_into` brings down in one
+        copy, rounded to the piece's dtype there (Note [working-dtype gradients])."""
+        if self.is_cpu and host_piece.dtype == torch.float32:
             return host_piece.zero_()
-        return torch.zeros(host_piece.shape, dtype=host_piece.dtype, device=self.device)
+        return torch.zeros(host_piece.shape, dtype=torch.float32, device=self.device)
 
     def download_into(self, t, host):
         """Device tensor t into the host tensor `host` (same shape) with one copy; on a GPU a
@@ -239,7 +242,19 @@ class DeviceRuntime:
         ready.record(self.compute)
         self.out.wait_event(ready)
         with torch.cuda.stream(self.out):
-            host.copy_(t, non_blocking=True)
+            if t.dtype == host.dtype:
+                host.copy_(t, non_blocking=True)
+            else:
+                # narrower on the host (Note [working-dtype gradients]): rounded on the device, so
+                # fewer bytes cross the link, a slice at a time into one buffer (a rounded copy of
+                # a whole piece would need GiBs the plan does not count); this stream orders the
+                # reuse of the buffer after the slice before it came down
+                flat_t, flat_h = t.view(-1), host.view(-1)
+                n = flat_t.numel()
+                buf = torch.empty(min(n, ROUND_SLICE), dtype=host.dtype, device=self.device)
+                for a in range(0, n, ROUND_SLICE):
+                    b = min(n, a + ROUND_SLICE)
+                    flat_h[a:b].copy_(buf[:b - a].copy_(flat_t[a:b]), non_blocking=True)
         t.record_stream(self.out)
         done = torch.cuda.Event()
         done.record(self.out)

@@ -20,7 +20,10 @@ tensor of the same 1.72B elements 0.25 s, and the bf16 refresh 1.24 s per tensor
 - `merge_adjacent` turns copies between adjacent views into one copy per run (the refresh of
   the working copies, laid out in the same order).
 
-A parameter's first step is a per-parameter step of the user's optimizer (which makes its state
+Gradients may come in a narrower dtype than the masters (Note [working-dtype gradients] in
+runtime/grads.py: bf16 host gradients beside fp32 masters): a run is then stepped a slice of
+WIDEN elements at a time, each slice's gradient widened into one reused buffer, so no gradient
+exists in fp32 for more than a slice. A parameter's first step is a per-parameter step of the user's optimizer (which makes its state
 the way the optimizer makes it: SGD's momentum is the first gradient, Adam's moments zeros);
 its state is then moved into the flat buffers. The user's state entries are checked every step
 (a `load_state_dict` replaces them: they are moved again), and scalar state (Adam's `step`) is
@@ -107,6 +110,7 @@ class FlatStepper:
     where it can (Note [flat host optimizer]), per parameter where it cannot."""
 
     PIECE = 1 << 27
+    WIDEN = 1 << 25    # elements of a narrower gradient widened at once (a 128 MiB fp32 buffer)
 
     def __init__(self, optimizer, masters: FlatMasters):
         self.optimizer, self.masters = optimizer, masters
@@ -115,6 +119,7 @@ class FlatStepper:
         self._views: dict = {}          # id(param) -> {tensor key: the view we put in its state}
         self._twins: dict = {}          # (buffer index, start, stop, group index) -> (twin optimizer, run view)
         self._stepped: set = set()      # ids of parameters stepped per parameter at least once
+        self._wide = None               # the buffer a slice of a narrower gradient is widened into
         sig = inspect.signature(type(optimizer).__init__).parameters
         self._ctor_keys = [k for k in sig if k not in ("self", "params")]
 
@@ -128,7 +133,7 @@ class FlatStepper:
             piece.append((p, g))
             if i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE:
                 for q, h in piece:
-                    q.grad = h
+                    q.grad = h if h.dtype == q.dtype else h.to(q.dtype)
                 self.optimizer.step()
                 for q, _ in piece:
                     q.grad = None
@@ -205,19 +210,31 @@ class FlatStepper:
             if not bool((vals == vals[0]).all()):
                 return False
         start, stop = run[0][2], run[-1][2] + run[-1][0].numel()
-        opt, flat = self._twin(k, start, stop, gi, group, state0)
-        twin_group = opt.param_groups[0]
-        for name, v in group.items():
-            if name != "params":
-                twin_group[name] = v
-        twin_state = opt.state[flat]
-        for name in scalars:
-            twin_state[name].copy_(state0[name])
-        flat.grad = _joined([g for _, g, _ in run])
-        try:
-            opt.step()
-        finally:
-            flat.grad = None
+        grad = _joined([g for _, g, _ in run])
+        master = self.masters.buffers[k]
+        # a gradient as wide as the masters is stepped at once; a narrower one a slice at a time
+        step = stop - start if grad.dtype == master.dtype else self.WIDEN
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            opt, flat = self._twin(k, a, b, gi, group, state0)
+            twin_group = opt.param_groups[0]
+            for name, v in group.items():
+                if name != "params":
+                    twin_group[name] = v
+            twin_state = opt.state[flat]
+            for name in scalars:
+                twin_state[name].copy_(state0[name])
+            g = grad[a - start:b - start]
+            if g.dtype != master.dtype:
+                if self._wide is None or self._wide.numel() < b - a or self._wide.dtype != master.dtype:
+                    # once: as large as a slice of the masters can be (what the plan counts)
+                    self._wide = torch.empty(min(self.WIDEN, master.numel()), dtype=master.dtype)
+                g = self._wide[:b - a].copy_(g)
+            flat.grad = g
+            try:
+                opt.step()
+            finally:
+                flat.grad = None
         for name in scalars:
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [twin_state[name]] * len(run))
         return True
@@ -226,7 +243,7 @@ class FlatStepper:
         """One optimizer step of `params` with `grads` (aligned lists)."""
         if not self.elementwise:
             for p, g in zip(params, grads):
-                p.grad = g
+                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
             self.optimizer.step()
             for p in params:
                 p.grad = None
@@ -237,7 +254,7 @@ class FlatStepper:
         for p, g in zip(params, grads):
             gi = group_of.get(id(p))
             where = self.masters.where.get(id(p))
-            if (gi is None or where is None or g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous()
+            if (gi is None or where is None or g.shape != p.shape or not g.is_floating_point() or not g.is_contiguous()
                     or groups[gi].get("differentiable") or not self._flat_ready(p, groups[gi])):
                 rest.append((p, g))
             else:

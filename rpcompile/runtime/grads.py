@@ -27,6 +27,16 @@ table in the host buffers' placement, so worker processes read it too). A job wr
 every earlier submission is done with it (`wait_free`), which on 4 GPUs it always is by then
 (the optimizer needs ~0.06 s a piece; the first backward job ends ~0.4 s into a step).
 
+Note [working-dtype gradients]: where the attached optimizer steps the host gradients
+(overlapped and delayed modes) and the devices work in bf16, the set is bf16, not fp32: a job
+still accumulates its microbatches in fp32 on its device and rounds once, as the copy comes
+down. That halves the set (Llama-3.1-8B: 15 GiB, 2 B/param) and the
+gradient bytes on the host link; the optimizer widens them a slice at a time
+(Note [flat host optimizer]). The rounding is bf16's 2^-9 of each gradient, below the
+differences bf16 compute already makes. Exact mode and differentiable calls keep fp32: they
+hand the gradients to the user (`param.grad`, autograd). So does fp16, whose range a loss
+scale fills: a sum of microbatches that fit could round to inf.
+
 The plans of one compiled model (one per length its calls needed a new cut for) lay their
 gradients out differently, but they share the memory: set 0 of every layout is a view of one
 flat buffer, set 1 of another, each as large as the largest layout, and the row-sum buffers
@@ -54,8 +64,9 @@ class GradSet:
     """One flat host buffer of a GradLayout: its own, or a view of `storage(numel)` (a buffer
     shared by the layouts of a compiled model), taken at its first use."""
 
-    def __init__(self, layout, pin: bool, row_sums: dict, kind: str, storage=None, consumed=None):
-        self.layout, self.pin, self.kind = layout, pin, kind
+    def __init__(self, layout, pin: bool, row_sums: dict, kind: str, storage=None, consumed=None,
+                 dtype=torch.float32):
+        self.layout, self.pin, self.kind, self.dtype = layout, pin, kind, dtype
         # Note [one gradient set]: per stage piece, the optimizer submissions done with it
         self.submitted = 0              # optimizer submissions that read this set (main process)
         self.consumed = consumed if consumed is not None else host_empty(
@@ -70,8 +81,8 @@ class GradSet:
         with self._lock:
             if self._flat is None:
                 n = self.layout.numel
-                self._flat = (host_empty((n,), torch.float32, self.pin, self.kind) if self._storage is None
-                              else self._storage(n)[:n])
+                self._flat = (host_empty((n,), self.dtype, self.pin, self.kind) if self._storage is None
+                              else self._storage(n, self.dtype)[:n])
             return self._flat
 
     @property
@@ -130,12 +141,13 @@ class HostGrads:
         self._last = None           # the layout signature that used it last
         self._lock = threading.Lock()
 
-    def _storage(self, numel):
+    def _storage(self, numel, dtype):
         with self._lock:
-            if self.flat is None or self.flat.numel() < numel:
-                # a larger layout: a larger buffer; the sets that view the old one are made anew
-                # at their next use (a step that holds one keeps it alive)
-                self.flat = host_empty((numel,), torch.float32, self.pin, "gradients", exact=True)
+            if self.flat is None or self.flat.numel() < numel or self.flat.dtype != dtype:
+                # a larger layout (or another dtype: an optimizer attached): a new buffer; the
+                # sets that view the old one are made anew at their next use (a step that holds
+                # one keeps it alive)
+                self.flat = host_empty((numel,), dtype, self.pin, "gradients", exact=True)
                 for sig, gs in list(self._sets.items()):
                     if gs._flat is not None:
                         del self._sets[sig]
@@ -146,17 +158,20 @@ class HostGrads:
         may still read: the caller waits for it first)."""
         return self._last is not None and self._last != layout.signature
 
-    def set_for(self, layout) -> GradSet:
-        """The set of `layout`."""
+    def set_for(self, layout, dtype=torch.float32) -> GradSet:
+        """The set of `layout`, in `dtype` (Note [working-dtype gradients])."""
         with self._lock:
             gs = self._sets.get(layout.signature)
+            if gs is not None and gs.dtype != dtype:
+                gs = None
             if gs is None:
                 sums = {}
                 for i, shape in layout.row_sums.items():
                     if i not in self._sums:
                         self._sums[i] = host_empty(shape, torch.float32, self.pin, "gradients", exact=True)
                     sums[i] = self._sums[i]
-                gs = self._sets[layout.signature] = GradSet(layout, self.pin, sums, "gradients", storage=self._storage)
+                gs = self._sets[layout.signature] = GradSet(layout, self.pin, sums, "gradients", storage=self._storage,
+                                                            dtype=dtype)
             self._last = layout.signature
             return gs
 
@@ -170,6 +185,12 @@ class HostGrads:
 def as_dtype(t, dtype):
     """t in dtype, without a call into torch when it already is (Note [few calls per step])."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def for_step(t, dtype):
+    """A gradient for the optimizer step of a parameter of `dtype`: a narrower one as it is (the
+    step widens it a slice at a time, Note [working-dtype gradients]), a wider one in dtype."""
+    return t if t.dtype.itemsize <= dtype.itemsize else t.to(dtype)
 
 
 def sum_param_grads(job_grads: dict, row_sums: dict) -> dict:

@@ -51,7 +51,7 @@ class StepState:
     micro: list                       # Microbatch per microbatch
     rng_base: int = 0
     dtype: Optional[torch.dtype] = None
-    param_grads: dict = field(default_factory=dict)    # job index -> {param key: host fp32 grad}
+    param_grads: dict = field(default_factory=dict)    # job index -> {param key: host grad (Note [working-dtype gradients])}
     grads: Any = None                                  # runtime.grads.GradSet the jobs download into
     done_events: dict = field(default_factory=dict)    # job index -> [threading.Event per microbatch]
     error: Optional[BaseException] = None

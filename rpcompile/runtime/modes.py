@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .grads import as_dtype, param_index, sum_param_grads
+from .grads import as_dtype, for_step, param_index, sum_param_grads
 from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
 
@@ -121,7 +121,7 @@ class OverlappedMode(_Mode):
 
         def grads():
             totals = sum_param_grads(job_grads, row_sums)
-            return [as_dtype(totals[i], params[i].dtype) for i in order]
+            return [for_step(totals[i], params[i].dtype) for i in order]
         return order, grads
 
     def finish(self, runner, plan, step, run):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .grads import as_dtype, param_index, sum_param_grads
+from .grads import for_step, param_index, sum_param_grads
 
 
 @dataclass
@@ -169,7 +169,7 @@ class ChunkGrads:
             views = self.grads.host_views(s)
             job_grads[s] = {key: self.carried[key] if (s, key) in self._carried_keys else views[key] for key in ks}
         totals = sum_param_grads(job_grads, self.grads.row_sums)
-        out = [as_dtype(totals[i], self.dtypes[i]) for i in chunks.members(k)]
+        out = [for_step(totals[i], self.dtypes[i]) for i in chunks.members(k)]
         if chunks.carry[k]:
             dst, src = [], []
             for s, key in chunks.carry[k]:

@@ -378,8 +378,9 @@ class Worker:
             self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
         elif kind == "grads":
             _, key, layout, ref, consumed = msg
-            gs = GradSet(layout, False, {}, "gradients", consumed=self.memory.tensor(consumed))
-            gs._flat = self.memory.tensor(ref)
+            flat = self.memory.tensor(ref)
+            gs = GradSet(layout, False, {}, "gradients", consumed=self.memory.tensor(consumed), dtype=flat.dtype)
+            gs._flat = flat
             self.grad_sets[key] = gs
         elif kind == "prefetch":       # the next step's first job's weights (delayed mode)
             _, token, refs, dtype = msg
