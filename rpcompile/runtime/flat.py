@@ -110,7 +110,9 @@ class FlatStepper:
     where it can (Note [flat host optimizer]), per parameter where it cannot."""
 
     PIECE = 1 << 27
-    WIDEN = 1 << 25    # elements of a narrower gradient widened at once (a 128 MiB fp32 buffer)
+    # elements of a narrower gradient widened at once: a 256 MiB fp32 buffer, and 120 steps of
+    # Llama-3.1-8B a submission (each call may wait for the interpreter lock: Note [few calls per step])
+    WIDEN = 1 << 26
 
     def __init__(self, optimizer, masters: FlatMasters):
         self.optimizer, self.masters = optimizer, masters
