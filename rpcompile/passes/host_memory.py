@@ -5,9 +5,9 @@ Per parameter: the master (the user's tensor), the optimizer's state (AdamW: two
 moments; the optimizer is not known at compile time, so AdamW is assumed and said), the
 working copies the devices upload from (pinned, in the compute dtype, on GPUs; two of them in
 delayed mode), and the host gradient buffers (GradLayout: each backward job's gradients in one
-flat piece; one set in every mode, Note [one gradient set] in runtime/grads.py; fp32 in exact
-mode, the compute dtype where the attached optimizer reads them, Note [working-dtype
-gradients]). In
+flat piece; one set in every mode, Note [one gradient set] in runtime/grads.py; bf16 where
+the devices work in bf16 and the attached optimizer reads them, else fp32, Note
+[working-dtype gradients]). In
 exact mode `param.grad` is the user's tensor besides. Per
 step: what the jobs write to the host (`host_values`: the forward jobs' activations and
 checkpoints, the others' gradients of activations), per microbatch times the microbatches, for

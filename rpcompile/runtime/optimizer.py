@@ -141,7 +141,8 @@ class OverlappedOptimizer:
             grads = grads()
         t1 = time.perf_counter()
         if self.max_grad_norm is not None and grads:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            # in fp32 whatever the gradients' dtype (Note [working-dtype gradients])
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
             scale = min(1.0, float(self.max_grad_norm) / (float(norm) + 1e-6))
             if scale < 1.0:
                 torch._foreach_mul_(grads, scale)
