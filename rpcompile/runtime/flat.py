@@ -23,7 +23,9 @@ tensor of the same 1.72B elements 0.25 s, and the bf16 refresh 1.24 s per tensor
 Gradients may come in a narrower dtype than the masters (Note [working-dtype gradients] in
 runtime/grads.py: bf16 host gradients beside fp32 masters): a run is then stepped a slice of
 WIDEN elements at a time, each slice's gradient widened into one reused buffer, so no gradient
-exists in fp32 for more than a slice. A parameter's first step is a per-parameter step of the user's optimizer (which makes its state
+exists in fp32 for more than a slice.
+
+A parameter's first step is a per-parameter step of the user's optimizer (which makes its state
 the way the optimizer makes it: SGD's momentum is the first gradient, Adam's moments zeros);
 its state is then moved into the flat buffers. The user's state entries are checked every step
 (a `load_state_dict` replaces them: they are moved again), and scalar state (Adam's `step`) is

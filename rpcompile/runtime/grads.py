@@ -30,10 +30,10 @@ every earlier submission is done with it (`wait_free`), which on 4 GPUs it alway
 Note [working-dtype gradients]: where the attached optimizer steps the host gradients
 (overlapped and delayed modes) and the devices work in bf16, the set is bf16, not fp32: a job
 still accumulates its microbatches in fp32 on its device and rounds once, as the copy comes
-down. That halves the set (Llama-3.1-8B: 15 GiB, 2 B/param) and the
-gradient bytes on the host link; the optimizer widens them a slice at a time
-(Note [flat host optimizer]). The rounding is bf16's 2^-9 of each gradient, below the
-differences bf16 compute already makes. Exact mode and differentiable calls keep fp32: they
+down. That halves the set (Llama-3.1-8B: 15 GiB, 2 B/param) and the gradient bytes on the
+host link; the optimizer widens them a slice at a time (Note [flat host optimizer]). The
+rounding is bf16's 2^-9 of each gradient, below the differences bf16 compute already makes
+(a tied weight's two parts, summed on the host, and a clipped set are rounded once more). Exact mode and differentiable calls keep fp32: they
 hand the gradients to the user (`param.grad`, autograd). So does fp16, whose range a loss
 scale fills: a sum of microbatches that fit could round to inf.
 
