@@ -106,3 +106,14 @@ def test_a_narrower_gradient_is_stepped_a_slice_at_a_time(monkeypatch):
         for p, q in zip(ps, ps_ref):
             assert torch.equal(p, q), f"step {step}"
     assert stepper._wide is not None and stepper._wide.numel() == 4
+
+
+def test_a_graph_the_backend_captured_plans_fp32_gradients():
+    """torch.compile's graphs are captured on the real (fp32) tensors and run as they are
+    (runner.working_dtype is None): their plan counts fp32 gradients whatever Config.dtype says."""
+    model = qwen3(tied=True, seed=5)
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu"], dtype=torch.bfloat16, optimizer_mode="delayed"))
+    compiled = torch.compile(model, backend=backend)
+    compiled(**lm_batch()).loss.backward()
+    assert backend.plans and all(p.host_memory.grad_itemsize == 4 for p in backend.plans)
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in model.parameters())

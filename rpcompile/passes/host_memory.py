@@ -187,7 +187,8 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     layout = grad_layout(plan)
-    itemsize = grad_itemsize(compute_dtype, optimizer_mode)
+    # runner.working_dtype: graphs the dynamo backend captured on real tensors run as they are
+    itemsize = grad_itemsize(compute_dtype if getattr(plan.captured, "on_copies", False) else None, optimizer_mode)
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
