@@ -278,7 +278,7 @@ class Plan:
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
             f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "
-            f"of {self.host_memory.grad_dtype if self.host_memory is not None else 'fp32'} gradients come down",
+            f"of {self.host_memory.grad_label if self.host_memory is not None else 'fp32'} gradients come down",
         ]
         cols = ["job", "kind", "modules", "params", "weights", "FLOPs/mb", "est time", "device mem", "host act"]
         lines = []

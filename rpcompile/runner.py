@@ -11,6 +11,7 @@ import torch
 
 from .errors import InputError
 from .passes.graph_utils import retarget
+from .passes.host_memory import host_grad_dtype
 from .runtime.device import resolve
 from .runtime.executor import Executor
 from .runtime.processes import ProcessExecutor
@@ -207,11 +208,8 @@ class GraphRunner:
         return self.config.compute_dtype if plan.captured.on_copies else None
 
     def grad_dtype(self, plan):
-        """The dtype of the host gradient set a train step writes: bf16 where the devices work
-        in bf16 and the attached optimizer reads it, else fp32 (Note [working-dtype gradients])."""
-        if self.overlapped is not None and self.working_dtype(plan) == torch.bfloat16:
-            return torch.bfloat16
-        return torch.float32
+        """The dtype of the host gradient set a train step writes (the plan's: host_grad_dtype)."""
+        return host_grad_dtype(self.working_dtype(plan), self.overlapped is not None)
 
     def pinned_refresh(self, dtype):
         """refresh(params) for the optimizer thread: their pinned working copies, rewritten

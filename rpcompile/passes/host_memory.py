@@ -27,10 +27,11 @@ ADAMW_STATE_BYTES = 8      # exp_avg and exp_avg_sq in fp32, per trainable param
 GRAD_ITEMSIZE = 4          # fp32 host gradients (they accumulate in fp32 on the devices)
 
 
-def grad_itemsize(compute_dtype, optimizer_mode: str) -> int:
-    """Bytes per element of the host gradient set (runner.grad_dtype, Note [working-dtype
-    gradients]): bf16's where the devices work in bf16 and the attached optimizer reads it."""
-    return 2 if optimizer_mode != "exact" and compute_dtype == torch.bfloat16 else GRAD_ITEMSIZE
+def host_grad_dtype(working_dtype, optimizer_reads: bool) -> torch.dtype:
+    """The dtype of the host gradient set, for the plan and the runner alike (Note
+    [working-dtype gradients]): bf16 where the devices work in bf16 and the attached optimizer
+    reads the set, else fp32."""
+    return torch.bfloat16 if optimizer_reads and working_dtype == torch.bfloat16 else torch.float32
 
 
 @dataclass
@@ -139,10 +140,18 @@ class HostMemory:
     carried_rows: int = 0      # delayed mode: gradient rows copied out of their piece (runtime/submission.py)
     widened: int = 0           # bf16 gradients: the fp32 buffer the optimizer widens a slice into
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
-    grad_itemsize: int = GRAD_ITEMSIZE   # bytes per element of the host gradient set
-    grad_dtype: str = "fp32"             # its dtype, as the plan prints it
+    grad_dtype: torch.dtype = torch.float32   # of the host gradient set (host_grad_dtype)
 
     steps_alive: int = 1       # steps whose activations are on the host at once
+
+    @property
+    def grad_itemsize(self) -> int:
+        return self.grad_dtype.itemsize
+
+    @property
+    def grad_label(self) -> str:
+        """The set's dtype as the plan prints it."""
+        return "bf16" if self.grad_dtype == torch.bfloat16 else "fp32"
 
     @property
     def total(self) -> int:
@@ -188,7 +197,9 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     layout = grad_layout(plan)
     # runner.working_dtype: graphs the dynamo backend captured on real tensors run as they are
-    itemsize = grad_itemsize(compute_dtype if getattr(plan.captured, "on_copies", False) else None, optimizer_mode)
+    grad_dtype = host_grad_dtype(compute_dtype if getattr(plan.captured, "on_copies", False) else None,
+                                 optimizer_mode != "exact")
+    itemsize = grad_dtype.itemsize
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
     per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
@@ -204,5 +215,4 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
         widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
     return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
                       sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
-                      steps_alive=alive, grad_layout=layout, grad_itemsize=itemsize,
-                      grad_dtype="fp32" if itemsize == GRAD_ITEMSIZE else "bf16")
+                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype)
