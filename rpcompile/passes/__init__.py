@@ -14,7 +14,8 @@ text on demand]).
     annotate_costs       FLOPs and bytes per node, sympy in the size symbols (passes/cost.py)
     find_batch           which inputs are split per microbatch; planning bindings (passes/batch.py)
     cut_points           liveness, legal cuts, segment costs (passes/cut_points.py)
-    solve_stages         exact DP over forward / fused / backward stages (passes/partition.py);
+    solve_stages         exact DP over forward / fused / backward stages (passes/partition.py),
+                         a search under the replayed schedule where steps overlap (passes/step_model.py);
                          when none fits, the longest length that does (passes/longest.py)
     build_stages         forward and recompute+backward graphs per stage job (passes/codegen.py)
     build_programs       per-job programs of transfer, event and compute ops, transfers ordered
@@ -210,7 +211,7 @@ def solve_stages_pass(st: CompileState) -> CompileState:
         return solve_stages(segments, cut_bytes, num_devices=len(config.devices),
                             num_microbatches=config.num_microbatches, memory_budget=st.budget,
                             upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
-                            max_jobs=config.max_jobs)
+                            max_jobs=config.max_jobs, overlapped_steps=_steps_overlap(st))
     try:
         st.stage_plan = solve(st.segments, st.cut_bytes)
     except PlanningError as e:   # with the longest length that fits (Note [longest length])
@@ -224,6 +225,20 @@ def solve_stages_pass(st: CompileState) -> CompileState:
         if plan is not None and plan.est_time <= (1 + BLOCK_CUT_SLACK) * st.stage_plan.est_time:
             st.stage_plan, st.cuts, st.segments, st.cut_bytes = plan, cuts, segments, cut_bytes
     return st
+
+
+def _mutated_buffers(gm) -> list:
+    """Indices of the buffers the graph updates in place (running statistics)."""
+    return sorted({n.meta["rp_index"] for n in gm.graph.nodes
+                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
+                   and any(is_impure(u) for u in n.users)})
+
+
+def _steps_overlap(st: CompileState) -> bool:
+    """Whether the runtime lets this plan's steps overlap (delayed mode's train steps that update
+    no buffer in place: DelayedMode.overlaps), so the solver costs plans by the replayed schedule
+    (Note [overlapped step model] in passes/step_model.py)."""
+    return st.config.optimizer_mode == "delayed" and st.mode == "train" and not _mutated_buffers(st.gm)
 
 
 def build_stages_pass(st: CompileState) -> CompileState:
@@ -247,9 +262,7 @@ def describe_io(st: CompileState) -> CompileState:
                 lm_head=st.lm_head, batch=st.batch)
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
-    plan.mutated_buffers = sorted({n.meta["rp_index"] for n in gm.graph.nodes
-                                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
-                                   and any(is_impure(u) for u in n.users)})
+    plan.mutated_buffers = _mutated_buffers(gm)
     st.plan = plan
     return st
 
