@@ -143,6 +143,8 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["timed_steps_done"] == 2
         assert len(r["timed_step_s"]) == 2 and all(x > 0 for x in r["timed_step_s"])   # for slowest / median
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
+    # the runtime's host buffers by kind: [buffers, bytes] (rpcompile.runtime.host_buffers)
+    assert res["rpcompile"]["info"]["host_buffers"]["gradients"][1] > 0
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
     assert set(devices) == {"0:cpu", "1:cpu"}

@@ -159,6 +159,15 @@ class RPCompileTrainer(Trainer):
             # counts say whether long jobs pay the allocator (RESULTS.md, sixteenth session)
             out["cuda_allocator"] = {str(d): {k: torch.cuda.memory_stats(d).get(k) for k in (
                 "num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")} for d in cuda}
+        if cuda:   # this process's pinned blocks of torch's caching host allocator (pin_memory=True):
+            # the 1-GPU Llama run held 1.5 GiB of them in one run, 12.0 GiB in another (eighteenth session)
+            stats = torch.cuda.host_memory_stats()
+            out["cuda_host_allocator"] = {k: v for k, v in stats.items()
+                                          if k.split(".")[0] in ("allocated_bytes", "reserved_bytes", "allocations",
+                                                                 "num_host_alloc", "num_host_free")}
+        from rpcompile.runtime import host_buffers   # the runtime's own host buffers, by kind
+        allocated, count = host_buffers.snapshot()
+        out["host_buffers"] = {kind: [count[kind], allocated[kind]] for kind in sorted(allocated)}
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
             sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once
