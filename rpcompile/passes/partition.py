@@ -735,6 +735,7 @@ def _descend(costs: _Costs, start) -> StagePlan:
     best = key(fc, c, bc)
     if best is None:     # (a start that does not fit)
         return None
+
     def best_of(cands):
         improved = None
         for cand in cands:
@@ -748,7 +749,7 @@ def _descend(costs: _Costs, start) -> StagePlan:
         # the fused stage moved, dropping the cuts it passes
         cands += [(tuple(p for p in fc if p < c2), c2, tuple(p for p in bc if p < c2))
                   for c2 in range(1, n) if c2 != c]
-        # two cuts at once (n^2 of them) only where no single move helps
+        # two cuts at once (up to 16^2 a side) only where no single move helps
         improved = best_of(cands) or best_of((f, c, b) for f, b in pairs(fc, c, bc))
         if improved is None:
             return costs.make_plan(fc, c, bc)
