@@ -342,11 +342,7 @@ class _Costs:
         return max(k, 0)
 
     def make_plan(self, fwd_cuts, c, bwd_cuts) -> StagePlan:
-        fpos = [0, *fwd_cuts, c]
-        bpos = [0, *bwd_cuts, c]
-        fwd = tuple((fpos[k], fpos[k + 1]) for k in range(len(fpos) - 1)) if c > 0 else ()
-        bwd = tuple((bpos[k], bpos[k + 1]) for k in reversed(range(len(bpos) - 1))) if c > 0 else ()
-        fused = (c, self.n)
+        fwd, fused, bwd = _bounds(fwd_cuts, c, bwd_cuts, self.n)
         jobs = [("fwd", b) for b in fwd] + [("fused", fused)] + [("bwd", b) for b in bwd]
         times = tuple(self.job_time(k, *b) for k, b in jobs)
         mems = tuple(self.job_mem(k, *b) for k, b in jobs)
@@ -355,6 +351,15 @@ class _Costs:
         else:
             est = _sum(times) if self.N == 1 else max(times) * self.factor(len(jobs))
         return StagePlan(fwd, fused, bwd, times, mems, est)
+
+
+def _bounds(fwd_cuts, c, bwd_cuts, n) -> tuple:
+    """(forward stages, fused stage, backward stages in execution order) of a plan's cuts."""
+    if c == 0:
+        return (), (0, n), ()
+    fpos, bpos = [0, *fwd_cuts, c], [0, *bwd_cuts, c]
+    return (tuple((fpos[k], fpos[k + 1]) for k in range(len(fpos) - 1)), (c, n),
+            tuple((bpos[k], bpos[k + 1]) for k in reversed(range(len(bpos) - 1))))
 
 
 # ------------------------------------------------------------------------------ the DP
@@ -682,21 +687,15 @@ def _descend(costs: _Costs, start) -> StagePlan:
     n, N, M = costs.n, costs.N, costs.M
     W = {k: costs.W[k].tolist() for k in ("fwd", "bwd")}
 
-    def times_of(fc, c, bc):
-        if c == 0:
-            return [W["bwd"][0][n]]
-        fpos, bpos = [0, *fc, c], [0, *bc, c]
-        return ([W["fwd"][fpos[k]][fpos[k + 1]] for k in range(len(fpos) - 1)] + [W["bwd"][c][n]]
-                + [W["bwd"][bpos[k]][bpos[k + 1]] for k in reversed(range(len(bpos) - 1))])
-
     def key(fc, c, bc, bound=_INF):
         """(step seconds, J, fc, c, bc), or None where a job does not fit or it cannot beat bound."""
         if costs.max_jobs is not None and len(fc) + len(bc) + (3 if c else 1) > costs.max_jobs:
             return None
-        times = times_of(fc, c, bc)
+        fwd, (i, j), bwd = _bounds(fc, c, bc, n)   # W: +inf where a job does not fit
+        times = [W["fwd"][a][b] for a, b in fwd] + [W["bwd"][i][j]] + [W["bwd"][a][b] for a, b in bwd]
         if _INF in times or _sum(times) / N > bound * (1 + _TIE):
             return None
-        return (overlapped_step_time(times, len(fc) + 1 if c else 0, N, M), len(times), fc, c, bc)
+        return (overlapped_step_time(times, len(fwd), N, M), len(times), fc, c, bc)
 
     def neighbours(fc, c, bc):
         for side, cuts in ((0, fc), (1, bc)):
