@@ -10,6 +10,8 @@ takes one suspect out of the step:
   no_optimizer      the host AdamW step does nothing (the copies are still refreshed)
   resident_weights  each device keeps every weight it uploaded once: no weight uploads
   switch_0.5ms      sys.setswitchinterval(5e-4): the interpreter lock changes hands 10x as often
+  opt_threads_32    the optimizer thread's intra-op threads
+  widen_16M         FlatStepper.WIDEN: elements of a bf16 gradient widened and stepped at once
 
 With `--kernels`, one more step runs under torch.profiler (CUDA activity) with each job's compute
 in a named range: per job, its range seconds on the GPU, the seconds its kernels ran, the gaps
@@ -243,6 +245,13 @@ def main(argv=None):
             old_threads = torch.get_num_threads()
             torch.set_num_threads(int(variant.split("_")[1]))
             undo = lambda: torch.set_num_threads(old_threads)   # noqa: E731
+        elif variant.startswith("widen_"):
+            # elements of a bf16 gradient the host AdamW widens and steps at once (widen_16M): fewer
+            # make more calls and parallel regions a step, more leave the widened slice out of cache
+            from rpcompile.runtime.flat import FlatStepper
+            old_widen = FlatStepper.WIDEN
+            FlatStepper.WIDEN = int(variant.split("_")[1].rstrip("M")) << 20
+            undo = lambda: setattr(FlatStepper, "WIDEN", old_widen)   # noqa: E731
         elif variant != "base":
             raise SystemExit(f"unknown variant {variant}")
         step()       # a step to settle into the variant

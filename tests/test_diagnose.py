@@ -5,16 +5,18 @@ import json
 import torch
 
 from benchmarks import diagnose
+from rpcompile.runtime.flat import FlatStepper
 
 
 def test_diagnose_variants_run_and_undo(tmp_path):
-    threads = torch.get_num_threads()
+    threads, widen = torch.get_num_threads(), FlatStepper.WIDEN
     diagnose.main(["--model", "tiny", "--cpu", "--gpus", "2", "--layers", "2", "--steps", "2", "--seq-len", "64",
-                   "--tokens-per-step", "256", "--variants", "base,peer,opt_threads_1,threads_1,no_optimizer,base",
+                   "--tokens-per-step", "256", "--variants", "base,peer,opt_threads_1,threads_1,no_optimizer,widen_1M,base",
                    "--out", str(tmp_path)])
     results = json.loads((tmp_path / "diagnose.json").read_text())["results"]
-    assert list(results) == ["0:base", "1:peer", "2:opt_threads_1", "3:threads_1", "4:no_optimizer", "5:base"]
+    assert list(results) == ["0:base", "1:peer", "2:opt_threads_1", "3:threads_1", "4:no_optimizer", "5:widen_1M",
+                            "6:base"]
     for r in results.values():
         assert r["tokens_per_s"] > 0 and len(r["step_s"]) == 2
-    assert results["5:base"]["optimizer_s"]["step_s"] > 0     # the optimizer steps again after no_optimizer
-    assert torch.get_num_threads() == threads
+    assert results["6:base"]["optimizer_s"]["step_s"] > 0     # the optimizer steps again after no_optimizer
+    assert torch.get_num_threads() == threads and FlatStepper.WIDEN == widen
