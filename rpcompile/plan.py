@@ -169,6 +169,7 @@ class Plan:
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
+    steps_overlap: bool = False                          # delayed mode's train steps may overlap (passes._steps_overlap)
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)

@@ -143,7 +143,25 @@ def test_a_delayed_compile_plans_for_overlapping_steps(mode):
     cm.synchronize()
     sp = cm.plan.stage_plan
     J = sp.num_jobs
+    assert cm.plan.steps_overlap == (mode == "delayed") == cm.runner.mode.overlaps(cm.plan)
     if mode == "delayed":
         assert sp.est_time == overlapped_step_time(sp.job_times, len(sp.fwd_bounds), 2, 2)
     else:
         assert sp.est_time == max(sp.job_times) * max(math.ceil(J / 2), 1 + (J - 1) / 2)
+
+
+def test_steps_that_update_buffers_do_not_overlap():
+    """BatchNorm's running statistics, updated in place, are read by the next step: a delayed
+    compile plans (and the runtime runs) its steps one after another."""
+    import torch.nn.functional as F
+    from models import WithBatchNorm
+    model = WithBatchNorm()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, loss_fn=F.mse_loss,
+                                                   memory_budget=6000, optimizer_mode="delayed"))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    cm.train_step(torch.randn(6, 8), target=torch.randn(6, 4))
+    cm.synchronize()
+    sp = cm.plan.stage_plan
+    assert cm.plan.mutated_buffers and not cm.plan.steps_overlap and not cm.runner.mode.overlaps(cm.plan)
+    J = sp.num_jobs
+    assert sp.est_time == max(sp.job_times) * max(math.ceil(J / 2), 1 + (J - 1) / 2)

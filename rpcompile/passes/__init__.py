@@ -95,6 +95,8 @@ class CompileState:
     segments: Any = None
     cut_bytes: Any = None
     budget: Optional[int] = None
+    mutated_buffers: list = field(default_factory=list)   # buffer indices the graph updates in place
+    steps_overlap: bool = False        # the runtime lets train steps overlap (Plan.steps_overlap)
     stage_plan: Any = None             # partition.StagePlan
     stages: list = field(default_factory=list)
     plan: Optional[Plan] = None
@@ -206,12 +208,14 @@ def _stages_compiled(config) -> bool:
 def solve_stages_pass(st: CompileState) -> CompileState:
     config, hw = st.config, st.hardware
     st.budget = _memory_budget(config)
+    st.mutated_buffers = _mutated_buffers(st.gm)
+    st.steps_overlap = _steps_overlap(st)
 
     def solve(segments, cut_bytes):
         return solve_stages(segments, cut_bytes, num_devices=len(config.devices),
                             num_microbatches=config.num_microbatches, memory_budget=st.budget,
                             upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
-                            max_jobs=config.max_jobs, overlapped_steps=_steps_overlap(st))
+                            max_jobs=config.max_jobs, overlapped_steps=st.steps_overlap)
     try:
         st.stage_plan = solve(st.segments, st.cut_bytes)
     except PlanningError as e:   # with the longest length that fits (Note [longest length])
@@ -235,10 +239,11 @@ def _mutated_buffers(gm) -> list:
 
 
 def _steps_overlap(st: CompileState) -> bool:
-    """Whether the runtime lets this plan's steps overlap (delayed mode's train steps that update
-    no buffer in place: DelayedMode.overlaps), so the solver costs plans by the replayed schedule
+    """Whether the runtime lets this plan's steps overlap: delayed mode's train steps that update
+    no buffer in place (running statistics the next step would read). The plan carries it to
+    the runtime (DelayedMode.overlaps), and the solver costs plans by the replayed schedule there
     (Note [overlapped step model] in passes/step_model.py)."""
-    return st.config.optimizer_mode == "delayed" and st.mode == "train" and not _mutated_buffers(st.gm)
+    return st.config.optimizer_mode == "delayed" and st.mode == "train" and not st.mutated_buffers
 
 
 def build_stages_pass(st: CompileState) -> CompileState:
@@ -262,7 +267,7 @@ def describe_io(st: CompileState) -> CompileState:
                 lm_head=st.lm_head, batch=st.batch)
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
-    plan.mutated_buffers = _mutated_buffers(gm)
+    plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     st.plan = plan
     return st
 

@@ -146,8 +146,8 @@ class DelayedMode(OverlappedMode):
         self.carried: dict = {}       # rows key -> its rows, copied out of their piece (Note [chunk-wise submission])
 
     def overlaps(self, plan) -> bool:
-        # running statistics a step updates are read by the next one (and restored on failure)
-        return not plan.mutated_buffers
+        # decided when the plan was made (passes._steps_overlap), which costed it so
+        return plan.steps_overlap
 
     def _copies(self, runner, plan) -> DelayedWeights:
         """The two copies, made from the parameters as they are when the first step (or a step
