@@ -19,11 +19,11 @@ rotation cycles (up to 4): from there the steps repeat, and their mean is exact.
 was not: where one device's load is a little above the others' a backlog builds up slowly
 (Qwen3-1.7B at 4 GPUs, 4 jobs of 387/436/570/568 ms: a window of 2 steps after 4 said 534 ms,
 less than the 570 ms device 2 runs every step; measured, 739 ms). A state that does not recur
-within 4 windows (whole cycles, at least 8 steps) falls back to the mean of the last window, and the result is never
-below the busiest device's load per step, a bound no schedule beats. Against a replay of 600
-rotation cycles, 400 random tables agree within 4e-6, and the solver's search on Qwen3-1.7B's
-458 segments takes 1.2 s (2 devices) and 1.5 s (4) on a 2-core sandbox, against 3.5 and 10.0 s
-with a window of 8 steps after 10 (2.0 and 7.6 s with the earlier window of 2 after 4).
+within 4 windows (whole cycles, at least 8 steps) falls back to the mean of the last window, and
+the result is never below the busiest device's load per step, a bound no schedule beats. Against
+a replay of 600 rotation cycles, 400 random tables agree within 4e-6 (the fixed window: 2e-4),
+and the solver's search on Qwen3-1.7B's 458 segments takes 1.2 s (2 devices) and 1.5 s (4) on a
+2-core sandbox, against 2.0 and 7.6 s with the fixed window (the same plans).
 
 Measured against the model (job times from the plans' estimates, steady step from the runs;
 benchmarks/runs, H200): Llama-3.1-8B, 2 GPUs, 4 jobs 1.05/1.61/1.61/1.56 s: model 3.17 s, run
