@@ -1,6 +1,5 @@
 """cm.plan states the host memory a step needs, by kind (passes/host_memory.py)."""
 import pytest
-import torch
 
 import rpcompile
 
