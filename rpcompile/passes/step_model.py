@@ -54,7 +54,7 @@ def overlapped_step_time(times: Sequence[float], fused: int, num_devices: int,
     mbs = [t / M for t in times]
     free = [0.0] * N                     # when each device has run the jobs issued to it so far
     issued = [0.0]                       # when each step was issued
-    ends_before = 0.0                    # when the step before the last one run ended
+    ends_before = 0.0                    # when step s - 1 ended (step s + 1 is issued no earlier)
     states: list = []
     offset = 0
     for s in range(4 * measured + 2):
