@@ -12,6 +12,8 @@ import threading
 import weakref
 from typing import Optional
 
+import torch
+
 from ..errors import StageError, StepAbandoned
 from .device import DeviceRuntime, resolve
 from .host_buffers import host_empty
@@ -53,7 +55,6 @@ class _PinnedChunks:
 def _give_back(slot_sets, slots, devices):
     """A step is gone: its slot set is free once the copies issued so far on each GPU's
     streams (the step's among them) have completed (Note [slot sets])."""
-    import torch
     events = []
     for d in devices:
         if not d.is_cpu:
