@@ -148,6 +148,9 @@ class SlotSets:
     goes back when its StepState is gone, with an event on each GPU stream: copies of the step
     issued before may still read its slots, so it is free once those events completed. A value
     the caller keeps (a call's outputs) is downloaded into a buffer of its own, never a slot.
+    Measured (sixteenth session, RESULTS.md), before the LM-head rows' gradients stopped going to
+    the host: no host memory saved (Qwen3-1.7B one GPU 10.4 GiB of pinned mappings against 5.3;
+    Llama-3.1-8B 176.7 GiB in all against 175.6). Measure main again before landing.
     """
 
     def __init__(self):
