@@ -76,8 +76,10 @@ class DeviceRuntime:
     def __init__(self, device: torch.device, peer_transfers: bool = False, label=None):
         self.device = device
         self.label = label or str(device)     # the device as the user named it (errors, traces)
-        # host buffers for downloads: fresh pinned ones, or a worker process's shared slots
+        # host buffers for downloads: the running job's slots (Note [slot sets], set per job), and
+        # for values a caller keeps (a call's outputs) buffers of their own
         self.host_slots = lambda shape, dtype: host_empty(shape, dtype, True, "activations")
+        self.own_slots = lambda shape, dtype: host_empty(shape, dtype, True, "outputs")
         self.is_cpu = device.type == "cpu"
         self.prefetched: dict = {}       # (step, job) -> Future of {param key: (device tensor, event)}
         self.worker_index = 0
@@ -211,15 +213,18 @@ class DeviceRuntime:
         return (self.peer_transfers and other is not self and not other.is_cpu
                 and torch.cuda.can_device_access_peer(self.device, other.device))
 
-    def download(self, value):
-        """Device value to host memory (detached); on a GPU a Pending pinned copy."""
+    def download(self, value, own: bool = False):
+        """Device value to host memory (detached); on a GPU a Pending pinned copy, in the job's
+        slots (`host_slots`, reused by a later step: Note [slot sets]) or, own=True, in a buffer
+        of its own (a value the caller may keep: a call's outputs)."""
         def move(t):
             if not isinstance(t, torch.Tensor):
                 return t
             t = t.detach()
             if self.is_cpu:
                 return t
-            return self.download_into(t, self.host_slots(t.shape, t.dtype))
+            host = (self.own_slots if own else self.host_slots)(t.shape, t.dtype)
+            return self.download_into(t, host)
         return _map(move, value)
 
     def grad_accumulator(self, host_piece):

@@ -460,7 +460,8 @@ class Worker:
             if item is None:
                 return
             step, a, plan = item
-            self.dev.host_slots = self.pool(step, a.job).empty
+            # outputs too: the main process copies them out (_Output.resolve)
+            self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
             self.run_one(step, a, plan)
             item = step = None
 
