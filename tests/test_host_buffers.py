@@ -55,8 +55,48 @@ def test_warm_steps_allocate_no_host_buffers_and_the_plan_says_what_is_allocated
     allocated, _ = _counted_since(start)
     assert allocated["gradients"] == planned.grads and "gradients in flight" not in allocated
     assert allocated["working copies"] == planned.working_copies
-    # CPU devices hand activations on as they are (no host copy); a GPU downloads them
+    # CPU devices hand activations on as they are (no host copy); a GPU downloads them, into
+    # the chunks of a slot set per step alive (Note [slot sets]), reused from step to step
     assert allocated["activations"] == 0 < planned.activations
+    assert cm.runner.executor.slot_sets.made == planned.steps_alive == (2 if mode == "delayed" else 1)
+
+
+def test_slot_sets_are_reused_once_their_copies_completed():
+    """Note [slot sets]: a set given back with events is taken again only once they completed;
+    a job's pool fills the set's chunks in order and adds one where they are full."""
+    from rpcompile.runtime.shared import SlotPool, SlotSets
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+    class Chunks:
+        made = []
+
+        @classmethod
+        def empty(cls, shape, dtype):
+            cls.made.append(torch.empty(shape, dtype=dtype))
+            return cls.made[-1]
+
+    sets = SlotSets()
+    first = sets.take()
+    pool = SlotPool(Chunks, first.setdefault((0, "fwd"), []))
+    a, b = pool.empty((1000,), torch.float32), pool.empty((300 << 10,), torch.uint8)
+    first[(0, "fwd")].extend(pool.created)
+    assert len(Chunks.made) == 2 and a.data_ptr() != b.data_ptr()     # b did not fit a's 256 KiB chunk
+    ev = Event()
+    sets.give(first, [ev])
+    second = sets.take()                 # the copies may still read the first set's slots
+    assert second is not first and sets.made == 2
+    sets.give(second)
+    ev.done = True
+    taken = [sets.take(), sets.take()]
+    assert {id(s) for s in taken} == {id(first), id(second)} and sets.made == 2
+    again = SlotPool(Chunks, first[(0, "fwd")])      # the next step's same job: the same slots
+    assert again.empty((1000,), torch.float32).data_ptr() == a.data_ptr()
+    assert again.empty((300 << 10,), torch.uint8).data_ptr() == b.data_ptr() and not again.created
 
 
 def test_exact_pinned_buffers_are_registered_pageable_memory_of_their_size(monkeypatch):

@@ -1,5 +1,7 @@
 """Host working copies (runtime/weights.py): rewritten only when a parameter changed, never
 while an upload reads them, with one wait per stream and one copy call for many parameters."""
+import time
+
 import torch
 
 from rpcompile.runtime.weights import DelayedWeights, HostWeights, upload_mark, wait_for_uploads
@@ -72,3 +74,57 @@ def test_rows_of_a_parameter_are_views_of_its_one_copy():
     with hw.refreshed(p, torch.bfloat16, rows=(0, 2)) as part:
         assert torch.equal(whole[1], p.detach().bfloat16())
     assert [e.waited for e in events] == [0, 1, 1]
+
+
+def test_a_jobs_delayed_copies_go_up_as_runs_of_adjacent_copies():
+    """Note [one upload per run] (runtime/device.py): the copies a job reads, sorted by address,
+    fall into runs of copies that continue each other; each run is one tensor over its copies."""
+    from rpcompile.runtime.device import upload_runs
+    from rpcompile.runtime.flat import _joined
+
+    params = [torch.nn.Parameter(torch.randn(n, 3)) for n in (2, 5, 1, 4, 3)]
+    params.append(torch.nn.Parameter(torch.randn(2, 3), requires_grad=False))   # frozen: a buffer of its own
+    store = DelayedWeights(params, torch.bfloat16, pin=False)
+    job = [(0, params[0]), (4, params[4]), (5, params[5]), (1, params[1]), (3, params[3])]   # not in address order
+    with store.view(1).held(job) as entries:
+        assert [i for i, _ in entries] == [0, 1, 3, 4, 5]          # address order: 2 is not in the job
+        runs = upload_runs(entries)
+        assert [[i for i, _ in run] for run in runs] == [[0, 1], [3, 4], [5]]
+        for run in runs:
+            joined = _joined([e[1] for _, e in run])
+            assert joined.data_ptr() == run[0][1][1].data_ptr()
+            assert torch.equal(joined, torch.cat([params[i].detach().to(torch.bfloat16).reshape(-1) for i, _ in run]))
+
+
+def test_held_copies_and_write_many_take_their_locks_in_one_order():
+    """A prefetch holds the locks of a job's copies while it issues their upload, and the
+    optimizer thread those of the copies it rewrites: both in address order, so neither waits for
+    the other forever whatever order each was given its parameters in."""
+    import random
+    import threading
+
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(12)]
+    store = DelayedWeights(params, torch.bfloat16, pin=False)
+    stop = time.monotonic() + 1.0
+    errors = []
+
+    def prefetcher(seed):
+        rng = random.Random(seed)
+        while time.monotonic() < stop:
+            job = rng.sample(list(enumerate(params)), 6)
+            with store.view(0).held(job):
+                pass
+
+    def optimizer(seed):
+        rng = random.Random(seed)
+        while time.monotonic() < stop:
+            store.write_many(rng.sample(params, 6), 0)
+
+    threads = [threading.Thread(target=f, args=(s,), daemon=True) for s, f in enumerate([prefetcher, optimizer] * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+        if t.is_alive():
+            errors.append("deadlock")
+    assert not errors

@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import ops
+from .flat import _adjacent, _joined
 from .host_buffers import host_empty
 from .weights import working_dtype
 
@@ -56,6 +57,28 @@ def resolve(value):
                            is_leaf=lambda v: isinstance(v, Pending))
 
 
+# Note [one upload per run]: a stage job's weights went up one copy per tensor (559 a step for
+# Llama-3.1-8B's 5-job plan, each a cudaMemcpyAsync, an event and a few Python calls on the
+# uploader thread, under the interpreter lock the worker thread launches kernels with). In delayed
+# mode the working copies are views of flat buffers in the order the forward reads the
+# parameters, so a job's weights are a few runs of adjacent copies: each run goes up as one copy,
+# and the job's weights are views of it on the device (kept alive together, freed together when
+# the job is done with them). Copies in exact and overlapped mode are one buffer per parameter,
+# and go up one by one as before.
+
+
+def upload_runs(entries) -> list:
+    """Runs of consecutive (index, entry) pairs (sorted by host address) whose copies (entry[1])
+    continue each other in one buffer."""
+    runs = []
+    for i, e in entries:
+        if runs and _adjacent(runs[-1][-1][1][1], e[1]):
+            runs[-1].append((i, e))
+        else:
+            runs.append([(i, e)])
+    return runs
+
+
 def _map(fn, value, is_leaf=None):
     """fn over the leaves of value; a bare tensor (nearly every value a stage hands on) without
     pytree's flatten and unflatten: on 4 GPUs they were 8% of the interpreter lock's samples."""
@@ -76,8 +99,10 @@ class DeviceRuntime:
     def __init__(self, device: torch.device, peer_transfers: bool = False, label=None):
         self.device = device
         self.label = label or str(device)     # the device as the user named it (errors, traces)
-        # host buffers for downloads: fresh pinned ones, or a worker process's shared slots
+        # host buffers for downloads: the running job's slots (Note [slot sets], set per job), and
+        # for values a caller keeps (a call's outputs) buffers of their own
         self.host_slots = lambda shape, dtype: host_empty(shape, dtype, True, "activations")
+        self.own_slots = lambda shape, dtype: host_empty(shape, dtype, True, "outputs")
         self.is_cpu = device.type == "cpu"
         self.prefetched: dict = {}       # (step, job) -> Future of {param key: (device tensor, event)}
         self.worker_index = 0
@@ -170,15 +195,37 @@ class DeviceRuntime:
             if before is not None:
                 before()
             start = tracer.cuda_mark(self.weights_in) if tracer is not None else None
-            got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in params
-                   if ready is None or ready(p)}
+            todo = [(i, p) for i, p in params if ready is None or ready(p)]
+            if hasattr(host_weights, "held"):     # copies laid out flat: one copy per run
+                got, copies = self._upload_runs(todo, host_weights)
+            else:
+                got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in todo}
+                copies = len(got)
             if tracer is not None:
                 nbytes = sum(d.numel() * d.element_size() for d, _ in got.values())
                 tracer.add(self.label, "weights_in", "prefetch_weights", start, tracer.cuda_mark(self.weights_in),
-                           worker=self.worker_index, bytes=nbytes, params=len(got), **(attrs or {}))
+                           worker=self.worker_index, bytes=nbytes, params=len(got), copies=copies, **(attrs or {}))
             return got
 
         self.prefetched[key] = self.uploader.submit(upload_all)
+
+    def _upload_runs(self, params, host_weights) -> tuple:
+        """({index: (device weight, event)}, copies issued) for (index, param) pairs whose working
+        copies lie in flat buffers (delayed mode's copies, a worker's shared ones): one copy per
+        run of copies adjacent in host memory, the weights views of it (Note [one upload per run])."""
+        got = {}
+        with host_weights.held(params) as entries:
+            runs = upload_runs(entries)
+            for run in runs:
+                src = _joined([e[1] for _, e in run])
+                d, ev = self._copy_in(self.weights_in, src, src.dtype, wait=False)
+                off = 0
+                for i, e in run:
+                    n = e[1].numel()
+                    got[i] = (d[off:off + n].view(e[1].shape), ev)
+                    off += n
+                    host_weights.mark_upload(e, ev, self.weights_in)
+        return got, len(runs)
 
     def take_prefetched(self, future: Future, key):
         """A weight a prefetch uploaded (compute now waits for its copy), or None."""
@@ -211,15 +258,18 @@ class DeviceRuntime:
         return (self.peer_transfers and other is not self and not other.is_cpu
                 and torch.cuda.can_device_access_peer(self.device, other.device))
 
-    def download(self, value):
-        """Device value to host memory (detached); on a GPU a Pending pinned copy."""
+    def download(self, value, own: bool = False):
+        """Device value to host memory (detached); on a GPU a Pending pinned copy, in the job's
+        slots (`host_slots`, reused by a later step: Note [slot sets]) or, own=True, in a buffer
+        of its own (a value the caller may keep: a call's outputs)."""
         def move(t):
             if not isinstance(t, torch.Tensor):
                 return t
             t = t.detach()
             if self.is_cpu:
                 return t
-            return self.download_into(t, self.host_slots(t.shape, t.dtype))
+            host = (self.own_slots if own else self.host_slots)(t.shape, t.dtype)
+            return self.download_into(t, host)
         return _map(move, value)
 
     def grad_accumulator(self, host_piece):

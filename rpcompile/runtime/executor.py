@@ -12,10 +12,14 @@ import threading
 import weakref
 from typing import Optional
 
+import torch
+
 from ..errors import StageError, StepAbandoned
 from .device import DeviceRuntime, resolve
+from .host_buffers import host_empty
 from .job import JobLinks, StepState, run_job
 from .schedule import Schedule
+from .shared import SlotPool, SlotSets
 
 
 class _Worker:
@@ -38,6 +42,38 @@ class _Worker:
                 # Drop the job (and the step it refers to) before blocking for the next one.
                 item = fn = None
                 finished.set()
+
+
+class _PinnedChunks:
+    """Chunks of a slot set in this process: page-locked, of exactly their size."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        return host_empty(shape, dtype, True, "activations", exact=True)
+
+
+def _give_back(slot_sets, slots, devices):
+    """A step is gone: its slot set is free once the copies issued so far on each GPU's
+    streams (the step's among them) have completed (Note [slot sets])."""
+    events = []
+    for d in devices:
+        if not d.is_cpu:
+            for stream in (d.compute, d.acts_in, d.out):
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events.append(ev)
+    slot_sets.give(slots, events)
+
+
+def _run_with_slots(step, a, stage, dev, program, links, slots):
+    """run_job, its downloads in the job's chunks of the step's slot set."""
+    mine = slots.setdefault((a.job, a.role), [])
+    pool = SlotPool(_PinnedChunks, mine)
+    dev.host_slots = pool.empty
+    try:
+        run_job(step, a.job, a.prev_job, stage, a.role, dev, program, links)
+    finally:
+        mine.extend(pool.created)
 
 
 def _stop(workers, devices):
@@ -66,6 +102,7 @@ class Executor:
         self.offset = 0
         self.last_schedule: Optional[Schedule] = None   # the schedule of the last run
         self.in_flight = 0                               # runs issued and not yet waited for
+        self.slot_sets = SlotSets()                      # Note [slot sets] (runtime/shared.py)
 
     def next_device(self) -> DeviceRuntime:
         """The device the next run's first job goes to."""
@@ -95,6 +132,10 @@ class Executor:
         # workers waiting on jobs that were never queued.
         programs = [programs_for(schedule.stage(a.job), a.role, self.workers[a.device].dev.device) for a in actions]
         self.last_schedule = schedule
+        slots = getattr(step, "slot_set", None)
+        if slots is None:
+            slots = step.slot_set = self.slot_sets.take()
+            weakref.finalize(step, _give_back, self.slot_sets, slots, list(self.devices)).atexit = False
         finished = {}
         for a, program in zip(actions, programs):
             worker = self.workers[a.device]
@@ -104,7 +145,7 @@ class Executor:
                              next_reads=a.next_reads, later_reads=a.later_reads)
             ev = threading.Event()
             worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
-                             run_job(step, a.job, a.prev_job, stage, a.role, w.dev, p, links), ev))
+                             _run_with_slots(step, a, stage, w.dev, p, links, slots), ev))
             finished[a.job] = ev
         self.offset = schedule.next_offset
         self.in_flight += 1

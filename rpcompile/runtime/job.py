@@ -275,7 +275,7 @@ class JobContext:
                                                    value=name, bytes=nbytes(value))
 
     def output(self, mb, name, value):
-        self.step.micro[mb].outputs[name] = self.dev.download(value)
+        self.step.micro[mb].outputs[name] = self.dev.download(value, own=True)
 
     def offload_grad(self, mb, name, value):
         if value is None:

@@ -170,7 +170,8 @@ class DelayedWeights:
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
-        for s in slots:
+        # locks in address order, as `_SlotView.held` takes them (no two threads wait on each other)
+        for s in sorted({id(s): s for s in slots}.values(), key=lambda s: s[0].data_ptr()):
             s[2].acquire()
         try:
             wait_for_uploads([m for s in slots for m in s[1]])
@@ -180,7 +181,7 @@ class DelayedWeights:
             for s in slots:
                 s[1].clear()
         finally:
-            for s in slots:
+            for s in {id(s): s for s in slots}.values():
                 s[2].release()
 
     def nbytes(self) -> int:
@@ -200,6 +201,22 @@ class _SlotView:
         tensor, marks, lock = self.store._copies[id(param)][self.slot]
         with lock:
             yield [None, tensor if rows is None else tensor[rows[0]:rows[1]], marks, lock]
+
+    @contextlib.contextmanager
+    def held(self, params):
+        """[entry per parameter] (as `refreshed` yields), sorted by the copies' host addresses, their
+        locks held in that order (DelayedWeights.write_many takes them in it too): what one upload
+        per run of adjacent copies needs (Note [one upload per run] in runtime/device.py)."""
+        slots = sorted(((self.store._copies[id(p)][self.slot], i) for i, p in params),
+                       key=lambda x: x[0][0].data_ptr())
+        locks = list({id(s[2]): s[2] for s, _ in slots}.values())
+        for lock in locks:
+            lock.acquire()
+        try:
+            yield [(i, [None, s[0], s[1], s[2]]) for s, i in slots]
+        finally:
+            for lock in locks:
+                lock.release()
 
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:

@@ -148,6 +148,10 @@ class _Snapshot:
     def refreshed(self, param, dtype, rows=None):
         yield [None, param if rows is None else param[rows[0]:rows[1]], None, None]
 
+    @contextlib.contextmanager
+    def held(self, params):
+        yield sorted(((i, [None, p, None, None]) for i, p in params), key=lambda x: x[1][1].data_ptr())
+
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:
         pass
@@ -460,7 +464,8 @@ class Worker:
             if item is None:
                 return
             step, a, plan = item
-            self.dev.host_slots = self.pool(step, a.job).empty
+            # outputs too: the main process copies them out (_Output.resolve)
+            self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
             self.run_one(step, a, plan)
             item = step = None
 
