@@ -64,7 +64,9 @@ def resolve(value):
 # parameters, so a job's weights are a few runs of adjacent copies: each run goes up as one copy,
 # and the job's weights are views of it on the device (kept alive together, freed together when
 # the job is done with them). Copies in exact and overlapped mode are one buffer per parameter,
-# and go up one by one as before.
+# and go up one by one as before. Measured with worker threads' slot sets (twentieth session,
+# Qwen3-1.7B, 4 H100s, one call): 83,236 tokens/s against 83,378 before, host memory 46.6 GiB
+# against 55.8; the uploads were not what held those steps.
 
 
 def upload_runs(entries) -> list:
