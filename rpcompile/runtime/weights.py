@@ -170,8 +170,8 @@ class DelayedWeights:
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
-        # locks in address order, as `_SlotView.held` takes them (no two threads wait on each other)
-        for s in sorted({id(s): s for s in slots}.values(), key=lambda s: s[0].data_ptr()):
+        held = _in_lock_order(slots)
+        for s in held:
             s[2].acquire()
         try:
             wait_for_uploads([m for s in slots for m in s[1]])
@@ -181,11 +181,18 @@ class DelayedWeights:
             for s in slots:
                 s[1].clear()
         finally:
-            for s in {id(s): s for s in slots}.values():
+            for s in held:
                 s[2].release()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flats)
+
+
+def _in_lock_order(slots) -> list:
+    """The distinct copy slots among `slots` in host address order: the one order every thread
+    takes their locks in (a prefetch's `held`, the optimizer's `write_many`), so none waits on
+    another forever."""
+    return sorted({id(s): s for s in slots}.values(), key=lambda s: s[0].data_ptr())
 
 
 class _SlotView:
@@ -209,7 +216,7 @@ class _SlotView:
         per run of adjacent copies needs (Note [one upload per run] in runtime/device.py)."""
         slots = sorted(((self.store._copies[id(p)][self.slot], i) for i, p in params),
                        key=lambda x: x[0][0].data_ptr())
-        locks = list({id(s[2]): s[2] for s, _ in slots}.values())
+        locks = [s[2] for s in _in_lock_order([s for s, _ in slots])]
         for lock in locks:
             lock.acquire()
         try:
