@@ -10,7 +10,8 @@ another size the same cut can need more device memory (activations grow with the
 before a plan serves new sizes its jobs are re-costed there by substitution into the cost
 pass's symbolic expressions (passes/at_sizes.py): a plan whose jobs all fit the memory budget
 serves; where none of the capture's plans fits, the passes run again on the same capture at
-the new sizes (no dynamo), which gives more, smaller stage jobs, or a PlanningError when no
+the new sizes (no dynamo), which gives more, smaller stage jobs and the LM head split as a
+capture at those sizes would (Note [shards by memory] in passes/lm_head.py), or a PlanningError when no
 cut fits (saying the longest length that does: Note [longest length] in passes/longest.py).
 The choice is memoised per size, so a steady step costs one dict lookup.
 """

@@ -178,3 +178,26 @@ def test_dynamo_backend_trains_at_several_lengths():
     assert len(backend.plans) <= 2, "dynamo makes the length dynamic at the second one"
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-4 * q.grad.abs().max().item())
+
+
+def test_a_plan_at_a_new_length_splits_the_lm_head_as_a_capture_there_would(monkeypatch):
+    """Note [shards by memory]: the LM head's shard count follows the length a plan is made at.
+    Every new length re-planned (PlanCache._fits refusing other lengths' plans), a budget whose
+    memory rule asks for more shards as the logits grow: the plan at 64 tokens has as many shards
+    as a fresh capture at 64 chooses, more than the plan at 16 (the held capture's count before),
+    and the loss, every gradient and the parameters equal eager at every step."""
+    from rpcompile import plan_cache
+    from rpcompile.passes import lm_head
+    monkeypatch.setattr(lm_head, "SHARD_SHARE", 1024)
+    monkeypatch.setattr(plan_cache.PlanCache, "_fits",
+                        lambda self, plan, at: all(plan.bindings.get(s) == v for s, v in at.items()))
+    V, lengths = 2048, [16, 64, 16]
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="64MiB")
+    batches = [lm_batch(batch=4, seq=L, vocab=V, seed=i) for i, L in enumerate(lengths)]
+    cm = train_both(qwen3(vocab=V), batches, cfg, steps=len(lengths), check_every_step=True, min_stages=0)
+    short, long = cm._plans.plans()
+    fresh = rpcompile.compile(qwen3(vocab=V), cfg)
+    fresh.train_step(**batches[1])
+    assert long.lm_head["K"] == fresh.plan.lm_head["K"] > short.lm_head["K"] > 1, (
+        short.lm_head["K"], long.lm_head["K"], fresh.plan.lm_head["K"])
+    assert cm.plan is short            # back at 16, the first plan serves

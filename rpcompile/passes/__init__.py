@@ -153,9 +153,29 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards, max_logit_bytes=max_logit_bytes(st.config))
+        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards, max_logit_bytes=max_logit_bytes(st.config),
+                              at=_lengths_at(st))
         st.lm_head = st.gm.meta.get("rp_lm_head")
     return st
+
+
+def _lengths_at(st: CompileState) -> Optional[dict]:
+    """The sequence-length symbols of a re-plan's sizes (st.at), for the LM head's shard count:
+    a plan at a new length splits the head as a capture at that length would (Note [shards by
+    memory] in passes/lm_head.py; the 32,768-token plan of Llama-3.1-8B kept the 3 shards of its
+    8,192-token capture, 5.2 GiB of fp32 logits each, and failed at 65,536 tokens under 24 GiB).
+    st.at's batch symbols are rows per microbatch, not the captured batch max_logit_bytes counts,
+    so they are left at the capture's."""
+    if not st.at:
+        return None
+    from ..lengths import length_symbols
+    first = min((n for n in st.gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
+                 and isinstance(n.meta.get("example_value"), torch.Tensor)),
+                key=lambda n: n.meta["rp_index"], default=None)
+    rows = first.meta["example_value"].shape[0] if first is not None and first.meta["example_value"].dim() else None
+    batch_names = {rows.node.expr.name} if isinstance(rows, torch.SymInt) and rows.node.expr.is_Symbol else set()
+    L, names = length_symbols(st.gm, st.at, batch_names)
+    return dict.fromkeys(names, L) if names else None
 
 
 def max_logit_bytes(config):

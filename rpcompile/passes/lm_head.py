@@ -42,6 +42,11 @@ ceil(fp32 logits of a microbatch / (memory budget / SHARD_SHARE)): with a shard'
 1/16 of the budget, a stage holds the value and its gradient and the saved exp(l - m) of a
 dozen shards before the logits alone fill the device. At the benchmarks' sizes (16,384 tokens a
 microbatch, 80-141 GB cards) the FLOPs rule's 5 shards already satisfy it.
+Both rules count at the length the plan is made for: a capture's own, or a re-plan's (the
+``at`` of split_lm_head, the length symbols of Note [plans per length] in plan_cache.py), not
+the capture's. A re-plan that kept its capture's count (Llama-3.1-8B captured at 8,192 tokens: 3
+shards) held 10.4 GiB of fp32 logits a shard at 65,536 tokens, more than the 24 GiB card's
+plan could hold; counted at 65,536 the memory rule asks for 21 shards of 1.5 GiB.
 
 Patterns recognised (see :func:`find_lm_head`):
 
@@ -599,9 +604,10 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
 
 
 def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
-                  max_logit_bytes: float | None = None) -> fx.GraphModule:
+                  max_logit_bytes: float | None = None, at: dict | None = None) -> fx.GraphModule:
     """Rewrite the LM head and its cross-entropy into K vocabulary shards with an online log-sum-exp
-    (K: num_shards, or estimate_num_shards with max_logit_bytes)."""
+    (K: num_shards, or estimate_num_shards with max_logit_bytes, counted at `at`: {symbol name:
+    size} overriding the capture's size hints, as a plan at another length has them)."""
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"split_lm_head: num_shards must be a positive int, got {num_shards!r}")
     summaries = []
@@ -619,7 +625,7 @@ def split_lm_head(gm: fx.GraphModule, num_shards: int | None = None,
         if num_shards is None:
             # shards the memory rule asked for run as compiled pieces of their own (Note [one
             # piece per shard] in passes/regions.py); the FLOPs rule's stay in one graph
-            by_flops, by_memory = _shard_counts(gm, head, None, max_logit_bytes)
+            by_flops, by_memory = _shard_counts(gm, head, at, max_logit_bytes)
             K, apart = max(by_flops, by_memory), by_memory > by_flops
         if K > head.vocab_size:
             raise ValueError(

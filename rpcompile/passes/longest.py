@@ -28,33 +28,34 @@ It is found at planning time, in the caller's thread, before anything runs:
   tokens (a plan there takes 15-20 s).
 - "Longest" is the end of the bracket: memory grows with L, but where the legal cuts move with
   L a longer length could fit again; the search does not look past the first length that fails.
-- The answer is what the compiled model's next call at that length would plan. After a first
-  step at a shorter length the compiled model holds a capture and re-plans it at the new length
-  (Note [plans per length] in plan_cache.py), so the search plans this capture's graph at every
-  length: exact. Where the failed call was its capture's first (st.at is None; the compiled model
-  keeps no capture that fails to plan), the next call captures anew at its own length, and a
-  capture chooses the LM head's shard count from the cost model at its sizes
+- The answer is what the compiled model's next call at that length would plan. A capture
+  chooses the LM head's shard count from the cost model at its sizes
   (lm_head.estimate_num_shards: head FLOPs over one layer's; attention grows faster than the
-  head, so shorter captures choose more shards, each with a smaller slice of the logits, which
+  head, so shorter lengths choose more shards, each with a smaller slice of the logits, which
   need less memory; and at least enough shards to keep each one's logits within a share of the
-  budget, Note [shards by memory]). So there (train mode, Config.lm_head_shards None, the head split) each
-  length L is planned with the shard count a capture at L would choose: estimate_num_shards on
-  the graph before split_lm_head with the length symbols bound to L (its FLOPs substituted from
-  the symbolic shapes, no capture), and a graph split into that many shards: the passes from
-  capture to find_batch re-run on the same capture with Config(lm_head_shards=K), once per
-  distinct K the search meets (_capture_shards). Memory is then a step function of L per shard
-  count, so the search takes a few more solver calls, and each new K costs a re-split and the
-  cost pass (most of the time). Measured on 2 CPU cores: the test model (vocab 2048, first call
-  at 128 tokens) 9 calls, 3.4-4 s (0.2-0.3 s before), max_length 64 where the failed capture's 5
-  shards said 48; the Qwen3-1.7B shape (2 devices, 24 GiB, 8 rows per microbatch, first call at
-  32,768 tokens, 2 shards) 8 calls, 13-16 s (2.3-2.6 s before: 3 shard counts split at 2.3-3 s
-  each, one of them, 6 shards, only for L = 1), max_length 6,639 where it said 3,330, and a
-  fresh capture plans at 6,639 (4 shards) and not at 6,640 (tests/test_longest_length.py checks
-  the same on the test model). First called at 2,048 tokens (5 shards), then at 32,768, the
-  held capture is re-planned: max_length 8,240, exact for it. Only the shard count follows the
-  length: anything else a capture at another length does differently (dynamo's specialisations)
-  is not modelled. A plan the compiled model already holds may also serve a few tokens more than
-  a new plan would (it was cut at other sizes).
+  budget, Note [shards by memory]), and so does a re-plan of a held capture at a new length
+  (Note [plans per length] in plan_cache.py: the passes re-run from the capture with the
+  length bound, split_lm_head included). So (train mode, Config.lm_head_shards None, the head
+  split) each length L is planned with the shard count a plan at L would choose:
+  estimate_num_shards on the graph before split_lm_head with the length symbols bound to L (its
+  FLOPs substituted from the symbolic shapes, no capture), and a graph split into that many
+  shards: the passes from capture to find_batch re-run on the same capture with
+  Config(lm_head_shards=K), once per distinct K the search meets (_capture_shards). Memory is
+  then a step function of L per shard count, so the search takes a few more solver calls, and
+  each new K costs a re-split and the cost pass (most of the time). Measured on 2 CPU cores: the
+  test model (vocab 2048, first call at 128 tokens) 9 calls, 3.4-4 s (0.2-0.3 s before),
+  max_length 64 where the failed capture's 5 shards said 48; the Qwen3-1.7B shape (2 devices,
+  24 GiB, 8 rows per microbatch, first call at 32,768 tokens, 2 shards) 8 calls, 13-16 s (2.3-2.6
+  s before: 3 shard counts split at 2.3-3 s each, one of them, 6 shards, only for L = 1),
+  max_length 6,639 where it said 3,330, and a fresh capture plans at 6,639 (4 shards) and not at
+  6,640 (tests/test_longest_length.py checks the same on the test model). Until the twenty-first
+  session a re-plan kept its capture's shard count (the search did too): Llama-3.1-8B captured
+  at 8,192 tokens kept 3 shards, 10.4 GiB of fp32 logits each at 65,536, and no plan fit 24 GiB
+  past 45,282 tokens; with the count following the length, 99,121 (CPU planning with the H100
+  cost model). Only the shard count follows the length: anything else a capture at another
+  length does differently (dynamo's specialisations) is not modelled. A plan the compiled
+  model already holds may also serve a few tokens more than a new plan would (it was cut at
+  other sizes).
 """
 from __future__ import annotations
 
@@ -80,12 +81,11 @@ def min_budget_at(st, bindings: dict) -> int:
 
 
 def _capture_shards(st, names):
-    """Where the failed call was its capture's first plan and the capture chose the LM head's
-    shard count (Config.lm_head_shards None): (L -> the shard count a capture at L would
-    choose, K -> a CompileState past find_batch and liveness split into K shards, cached; the
-    failed call's K is `st`). None where the shard count does not follow the length."""
+    """Where the LM head's shard count follows the length (Config.lm_head_shards None, the
+    head split): (L -> the shard count a plan at L would choose, K -> a CompileState past
+    find_batch and liveness split into K shards, cached; the failed call's K is `st`). None where the shard count does not follow the length."""
     head = st.lm_head
-    if (st.at is not None or st.mode != "train" or st.config.lm_head_shards is not None
+    if (st.mode != "train" or st.config.lm_head_shards is not None
             or not isinstance(head, dict) or not head.get("split")):
         return None
     from . import PASSES, CompileState, max_logit_bytes
