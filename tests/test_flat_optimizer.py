@@ -99,7 +99,7 @@ def test_load_state_dict_and_a_missing_gradient():
     both(4)
     both(5)
     exp_avg = opt.state[params[2]]["exp_avg"]
-    buf = stepper._state_bufs[(0, "exp_avg")]
+    buf = stepper._state_bufs[(0, "exp_avg", None)]
     assert exp_avg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 

@@ -64,6 +64,13 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no workers field")
         kwargs["workers"] = "processes"
         notes.append("Config(workers='processes'): one worker process per device")
+    if spec.options.get("rpcompile_optimizer_on_devices"):
+        if "optimizer_on_devices" not in fields:
+            raise RuntimeError("--option rpcompile_optimizer_on_devices asks for Config(optimizer_on_devices=...), but "
+                               "this rpcompile's Config has no optimizer_on_devices field")
+        kwargs["optimizer_on_devices"] = float(spec.options["rpcompile_optimizer_on_devices"])
+        notes.append(f"Config(optimizer_on_devices={kwargs['optimizer_on_devices']}): that share of the optimizer "
+                     "steps on the devices")
     if _on(spec.options, "rpcompile_threads"):
         kwargs["workers"] = "threads"
         notes.append("Config(workers='threads'): one worker thread per device")
