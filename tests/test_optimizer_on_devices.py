@@ -206,4 +206,4 @@ def test_host_bytes_are_what_the_plan_says():
     host_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is None)
     dev_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is not None)
     assert dev_state == 8 * on_dev and abs(host_state - planned.optimizer_state) <= 8 * largest
-    assert f"gradient slices staged for the devices' optimizer" in str(cm.plan)
+    assert "gradient slices staged for the devices' optimizer" in str(cm.plan)
