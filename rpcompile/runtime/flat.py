@@ -362,12 +362,12 @@ class FlatStepper:
                     if name != "params":
                         twin_group[name] = v
                 twin_state = opt.state[flat]
-                for name in scalars:
-                    twin_state[name].copy_(state0[name])
                 g = grad[a - start:b - start]
                 if device is not None:
                     stream = used[device] = self._stream(device)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        for name in scalars:       # (on the stream that steps: `step` may live on the device)
+                            twin_state[name].copy_(state0[name])
                         flat.copy_(master[a:b], non_blocking=True)
                         g = self._upload(g, device, stream)
                         # (on the host "device" the staged gradient is read before the next slice rewrites it)
@@ -378,6 +378,8 @@ class FlatStepper:
                             flat.grad = None
                         master[a:b].copy_(flat, non_blocking=True)
                     continue
+                for name in scalars:
+                    twin_state[name].copy_(state0[name])
                 if g.dtype != master.dtype:
                     if self._wide is None or self._wide.numel() < b - a or self._wide.dtype != master.dtype:
                         # once: as large as a slice of the masters can be (what the plan counts)
