@@ -89,7 +89,8 @@ def parity(args):
             ref = copy.deepcopy(model).to(dev)
             cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
                                    memory_budget="6MiB", compile_stages=inductor, peer_transfers=peer,
-                                   optimizer_mode=mode, workers=workers)
+                                   optimizer_mode=mode, workers=workers,
+                                   **({"optimizer_on_devices": args.on_devices} if args.on_devices and mode != "exact" else {}))
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -123,7 +124,8 @@ def parity(args):
             perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
-                   f"{'_processes' if workers == 'processes' else ''}")
+                   f"{'_processes' if workers == 'processes' else ''}"
+                   f"{f'_ondev{args.on_devices:g}' if args.on_devices and mode != 'exact' else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
                         "peer_fetches": peer_fetches}
@@ -383,6 +385,8 @@ def main():
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--modes", default="", help="parity: only these optimizer modes (comma-separated)")
     ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
+    ap.add_argument("--on-devices", type=float, default=0.0,
+                    help="parity: Config.optimizer_on_devices for the overlapped and delayed modes")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")

@@ -166,7 +166,7 @@ def test_the_devices_share_comes_out_of_each_jobs_budget():
     cm.synchronize()
     kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
     n = sum(p.numel() for p in model.parameters())
-    assert 12 * n / 2 < kept - FlatStepper.WIDEN * 6 < 12 * n
+    assert 12 * n / 2 < kept < 18 * n
     assert cm.plan.memory_budget == budget - kept
 
 

@@ -140,7 +140,7 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     if not flat:
         return 0
     per_device = math.ceil(share * sum(flat) / max(1, num_devices)) + max(flat)
-    return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + FlatStepper.WIDEN * (2 + GRAD_ITEMSIZE)
+    return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
 
 
 @dataclass
