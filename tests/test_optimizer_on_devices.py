@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rpcompile.runtime.flat import FlatMasters, FlatStepper
-from test_flat_optimizer import OPTIMIZERS, _grads, _model, _step_both
+from test_flat_optimizer import OPTIMIZERS, _model, _step_both, _step_skipping
 
 DEVICES = ["cpu", "cpu"]
 
@@ -66,15 +66,7 @@ def test_bf16_gradients_in_slices_across_the_device_ranges():
     ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
     stepper = _stepper(params, opt, 0.7)
     stepper.WIDEN = 50
-    for step in range(3):
-        grads = [g.bfloat16() for g in _grads(params, step)]
-        stepper.step(params, grads)
-        for p, g in zip(ref_params, grads):
-            p.grad = g.float()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for p, r in zip(params, ref_params):
-            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    _step_both(stepper, params, ref_opt, ref_params, range(3), dtype=torch.bfloat16)
     slices = stepper._slices(0, 0, stepper.masters.buffers[0].numel(), True)
     ranges = stepper.masters.on_devices[0]
     assert all(b - a <= 50 for a, b, _ in slices)
@@ -94,15 +86,7 @@ def test_a_missing_gradient_and_load_state_dict():
     opt.step = lambda *a, **k: calls.append(1) or user_step(*a, **k)
 
     def both(step, skip=()):
-        grads = _grads(params, step)
-        keep = [i for i in range(len(params)) if i not in skip]
-        stepper.step([params[i] for i in keep], [grads[i] for i in keep])
-        for i in keep:
-            ref_params[i].grad = grads[i].clone()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for p, r in zip(params, ref_params):
-            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        _step_skipping(stepper, params, ref_opt, ref_params, step, skip)
 
     both(0)
     first = len(calls)          # the first step is the user's optimizer's, per parameter
@@ -116,7 +100,8 @@ def test_a_missing_gradient_and_load_state_dict():
     both(4)
     both(5)
     assert len(calls) == first
-    dev_bufs = {b.untyped_storage().data_ptr() for (_, key, where), b in stepper._state_bufs.items() if key == "exp_avg" and where is not None}
+    dev_bufs = {b.untyped_storage().data_ptr() for (_, key, where), b in stepper._state_bufs.items()
+                if key == "exp_avg" and where is not None}
     assert opt.state[params[2]]["exp_avg"].untyped_storage().data_ptr() in dev_bufs
 
 
