@@ -113,8 +113,8 @@ def _qwen():
     return Qwen3ForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("mode", ["delayed", "overlapped"])
-def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode):
+@pytest.mark.parametrize("mode, workers", [("delayed", "threads"), ("overlapped", "threads"), ("delayed", "processes")])
+def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers):
     """The same losses and parameters with half the optimizer on the (CPU) devices as with none
     there; the plan says what the devices keep and the host no longer holds."""
     import rpcompile
@@ -123,7 +123,7 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode):
     for share in (0.0, 0.5):
         model = _qwen()
         cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
-                                                       optimizer_on_devices=share))
+                                                       optimizer_on_devices=share, workers=workers))
         cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         losses = [float(cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=t))) for t in range(4)]
         cm.synchronize()
