@@ -13,18 +13,33 @@ from test_flat_optimizer import OPTIMIZERS, _model, _step_both, _step_skipping
 DEVICES = ["cpu", "cpu"]
 
 
-def test_a_share_of_whole_parameters_split_evenly_among_the_devices():
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 30, 20, 20, 10, 10)]
-    masters = FlatMasters(DEVICES, 0.6)
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Blocks that split the small models of these tests (the default is 64Mi elements)."""
+    monkeypatch.setattr(FlatMasters, "BLOCK", 100)
+
+
+def test_a_share_of_whole_parameters_in_blocks_dealt_to_the_devices_in_turn(monkeypatch):
+    monkeypatch.setattr(FlatMasters, "BLOCK", 20)
+    params = [torch.nn.Parameter(torch.randn(10)) for _ in range(10)]
+    masters = FlatMasters(DEVICES, 0.5)
     masters.flatten(params)
-    # 60 of 100 elements: parameters whose middle lies within the first 60, in two ranges of
-    # about 30 each; a range holds whole parameters
-    assert [(a, b) for a, b, _ in masters.on_devices[0]] == [(0, 40), (40, 60)]
-    assert masters.device_range(0, 39)[:2] == (0, 40) and masters.device_range(0, 60) is None
-    assert FlatMasters(DEVICES, 0.0).state_devices == []
+    # blocks of 20 elements; one goes to a device while half of it keeps the devices' part within
+    # half of what came so far: devices and host take turns, the devices theirs in turn
+    assert [(a, b, str(d)) for a, b, d in masters.on_devices[0]] == [(0, 20, "cpu"), (40, 60, "cpu"), (80, 100, "cpu")]
+    assert masters.device_range(0, 45)[:2] == (40, 60) and masters.device_range(0, 30) is None
+    assert masters.host_offset(0, 20) == 0 and masters.host_offset(0, 65) == 25 and masters.host_numel(0) == 40
+    # the devices in turn (two of them: the ranges' devices by their index in state_devices)
+    two = FlatMasters(["cpu:0", "cpu:1"], 1.0)
+    two.flatten([torch.nn.Parameter(torch.randn(10)) for _ in range(6)])
+    assert [(a, b, d.index) for a, b, d in two.on_devices[0]] == [(0, 20, 0), (20, 40, 1), (40, 60, 0)]
+    # a parameter larger than a block is one block
+    big = FlatMasters(DEVICES, 1.0)
+    big.flatten([torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(5))])
+    assert [(a, b) for a, b, _ in big.on_devices[0]] == [(0, 50), (50, 55)]
     none = FlatMasters(DEVICES, 0.0)
     none.flatten([torch.nn.Parameter(torch.randn(4))])
-    assert not none.on_devices
+    assert not none.on_devices and none.state_devices == []
 
 
 def _stepper(params, opt, share):

@@ -135,11 +135,12 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     gradient slice being widened."""
     if not share:
         return 0
-    from ..runtime.flat import FlatStepper
+    from ..runtime.flat import FlatMasters, FlatStepper
     flat = [p.numel() for p in params if p.requires_grad and p.is_floating_point() and p.numel() > 1]
     if not flat:
         return 0
-    per_device = math.ceil(share * sum(flat) / max(1, num_devices)) + max(flat)
+    # (devices differ by at most a block: Note [optimizer state on the devices])
+    per_device = math.ceil(share * sum(flat) / max(1, num_devices)) + min(sum(flat), FlatMasters.BLOCK + max(flat))
     return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
 
 

@@ -34,8 +34,11 @@ kept per parameter as the optimizer keeps it, a run stepping only parameters who
 Note [optimizer state on the devices]: at 4 GPUs the host's update of Llama-3.1-8B (widen, fused
 AdamW, refresh: 40 B of memory traffic per element) took 2.5-2.7 s a step on a 64-core H100 host,
 more than the devices' work (1.6 s a step), while each GPU had ~50 GiB left beside its largest
-stage job. So `Config.optimizer_on_devices` puts a share of each flat buffer's parameters (the
-first in use order, whole parameters, split evenly among the devices) on the devices: an fp32
+stage job. So `Config.optimizer_on_devices` puts a share of each flat buffer's parameters on the
+devices, in blocks of about 64Mi elements (whole parameters) interleaved with the host's and dealt
+to the devices in turn: the optimizer steps a chunk of the parameters at a time and each chunk's
+masters are read (the refresh) right after it, so a chunk spread over every device and the host
+keeps them all busy, where a device's contiguous quarter would have one busy at a time. An fp32
 copy of those masters and their optimizer state live there (AdamW: 12 B a parameter), and a run's
 part there is stepped by a twin on that device. Per element the host then copies the gradient up
 and the stepped master down (4 + 2 + 4 B of DMA: the master goes up again each step, so the
@@ -47,8 +50,10 @@ user's optimizer (whose state is not all on the host any more).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
+import math
 
 import torch
 
@@ -103,35 +108,41 @@ class FlatMasters:
         self.share = float(share)
         self.on_devices: dict = {}
 
+    BLOCK = 1 << 26     # elements of consecutive parameters placed together (at least one parameter)
+
     def device_range(self, k: int, off: int):
         """(start, stop, device) of buffer k's range on a device that holds offset off, or None."""
-        for r in self.on_devices.get(k, ()):
-            if r[0] <= off < r[1]:
-                return r
-        return None
+        ranges = self.on_devices.get(k, ())
+        i = bisect.bisect_right(ranges, (off, math.inf)) - 1
+        return ranges[i] if i >= 0 and off < ranges[i][1] else None
 
-    def host_start(self, k: int) -> int:
-        """Where buffer k's part stepped on the host begins (its device ranges come first)."""
-        return max((b for _, b, _ in self.on_devices.get(k, ())), default=0)
+    def host_offset(self, k: int, off: int) -> int:
+        """Where offset off of buffer k (stepped on the host) lies among the host's elements only."""
+        return off - sum(b - a for a, b, _ in self.on_devices.get(k, ()) if b <= off)
+
+    def host_numel(self, k: int) -> int:
+        return self.buffers[k].numel() - sum(b - a for a, b, _ in self.on_devices.get(k, ()))
 
     def _place(self, k: int, sizes: list) -> None:
-        """The first `share` of buffer k's elements (whole parameters, in order) on the devices,
-        about as many on each."""
+        """`share` of buffer k's elements on the devices: blocks of about BLOCK elements (whole
+        parameters) in order, each to the devices (in turn) while their part is below the share,
+        else to the host, so every stretch of the parameters (a chunk the optimizer steps) is
+        spread over the host and every device."""
         n, total = len(self.state_devices), sum(sizes)
         if not n or not total:
             return
-        target, ranges, off = self.share * total, [], 0
-        for size in sizes:
-            mid = off + size / 2
-            if mid > target:
-                break
-            d = min(n - 1, int(mid * n / target))
-            if ranges and ranges[-1][2] == d:
-                ranges[-1][1] = off + size
-            else:
-                ranges.append([off, off + size, d])
+        ranges, off, placed, start, block = [], 0, 0, 0, 0
+        for i, size in enumerate(sizes):
             off += size
-        self.on_devices[k] = [(a, b, self.state_devices[d]) for a, b, d in ranges]
+            block += size
+            if block < self.BLOCK and i + 1 < len(sizes):
+                continue
+            if placed + block / 2 <= self.share * off:       # half the block within the share of what came so far
+                d = len(ranges) % n
+                ranges.append((start, off, self.state_devices[d]))
+                placed += block
+            start, block = off, 0
+        self.on_devices[k] = ranges
 
     def covers(self, params) -> bool:
         return all(id(p) in self.where for p in params)
@@ -218,10 +229,10 @@ class FlatStepper:
         views = {}
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.shape == p.shape and v.device == p.device:
-                buf, base = self._state_buf(k, key, off, v.dtype)
+                buf, i = self._state_buf(k, key, off, v.dtype)
                 if buf.dtype != v.dtype:
                     return False
-                view = buf[off - base:off - base + p.numel()].view(p.shape)
+                view = buf[i:i + p.numel()].view(p.shape)
                 view.copy_(v)
                 state[key] = view
                 views[key] = view
@@ -233,17 +244,23 @@ class FlatStepper:
     def _state_buf(self, k, key, off, dtype):
         """(the flat state buffer `key` that holds buffer k's offset off, the offset it starts at):
         one as long as the masters on the host, one per range on a device."""
-        r = self.masters.device_range(k, off)
-        where = None if r is None else r[0]      # (keys: buffer, state key, device range start or None)
-        base = self.masters.host_start(k) if r is None else r[0]
+        r, where, index = self._position(k, off)
         buf = self._state_bufs.get((k, key, where))
         if buf is None:
             if r is None:
-                buf = torch.zeros(self.masters.buffers[k].numel() - base, dtype=dtype)
+                buf = torch.zeros(self.masters.host_numel(k), dtype=dtype)
             else:
                 buf = torch.zeros(r[1] - r[0], dtype=dtype, device=r[2])
             self._state_bufs[(k, key, where)] = buf
-        return buf, base
+        return buf, index
+
+    def _position(self, k, off):
+        """(device range or None, its key in _state_bufs: its start or None, where off lies in
+        that range's buffers: the host's hold the host's elements only, in order)."""
+        r = self.masters.device_range(k, off)
+        if r is None:
+            return None, None, self.masters.host_offset(k, off)
+        return r, r[0], off - r[0]
 
     def _flat_ready(self, p, group) -> bool:
         views = self._views.get(id(p))
@@ -265,23 +282,21 @@ class FlatStepper:
         key = (k, start, stop, gi)
         twin = self._twins.get(key)
         if twin is None:
-            r = self.masters.device_range(k, start)
+            r, where, i = self._position(k, start)
             if r is None:
-                run, base, where = self.masters.buffers[k][start:stop], self.masters.host_start(k), None
+                run = self.masters.buffers[k][start:stop]
             else:
-                where = r[0]
-                base = r[0]
-                dm = self._device_masters.get((k, base))
+                dm = self._device_masters.get((k, where))
                 if dm is None:
-                    dm = self._device_masters[(k, base)] = torch.empty(r[1] - r[0], dtype=self.masters.buffers[k].dtype,
-                                                                       device=r[2])
-                run = dm[start - base:stop - base]
+                    dm = self._device_masters[(k, where)] = torch.empty(r[1] - r[0], dtype=self.masters.buffers[k].dtype,
+                                                                        device=r[2])
+                run = dm[i:i + stop - start]
             opt = type(self.optimizer)([run], **{c: group[c] for c in self._ctor_keys if c in group})
             state = {}
             for name, v in example_state.items():
                 buf = self._state_bufs.get((k, name, where))
                 if buf is not None:
-                    state[name] = buf[start - base:stop - base]
+                    state[name] = buf[i:i + stop - start]
                 elif r is not None and (group.get("fused") or group.get("capturable")):
                     state[name] = v.to(r[2], copy=True)   # (fused and capturable steps keep `step` on the device)
                 else:
