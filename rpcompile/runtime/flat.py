@@ -194,8 +194,7 @@ class FlatStepper:
         self._wide = None               # the buffer a slice of a narrower gradient is widened into
         self._device_masters: dict = {}  # (buffer index, range start) -> the range's fp32 masters on its device
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
-        self._staging: dict = {}        # device -> two [host buffer, event of its last upload]
-        self._uploads = 0
+        self._staging: dict = {}        # device -> two [host buffer, event of its last upload], next first
         sig = inspect.signature(type(optimizer).__init__).parameters
         self._ctor_keys = [k for k in sig if k not in ("self", "params")]
 
@@ -239,6 +238,10 @@ class FlatStepper:
             elif not (isinstance(v, torch.Tensor) and v.dim() == 0):
                 return False
         self._views[id(p)] = views
+        r = self.masters.device_range(k, off)
+        if r is not None and r[2].type == "cuda":
+            # made and filled on the device's current stream; stepped on this thread's own
+            torch.cuda.current_stream(r[2]).synchronize()
         return True
 
     def _state_buf(self, k, key, off, dtype):
@@ -334,8 +337,8 @@ class FlatStepper:
                     event.synchronize()
             slots = self._staging[device] = [[host_empty((nbytes,), torch.uint8, device.type == "cuda",
                                                          "optimizer staging", exact=True), None] for _ in range(2)]
-        slot = slots[self._uploads % 2]
-        self._uploads += 1
+        slot = slots[0]
+        slots.reverse()                  # the other one next time
         if slot[1] is not None:
             slot[1].synchronize()        # its last upload has read it
         staged = slot[0][:g.numel() * g.element_size()].view(g.dtype).view(g.shape).copy_(g)
@@ -371,7 +374,9 @@ class FlatStepper:
         used = {}
         try:
             for a, b, device in slices:
-                opt, flat = self._twin(k, a, b, gi, group, state0)
+                stream = self._stream(device) if device is not None else None
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    opt, flat = self._twin(k, a, b, gi, group, state0)    # (a new twin's state: made on the stream)
                 twin_group = opt.param_groups[0]
                 for name, v in group.items():
                     if name != "params":
@@ -379,7 +384,7 @@ class FlatStepper:
                 twin_state = opt.state[flat]
                 g = grad[a - start:b - start]
                 if device is not None:
-                    stream = used[device] = self._stream(device)
+                    used[device] = stream
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         for name in scalars:       # (on the stream that steps: `step` may live on the device)
                             twin_state[name].copy_(state0[name])
