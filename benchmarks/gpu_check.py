@@ -66,6 +66,9 @@ def parity(args):
     (Config.peer_transfers), the overlapped optimizer and the delayed one on 2 GPUs (against
     eager run as the delayed recurrence: step t's gradient at the parameters of step t - 1)."""
     res = {}
+    if args.on_devices:
+        from rpcompile.runtime.flat import FlatMasters
+        FlatMasters.BLOCK = args.on_devices_block
     dev = "cuda:0"
     two = min(2, torch.cuda.device_count())
     variants = [(1, False, False, "exact"), (1, True, False, "exact"), (two, False, False, "exact"),
@@ -387,6 +390,9 @@ def main():
     ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
     ap.add_argument("--on-devices", type=float, default=0.0,
                     help="parity: Config.optimizer_on_devices for the overlapped and delayed modes")
+    ap.add_argument("--on-devices-block", type=int, default=1 << 15,
+                    help="parity: FlatMasters.BLOCK with --on-devices (small, so that the tiny model's "
+                         "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
