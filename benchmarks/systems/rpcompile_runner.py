@@ -175,6 +175,8 @@ class RPCompileTrainer(Trainer):
         from rpcompile.runtime import host_buffers   # the runtime's own host buffers, by kind
         allocated, count = host_buffers.snapshot()
         out["host_buffers"] = {kind: [count[kind], allocated[kind]] for kind in sorted(allocated)}
+        if host_buffers.register_failures:    # exact buffers the caching allocator pinned instead
+            out["host_register_failures"] = dict(host_buffers.register_failures)
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
             sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once
