@@ -66,6 +66,9 @@ def parity(args):
     (Config.peer_transfers), the overlapped optimizer and the delayed one on 2 GPUs (against
     eager run as the delayed recurrence: step t's gradient at the parameters of step t - 1)."""
     res = {}
+    if args.on_devices:
+        from rpcompile.runtime.flat import FlatMasters
+        FlatMasters.BLOCK = args.on_devices_block
     dev = "cuda:0"
     two = min(2, torch.cuda.device_count())
     variants = [(1, False, False, "exact"), (1, True, False, "exact"), (two, False, False, "exact"),
@@ -88,8 +91,10 @@ def parity(args):
             model = tiny_qwen3()
             ref = copy.deepcopy(model).to(dev)
             cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
-                                   memory_budget="6MiB", compile_stages=inductor, peer_transfers=peer,
-                                   optimizer_mode=mode, workers=workers)
+                                   # (the devices' share of the optimizer takes ~12 B/param of the budget)
+                                   memory_budget="32MiB" if args.on_devices and mode != "exact" else "6MiB", compile_stages=inductor, peer_transfers=peer,
+                                   optimizer_mode=mode, workers=workers,
+                                   **({"optimizer_on_devices": args.on_devices} if args.on_devices and mode != "exact" else {}))
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -123,7 +128,8 @@ def parity(args):
             perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
-                   f"{'_processes' if workers == 'processes' else ''}")
+                   f"{'_processes' if workers == 'processes' else ''}"
+                   f"{f'_ondev{args.on_devices:g}' if args.on_devices and mode != 'exact' else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
                         "peer_fetches": peer_fetches}
@@ -383,6 +389,11 @@ def main():
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--modes", default="", help="parity: only these optimizer modes (comma-separated)")
     ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
+    ap.add_argument("--on-devices", type=float, default=0.0,
+                    help="parity: Config.optimizer_on_devices for the overlapped and delayed modes")
+    ap.add_argument("--on-devices-block", type=int, default=1 << 15,
+                    help="parity: FlatMasters.BLOCK with --on-devices (small, so that the tiny model's "
+                         "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")

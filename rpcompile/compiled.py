@@ -141,7 +141,8 @@ class CompiledModel(torch.nn.Module):
                              "mode call optimizer.step() yourself after train_step")
         self.synchronize()
         self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
-                                               chunks=chunks))
+                                               chunks=chunks, state_devices=self.config.devices,
+                                               on_devices=self.config.optimizer_on_devices))
 
     def synchronize(self) -> None:
         """Wait for the last step's jobs (delayed mode returns before its backward jobs end:

@@ -41,6 +41,12 @@ class Config:
         they read: results equal exact mode) or "delayed" (the next step does not wait: step t
         computes its gradients at the parameters after optimizer steps 0..t-2, one step of
         delay as RoundPipe's asynchronous step; deterministic, not equal to eager training).
+    optimizer_on_devices: the share (0 to 1) of the trainable parameters whose attached
+        optimizer (Adam, AdamW, SGD) steps on the devices (overlapped and delayed modes): an fp32
+        copy of their masters and their optimizer state stay on the devices, split evenly among
+        them, so the host does less of each step's update and holds less state (Note [optimizer
+        state on the devices] in runtime/flat.py). The planner leaves that memory (AdamW: 12
+        bytes a parameter) out of each device's budget. 0 (the default): every update on the host.
     peer_transfers: a boundary activation the next stage job reads goes GPU to GPU where peer
         access exists (the host still gets a copy if a later job reads it), instead of through
         host memory.
@@ -68,6 +74,7 @@ class Config:
     loss_fn: Optional[Callable] = None
     lm_head_shards: Optional[int] = None
     optimizer_mode: str = "exact"
+    optimizer_on_devices: float = 0.0
     compile_stages: Optional[bool] = None   # Inductor for stage compute; None: on for GPUs
     dump_dir: Optional[str] = None
     max_jobs: Optional[int] = None
@@ -114,6 +121,13 @@ class Config:
                              "on through shared host memory")
         if self.optimizer_mode not in ("exact", "overlapped", "delayed"):
             raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact', 'overlapped' or 'delayed'")
+        share = self.optimizer_on_devices
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"Config.optimizer_on_devices={share!r}: give the share of the parameters whose "
+                             "optimizer steps on the devices, a number from 0 to 1")
+        if share and self.optimizer_mode == "exact":
+            raise ValueError("Config.optimizer_on_devices needs optimizer_mode='overlapped' or 'delayed' (an attached "
+                             "optimizer that rpcompile steps); in exact mode your optimizer.step() runs on the host")
 
     @property
     def on_gpu(self) -> bool:

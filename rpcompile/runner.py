@@ -200,6 +200,9 @@ class GraphRunner:
             add("gradient rows carried to a later chunk", t)
         if self.overlapped is not None:
             add("gradient slices widened for the optimizer", self.overlapped.stepper._wide)
+            for slots in self.overlapped.stepper._staging.values():
+                for buf, _ in slots:
+                    add("gradient slices staged for the devices' optimizer", buf)
         return out
 
     def working_dtype(self, plan):

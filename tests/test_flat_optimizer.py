@@ -24,18 +24,31 @@ def _grads(params, step):
     return out
 
 
-def _step_both(stepper, params, ref_opt, ref_params, steps):
-    """Step the flat stepper and the reference optimizer with the same gradients; parameters
-    equal after each step."""
+def _step_both(stepper, params, ref_opt, ref_params, steps, dtype=None):
+    """Step the flat stepper and the reference optimizer with the same gradients (the stepper's
+    in `dtype` if given); parameters equal after each step."""
     for step in steps:
-        grads = _grads(params, step)
+        grads = [g.to(dtype or g.dtype) for g in _grads(params, step)]
         stepper.step(params, grads)
         for p, g in zip(ref_params, grads):
-            p.grad = g.clone()
+            p.grad = g.to(p.dtype, copy=True)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         for p, r in zip(params, ref_params):
             torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+def _step_skipping(stepper, params, ref_opt, ref_params, step, skip=()):
+    """One step of both with the parameters in `skip` left without a gradient; parameters equal after it."""
+    grads = _grads(params, step)
+    keep = [i for i in range(len(params)) if i not in skip]
+    stepper.step([params[i] for i in keep], [grads[i] for i in keep])
+    for i in keep:
+        ref_params[i].grad = grads[i].clone()
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
 OPTIMIZERS = {
@@ -78,15 +91,7 @@ def test_load_state_dict_and_a_missing_gradient():
     stepper = FlatStepper(opt, masters)
 
     def both(step, skip=()):
-        grads = _grads(params, step)
-        keep = [i for i in range(len(params)) if i not in skip]
-        stepper.step([params[i] for i in keep], [grads[i] for i in keep])
-        for i in keep:
-            ref_params[i].grad = grads[i].clone()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        for p, r in zip(params, ref_params):
-            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        _step_skipping(stepper, params, ref_opt, ref_params, step, skip)
 
     both(0)
     both(1)
@@ -99,7 +104,7 @@ def test_load_state_dict_and_a_missing_gradient():
     both(4)
     both(5)
     exp_avg = opt.state[params[2]]["exp_avg"]
-    buf = stepper._state_bufs[(0, "exp_avg")]
+    buf = stepper._state_bufs[(0, "exp_avg", None)]
     assert exp_avg.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 

@@ -1,6 +1,8 @@
 """Every host buffer of the runtime comes from runtime/host_buffers.py, which counts them
 (Note [planned host memory]): warm steps allocate none, and what the runtime allocated agrees
 with the host bytes `cm.plan` states."""
+import warnings
+
 import pytest
 import torch
 
@@ -133,8 +135,14 @@ def test_exact_pinned_buffers_are_registered_pageable_memory_of_their_size(monke
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refuses())
     monkeypatch.setattr(torch, "empty", _empty_without_pinning(torch.empty))
-    t = host_buffers.host_empty((10,), torch.float32, True, "gradients", exact=True)   # falls back to pin_memory
+    monkeypatch.setattr(host_buffers, "register_failures", {})
+    with pytest.warns(UserWarning, match=r"cudaHostRegister failed \(CUDA error 1\) for .* of gradients"):
+        t = host_buffers.host_empty((10,), torch.float32, True, "gradients", exact=True)   # falls back to pin_memory
     assert t.shape == (10,) and not host_buffers._registered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # warned once per kind, counted every time
+        host_buffers.host_empty((10,), torch.float32, True, "gradients", exact=True)
+    assert host_buffers.register_failures == {"gradients": [2, 1]}
 
 
 def _empty_without_pinning(empty):

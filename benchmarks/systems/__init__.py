@@ -48,6 +48,10 @@ SYSTEMS = {
     "rpcompile-delayed-threads": _rpcompile("rpcompile-delayed-threads",
                                             "rpcompile, Config(optimizer_mode='delayed', workers='threads') + "
                                             "cm.attach_optimizer(AdamW)", rpcompile_delayed="1", rpcompile_threads="1"),
+    "rpcompile-delayed-ondev": _rpcompile("rpcompile-delayed-ondev",
+                                          "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=1.0) + "
+                                          "cm.attach_optimizer(AdamW)", rpcompile_delayed="1",
+                                          rpcompile_optimizer_on_devices="1.0"),
     "rpcompile-p2p": _rpcompile("rpcompile-p2p", "rpcompile, Config(peer_transfers=True)", rpcompile_peer="1"),
     "rpcompile-overlapped-p2p": _rpcompile("rpcompile-overlapped-p2p",
                                            "rpcompile, Config(optimizer_mode='overlapped', peer_transfers=True)",

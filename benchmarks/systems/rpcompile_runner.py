@@ -64,6 +64,13 @@ def config_options(spec, config_cls) -> tuple:
                                "rpcompile's Config has no workers field")
         kwargs["workers"] = "processes"
         notes.append("Config(workers='processes'): one worker process per device")
+    if spec.options.get("rpcompile_optimizer_on_devices"):
+        if "optimizer_on_devices" not in fields:
+            raise RuntimeError("--option rpcompile_optimizer_on_devices asks for Config(optimizer_on_devices=...), but "
+                               "this rpcompile's Config has no optimizer_on_devices field")
+        kwargs["optimizer_on_devices"] = float(spec.options["rpcompile_optimizer_on_devices"])
+        notes.append(f"Config(optimizer_on_devices={kwargs['optimizer_on_devices']}): that share of the optimizer "
+                     "steps on the devices")
     if _on(spec.options, "rpcompile_threads"):
         kwargs["workers"] = "threads"
         notes.append("Config(workers='threads'): one worker thread per device")
@@ -168,6 +175,8 @@ class RPCompileTrainer(Trainer):
         from rpcompile.runtime import host_buffers   # the runtime's own host buffers, by kind
         allocated, count = host_buffers.snapshot()
         out["host_buffers"] = {kind: [count[kind], allocated[kind]] for kind in sorted(allocated)}
+        if host_buffers.register_failures:    # exact buffers the caching allocator pinned instead
+            out["host_register_failures"] = dict(host_buffers.register_failures)
         if memory is not None:   # worker processes: the shared files, by the process that made them
             out["shared_files"] = shared_files(memory.directory)
             sets = self.cm.runner.executor.slot_sets     # Note [slot sets]: one per step alive at once

@@ -64,7 +64,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, graph_costs, graph_key, set_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import host_memory
+from .host_memory import device_optimizer_bytes, host_memory
 from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
@@ -228,6 +228,10 @@ def _stages_compiled(config) -> bool:
 def solve_stages_pass(st: CompileState) -> CompileState:
     config, hw = st.config, st.hardware
     st.budget = _memory_budget(config)
+    if st.budget is not None and config.optimizer_on_devices:
+        # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
+        st.budget = max(0, st.budget - device_optimizer_bytes(st.captured.params, config.optimizer_on_devices,
+                                                              len(config.devices)))
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
 
@@ -294,7 +298,7 @@ def describe_io(st: CompileState) -> CompileState:
 
 def host_memory_pass(st: CompileState) -> CompileState:
     st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode,
-                                      st.config.workers)
+                                      st.config.workers, st.config.optimizer_on_devices)
     return st
 
 

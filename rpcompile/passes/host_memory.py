@@ -128,6 +128,22 @@ def grad_layout(plan) -> GradLayout:
     return layout
 
 
+def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
+    """Bytes each device keeps for the optimizer's share on the devices (Note [optimizer state on
+    the devices] in runtime/flat.py): the fp32 masters and AdamW's two moments of about share /
+    num_devices of the flat parameters (whole parameters: one more of the largest), and a
+    gradient slice being widened."""
+    if not share:
+        return 0
+    from ..runtime.flat import FlatMasters, FlatStepper
+    flat = [p.numel() for p in params if p.requires_grad and p.is_floating_point() and p.numel() > 1]
+    if not flat:
+        return 0
+    # (devices differ by at most a block: Note [optimizer state on the devices])
+    per_device = math.ceil(share * sum(flat) / max(1, num_devices)) + min(sum(flat), FlatMasters.BLOCK + max(flat))
+    return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
+
+
 @dataclass
 class HostMemory:
     masters: int
@@ -141,6 +157,8 @@ class HostMemory:
     widened: int = 0           # bf16 gradients: the fp32 buffer the optimizer widens a slice into
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
     grad_dtype: torch.dtype = torch.float32   # of the host gradient set (host_grad_dtype)
+    device_optimizer: int = 0  # per device: masters and state of the optimizer's share there (not host memory)
+    staged: int = 0            # the optimizer's share on the devices: two gradient slices per device, staged
 
     steps_alive: int = 1       # steps whose activations are on the host at once
 
@@ -155,13 +173,14 @@ class HostMemory:
 
     @property
     def total(self) -> int:
-        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.widened
+        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.widened + self.staged
                 + self.optimizer_state + self.working_copies + self.activations)
 
     def rows(self) -> list:
         return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
                 ("gradients", self.grads), ("gradient rows carried to a later chunk", self.carried_rows),
                 ("gradient slices widened for the optimizer", self.widened),
+                ("gradient slices staged for the devices' optimizer", self.staged),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
                 (f"activations and checkpoints ({self.steps_alive} step{'s' if self.steps_alive > 1 else ''})",
@@ -171,7 +190,11 @@ class HostMemory:
         from ..plan import _fmt_bytes
         per = self.total / max(1, self.num_params)
         parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in self.rows() if b)
-        return f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
+        out = f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
+        if self.device_optimizer:
+            out += (f"; on each device besides the jobs, {_fmt_bytes(self.device_optimizer)} of fp32 masters and "
+                    "optimizer state (Config.optimizer_on_devices)")
+        return out
 
 
 def host_values(st) -> list:
@@ -183,11 +206,13 @@ def host_values(st) -> list:
     return list(getattr(st, "grad_inputs", []))
 
 
-def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads") -> HostMemory:
+def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads",
+                on_devices: float = 0.0) -> HostMemory:
     params = plan.captured.params
     trainable = [p for p in params if p.requires_grad]
     masters = sum(p.numel() * p.element_size() for p in params)
-    state = sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES
+    # the optimizer's share on the devices keeps its state there (about: whole parameters)
+    state = round(sum(p.numel() for p in trainable) * (1 - on_devices)) * ADAMW_STATE_BYTES
     copies = 0
     # working copies: what GPUs upload from, what delayed mode's steps read, and what worker
     # processes read (shared memory) where CPU worker threads would read the parameters
@@ -208,11 +233,15 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     if optimizer_mode == "delayed":
         from ..runtime.submission import carried_rows
         carried = itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
+    from ..runtime.flat import FlatStepper
+    flat = sum(p.numel() for p in trainable if p.is_floating_point() and p.numel() > 1)
     widened = 0
-    if itemsize < GRAD_ITEMSIZE:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
-        from ..runtime.flat import FlatStepper
-        flat = sum(p.numel() for p in trainable if p.is_floating_point() and p.numel() > 1)
+    if itemsize < GRAD_ITEMSIZE and on_devices < 1:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
         widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
+    # two staging buffers per device, each a slice (at most a device's range: about its share)
+    per_device = math.ceil(on_devices * flat / plan.num_devices)
+    staged = 2 * plan.num_devices * itemsize * min(FlatStepper.WIDEN, per_device) if on_devices else 0
     return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
                       sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
-                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype)
+                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype, staged=staged,
+                      device_optimizer=device_optimizer_bytes(params, on_devices, plan.num_devices))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from collections import Counter
 
@@ -28,6 +29,7 @@ allocated_bytes: Counter = Counter()     # kind -> bytes handed out since the pr
 allocations: Counter = Counter()         # kind -> number of buffers handed out
 _PAGE = 4096
 _registered: dict = {}                   # address -> the pageable tensor registered there (kept alive)
+register_failures: dict = {}             # kind -> [failed cudaHostRegister calls, last error code]
 
 
 def _unregister(address: int) -> None:
@@ -38,9 +40,10 @@ def _unregister(address: int) -> None:
         _registered.pop(address, None)
 
 
-def page_locked(shape, dtype: torch.dtype) -> torch.Tensor:
+def page_locked(shape, dtype: torch.dtype, kind: str = "") -> torch.Tensor:
     """A page-locked host tensor of exactly its size (Note [exact pinned buffers]); the caching
-    allocator's (rounded) where registering fails."""
+    allocator's (rounded) where registering fails, counted in `register_failures` and warned of
+    once per kind (a 6.4 GiB buffer then takes 8 GiB)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -49,7 +52,15 @@ def page_locked(shape, dtype: torch.dtype) -> torch.Tensor:
     buf = base[start:start + nbytes]
     address = buf.data_ptr()
     # cudaHostRegisterPortable: pinned for every device's context (worker threads drive several GPUs)
-    if int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)) != 0:
+    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+    if err != 0:
+        with _lock:
+            failed = register_failures.setdefault(kind, [0, err])
+            failed[0], failed[1] = failed[0] + 1, err
+        if failed[0] == 1:
+            warnings.warn(f"rpcompile: cudaHostRegister failed (CUDA error {err}) for {nbytes / 2**30:.2f} GiB of "
+                          f"{kind or 'host buffers'}; torch's caching host allocator pins it instead, rounded up "
+                          "to a power of two", stacklevel=3)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     _registered[address] = base
     t = buf.view(dtype).view(shape)
@@ -64,7 +75,7 @@ def host_empty(shape, dtype: torch.dtype, pin, kind: str, exact: bool = False) -
     exact: a pinned buffer allocated once, of exactly its size rather than the caching host
     allocator's power of two (Note [exact pinned buffers])."""
     if isinstance(pin, bool):
-        t = page_locked(shape, dtype) if (pin and exact) else torch.empty(shape, dtype=dtype, pin_memory=pin)
+        t = page_locked(shape, dtype, kind) if (pin and exact) else torch.empty(shape, dtype=dtype, pin_memory=pin)
     else:
         t = pin.empty(tuple(shape), dtype)
     with _lock:

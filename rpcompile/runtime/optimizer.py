@@ -30,10 +30,12 @@ from .flat import FlatMasters, FlatStepper
 
 
 class OverlappedOptimizer:
-    def __init__(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32):
+    def __init__(self, optimizer, *, lr_scheduler=None, max_grad_norm=None, chunks: int = 32,
+                 state_devices=(), on_devices: float = 0.0):
         self.optimizer, self.lr_scheduler, self.max_grad_norm = optimizer, lr_scheduler, max_grad_norm
         self.chunks = chunks
-        self.masters = FlatMasters()            # Note [flat host optimizer] (runtime/flat.py)
+        # Note [flat host optimizer]; Note [optimizer state on the devices] (runtime/flat.py)
+        self.masters = FlatMasters(state_devices, on_devices)
         self.stepper = FlatStepper(optimizer, self.masters)
         self._ready: dict = {}                  # id(param) -> threading.Event
         self._queue: queue.Queue = queue.Queue()

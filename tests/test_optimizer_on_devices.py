@@ -1,0 +1,209 @@
+"""Optimizer state on the devices (Note [optimizer state on the devices], runtime/flat.py): a
+share of the flat masters' parameters is stepped by twins on the devices, whose fp32 masters and
+state live there; results, state and state_dict stay the user's optimizer's own. CPU devices
+run the same code (the "device" buffers are then separate host tensors)."""
+import copy
+
+import pytest
+import torch
+
+from rpcompile.runtime.flat import FlatMasters, FlatStepper
+from test_flat_optimizer import OPTIMIZERS, _model, _step_both, _step_skipping
+
+DEVICES = ["cpu", "cpu"]
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Blocks that split the small models of these tests (the default is 64Mi elements)."""
+    monkeypatch.setattr(FlatMasters, "BLOCK", 100)
+
+
+def test_a_share_of_whole_parameters_in_blocks_dealt_to_the_devices_in_turn(monkeypatch):
+    monkeypatch.setattr(FlatMasters, "BLOCK", 20)
+    params = [torch.nn.Parameter(torch.randn(10)) for _ in range(10)]
+    masters = FlatMasters(DEVICES, 0.5)
+    masters.flatten(params)
+    # blocks of 20 elements; one goes to a device while half of it keeps the devices' part within
+    # half of what came so far: devices and host take turns, the devices theirs in turn
+    assert [(a, b, str(d)) for a, b, d in masters.on_devices[0]] == [(0, 20, "cpu"), (40, 60, "cpu"), (80, 100, "cpu")]
+    assert masters.device_range(0, 45)[:2] == (40, 60) and masters.device_range(0, 30) is None
+    assert masters.host_offset(0, 20) == 0 and masters.host_offset(0, 65) == 25 and masters.host_numel(0) == 40
+    # the devices in turn (two of them: the ranges' devices by their index in state_devices)
+    two = FlatMasters(["cpu:0", "cpu:1"], 1.0)
+    two.flatten([torch.nn.Parameter(torch.randn(10)) for _ in range(6)])
+    assert [(a, b, d.index) for a, b, d in two.on_devices[0]] == [(0, 20, 0), (20, 40, 1), (40, 60, 0)]
+    # a parameter larger than a block is one block
+    big = FlatMasters(DEVICES, 1.0)
+    big.flatten([torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(5))])
+    assert [(a, b) for a, b, _ in big.on_devices[0]] == [(0, 50), (50, 55)]
+    none = FlatMasters(DEVICES, 0.0)
+    none.flatten([torch.nn.Parameter(torch.randn(4))])
+    assert not none.on_devices and none.state_devices == []
+
+
+def _stepper(params, opt, share):
+    masters = FlatMasters(DEVICES, share)
+    masters.flatten(params)
+    return FlatStepper(opt, masters)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_device_parts_step_as_the_users_optimizer(name, share):
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](params), OPTIMIZERS[name](ref_params)
+    stepper = _stepper(params, opt, share)
+    _step_both(stepper, params, ref_opt, ref_params, range(4))
+    on_dev = [p for p in params if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
+    assert on_dev and (share < 1 or len(on_dev) == len(params))
+    host_buf = stepper.masters.buffers[0].untyped_storage().data_ptr()
+    for p in on_dev:         # their state is in the device buffers, not the host's
+        for key, v in opt.state[p].items():
+            if v.dim():
+                assert v.untyped_storage().data_ptr() != host_buf
+                assert any(v.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                           for (_, k, where), b in stepper._state_bufs.items() if k == key and where is not None)
+    assert stepper._device_masters
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    for i in want["state"]:
+        for key, v in want["state"][i].items():
+            torch.testing.assert_close(got["state"][i][key], v, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_gradients_in_slices_across_the_device_ranges():
+    """A narrower gradient is stepped WIDEN elements at a time; slices are cut where a device
+    range begins or ends."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
+    stepper = _stepper(params, opt, 0.7)
+    stepper.WIDEN = 50
+    _step_both(stepper, params, ref_opt, ref_params, range(3), dtype=torch.bfloat16)
+    slices = stepper._slices(0, 0, stepper.masters.buffers[0].numel(), True)
+    ranges = stepper.masters.on_devices[0]
+    assert all(b - a <= 50 for a, b, _ in slices)
+    assert {a for a, _, _ in slices} >= {a for a, _, _ in ranges} | {ranges[-1][1]}
+
+
+def test_a_missing_gradient_and_load_state_dict():
+    """A run whose scalar state disagrees is stepped a parameter at a time, never by the user's
+    optimizer (whose state is on the devices); load_state_dict's host tensors move back there."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    stepper = _stepper(params, opt, 1.0)
+    calls = []
+    user_step = opt.step
+    opt.step = lambda *a, **k: calls.append(1) or user_step(*a, **k)
+
+    def both(step, skip=()):
+        _step_skipping(stepper, params, ref_opt, ref_params, step, skip)
+
+    both(0)
+    first = len(calls)          # the first step is the user's optimizer's, per parameter
+    both(1)
+    both(2, skip={1})
+    both(3)
+    assert len(calls) == first
+    assert opt.state[params[1]]["step"] != opt.state[params[0]]["step"]
+    saved = copy.deepcopy(ref_opt.state_dict())
+    opt.load_state_dict(saved)
+    both(4)
+    both(5)
+    assert len(calls) == first
+    dev_bufs = {b.untyped_storage().data_ptr() for (_, key, where), b in stepper._state_bufs.items()
+                if key == "exp_avg" and where is not None}
+    assert opt.state[params[2]]["exp_avg"].untyped_storage().data_ptr() in dev_bufs
+
+
+def _qwen():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("mode, workers", [("delayed", "threads"), ("overlapped", "threads"), ("delayed", "processes")])
+def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers):
+    """The same losses and parameters with half the optimizer on the (CPU) devices as with none
+    there; the plan says what the devices keep and the host no longer holds."""
+    import rpcompile
+    from models import lm_batch
+    runs = {}
+    for share in (0.0, 0.5):
+        model = _qwen()
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
+                                                       optimizer_on_devices=share, workers=workers))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        losses = [float(cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=t))) for t in range(4)]
+        cm.synchronize()
+        runs[share] = (losses, [p.detach().clone() for p in model.parameters()], cm)
+    (l0, p0, cm0), (l1, p1, cm1) = runs[0.0], runs[0.5]
+    assert l0 == pytest.approx(l1, rel=1e-6)
+    for a, b in zip(p0, p1):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert cm1.runner.overlapped.masters.on_devices and cm1.runner.overlapped.stepper._device_masters
+    hm0, hm1 = cm0.plan.host_memory, cm1.plan.host_memory
+    assert hm1.optimizer_state < hm0.optimizer_state and hm1.device_optimizer > 0 == hm0.device_optimizer
+    assert "Config.optimizer_on_devices" in str(cm1.plan)
+
+
+def test_the_devices_share_comes_out_of_each_jobs_budget():
+    import rpcompile
+    from models import lm_batch
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    model = _qwen()
+    budget = 2**30
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                   optimizer_on_devices=1.0, memory_budget=budget))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+    cm.synchronize()
+    kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
+    n = sum(p.numel() for p in model.parameters())
+    assert 12 * n / 2 < kept < 18 * n
+    assert cm.plan.memory_budget == budget - kept
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(optimizer_on_devices=1.5), "a number from 0 to 1"),
+    (dict(optimizer_on_devices=True), "a number from 0 to 1"),
+    (dict(optimizer_on_devices=0.5), "needs optimizer_mode='overlapped' or 'delayed'"),
+])
+def test_config_says_what_is_wrong(kw, says):
+    import rpcompile
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        rpcompile.Config(devices=DEVICES, **kw)
+
+
+def test_host_bytes_are_what_the_plan_says():
+    """bf16 gradients: the host widens no slice of the devices' share, stages two slices per
+    device instead, and holds the optimizer state of the rest only."""
+    import rpcompile
+    from models import lm_batch
+    model = _qwen()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, dtype=torch.bfloat16,
+                                                   optimizer_mode="delayed", optimizer_on_devices=0.5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cm.attach_optimizer(opt)
+    for t in range(3):
+        cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=t))
+    cm.synchronize()
+    planned, allocated = cm.plan.host_memory, cm.host_buffer_bytes()
+    largest = max(p.numel() for p in model.parameters())
+    staged = allocated["gradient slices staged for the devices' optimizer"]
+    assert abs(staged - planned.staged) <= 2 * len(DEVICES) * 2 * largest and planned.staged > 0
+    masters = cm.runner.overlapped.masters
+    on_dev = sum(b - a for rs in masters.on_devices.values() for a, b, _ in rs)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(on_dev - n / 2) <= largest
+    stepper = cm.runner.overlapped.stepper
+    host_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is None)
+    dev_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is not None)
+    assert dev_state == 8 * on_dev and abs(host_state - planned.optimizer_state) <= 8 * largest
+    assert "gradient slices staged for the devices' optimizer" in str(cm.plan)
