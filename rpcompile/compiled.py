@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -63,14 +64,21 @@ class CompiledModel(torch.nn.Module):
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
         config = self.config
 
+        captured_s = []
+
         def capture():
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
-            return capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
-                                device=config.devices[0], unbatched=config.unbatched_inputs,
-                                dynamic_lengths=config.dynamic_lengths)
+            t0 = time.perf_counter()
+            cap = capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
+                               device=config.devices[0], unbatched=config.unbatched_inputs,
+                               dynamic_lengths=config.dynamic_lengths)
+            captured_s.append(time.perf_counter() - t0)
+            return cap
 
         def compile(cap, at):
             plan = compile_graph(cap, config, mode, loss_output=0 if loss_fn is not None else None, at=at)
+            if captured_s:          # this call captured: the capture's first plan
+                plan.compile_seconds = {"dynamo_capture": captured_s.pop(), **plan.compile_seconds}
             if self._dump_dir:
                 plan.dump(os.path.join(self._dump_dir, mode))
             return plan

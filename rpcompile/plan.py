@@ -174,6 +174,7 @@ class Plan:
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
     served: list = field(default_factory=list)           # {symbol: size} of the non-batch sizes calls ran it at
+    compile_seconds: dict = field(default_factory=dict)  # seconds: "dynamo_capture" (a capture's first plan) and each pass
 
     @property
     def est_step_time(self) -> float:
@@ -327,7 +328,7 @@ class Plan:
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),
                 "host_memory": None if self.host_memory is None else dict(self.host_memory.rows()),
-                "stages": rows}
+                "compile_seconds": dict(self.compile_seconds), "stages": rows}
 
     def dump(self, path: str) -> None:
         """Write plan.json and every stage's forward, backward and program graphs as .py files."""

@@ -145,6 +145,11 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
     # the runtime's host buffers by kind: [buffers, bytes] (rpcompile.runtime.host_buffers)
     assert res["rpcompile"]["info"]["host_buffers"]["gradients"][1] > 0
+    # where the first steps go: the capture and every pass of each plan, and first calls per device
+    from rpcompile.passes import PASSES
+    first_plan = res["rpcompile"]["info"]["compile_seconds"][0]
+    assert list(first_plan) == ["dynamo_capture"] + [name for name, _, _ in PASSES] and min(first_plan.values()) >= 0
+    assert isinstance(res["rpcompile"]["info"]["first_calls"], dict)
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
     assert set(devices) == {"0:cpu", "1:cpu"}

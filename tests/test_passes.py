@@ -23,6 +23,11 @@ def test_the_pass_list_runs_in_order_and_keeps_every_intermediate(tmp_path):
     cm.dump(str(tmp_path))
     files = sorted(os.listdir(tmp_path / "train" / "passes"))
     assert files[0] == "00_capture.py" and files[2] == "02_normalize_loss.py" and len(files) == len(names)
+    # the seconds of each pass, and of dynamo's capture for the capture's first plan, in plan.json
+    assert list(cm.plan.compile_seconds) == ["dynamo_capture"] + names
+    assert all(s >= 0 for s in cm.plan.compile_seconds.values()) and cm.plan.compile_seconds["dynamo_capture"] > 0
+    import json
+    assert json.load(open(tmp_path / "train" / "plan.json"))["compile_seconds"] == cm.plan.compile_seconds
 
 
 def test_and_or_are_pure_although_named_like_in_place_ops():

@@ -149,6 +149,14 @@ class RPCompileTrainer(Trainer):
                           "memory_budget": self.config.memory_budget,
                           "optimizer_mode": self.config.optimizer_mode,
                           "peer_transfers": getattr(self.config, "peer_transfers", None)}}
+        from rpcompile.runtime.warmup import first_calls
+        by_device: dict = {}
+        for device, sec in first_calls:       # first calls of stage programs (they compile), per device
+            n, total = by_device.get(device, (0, 0.0))
+            by_device[device] = (n + 1, total + sec)
+        # where the first steps go (the bar's first-steps row): capture and passes per plan, compiles per device
+        out["first_calls"] = {d: [n, round(sec, 2)] for d, (n, sec) in sorted(by_device.items())}
+        out["compile_seconds"] = [{k: round(v, 3) for k, v in p.compile_seconds.items()} for p in self.cm._plans.plans()]
         plan = self.cm.plan
         if plan is not None:
             rows = plan.stage_rows()

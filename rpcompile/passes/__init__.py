@@ -48,6 +48,7 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -375,12 +376,15 @@ def compile_graph(cap, config, mode: str, loss_output=None, at=None) -> Plan:
                       loss_output_arg=loss_output)
     names = [name for name, _, _ in PASSES]
     last_rewrite = max(names.index(name) for name in GRAPH_REWRITES)
-    printed = PassTexts()
+    printed, seconds = PassTexts(), {}
     for i, (name, run, show) in enumerate(PASSES):
+        t0 = time.perf_counter()
         st = run(st)
+        seconds[name] = time.perf_counter() - t0       # (the texts rendered now are not counted)
         text = _printer(st, show)
         printed.append((name, show, text() if i < last_rewrite or show == "plan" else text))
     st.plan.passes = printed
+    st.plan.compile_seconds.update(seconds)
     return st.plan
 
 
