@@ -150,6 +150,10 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     first_plan = res["rpcompile"]["info"]["compile_seconds"][0]
     assert list(first_plan) == ["dynamo_capture"] + [name for name, _, _ in PASSES] and min(first_plan.values()) >= 0
     assert isinstance(res["rpcompile"]["info"]["first_calls"], dict)
+    # each job's measured compute beside its estimate (the cost model's error, job by job)
+    est, measured = res["rpcompile"]["info"]["plan_job_est_s"], res["rpcompile"]["trace"]["job_compute_s"]
+    assert len(est) == res["rpcompile"]["info"]["stage_jobs"] and sorted(map(int, measured)) == list(range(len(est)))
+    assert all(v > 0 for v in measured.values())
     assert res["rpcompile"]["trace"]["count"]["compute/forward"] >= 1      # cm.last_trace, summed per stream
     devices = res["rpcompile"]["trace"]["devices"]                         # ... and per device (two CPU workers)
     assert set(devices) == {"0:cpu", "1:cpu"}

@@ -161,6 +161,7 @@ class RPCompileTrainer(Trainer):
         if plan is not None:
             rows = plan.stage_rows()
             out.update(plan=str(plan), stage_jobs=len(rows), plan_est_step_s=float(plan.est_step_time),
+                       plan_job_est_s=[float(r["est_time_s"]) for r in rows],
                        # each stage job uploads its weights once per step (DESIGN.md)
                        plan_weight_upload_bytes_per_step=int(sum(r["param_bytes"] for r in rows)),
                        # gradients come down once per backward/fused stage job (same dtype assumed)
@@ -294,7 +295,9 @@ def trace_summary(spans) -> dict:
       weights_in_s, weights_in_overlapped_s, weights_in_exposed_s: union of the weight uploads,
           split into the part that ran while compute was busy and the part it did not (exposed);
       bytes: total bytes per stream (weights_in, acts_in, out); the per-name totals above tell
-          host uploads ("acts_in/fetch") from device-to-device copies ("acts_in/fetch_peer").
+          host uploads ("acts_in/fetch") from device-to-device copies ("acts_in/fetch_peer");
+
+and under "job_compute_s" each stage job's compute seconds (its microbatches summed).
 
     Only spans the runtime records are counted (a transfer that is not traced is not there)."""
     busy, count, nbytes = {}, {}, {}
@@ -329,6 +332,13 @@ def trace_summary(spans) -> dict:
                         "weights_in_s": w_s, "weights_in_overlapped_s": overlap,
                         "weights_in_exposed_s": max(0.0, w_s - overlap), "bytes": dev_bytes.get(dev, {})}
     out["devices"] = devices
+    jobs: dict = {}                    # job index -> compute seconds (all its microbatches)
+    for sp in spans:
+        if sp.get("stream") == "compute" and sp.get("job") is not None:
+            j = str(sp["job"])
+            jobs[j] = jobs.get(j, 0.0) + max(0.0, float(sp.get("end_s", 0.0)) - float(sp.get("start_s", 0.0)))
+    if jobs:   # beside info.plan_job_est_s: how far the cost model is off, job by job
+        out["job_compute_s"] = dict(sorted(jobs.items(), key=lambda kv: int(kv[0])))
     return out
 
 
