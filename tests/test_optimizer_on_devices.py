@@ -170,6 +170,63 @@ def test_the_devices_share_comes_out_of_each_jobs_budget():
     assert cm.plan.memory_budget == budget - kept
 
 
+def test_a_budget_the_devices_share_crowds_says_so_and_what_to_set():
+    """A memory_budget the jobs fit alone but not beside the devices' share of the optimizer:
+    the PlanningError counts that share, says the budget to set with it (min_budget, which then
+    trains) and to lower optimizer_on_devices; before anything runs."""
+    import rpcompile
+    from models import lm_batch
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    batch = lm_batch(batch=4, seq=8, vocab=256, seed=0)
+
+    def compiled(**kw):
+        model = _qwen()
+        # (a fixed shard count: one graph whatever the budget, so the jobs need the same in each)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       lm_head_shards=4, **kw))
+        cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return model, cm
+
+    model, probe = compiled(memory_budget=1)
+    with pytest.raises(rpcompile.PlanningError) as e:
+        probe.train_step(**batch)
+    jobs_need = e.value.min_budget
+    kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
+    budget = jobs_need + kept // 2            # the jobs alone fit; beside the share they do not
+    _, cm = compiled(memory_budget=budget, optimizer_on_devices=1.0)
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(**batch)
+    msg = str(e.value)
+    assert e.value.min_budget == jobs_need + kept
+    assert "Config.optimizer_on_devices keeps there" in msg and "lower Config.optimizer_on_devices" in msg
+    assert f"memory_budget={budget / 2**30:.2f} GiB per device" in msg
+    _, cm = compiled(memory_budget=e.value.min_budget, optimizer_on_devices=1.0)
+    cm.train_step(**batch)
+    cm.synchronize()
+    assert max(cm.plan.stage_plan.job_memory) <= cm.plan.memory_budget == jobs_need
+
+
+def test_lm_head_shards_are_sized_by_the_jobs_budget(monkeypatch):
+    """Note [shards by memory]: a shard's logits at most 1/SHARD_SHARE of what the stage jobs
+    have, the devices' share of the optimizer left out: more shards beside it than without it."""
+    import rpcompile
+    from models import lm_batch
+    from rpcompile.passes import lm_head
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    monkeypatch.setattr(lm_head, "SHARD_SHARE", 2048)
+    shards = {}
+    for share in (0.0, 1.0):
+        model = _qwen()
+        kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       memory_budget=2 * kept, optimizer_on_devices=share))
+        cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+        cm.synchronize()
+        shards[share] = cm.plan.lm_head["K"]
+    assert shards[1.0] > shards[0.0], shards
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(optimizer_on_devices=1.5), "a number from 0 to 1"),
     (dict(optimizer_on_devices=True), "a number from 0 to 1"),

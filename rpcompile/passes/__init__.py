@@ -96,6 +96,7 @@ class CompileState:
     segments: Any = None
     cut_bytes: Any = None
     budget: Optional[int] = None
+    reserved: int = 0                  # bytes of each device the optimizer keeps (Config.optimizer_on_devices)
     mutated_buffers: list = field(default_factory=list)   # buffer indices the graph updates in place
     steps_overlap: bool = False        # the runtime lets train steps overlap (Plan.steps_overlap)
     stage_plan: Any = None             # partition.StagePlan
@@ -154,8 +155,9 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards, max_logit_bytes=max_logit_bytes(st.config),
-                              at=_lengths_at(st))
+        jobs = jobs_budget(st.config, st.captured.params)[2]
+        st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards,
+                              max_logit_bytes=max_logit_bytes(st.config, jobs), at=_lengths_at(st))
         st.lm_head = st.gm.meta.get("rp_lm_head")
     return st
 
@@ -179,13 +181,24 @@ def _lengths_at(st: CompileState) -> Optional[dict]:
     return dict.fromkeys(names, L) if names else None
 
 
-def max_logit_bytes(config):
-    """The most fp32 logits of the whole captured batch one LM-head shard may make: a
-    microbatch's share at most memory budget / SHARD_SHARE (Note [shards by memory] in
-    passes/lm_head.py); None without a budget."""
-    from .lm_head import SHARD_SHARE
+def jobs_budget(config, params) -> tuple:
+    """(Config.memory_budget in bytes or None, the bytes of it each device keeps for the
+    optimizer (Config.optimizer_on_devices: Note [optimizer state on the devices] in
+    runtime/flat.py), what is left for the stage jobs or None)."""
     budget = _memory_budget(config)
-    return None if budget is None else budget * config.num_microbatches / SHARD_SHARE
+    if budget is None:
+        return None, 0, None
+    reserved = (device_optimizer_bytes(params, config.optimizer_on_devices, len(config.devices))
+                if config.optimizer_on_devices else 0)
+    return budget, reserved, max(0, budget - reserved)
+
+
+def max_logit_bytes(config, jobs_budget):
+    """The most fp32 logits of the whole captured batch one LM-head shard may make: a
+    microbatch's share at most the stage jobs' memory budget / SHARD_SHARE (Note [shards by
+    memory] in passes/lm_head.py); None without a budget."""
+    from .lm_head import SHARD_SHARE
+    return None if jobs_budget is None else jobs_budget * config.num_microbatches / SHARD_SHARE
 
 
 def annotate_costs_pass(st: CompileState) -> CompileState:
@@ -228,11 +241,8 @@ def _stages_compiled(config) -> bool:
 
 def solve_stages_pass(st: CompileState) -> CompileState:
     config, hw = st.config, st.hardware
-    st.budget = _memory_budget(config)
-    if st.budget is not None and config.optimizer_on_devices:
-        # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
-        st.budget = max(0, st.budget - device_optimizer_bytes(st.captured.params, config.optimizer_on_devices,
-                                                              len(config.devices)))
+    # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
+    budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params)
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
 
@@ -240,7 +250,8 @@ def solve_stages_pass(st: CompileState) -> CompileState:
         return solve_stages(segments, cut_bytes, num_devices=len(config.devices),
                             num_microbatches=config.num_microbatches, memory_budget=st.budget,
                             upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
-                            max_jobs=config.max_jobs, overlapped_steps=st.steps_overlap)
+                            max_jobs=config.max_jobs, overlapped_steps=st.steps_overlap,
+                            reserved=st.reserved, budget_set=budget_set)
     try:
         st.stage_plan = solve(st.segments, st.cut_bytes)
     except PlanningError as e:   # with the longest length that fits (Note [longest length])

@@ -108,7 +108,7 @@ def _capture_shards(st, names):
         return None
     states = {head["K"]: st}
 
-    cap = max_logit_bytes(st.config)
+    cap = max_logit_bytes(st.config, st.budget)
 
     def shards(L):
         return estimate_num_shards(unsplit, lm_head, at=dict.fromkeys(names, L), max_logit_bytes=cap)
@@ -217,5 +217,7 @@ def planning_error(st, e: PlanningError, rows: int) -> PlanningError:
             else:
                 message += (f" The longest sequence that fits this budget is {max_length:,} tokens (at {per}; "
                             f"this call's is {length:,}): shorten sequences to that, raise memory_budget to at least "
-                            f"{_gib(e.min_budget, up=True)} GiB{more}.")
-    return PlanningError(message, min_budget=e.min_budget, stage=e.stage, max_length=max_length)
+                            f"{_gib(e.min_budget + st.reserved, up=True)} GiB{more}.")
+    # min_budget: the Config.memory_budget to set, the devices' share of the optimizer included
+    min_budget = None if e.min_budget is None else e.min_budget + st.reserved
+    return PlanningError(message, min_budget=min_budget, stage=e.stage, max_length=max_length)

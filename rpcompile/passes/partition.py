@@ -599,14 +599,18 @@ def _reconstruct(costs: _Costs, Db, est_best: float, J: int) -> StagePlan:
 def solve_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *, num_devices: int,
                  num_microbatches: int, memory_budget=None, upload_bw: float = _INF,
                  job_overhead_s: float = 0.0, max_jobs: Optional[int] = None,
-                 overlapped_steps: bool = False) -> StagePlan:
+                 overlapped_steps: bool = False, reserved: int = 0,
+                 budget_set: Optional[int] = None) -> StagePlan:
     """Minimum-est_time stage plan (see the module docstring for the model): exact, except
     where steps overlap on several devices (overlapped_steps: delayed mode), which a local
-    search over the cuts decides (Note [overlapped step model])."""
+    search over the cuts decides (Note [overlapped step model]). reserved: bytes of each
+    device that Config.memory_budget (budget_set) holds besides the jobs' memory_budget (the
+    devices' share of the optimizer), for the error's figures."""
     costs = _Costs(segments, cut_bytes, num_devices=num_devices,
                    num_microbatches=num_microbatches, memory_budget=memory_budget,
                    upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs,
                    overlapped_steps=overlapped_steps)
+    costs.reserved, costs.budget_set = int(reserved), budget_set
     return _solve(costs)
 
 
@@ -816,11 +820,20 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         free = _min_budget(costs, None)
         if free is not None and free < min_budget:
             fixes += f", or allow more stage jobs than max_jobs={costs.max_jobs}"
-    budget = costs.memory_budget
-    need = _gib(min_budget, up=True)
+    budget, reserved = costs.memory_budget, getattr(costs, "reserved", 0)
+    need = _gib(min_budget + reserved, up=True)
+    if reserved:   # Config.memory_budget = the jobs' budget + what the optimizer keeps there
+        what_budget = (f"memory_budget={_gib(int(costs.budget_set))} GiB per device, less the {_gib(reserved)} GiB "
+                       f"of fp32 masters and optimizer state that Config.optimizer_on_devices keeps there, leaves "
+                       f"the stage jobs {_gib(int(budget))} GiB ({int(budget)} bytes), which")
+        fixes = "lower Config.optimizer_on_devices (0 keeps the optimizer on the host), or " + fixes
+    else:
+        what_budget = f"memory_budget={_gib(int(budget))} GiB ({int(budget)} bytes) per device"
+    whose = "'s jobs" if reserved else ""
     raise PlanningError(
-        f"memory_budget={_gib(int(budget))} GiB ({int(budget)} bytes) per device is too small "
-        f"for any stage plan: the smallest budget a plan fits is {need} GiB ({min_budget} "
+        f"{what_budget} is too small "
+        f"for any stage plan: the smallest budget a plan{whose} fits is "
+        f"{_gib(min_budget, up=True)} GiB ({min_budget} "
         f"bytes), needed by the {names[kind]} stage over segments [{i}, {j}) ({what}). "
         f"Raise Config.memory_budget to at least {need} GiB (memory_budget=\"{need}GiB\"), "
         f"or {fixes}.",
