@@ -829,10 +829,10 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         fixes = "lower Config.optimizer_on_devices (0 keeps the optimizer on the host), or " + fixes
     else:
         what_budget = f"memory_budget={_gib(int(budget))} GiB ({int(budget)} bytes) per device"
-    whose = "'s jobs" if reserved else ""
+    fit = "the jobs of a plan fit" if reserved else "a plan fits"
     raise PlanningError(
         f"{what_budget} is too small "
-        f"for any stage plan: the smallest budget a plan{whose} fits is "
+        f"for any stage plan: the smallest budget {fit} is "
         f"{_gib(min_budget, up=True)} GiB ({min_budget} "
         f"bytes), needed by the {names[kind]} stage over segments [{i}, {j}) ({what}). "
         f"Raise Config.memory_budget to at least {need} GiB (memory_budget=\"{need}GiB\"), "
