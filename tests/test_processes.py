@@ -33,6 +33,8 @@ def test_exact_mode_in_worker_processes_matches_eager():
     spans = cm.last_trace
     assert {s["worker"] for s in spans if s["stream"] == "compute"} == {0, 1}
     assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
+    # each worker reports its caching host allocator's bytes (none pinned on CPU)
+    assert cm.runner.executor.worker_pinned() == {"0:cpu": 0, "1:cpu": 0}
     # every hand-over went out at once, stamped with its worker's counter (Note [hand-over flags])
     assert all(n > 0 for n in cm.runner.executor.counters.tolist())
     # a differentiable call runs in the same workers: outputs and gradients as eager

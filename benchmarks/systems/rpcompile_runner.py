@@ -181,6 +181,10 @@ class RPCompileTrainer(Trainer):
             out["cuda_host_allocator"] = {k: v for k, v in stats.items()
                                           if k.split(".")[0] in ("allocated_bytes", "reserved_bytes", "allocations",
                                                                  "num_host_alloc", "num_host_free")}
+        pinned = getattr(self.cm.runner.executor, "worker_pinned", None)
+        if pinned is not None:   # worker processes' caching host allocators (the 2-GPU run with the
+            # optimizer on the devices had 5.4 GiB of CUDA host mappings in its workers: RESULTS.md, 21st session)
+            out["cuda_host_allocator_workers"] = pinned()
         from rpcompile.runtime import host_buffers   # the runtime's own host buffers, by kind
         allocated, count = host_buffers.snapshot()
         out["host_buffers"] = {kind: [count[kind], allocated[kind]] for kind in sorted(allocated)}

@@ -111,6 +111,11 @@ class ProcessExecutor:
     def broken(self) -> Optional[str]:
         return None if self.hub is None else self.hub.broken
 
+    def worker_pinned(self) -> dict:
+        """Bytes torch's caching host allocator (pin_memory=True) holds in each worker process,
+        as each last reported with a landed job: {"<index>:<device>": bytes}."""
+        return {} if self.hub is None else {f"{i}:{label}": n for i, (label, n) in sorted(self.hub.pinned.items())}
+
     def _start(self):
         config = self.config
         token = secrets.token_bytes(16)
@@ -419,6 +424,7 @@ class _Hub:
         self.stopping = False
         self.landed_errors: dict = {}    # landed event -> why its copies did not land
         self.failed = weakref.WeakSet()  # landed events of jobs that failed or were stopped
+        self.pinned: dict = {}           # worker index -> (its device, its caching host allocator's bytes), last reported
 
     def to_all(self, msg):
         for conn, lock in zip(self.conns, self.locks):
@@ -464,6 +470,9 @@ class _Hub:
 
     def landed(self, step_id, run_no, job, info):
         warmup.first_calls.extend(info["first_calls"])
+        if "pinned" in info:
+            index, label, nbytes = info["pinned"]
+            self.pinned[index] = (label, nbytes)
         with self.lock:
             record = self.records.get(step_id)
         if record is None:
