@@ -170,29 +170,31 @@ class DelayedWeights:
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
-        held = _in_lock_order(slots)
-        for s in held:
-            s[2].acquire()
-        try:
+        with _locked(slots):
             wait_for_uploads([m for s in slots for m in s[1]])
             with torch.no_grad():
                 # one copy per run of parameters adjacent in both (Note [flat host optimizer])
                 torch._foreach_copy_(*merge_adjacent([s[0] for s in slots], [p.detach() for p in params]))
             for s in slots:
                 s[1].clear()
-        finally:
-            for s in held:
-                s[2].release()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flats)
 
 
-def _in_lock_order(slots) -> list:
-    """The distinct copy slots among `slots` in host address order: the one order every thread
-    takes their locks in (a prefetch's `held`, the optimizer's `write_many`), so none waits on
-    another forever."""
-    return sorted({id(s): s for s in slots}.values(), key=lambda s: s[0].data_ptr())
+@contextlib.contextmanager
+def _locked(slots):
+    """Hold the locks of the distinct copy slots among `slots`, taken in host address order: the
+    one order every thread takes them in (a prefetch's `held`, the optimizer's `write_many`), so
+    none waits on another forever."""
+    held = sorted({id(s): s for s in slots}.values(), key=lambda s: s[0].data_ptr())
+    for s in held:
+        s[2].acquire()
+    try:
+        yield
+    finally:
+        for s in held:
+            s[2].release()
 
 
 class _SlotView:
@@ -216,14 +218,8 @@ class _SlotView:
         per run of adjacent copies needs (Note [one upload per run] in runtime/device.py)."""
         slots = sorted(((self.store._copies[id(p)][self.slot], i) for i, p in params),
                        key=lambda x: x[0][0].data_ptr())
-        locks = [s[2] for s in _in_lock_order([s for s, _ in slots])]
-        for lock in locks:
-            lock.acquire()
-        try:
+        with _locked([s for s, _ in slots]):
             yield [(i, [None, s[0], s[1], s[2]]) for s, i in slots]
-        finally:
-            for lock in locks:
-                lock.release()
 
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:
