@@ -128,6 +128,11 @@ def grad_layout(plan) -> GradLayout:
     return layout
 
 
+def _flat_numels(params) -> list:
+    """Sizes of the parameters the flat optimizer moves into its buffers (FlatMasters.flatten)."""
+    return [p.numel() for p in params if p.requires_grad and p.is_floating_point() and p.numel() > 1]
+
+
 def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     """Bytes each device keeps for the optimizer's share on the devices (Note [optimizer state on
     the devices] in runtime/flat.py): the fp32 masters and AdamW's two moments of about share /
@@ -136,7 +141,7 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     if not share:
         return 0
     from ..runtime.flat import FlatMasters, FlatStepper
-    flat = [p.numel() for p in params if p.requires_grad and p.is_floating_point() and p.numel() > 1]
+    flat = _flat_numels(params)
     if not flat:
         return 0
     # (devices differ by at most a block: Note [optimizer state on the devices])
@@ -234,7 +239,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
         from ..runtime.submission import carried_rows
         carried = itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
     from ..runtime.flat import FlatStepper
-    flat = sum(p.numel() for p in trainable if p.is_floating_point() and p.numel() > 1)
+    flat = sum(_flat_numels(trainable))
     widened = 0
     if itemsize < GRAD_ITEMSIZE and on_devices < 1:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
         widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
