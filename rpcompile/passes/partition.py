@@ -214,7 +214,7 @@ class _Costs:
     """
 
     def __init__(self, segments, cut_bytes, *, num_devices, num_microbatches, memory_budget,
-                 upload_bw, job_overhead_s, max_jobs, overlapped_steps=False):
+                 upload_bw, job_overhead_s, max_jobs, overlapped_steps=False, reserved=0, budget_set=None):
         segments = list(segments)
         n = len(segments)
         if n < 1:
@@ -252,6 +252,7 @@ class _Costs:
         self.overlap = bool(overlapped_steps) and num_devices > 1   # Note [overlapped step model]
         self.max_jobs = max_jobs
         self.memory_budget = memory_budget
+        self.reserved, self.budget_set = int(reserved), budget_set   # (for the error's figures: solve_stages)
         self.segments = segments
         self.cut_bytes = [int(b) for b in cut_bytes]
 
@@ -609,8 +610,7 @@ def solve_stages(segments: Sequence[Segment], cut_bytes: Sequence[int], *, num_d
     costs = _Costs(segments, cut_bytes, num_devices=num_devices,
                    num_microbatches=num_microbatches, memory_budget=memory_budget,
                    upload_bw=upload_bw, job_overhead_s=job_overhead_s, max_jobs=max_jobs,
-                   overlapped_steps=overlapped_steps)
-    costs.reserved, costs.budget_set = int(reserved), budget_set
+                   overlapped_steps=overlapped_steps, reserved=reserved, budget_set=budget_set)
     return _solve(costs)
 
 
@@ -820,7 +820,7 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         free = _min_budget(costs, None)
         if free is not None and free < min_budget:
             fixes += f", or allow more stage jobs than max_jobs={costs.max_jobs}"
-    budget, reserved = costs.memory_budget, getattr(costs, "reserved", 0)
+    budget, reserved = costs.memory_budget, costs.reserved
     need = _gib(min_budget + reserved, up=True)
     if reserved:   # Config.memory_budget = the jobs' budget + what the optimizer keeps there
         what_budget = (f"memory_budget={_gib(int(costs.budget_set))} GiB per device, less the {_gib(reserved)} GiB "
