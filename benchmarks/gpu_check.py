@@ -90,11 +90,12 @@ def parity(args):
         for gpus, inductor, peer, mode, workers in dict.fromkeys(variants):
             model = tiny_qwen3()
             ref = copy.deepcopy(model).to(dev)
+            ondev = args.on_devices if mode != "exact" else 0.0
             cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
                                    # (the devices' share of the optimizer takes ~12 B/param of the budget)
-                                   memory_budget="32MiB" if args.on_devices and mode != "exact" else "6MiB", compile_stages=inductor, peer_transfers=peer,
-                                   optimizer_mode=mode, workers=workers,
-                                   **({"optimizer_on_devices": args.on_devices} if args.on_devices and mode != "exact" else {}))
+                                   memory_budget="32MiB" if ondev else "6MiB", compile_stages=inductor,
+                                   peer_transfers=peer, optimizer_mode=mode, workers=workers,
+                                   **({"optimizer_on_devices": ondev} if ondev else {}))
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -129,7 +130,7 @@ def parity(args):
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
                    f"{'_processes' if workers == 'processes' else ''}"
-                   f"{f'_ondev{args.on_devices:g}' if args.on_devices and mode != 'exact' else ''}")
+                   f"{f'_ondev{ondev:g}' if ondev else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
                         "peer_fetches": peer_fetches}
