@@ -326,40 +326,49 @@ def lmhead(args):
 
 
 def peaks(args):
-    """Issue 12's memory figures: Qwen3-1.7B on one GPU, one sequence of --seq-len tokens, the
-    card capped at --budget (set_per_process_memory_fraction) and the planner given the same
-    budget; per stage job its planned memory, the live peak of its traced graph
-    (runtime.fake.live_peak) and the measured peak (torch.cuda.max_memory_allocated over the job,
-    reset as it starts: the prefetch of the next job's weights counts, as in the plan)."""
+    """Issue 12's memory figures: --model (Qwen3-1.7B by default) on one GPU, one sequence of
+    --seq-len tokens, the card capped at --budget (set_per_process_memory_fraction) and the
+    planner given the same budget; per stage job its planned memory, the live peak of its traced
+    graph (runtime.fake.live_peak), the measured peak (torch.cuda.max_memory_allocated over the
+    job, reset as it starts: the prefetch of the next job's weights counts, as in the plan) and
+    the most memory the allocator reserved meanwhile; after an out-of-memory error, the
+    allocator's figures at that moment (reserved but free: fragmentation)."""
     from rpcompile.config import parse_bytes
-    from rpcompile.runtime import executor
+    from rpcompile.runtime import executor, worker
     from rpcompile.runtime.fake import live_peak, trace_job
     budget = parse_bytes(args.budget or "24GiB")
     total = torch.cuda.get_device_properties(0).total_memory
+    from benchmarks.common import build_model, get_model
+    spec = get_model(args.model)
+    model = build_model(spec, init_device="cuda:0", max_positions=args.seq_len)   # drawn before the cap
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), 0)
-    model = qwen3_1_7b()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cuda:0"], num_microbatches=1, dtype=torch.bfloat16,
                                                    optimizer_mode="delayed", memory_budget=budget))
     cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
-    measured, real = {}, executor.run_job
+    measured, reserved, real = {}, {}, executor.run_job
 
     def run_job(step, job_index, *a, **k):
         torch.cuda.reset_peak_memory_stats(0)
         real(step, job_index, *a, **k)
         if step.error is None:      # after a failure (an OOM) jobs stop early: no figure
             measured[job_index] = max(measured.get(job_index, 0), torch.cuda.max_memory_allocated(0))
-    executor.run_job = run_job
+            reserved[job_index] = max(reserved.get(job_index, 0), torch.cuda.max_memory_reserved(0))
+    executor.run_job = worker.run_job = run_job       # both callers (inline and worker threads)
     out = {"seq_len": args.seq_len, "budget_gib": budget / 2**30, "steps": []}
     for step in range(args.steps):
         t0 = time.time()
         try:
-            loss = cm.train_step(**batch(1, args.seq_len, 151936, seed=step))
+            loss = cm.train_step(**batch(1, args.seq_len, spec.vocab, seed=step))
             cm.synchronize()
             out["steps"].append({"loss": float(loss), "s": time.time() - t0})
-        except Exception as e:    # an OOM: which job, and the figures so far
-            out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        except Exception as e:    # an OOM: which job (the StageError says), and the figures so far
+            out["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+            out["at_failure_gib"] = {"allocated": torch.cuda.memory_allocated(0) / 2**30,
+                                     "reserved": torch.cuda.memory_reserved(0) / 2**30,
+                                     "peak_allocated": torch.cuda.max_memory_allocated(0) / 2**30}
+            print(json.dumps({k: out[k] for k in ("error", "at_failure_gib")}), flush=True)
             break
-    executor.run_job = real
+    executor.run_job = worker.run_job = real
     plan = cm.plan
     if plan is not None:
         rows = []
@@ -367,7 +376,8 @@ def peaks(args):
             traced, where = live_peak(trace_job(cm, k, device="cpu"))
             rows.append({"job": k, "kind": st.kind, "planned_gib": plan.stage_plan.job_memory[k] / 2**30,
                          "traced_gib": traced / 2**30, "traced_at": where,
-                         "measured_gib": measured[k] / 2**30 if k in measured else None})
+                         "measured_gib": measured[k] / 2**30 if k in measured else None,
+                         "reserved_gib": reserved[k] / 2**30 if k in reserved else None})
             print(json.dumps(rows[-1]), flush=True)
         out.update(jobs=rows, plan=str(plan))
     return out
@@ -396,6 +406,7 @@ def main():
                     help="parity: FlatMasters.BLOCK with --on-devices (small, so that the tiny model's "
                          "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None)
+    ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
