@@ -61,7 +61,8 @@ def test_programs_round_trip(trained):
                     assert (n.name, n.op, n.target) == (m.name, m.op, m.target), where
                     # nn_module_stack (regions cut by it) and rp_* facts survive; fake values do not
                     assert m.meta == _kept(n.meta), f"{where}: meta of {n.name}"
-            compute = copy.forward_graph if hasattr(copy, "forward_graph") else copy.backward_graph.compute
+            compute = (copy.forward_graph if hasattr(copy, "forward_graph") else
+                       copy.forward_part0 if hasattr(copy, "forward_part0") else copy.backward_graph.compute)
             body = [n for n in compute.graph.nodes if n.op == "call_function"]
             assert all(n.meta.get("nn_module_stack") for n in body)
             assert all("rp_cost" in n.meta for n in body) and not any("example_value" in n.meta for n in body)
@@ -82,7 +83,7 @@ def test_ops_by_name():
 def test_stage_round_trips(trained):
     _, _, plan, _ = trained
     stages = portable.loads(portable.dumps(plan.stages))
-    graphs = ("forward", "backward", "programs", "row_checks")
+    graphs = ("forward", "backward", "programs", "row_checks", "forward_parts")
     syms = {name: 9 for name in plan.sym_sources}
     checked = 0
     for a, b in zip(plan.stages, stages):
@@ -93,8 +94,15 @@ def test_stage_round_trips(trained):
         assert (b.backward is None) == (a.backward is None)
         if a.backward is not None:
             assert b.backward.code == a.backward.code and b.backward.compute is b.forward
+        assert [(ins, outs, r) for _, ins, outs, r in b.forward_parts] == \
+            [(ins, outs, r) for _, ins, outs, r in a.forward_parts]
         for role, prog in b.programs.items():
             assert prog.code == a.programs[role].code
+            if hasattr(prog, "forward_part0"):      # Note [forward parts]
+                for p, (graph, *_) in enumerate(b.forward_parts):
+                    assert getattr(prog, f"forward_part{p}") is graph, "shared, not copied"
+                    assert graph.code == a.forward_parts[p][0].code
+                continue
             child = getattr(prog, "forward_graph", None) or prog.backward_graph
             assert child is (b.forward if hasattr(prog, "forward_graph") else b.backward), "shared, not copied"
         assert b.row_checks.keys() == a.row_checks.keys()

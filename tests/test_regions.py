@@ -20,10 +20,13 @@ def _planned(model, batch, **config):
     return cm
 
 
-def _split_graphs(cm):
-    """The compute graphs of cm's stage programs that run as pieces, one list per program role."""
-    for prog in cm.runner._programs.values():
-        for g in (getattr(prog, "forward_graph", None), getattr(prog, "backward_graph", None)):
+def _split_graphs(cm, program=None):
+    """The compute graphs of cm's stage programs (or of `program`) that run as pieces; a forward
+    job's compute may be several parts (Note [forward parts] in passes/codegen.py)."""
+    for prog in [program] if program is not None else cm.runner._programs.values():
+        for name, g in prog.named_children():
+            if not name.startswith(("forward_", "backward_")):
+                continue
             inner = getattr(g, "inner", None)
             inner = getattr(inner, "compute", inner)
             if "rp_regions" in getattr(inner, "meta", {}):
@@ -140,8 +143,10 @@ def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     assert seen and all(o == {"cpp_wrapper": True} for o in seen)
     with pytest.raises(ValueError, match="inductor_options"):
         rpcompile.Config(inductor_options="cpp_wrapper")
-    by_program = [{piece_key(p._orig_mod): p for p in _pieces(split)
-                   if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None} for split in _split_graphs(cm)]
+    by_program = [{piece_key(p._orig_mod): p for split in _split_graphs(cm, prog) for p in _pieces(split)
+                   if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None}
+                  for prog in cm.runner._programs.values()]
+    by_program = [d for d in by_program if d]
     common = [k for k in by_program[0] if sum(k in d for d in by_program) >= 2]
     assert common, "no piece occurs in two stage programs"
     for k in common:

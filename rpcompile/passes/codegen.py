@@ -73,6 +73,7 @@ class Stage:
     forward: Optional[fx.GraphModule] = None
     backward: Optional[fx.GraphModule] = None
     programs: dict = field(default_factory=dict)       # role -> program GraphModule
+    forward_parts: list = field(default_factory=list)  # fwd jobs: [(graph, input names, output names, random)]
     kinds: dict = field(default_factory=dict)          # input name -> rp_kind or "act"
     input_leaf: dict = field(default_factory=dict)     # input name -> rp_index (params, buffers, call leaves)
     handed_on: set = field(default_factory=set)        # outputs later jobs read
@@ -159,6 +160,36 @@ def _stage_reads(nodes, inside):
     return reads, sliced
 
 
+# Note [forward parts]: a forward job hands its checkpoints (the inputs of the backward jobs
+# that start inside it) to the host. Computed as one graph, all of them were live on the device
+# at its end: Llama-3.1-8B at 65,536 tokens, a 14-layer forward job held 14 x 512 MiB of
+# checkpoints beside two jobs' weights and ran out of memory under 24 GiB where it was planned
+# at 20.1 GiB. So a forward job's compute is cut at its checkpoints into parts, called one
+# after another, each part's checkpoints going down while the next part computes; the device
+# frees each once its copy is done. The cuts are RNG stretch boundaries (every backward job's
+# start is one: Note [RNG replay]), so a part reseeds exactly where the whole graph would.
+def _forward_parts(gm, body, bounds, reads, outputs, rng_positions, name) -> list:
+    """[(graph, input names, output names, random)] of body[bounds[p]:bounds[p + 1]]: each part
+    reads the job's inputs and earlier parts' values, and returns the job's outputs it makes
+    and the values later parts read."""
+    job_inputs = set(reads)
+    spans = [body[s:e] for s, e in zip(bounds, bounds[1:])]
+    part_of = {n: p for p, nodes in enumerate(spans) for n in nodes if n not in job_inputs}
+    parts = []
+    for p, nodes in enumerate(spans):
+        ins = []
+        for n in nodes:
+            for x in ([n] if n in job_inputs else n.all_input_nodes):
+                if part_of.get(x) != p and x not in ins:
+                    ins.append(x)
+        outs = [n for n in nodes if part_of.get(n) == p
+                and (n in outputs or any(part_of.get(u, -1) > p for u in n.users))]
+        graph, random = _compute_graph(gm, body, bounds[p], bounds[p + 1], ins, outs, rng_positions,
+                                       f"{name}_forward{p}")
+        parts.append((graph, [n.name for n in ins], [n.name for n in outs], random))
+    return parts
+
+
 def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
     """Stage jobs with their forward and backward graphs, for jobs [(kind, (a, b)), ...] in positions."""
     body, live = lv.body, lv.live
@@ -200,6 +231,10 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
                    tensors={n.name for n in reads + outputs if isinstance(n.meta.get("example_value"), torch.Tensor)},
                    fqn={**{n.name: n.meta["rp_name"] for n in reads if "rp_name" in n.meta},
                         **{n.name: n.meta["rp_param_slice_fqn"] for n in sliced}})
+        if kind == "fwd":
+            cuts = sorted({q for q in checkpoints if a < q < b})
+            if cuts:
+                st.forward_parts = _forward_parts(gm, body, [a, *cuts, b], reads, outputs, rng_positions, name)
         if kind != "fwd":
             st.grad_outputs = [n.name for n in outputs if _requires_grad(n)]
             # a parameter's row slice is no activation: its gradient goes to the job's parameter
@@ -220,7 +255,8 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     transfer and event ops (Note [program ops]) around the compute call, in the order they run."""
     g = _ProgramGraph()
     root = torch.nn.Module()
-    root.forward_graph = st.forward
+    if not (role == "fwd" and st.forward_parts):
+        root.forward_graph = st.forward
     if st.backward is not None:
         root.backward_graph = st.backward
     job, mb = g.placeholder("job"), g.placeholder("mb")
@@ -250,13 +286,20 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     if st.random:
         args.append(g.call_function(rp.rng_key, (job, mb)))
     if role == "fwd":
-        res = g.call_function(rp.compute, (job, mb, g.get_attr("forward_graph"), *args))
-        for i, name in enumerate(st.outputs):
-            v = g.call_function(operator.getitem, (res, i))
-            if name in st.graph_outputs:
-                op(rp.download_output, rp.output_value, name, job, mb, name, v)
-            if name in st.handed_on:
-                op(rp.offload, rp.offload_value, name, job, mb, name, v)
+        parts = st.forward_parts or [("forward_graph", st.inputs, st.outputs, st.random)]
+        key = args[-1] if st.random else None
+        for p, (graph, ins, outs, random) in enumerate(parts):
+            attr = graph if isinstance(graph, str) else f"forward_part{p}"
+            if not isinstance(graph, str):
+                setattr(root, attr, graph)
+            part_args = [vals[name] for name in ins] + ([key] if random else [])
+            res = g.call_function(rp.compute, (job, mb, g.get_attr(attr), *part_args))
+            for i, name in enumerate(outs):
+                v = vals[name] = g.call_function(operator.getitem, (res, i))
+                if name in st.graph_outputs:
+                    op(rp.download_output, rp.output_value, name, job, mb, name, v)
+                if name in st.handed_on:
+                    op(rp.offload, rp.offload_value, name, job, mb, name, v)
     elif st.grad_outputs:
         if role == "fused":
             seeds = [g.call_function(rp.loss_seed, (job, mb))]

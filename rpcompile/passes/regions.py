@@ -249,10 +249,15 @@ def piece_key(piece: fx.GraphModule) -> Optional[tuple]:
 def compile_regions(gm: fx.GraphModule, compile_fn, shared: dict):
     """gm with each piece compiled by compile_fn; pieces with equal keys (identical layers)
     share one compiled function, memoised in `shared` (pass one dict per program, so the
-    forward and the recompute share too). Without repeated blocks: compile_fn(gm)."""
+    forward and the recompute share too). Without repeated blocks: compile_fn(gm), memoised too."""
     split = split_regions(gm)
-    if split is gm:
-        return compile_fn(gm)
+    if split is gm:   # one piece: shared as well (a forward job's parts, Note [forward parts], repeat)
+        key = piece_key(gm)
+        if key is None:
+            return compile_fn(gm)
+        if key not in shared:
+            shared[key] = compile_fn(gm)
+        return shared[key]
     for name, key in zip(split.meta["rp_regions"], split.meta["rp_region_keys"]):
         piece = getattr(split, name)
         key = key or id(piece)

@@ -204,7 +204,8 @@ class ProcessExecutor:
         key = next(self._ids)
         cap = plan.captured
         bundle = {
-            "stages": [dataclasses.replace(st, forward=None, backward=None) for st in plan.stages],
+            # (the programs hold the compute graphs the workers run, forward parts included)
+            "stages": [dataclasses.replace(st, forward=None, backward=None, forward_parts=[]) for st in plan.stages],
             "param_index": {n: i for i, n in enumerate(cap.param_names)},
             "buffer_index": {n: i for i, n in enumerate(cap.buffer_names)},
             "param_shapes": [p.shape for p in cap.params],

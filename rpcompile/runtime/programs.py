@@ -25,8 +25,9 @@ def compiled(prog, options=None, shared=None):
     def inductor(gm):
         return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options))
 
-    if hasattr(prog, "forward_graph"):
-        prog.forward_graph = WarmupGuard(compile_regions(prog.forward_graph, inductor, shared))
+    for name, child in list(prog.named_children()):
+        if name == "forward_graph" or name.startswith("forward_part"):   # Note [forward parts] (codegen)
+            setattr(prog, name, WarmupGuard(compile_regions(child, inductor, shared)))
     if hasattr(prog, "backward_graph"):
         prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
         prog.backward_graph = WarmupGuard(prog.backward_graph)
