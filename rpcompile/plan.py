@@ -170,6 +170,8 @@ class Plan:
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     steps_overlap: bool = False                          # delayed mode's train steps may overlap (passes._steps_overlap)
+    early_first_upload: bool = True                      # the next step's first job may go up at the loss (Note [resident weights])
+    prefetch_bytes: tuple = ()                           # per job, the most bytes of the next job's weights it prefetches; () no limit
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)

@@ -70,6 +70,7 @@ from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
+from .resident import settle
 
 __all__ = ["compile_graph", "CompileState", "PASSES", "PlanningError"]
 
@@ -99,6 +100,8 @@ class CompileState:
     reserved: int = 0                  # bytes of each device the optimizer keeps (Config.optimizer_on_devices)
     mutated_buffers: list = field(default_factory=list)   # buffer indices the graph updates in place
     steps_overlap: bool = False        # the runtime lets train steps overlap (Plan.steps_overlap)
+    early_first_upload: bool = False   # delayed mode uploads the next step's first job at the loss (Plan.early_first_upload)
+    prefetch_bytes: tuple = ()         # per job, the most bytes of the next job's weights it prefetches (Plan.prefetch_bytes)
     stage_plan: Any = None             # partition.StagePlan
     stages: list = field(default_factory=list)
     plan: Optional[Plan] = None
@@ -264,6 +267,10 @@ def solve_stages_pass(st: CompileState) -> CompileState:
             plan = None
         if plan is not None and plan.est_time <= (1 + BLOCK_CUT_SLACK) * st.stage_plan.est_time:
             st.stage_plan, st.cuts, st.segments, st.cut_bytes = plan, cuts, segments, cut_bytes
+    # what is resident beside each job (Note [resident weights])
+    st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
+        st.stage_plan, st.segments, st.budget, len(config.devices),
+        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
     return st
 
 
@@ -304,6 +311,7 @@ def describe_io(st: CompileState) -> CompileState:
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
+    plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     st.plan = plan
     return st
 

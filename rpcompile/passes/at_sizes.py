@@ -9,6 +9,7 @@ from __future__ import annotations
 from .cost import Hardware
 from .cut_points import liveness, segment_table
 from .partition import _Costs
+from .resident import job_weights, resident_memory
 
 
 def job_memory_at(plan, config, bindings: dict) -> list:
@@ -18,4 +19,6 @@ def job_memory_at(plan, config, bindings: dict) -> list:
     costs = _Costs(segments, cut_bytes, num_devices=plan.num_devices, num_microbatches=plan.num_microbatches,
                    memory_budget=None, upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(plan.num_devices),
                    max_jobs=None)
-    return [costs.job_mem(kind, i, j) for kind, (i, j) in plan.stage_plan.jobs()]
+    memory = [costs.job_mem(kind, i, j) for kind, (i, j) in plan.stage_plan.jobs()]
+    return resident_memory(memory, job_weights(segments, plan.stage_plan), plan.prefetch_bytes,
+                           len(plan.stage_plan.fwd_bounds), plan.num_devices, plan.early_first_upload)

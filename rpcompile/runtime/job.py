@@ -202,7 +202,8 @@ class JobContext:
         self._prefetch_issued = True
         nj, nst = self.links.next_on_device
         self.span("host", "prefetch_issue", lambda: None, mb, stage=nst.index, job=nj, issued_by=self.job_index)
-        _prefetch(self.step, self.dev, nj, nst)
+        allowance = self.step.plan.prefetch_bytes     # Note [resident weights]
+        _prefetch(self.step, self.dev, nj, nst, allowance[self.job_index] if allowance else None)
 
     def fetch(self, mb, name):
         peer = self.step.peer.pop((mb, name), None)
@@ -337,8 +338,19 @@ class JobContext:
                 for key in self.stage.grad_params if key in self.grad_got}
 
 
-def _prefetch(step: StepState, dev, job_index: int, stage) -> None:
-    dev.prefetch((id(step), job_index), [(i, step.params[i]) for i in stage.params], step.dtype,
+def _prefetch(step: StepState, dev, job_index: int, stage, limit=None) -> None:
+    """Queue a job's weights; with `limit`, only its first weights of at most that many bytes
+    (in the dtype they go up in): the others go up when the job reads them."""
+    params = [(i, step.params[i]) for i in stage.params]
+    if limit is not None:
+        kept, total = [], 0
+        for i, p in params:
+            total += p.numel() * (step.dtype or p.dtype).itemsize
+            if total > limit:
+                break
+            kept.append((i, p))
+        params = kept
+    dev.prefetch((id(step), job_index), params, step.dtype,
                  step.host_weights, step.ready, step.tracer, {"stage": stage.index, "job": job_index})
 
 

@@ -246,6 +246,8 @@ class DelayedMode(OverlappedMode):
         """Step t's first job reads copy t % 2, final once optimizer step t - 2 is done, so its
         weights go up now (the uploader waits for that step), while the host ends step t - 1,
         rather than when step t starts."""
+        if not plan.early_first_upload:   # the device has no room for it yet (Note [resident weights])
+            return
         dev = runner.executor.next_device()
         params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
         opt, key, done = self.optimizer, ("next step", t), t - 1 + self.skipped

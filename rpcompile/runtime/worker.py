@@ -168,6 +168,7 @@ class WorkerPlan:
         self.capture_device = bundle["capture_device"]
         self.capture_key = bundle["capture_key"]
         self.mutated_buffers = frozenset(bundle["mutated_buffers"])
+        self.prefetch_bytes = bundle["prefetch_bytes"]     # Note [resident weights]
 
     def param_numel(self, key) -> int:
         return key_numel(self.param_shapes[param_index(key)], key)
