@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from . import ops
 from .flat import _adjacent, _joined
+from .allocator import use_expandable_segments
 from .host_buffers import host_empty
 from .weights import working_dtype
 
@@ -112,6 +113,7 @@ class DeviceRuntime:
         self._held: list = []            # (tensor, event): kept alive until a peer's copy has read it
         self._held_lock = threading.Lock()
         if not self.is_cpu:
+            use_expandable_segments()    # Note [expandable segments] (runtime/allocator.py)
             self.compute = torch.cuda.Stream(device)
             self.weights_in = torch.cuda.Stream(device)
             self.acts_in = torch.cuda.Stream(device)
