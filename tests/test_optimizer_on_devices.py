@@ -120,6 +120,43 @@ def test_a_missing_gradient_and_load_state_dict():
     assert opt.state[params[2]]["exp_avg"].untyped_storage().data_ptr() in dev_bufs
 
 
+def test_masters_go_up_only_where_the_host_changed_them(monkeypatch):
+    """The stepped masters come down every step; they go up the first time, where a parameter was
+    written in place since (its _version moved: load_state_dict, a no_grad write), and all of
+    them after a failed step; otherwise the devices' masters are the host's already."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
+    stepper = _stepper(params, opt, 0.5)
+    on_dev = sum(b - a for rs in stepper.masters.on_devices.values() for a, b, _ in rs)
+    _step_both(stepper, params, ref_opt, ref_params, range(2))
+    first = stepper.master_uploads
+    _step_both(stepper, params, ref_opt, ref_params, range(2, 4))
+    assert first == on_dev and stepper.master_uploads == on_dev     # nothing went up again
+    dev_p = [i for i, p in enumerate(params) if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
+    i = dev_p[0]
+    with torch.no_grad():          # the user's write, on both
+        params[i].mul_(0.5)
+        ref_params[i].mul_(0.5)
+    _step_both(stepper, params, ref_opt, ref_params, range(4, 5))
+    assert on_dev < stepper.master_uploads <= 2 * on_dev
+    model.load_state_dict(ref.state_dict())        # every parameter written
+    before = stepper.master_uploads
+    _step_both(stepper, params, ref_opt, ref_params, range(5, 6))
+    assert stepper.master_uploads - before == on_dev
+    upload = stepper._upload
+    calls = []
+    monkeypatch.setattr(stepper, "_upload", lambda *a: calls.append(1) or (_ for _ in ()).throw(RuntimeError("boom")))
+    grads = [torch.randn_like(p) for p in params]
+    with pytest.raises(RuntimeError, match="boom"):
+        stepper.step(params, grads)
+    assert calls == [1]            # it failed before stepping anything on a device
+    monkeypatch.setattr(stepper, "_upload", upload)
+    before = stepper.master_uploads
+    _step_both(stepper, params, ref_opt, ref_params, range(6, 8))
+    assert stepper.master_uploads - before == on_dev     # after the failure every master went up, once
+
+
 def _qwen():
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
