@@ -393,6 +393,21 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
+def oom_detail(exc: BaseException) -> str:
+    """'out of memory' and, where the chain holds torch's message, what was asked for and the
+    allocator's figures (a probe's record says whether the plan or fragmentation failed)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        at = text.find("Tried to allocate")
+        if at >= 0:
+            end = text.find("If reserved but unallocated", at)
+            return "out of memory: " + " ".join(text[at:end if end > 0 else at + 400].split())
+        exc = exc.__cause__ or exc.__context__
+    return "out of memory"
+
+
 def free_memory(devices=()) -> None:
     gc.collect()
     for d in devices:
@@ -597,7 +612,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         except Exception as e:  # noqa: BLE001 - an OOM is an answer, anything else a failure
             if not is_oom(e):
                 raise
-            good, err, loss = False, "out of memory", None
+            good, err, loss = False, oom_detail(e), None
             if not trainer.restart_after_oom:
                 trainer.recover()
         if good or not trainer.restart_after_oom:

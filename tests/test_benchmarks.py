@@ -714,3 +714,20 @@ def test_table_ratio_is_of_the_rpcompile_system_that_ran():
                                        {"system": "roundpipe", "status": "ok", "max_seq": 22528}])
     header, _, delayed, rp = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()]
     assert rp[header.index("rpcompile-delayed ÷ system")] == "2.55×"
+
+
+def test_oom_detail_keeps_what_was_asked_and_the_allocators_figures():
+    from benchmarks.common import oom_detail
+    msg = ("CUDA out of memory. Tried to allocate 1.75 GiB. GPU 0 has a total capacity of 139.80 GiB of which "
+           "115.42 GiB is free. Of the allocated memory 11.77 GiB is allocated by PyTorch, and 11.66 GiB is "
+           "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting ...")
+    try:
+        try:
+            raise RuntimeError(msg)
+        except RuntimeError as inner:
+            raise ValueError("stage 4 (bwd) failed") from inner
+    except ValueError as e:
+        got = oom_detail(e)
+    assert got.startswith("out of memory: Tried to allocate 1.75 GiB") and "11.66 GiB is reserved" in got
+    assert "If reserved" not in got
+    assert oom_detail(ValueError("CUDA out of memory")) == "out of memory"
