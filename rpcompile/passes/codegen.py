@@ -286,12 +286,12 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     if st.random:
         args.append(g.call_function(rp.rng_key, (job, mb)))
     if role == "fwd":
-        parts = st.forward_parts or [("forward_graph", st.inputs, st.outputs, st.random)]
+        for p, (graph, *_) in enumerate(st.forward_parts):    # Note [forward parts]
+            setattr(root, f"forward_part{p}", graph)
+        parts = ([(f"forward_part{p}", ins, outs, r) for p, (_, ins, outs, r) in enumerate(st.forward_parts)]
+                 or [("forward_graph", st.inputs, st.outputs, st.random)])
         key = args[-1] if st.random else None
-        for p, (graph, ins, outs, random) in enumerate(parts):
-            attr = graph if isinstance(graph, str) else f"forward_part{p}"
-            if not isinstance(graph, str):
-                setattr(root, attr, graph)
+        for attr, ins, outs, random in parts:
             part_args = [vals[name] for name in ins] + ([key] if random else [])
             res = g.call_function(rp.compute, (job, mb, g.get_attr(attr), *part_args))
             for i, name in enumerate(outs):
