@@ -55,8 +55,8 @@ def settle(stage_plan, segments, budget, num_devices: int, may_upload_early: boo
     goes up early): early where it fits the budget beside every job."""
     weights = job_weights(segments, stage_plan)
     allowance = prefetch_allowance(stage_plan.job_memory, weights, budget)
-    num_fwd = len(stage_plan.fwd_bounds)
-    for early in ((True, False) if may_upload_early else (False,)):
-        memory = resident_memory(stage_plan.job_memory, weights, allowance, num_fwd, num_devices, early)
-        if budget is None or max(memory) <= budget or not early:
-            return dataclasses.replace(stage_plan, job_memory=tuple(memory)), allowance, early
+    def memory(early):
+        return resident_memory(stage_plan.job_memory, weights, allowance, len(stage_plan.fwd_bounds),
+                               num_devices, early)
+    early = may_upload_early and (budget is None or max(memory(True)) <= budget)
+    return dataclasses.replace(stage_plan, job_memory=tuple(memory(early))), allowance, early
