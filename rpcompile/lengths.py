@@ -55,14 +55,19 @@ def length_dims(leaves, batch: Optional[int], batched) -> dict:
     return marks
 
 
+def tensor_inputs(gm) -> list:
+    """The graph's placeholders of tensor call arguments, in call order (rp_index)."""
+    return sorted((n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
+                   and isinstance(n.meta.get("example_value"), torch.Tensor)), key=lambda n: n.meta["rp_index"])
+
+
 def length_symbols(gm, bindings: dict, batch_names) -> tuple:
     """(L, names): the sequence length a plan is costed at and the names of the size symbols that
     stand for it, or (None, ()) when it is not symbolic (static shapes, L <= 1, L equal to the
     batch size). L is dim 1 of the first tensor input of the graph; each length dim is a symbol
     of its own (input_ids' and labels' are two), so the names are every plain symbol of an input
     dim, other than a batch symbol, that is bound to L."""
-    inputs = sorted((n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
-                     and isinstance(n.meta.get("example_value"), torch.Tensor)), key=lambda n: n.meta["rp_index"])
+    inputs = tensor_inputs(gm)
     if not inputs or inputs[0].meta["example_value"].dim() < 2:
         return None, ()
     size = inputs[0].meta["example_value"].shape[1]

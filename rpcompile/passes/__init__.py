@@ -174,10 +174,8 @@ def _lengths_at(st: CompileState) -> Optional[dict]:
     so they are left at the capture's."""
     if not st.at:
         return None
-    from ..lengths import length_symbols
-    first = min((n for n in st.gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input"
-                 and isinstance(n.meta.get("example_value"), torch.Tensor)),
-                key=lambda n: n.meta["rp_index"], default=None)
+    from ..lengths import length_symbols, tensor_inputs
+    first = next(iter(tensor_inputs(st.gm)), None)
     rows = first.meta["example_value"].shape[0] if first is not None and first.meta["example_value"].dim() else None
     batch_names = {rows.node.expr.name} if isinstance(rows, torch.SymInt) and rows.node.expr.is_Symbol else set()
     L, names = length_symbols(st.gm, st.at, batch_names)
