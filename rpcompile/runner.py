@@ -65,6 +65,7 @@ class GraphRunner:
         """Overlapped and delayed modes: step `optimizer` (an OverlappedOptimizer) after each
         train_step; a newly attached one starts the delay again from the parameters as they are."""
         self.settle()
+        self.mode.release(self)
         self.mode = mode_for(self.config, optimizer)
 
     # --- programs per device ---------------------------------------------------------------

@@ -141,8 +141,8 @@ def test_overlapped_next_step_waits_before_writing_gradients():
 
 def test_host_gradients_are_reused_across_steps():
     """The host gradient buffers of a step are the same memory every step (Note [one gradient
-    set]); exact mode's param.grad are copies, equal to eager's. (Overlapped and delayed mode:
-    test_overlapped_next_step_waits_before_writing_gradients and
+    set]); exact mode lends their views as param.grad (Note [lent gradients]), equal to eager's.
+    (Overlapped and delayed mode: test_overlapped_next_step_waits_before_writing_gradients and
     test_delayed_step_does_not_rewrite_gradients_the_optimizer_holds check the same.)"""
     model = qwen3(tied=True, vocab=VOCAB)
     ref = copy.deepcopy(model)
@@ -152,10 +152,50 @@ def test_host_gradients_are_reused_across_steps():
         cm.train_step(**_batch(t))
         ref(**_batch(t)).loss.backward()
         check_grads(model, ref)
-        assert all(p.grad.untyped_storage().data_ptr() not in flats for p in model.parameters())
+        lent = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+        assert lent <= set(flats) | _row_sum_storages(cm), "a gradient was copied out of the host set"
         model.zero_grad(), ref.zero_grad()
     cm.synchronize()
     _assert_one_gradient_set(cm, flats, 4)
+
+
+def _row_sum_storages(cm):
+    return {t.untyped_storage().data_ptr() for t in cm.runner.host_grads._sums.values()}
+
+
+def test_gradients_the_user_holds_survive_the_next_step():
+    """Exact mode: gradients kept in param.grad over train_steps (no zero_grad: accumulation, or
+    zero_grad(set_to_none=False)) are copied out of the host set before the next step writes
+    it (Note [lent gradients]), so they add up as eager's do."""
+    model = qwen3(tied=True, vocab=VOCAB)
+    ref = copy.deepcopy(model)
+    cm = _compile(model, "exact")
+    for t in range(2):                       # lent views, then held across a step
+        cm.train_step(**_batch(t))
+        ref(**_batch(t)).loss.backward()
+    check_grads(model, ref)
+    model.zero_grad(set_to_none=False), ref.zero_grad(set_to_none=False)
+    cm.train_step(**_batch(2))               # param.grad held (zeros): added into
+    ref(**_batch(2)).loss.backward()
+    held = {n: p.grad for n, p in model.named_parameters()}
+    cm.train_step(**_batch(3))
+    ref(**_batch(3)).loss.backward()
+    check_grads(model, ref)
+    assert all(p.grad is held[n] for n, p in model.named_parameters())
+    lent = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert not lent & ({cm.runner.host_grads.flat.untyped_storage().data_ptr()} | _row_sum_storages(cm))
+    model.zero_grad(), ref.zero_grad()
+    cm.train_step(**_batch(4))               # lent views, one kept by the user past zero_grad()
+    ref(**_batch(4)).loss.backward()
+    kept = {n: p.grad for n, p in model.named_parameters()}
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    model.zero_grad(), ref.zero_grad()
+    cm.train_step(**_batch(5))
+    ref(**_batch(5)).loss.backward()
+    scale = max(w.abs().max().item() for w in want.values())
+    for n, g in kept.items():
+        close(g, want[n], 0.0, 1e-4 * scale, f"kept gradient of {n} after the next step")
+    check_grads(model, ref)
 
 
 def _layout(stage_keys, shapes):

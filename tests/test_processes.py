@@ -23,9 +23,12 @@ def test_exact_mode_in_worker_processes_matches_eager():
     """train_step and a differentiable call (one compiled model, one pair of worker processes:
     each start is a fresh interpreter) equal eager; a worker that dies is an error in the caller."""
     cm = train_both(qwen3(), [lm_batch(seed=s) for s in range(2)], _config(), steps=3)
-    # warm steps reuse the shared files (activation slots go back when a step ends): none is added
+    # warm steps reuse the shared files (activation slots go back when a step ends, and the
+    # gradients lent as param.grad when zero_grad() dropped them): none is added
+    cm.model.zero_grad()
     files = set(os.listdir(cm.runner.executor.memory.directory))
     for s in range(3):
+        cm.model.zero_grad()
         cm.train_step(**lm_batch(seed=s))
     assert set(os.listdir(cm.runner.executor.memory.directory)) == files
     # the jobs ran in the workers, alternating, and their spans came back with their devices

@@ -6,8 +6,9 @@ the plan's GradLayout, passes/host_memory.py) and brings it down with one copy i
 of a flat host buffer, allocated once and reused every step; the host gradients are views of
 it. Which set a step writes:
 
-- exact mode: set 0; the step's gradients are added into `param.grad` (copies) before
-  train_step returns, so the next step may rewrite the set.
+- exact mode: set 0; before train_step returns, the step's gradients become `param.grad`
+  (views of the set, lent until the next step: Note [lent gradients] in runtime/modes.py) or
+  are added into the `param.grad` the user holds.
 - overlapped mode: the same set. The optimizer thread reads step t's gradients while step
   t + 1 runs, but a job writes its piece only after it gated (waited for the optimizer step
   of) every parameter of that piece, and the optimizer is done with a parameter's gradient
@@ -152,6 +153,13 @@ class HostGrads:
                     if gs._flat is not None:
                         del self._sets[sig]
             return self.flat
+
+    def abandon(self) -> None:
+        """Leave the buffers to whoever holds views of them (Note [lent gradients] in
+        runtime/modes.py): the next set is made on new ones."""
+        with self._lock:
+            self.flat, self._sums = None, {}
+            self._sets.clear()
 
     def switches(self, layout) -> bool:
         """Whether the buffer was last used by another layout (whose gradients the optimizer
