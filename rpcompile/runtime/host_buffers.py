@@ -51,6 +51,10 @@ def page_locked(shape, dtype: torch.dtype, kind: str = "") -> torch.Tensor:
     start = (-base.data_ptr()) % _PAGE          # page-aligned: no page is shared with another buffer
     buf = base[start:start + nbytes]
     address = buf.data_ptr()
+    # Note [touch before pinning]: the pages are faulted in first (a fill on the intra-op
+    # threads); cudaHostRegister then only pins them. 4 GiB on an H200 host: 2.72 s to register
+    # untouched memory, 0.79 s to touch it and 0.48 s to register it then (twenty-fourth session).
+    buf.zero_()
     # cudaHostRegisterPortable: pinned for every device's context (worker threads drive several GPUs)
     err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
     if err != 0:
