@@ -49,6 +49,10 @@ TIMED_STEPS_BAR = 8
 # The issue's reference figures for the exact modes, {(model, system, gpus): tokens/s}. RESULTS.md
 # records none, so those rows say "no reference" rather than invent one; evaluate() takes them.
 EXACT_REFERENCE: dict = {}
+# The tree the issue measured ("today"). A run that also ran a mode's system at that tree, named
+# f"{system}@{ISSUE_TREE}" (the harness of `git archive ISSUE_TREE`, its results renamed and merged
+# into the run file), is its own reference: the same host, the same call.
+ISSUE_TREE = "ad79f4b"
 
 HOLDS, MISSES, NOT_MEASURED, NO_REFERENCE = "holds", "misses", "not measured", "no reference"
 
@@ -266,10 +270,21 @@ def host_memory_rows(runs: list, model: str) -> list:
 
 
 def exact_rows(runs: list, model: str, reference: dict) -> list:
-    """Exact (rpcompile) and overlapped modes against the issue's reference figures."""
+    """Exact (rpcompile) and overlapped modes against the issue's tree in the same run, else
+    against the issue's reference figures."""
     rows = []
     for system, mode in EXACT_MODES.items():
         for n, word, beats in EXACT_BARS:
+            at_issue = f"{system}@{ISSUE_TREE}"
+            run, pair = pick(runs, model, n, (system, at_issue),
+                             lambda r: (finished(r, system)["tokens_per_s"], finished(r, at_issue)["tokens_per_s"]))
+            if pair is not None:
+                value, ref = pair
+                bar = f"{word} {ISSUE_TREE}'s {_tps(ref)} tokens/s, same run"
+                rows.append(_row(f"{mode} mode ({system}) tokens/s against the issue's reference", model, n, run,
+                                 (system, at_issue), value, lambda v: f"{_tps(v)} tokens/s", bar,
+                                 lambda v, ref=ref, beats=beats: beats(v, ref), "tokens/s"))
+                continue
             ref = reference.get((model, system, n))
             bar = f"{word} reference" + (f" {_tps(ref)} tokens/s" if ref else "")
             run, value = pick(runs, model, n, (system,), lambda r: finished(r, system)["tokens_per_s"])

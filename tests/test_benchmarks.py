@@ -731,3 +731,20 @@ def test_oom_detail_keeps_what_was_asked_and_the_allocators_figures():
     assert got.startswith("out of memory: Tried to allocate 1.75 GiB") and "11.66 GiB is reserved" in got
     assert "If reserved" not in got
     assert oom_detail(ValueError("CUDA out of memory")) == "out of memory"
+
+
+def test_exact_mode_rows_read_the_issues_tree_in_the_same_run():
+    """A run that also ran a mode at the issue's tree (system@ISSUE_TREE) is the row's reference,
+    before any reference figure; the newest such run counts."""
+    from benchmarks import bar
+
+    ref = f"rpcompile@{bar.ISSUE_TREE}"
+    runs = [_bar_run("2026-12-02 01:00 UTC", 1, {"rpcompile": _fast(10_000), ref: _fast(12_000),
+                                                  "rpcompile-overlapped": _fast(9_000)}),
+            _bar_run("2026-12-01 01:00 UTC", 1, {"rpcompile": _fast(8_000), ref: _fast(7_000)})]
+    rows = bar.evaluate(runs, reference={("qwen3-1.7b", "rpcompile", 1): 1_000})
+    exact = _bar_row(rows, "exact mode", "1")
+    assert exact.verdict == "misses" and exact.figure == "10,000 tokens/s" and "12,000 tokens/s, same run" in exact.bar
+    assert _bar_row(rows, "overlapped mode", "1").verdict == "no reference"     # no overlapped run at the issue's tree
+    rows = bar.evaluate(runs[1:])
+    assert _bar_row(rows, "exact mode", "1").verdict == "holds"
