@@ -33,7 +33,6 @@ in place (running statistics) do not overlap: the next step reads those buffers.
 from __future__ import annotations
 
 import sys
-
 import time
 
 import torch
