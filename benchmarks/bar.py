@@ -278,17 +278,14 @@ def exact_rows(runs: list, model: str, reference: dict) -> list:
             at_issue = f"{system}@{ISSUE_TREE}"
             run, pair = pick(runs, model, n, (system, at_issue),
                              lambda r: (finished(r, system)["tokens_per_s"], finished(r, at_issue)["tokens_per_s"]))
-            if pair is not None:
-                value, ref = pair
+            if pair is not None:          # the issue's tree in the same run
+                (value, ref), systems = pair, (system, at_issue)
                 bar = f"{word} {ISSUE_TREE}'s {_tps(ref)} tokens/s, same run"
-                rows.append(_row(f"{mode} mode ({system}) tokens/s against the issue's reference", model, n, run,
-                                 (system, at_issue), value, lambda v: f"{_tps(v)} tokens/s", bar,
-                                 lambda v, ref=ref, beats=beats: beats(v, ref), "tokens/s"))
-                continue
-            ref = reference.get((model, system, n))
-            bar = f"{word} reference" + (f" {_tps(ref)} tokens/s" if ref else "")
-            run, value = pick(runs, model, n, (system,), lambda r: finished(r, system)["tokens_per_s"])
-            row = _row(f"{mode} mode ({system}) tokens/s against the issue's reference", model, n, run, (system,),
+            else:
+                ref, systems = reference.get((model, system, n)), (system,)
+                bar = f"{word} reference" + (f" {_tps(ref)} tokens/s" if ref else "")
+                run, value = pick(runs, model, n, systems, lambda r: finished(r, system)["tokens_per_s"])
+            row = _row(f"{mode} mode ({system}) tokens/s against the issue's reference", model, n, run, systems,
                        value, lambda v: f"{_tps(v)} tokens/s", bar, lambda v: ref is not None and beats(v, ref),
                        "tokens/s")
             if value is not None and ref is None:
