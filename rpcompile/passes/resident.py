@@ -14,7 +14,7 @@ have held the next step's job 0 (6.7 GiB) as well. So the plan bounds both:
   job itself needs (`prefetch_allowance`, at least its own weights, which is what the solver
   counted); the rest go up when the next job reads them;
 - the next step's first job goes up early only where every job it would sit beside has room
-  for it (`early_upload_fits`).
+  for it (`settle`).
 `resident_memory` is each job's memory with what is resident beside it: what the plan prints.
 """
 from __future__ import annotations

@@ -154,9 +154,9 @@ class HostGrads:
                         del self._sets[sig]
             return self.flat
 
-    def abandon(self) -> None:
-        """Leave the buffers to whoever holds views of them (Note [lent gradients] in
-        runtime/modes.py): the next set is made on new ones."""
+    def renew(self) -> None:
+        """New buffers for the next set; the old ones stay with whoever holds views of them
+        (Note [lent gradients] in runtime/modes.py)."""
         with self._lock:
             self.flat, self._sums = None, {}
             self._sets.clear()

@@ -117,9 +117,8 @@ class ExactMode(_Mode):
                 kept = True
             elif in_grad:
                 p.grad = view.clone()
-            del p, view
         if kept:
-            runner.host_grads.abandon()
+            runner.host_grads.renew()
 
     def start(self, runner, plan, micro):
         self.release(runner)
