@@ -150,3 +150,28 @@ def _empty_without_pinning(empty):
     def f(*args, pin_memory=False, **kwargs):
         return empty(*args, **kwargs)
     return f
+
+
+def test_first_call_gives_back_autotune_pinned_copies(monkeypatch):
+    """Note [autotune's pinned copies]: a first call that grew torch's caching host allocator
+    empties its cache (after syncing the device); one that did not, and repeat calls, leave it."""
+    from rpcompile.runtime import warmup
+    held = {"allocated_bytes.current": 100}
+    calls = []
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(held))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("sync", str(d))))
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(("empty",)), raising=False)
+    cuda = torch.device("cuda", 0)
+    assert warmup.pinned_bytes(cuda) == 100 and warmup.pinned_bytes(torch.device("cpu")) == 0
+    assert not warmup.release_autotune_copies(cuda, 100) and calls == []
+    held["allocated_bytes.current"] = 2 ** 33          # the autotuner's copies: 8 GiB cached
+    assert warmup.release_autotune_copies(cuda, 100)
+    assert calls == [("sync", "cuda:0"), ("empty",)]
+
+    seen = []
+    monkeypatch.setattr(warmup, "release_autotune_copies", lambda device, before: seen.append((str(device), before)))
+    guard = warmup.WarmupGuard(torch.nn.Linear(2, 2))
+    x = torch.ones(3, 2)
+    guard(x)
+    guard(x)                                             # a known signature: no first call
+    assert seen == [("cpu", 0)]

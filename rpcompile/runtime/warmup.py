@@ -77,13 +77,40 @@ class WarmupGuard(torch.nn.Module):
                 return self.inner(*args)
             finally:
                 _LOCK.release_read()
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         _LOCK.acquire_write()
         t0 = time.perf_counter()
         try:
+            pinned = pinned_bytes(device)
             out = self.inner(*args)
             self._seen.add(sig)
+            release_autotune_copies(device, pinned)
             return out
         finally:
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             first_calls.append((str(device), time.perf_counter() - t0))
             _LOCK.release_write()
+
+
+def pinned_bytes(device) -> int:
+    """Bytes torch's caching host allocator holds (pin_memory=True blocks, free ones included);
+    0 off CUDA."""
+    if device is None or device.type != "cuda":
+        return 0
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+def release_autotune_copies(device, before: int) -> bool:
+    """Note [autotune's pinned copies]: when Inductor autotunes a Triton kernel at its first call
+    and the device has less memory spare (its peak less what is allocated) than an argument the
+    kernel writes, it keeps that argument's value in a pinned host copy while it tries configs
+    (CachingAutotuner.copy_args_to_cpu_if_needed). The copies are freed after the call, but their
+    blocks stay cached by torch's caching host allocator, rounded up to powers of two, for the rest
+    of the run: on Qwen3-1.7B's one-job plan 10 GiB (the device-side gradient buffers), only when
+    the Inductor cache is cold (a warm cache skips the autotuning). So a first call that grew the
+    cache (`before` -> now) gives the free blocks back once its copies are done. True if it did."""
+    if pinned_bytes(device) <= before:
+        return False
+    torch.cuda.synchronize(device)
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or torch._C._host_emptyCache
+    empty()
+    return True
