@@ -218,6 +218,7 @@ class RunSpec:
     mem_cap_gib: float = 24.0
     maxseq_start: int = 4096
     maxseq_limit: int = 262144
+    maxseq_step: int = 1024
     maxseq_ok: int = 0                 # a length known to train (carried over a relaunch)
     maxseq_fail: Optional[int] = None  # a length known to fail
     maxseq_probes: list = field(default_factory=list)
@@ -370,6 +371,50 @@ def process_tree_memory(root: int = None) -> dict:
     for k in out.values():      # what the file mappings are (Inductor's kernels, CUDA's libraries, ...)
         k["top_files"] = sorted(([p, b] for p, b in k.pop("files").items()), key=lambda x: -x[1])[:8]
     return out
+
+
+def _owner(obj, skip: set, depth: int = 2) -> str:
+    """A short name for what holds `obj`: the attribute, key or container and its owner's type."""
+    names = []
+    for ref in gc.get_referrers(obj):
+        if id(ref) in skip or type(ref).__name__ in ("frame", "cell", "function"):
+            continue
+        attrs = ref if isinstance(ref, dict) else getattr(ref, "__dict__", None)
+        if isinstance(attrs, dict):
+            keys = ", ".join(str(k) for k, v in list(attrs.items()) if v is obj)[:60]
+            holder = type(ref).__name__ if attrs is not ref else next(
+                (type(o).__name__ for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), "dict")
+            names.append(f"{holder}[{keys}]")
+        elif isinstance(ref, (list, tuple)) and depth > 1:
+            names.append(f"{type(ref).__name__} in {_owner(ref, skip, depth - 1)}")
+        else:
+            names.append(type(ref).__name__)
+    return " | ".join(names[:3]) or "?"
+
+
+def pinned_tensors(limit: int = 8) -> dict:
+    """The live tensors of this process on page-locked memory, grouped by storage, the largest
+    first: [storage bytes, shape, dtype, tensors, what holds one]. Beside torch's caching host
+    allocator's figure it says which buffers hold its blocks (the cold-compile runs' 10 GiB,
+    twenty-fourth session); storages only C++ holds do not show, so `found_bytes` may fall short."""
+    objects = gc.get_objects()
+    storages: dict = {}
+    for o in objects:
+        if not issubclass(type(o), torch.Tensor):
+            continue
+        try:
+            if o.device.type != "cpu" or not o.is_pinned():
+                continue
+            st = o.untyped_storage()
+        except Exception:   # fake, meta and other tensors without a storage
+            continue
+        entry = storages.setdefault(st.data_ptr(), [st.nbytes(), list(o.shape), str(o.dtype), 0, o])
+        entry[3] += 1
+    rows = sorted(storages.values(), key=lambda e: -e[0])
+    skip = {id(objects), id(rows)} | {id(e) for e in rows}
+    del objects
+    return {"found_bytes": sum(e[0] for e in rows), "storages": len(rows),
+            "largest": [[n, shape, dtype, count, _owner(t, skip)] for n, shape, dtype, count, t in rows[:limit]]}
 
 
 def host_maxrss_bytes() -> int:
@@ -592,7 +637,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
     ok, fail = spec.maxseq_ok, spec.maxseq_fail
     probes = list(spec.maxseq_probes)
     rec.update(phase="maxseq", probes=probes, maxseq_ok=ok, maxseq_fail=fail)
-    while (s := next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit)) is not None:
+    while (s := next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit, spec.maxseq_step)) is not None:
         rec.update(current_probe=s, current_probe_started=time.time())
         reset_gpu_peaks(devices)
         t = time.perf_counter()
@@ -627,7 +672,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         else:
             fail = s
         rec.update(probes=probes, maxseq_ok=ok, maxseq_fail=fail, current_probe=None)
-        if not good and trainer.restart_after_oom and next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit):
+        if not good and trainer.restart_after_oom and next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit, spec.maxseq_step):
             raise RestartRequested(f"out of memory at {s} tokens; {type(trainer).__name__} restarts after an OOM")
     rec.update(phase="done", max_seq=ok)
 

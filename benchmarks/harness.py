@@ -105,6 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--mem-cap-gib", type=float, default=24.0)
     p.add_argument("--maxseq-start", type=int, default=4096)
     p.add_argument("--maxseq-limit", type=int, default=262144)
+    p.add_argument("--maxseq-step", type=int, default=1024, help="the bisection's resolution in tokens")
     p.add_argument("--probe-timeout", type=float, default=150, help="seconds one max-seq probe may take")
     p.add_argument("--pss-interval", type=float, default=5.0,
                    help="seconds between readings of the run's proportional set size (/proc/PID/smaps_rollup "
@@ -266,7 +267,7 @@ class Harness:
         card = (m["names"][0] if m.get("names") else "no GPU") if a.device == "cuda" else "CPU"
         settings = {k: getattr(a, k) for k in ("model", "device", "gpus", "seq_len", "microbatches", "steps", "warmup",
                                                 "timeout", "budget", "seed", "lr", "mem_cap_gib", "maxseq_start",
-                                                "maxseq_limit")}
+                                                "maxseq_limit", "maxseq_step")}
         settings["systems"] = a.systems
         if self.mode == "losscurve":
             settings.update(steps=a.loss_steps, warmup=0, loss_steps=a.loss_steps, loss_reference=a.loss_reference,
@@ -380,7 +381,7 @@ class Harness:
                        steps=a.loss_steps if losscurve else a.steps,
                        warmup=0 if losscurve else default_warmup(name, a.gpus, a.warmup), seed=a.seed, lr=a.lr,
                        mode=self.mode, result_path=result_path, mem_cap_gib=a.mem_cap_gib, maxseq_start=a.maxseq_start,
-                       maxseq_limit=a.maxseq_limit, options={**dict(get_system(name).options), **a.options},
+                       maxseq_limit=a.maxseq_limit, maxseq_step=a.maxseq_step, options={**dict(get_system(name).options), **a.options},
                        **extra)
 
     def launch(self, spec: RunSpec, timeout: float, stem: str) -> dict:
@@ -557,7 +558,8 @@ class Harness:
             elif st != "restart":
                 status, reason = st, why
                 break
-            if next_probe(ok, fail, self.args.maxseq_start, self.args.maxseq_limit) is None:
+            if next_probe(ok, fail, self.args.maxseq_start, self.args.maxseq_limit,
+                          self.args.maxseq_step) is None:
                 status, reason = "ok", ""
                 break
             if t_end - time.time() < 30 or launches >= 10:

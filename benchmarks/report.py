@@ -220,7 +220,7 @@ def settings_line(meta: dict) -> str:
                   f"(seed {s.get('seed', 0)}) and batches for every system, AdamW lr {s.get('lr', 1e-5):g}"]
     elif meta.get("mode") == "maxseq":
         parts.append(f"one sequence per GPU, memory capped at {s.get('mem_cap_gib')} GiB per GPU, "
-                     f"doubling from {_num(s.get('maxseq_start'))} then bisecting in steps of 1,024")
+                     f"doubling from {_num(s.get('maxseq_start'))} then bisecting in steps of {_num(s.get('maxseq_step', 1024))}")
     else:
         parts += [f"seq {_num(s.get('seq_len'))}", f"{_num(s.get('tokens_per_step'))} tokens/step",
                   f"{s.get('microbatches')} microbatches",

@@ -33,7 +33,7 @@ import statistics
 
 import torch
 
-from ..common import GiB, Trainer, adamw_kwargs, build_model, count_params, process_tree_memory
+from ..common import GiB, Trainer, adamw_kwargs, build_model, count_params, pinned_tensors, process_tree_memory
 
 
 def _on(options: dict, key: str) -> bool:
@@ -181,6 +181,7 @@ class RPCompileTrainer(Trainer):
             out["cuda_host_allocator"] = {k: v for k, v in stats.items()
                                           if k.split(".")[0] in ("allocated_bytes", "reserved_bytes", "allocations",
                                                                  "num_host_alloc", "num_host_free")}
+            out["pinned_tensors"] = pinned_tensors()
         pinned = getattr(self.cm.runner.executor, "worker_pinned", None)
         if pinned is not None:   # worker processes' caching host allocators (the 2-GPU run with the
             # optimizer on the devices had 5.4 GiB of CUDA host mappings in its workers: RESULTS.md, 21st session)
