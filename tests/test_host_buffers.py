@@ -175,3 +175,30 @@ def test_first_call_gives_back_autotune_pinned_copies(monkeypatch):
     guard(x)
     guard(x)                                             # a known signature: no first call
     assert seen == [("cpu", 0)]
+
+
+def test_outgrown_slots_leave_the_set():
+    """Note [outgrown slots]: a step whose downloads outgrew the job's chunks (a longer
+    sequence) keeps only the chunks it used; a step that fits the chunks it has (the same or a
+    shorter length) keeps them all, so lengths that vary do not reallocate."""
+    from rpcompile.runtime.shared import SlotPool
+
+    class Chunks:
+        @staticmethod
+        def empty(shape, dtype):
+            return torch.empty(shape, dtype=dtype)
+
+    def step(mine, *sizes):
+        pool = SlotPool(Chunks, mine, chunk_bytes=1024)
+        for n in sizes:
+            pool.empty((n,), torch.uint8)
+        return pool.kept(), len(pool.created)
+
+    short, made = step([], 4096, 4096)                    # two checkpoints of a short length
+    assert made == 2 and [c.numel() for c in short] == [4096, 4096]
+    long, made = step(short, 8192, 8192)                  # twice the length: new chunks, the old ones go
+    assert made == 2 and [c.numel() for c in long] == [8192, 8192]
+    again, made = step(long, 4096, 4096)                  # the short length again: fits the first chunk
+    assert made == 0 and [c.data_ptr() for c in again] == [c.data_ptr() for c in long]
+    mixed, made = step(again, 16384, 8192)                # one outgrew: the chunk left unused goes
+    assert made == 1 and [c.numel() for c in mixed] == [8192, 16384]

@@ -73,7 +73,7 @@ def _run_with_slots(step, a, stage, dev, program, links, slots):
     try:
         run_job(step, a.job, a.prev_job, stage, a.role, dev, program, links)
     finally:
-        mine.extend(pool.created)
+        mine[:] = pool.kept()       # Note [outgrown slots] (runtime/shared.py)
 
 
 def _stop(workers, devices):

@@ -208,6 +208,18 @@ class SlotPool:
             chunk[1] += need
         return chunk[0][start:start + n].view(dtype).view(shape)
 
+    def kept(self) -> list:
+        """The chunks the job keeps in its slot set after this step. Note [outgrown slots]: a
+        job's downloads are the same shapes every step at one sequence length, so its chunks
+        fit them exactly; at a longer length they outgrow them, the pool adds chunks, and the
+        old ones would stay in the set unused, step after step: the set would hold the sum over
+        every length seen (Llama-3.1-8B's max-length search ran 32,768 then 65,536 tokens in one
+        process and peaked at 251 GB of host memory, 31 B/param). So a step that added chunks keeps only the chunks it used;
+        one that added none keeps them all (a shorter length's downloads fit the longer one's
+        chunks: batches of varying length do not reallocate every step)."""
+        with self._lock:
+            return [c for c, used in self._chunks if used or not self.created]
+
 
 def cuda_register(base: torch.Tensor) -> None:
     """Page-lock a mapped file for asynchronous copies (cudaHostRegister), mapped into the
