@@ -14,8 +14,8 @@ from rpcompile.runtime.processes import WorkerDied
 from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull
 
 
-def _config(workers="processes", **kw):
-    return rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB", workers=workers,
+def _config(workers="processes", memory_budget="300KiB", **kw):
+    return rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=memory_budget, workers=workers,
                             **kw)
 
 
@@ -126,3 +126,31 @@ def test_a_plan_a_worker_cannot_load_fails_the_step_in_the_caller(monkeypatch):
         cm.train_step(torch.randn(4, 8))
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
 
+
+
+def test_slot_chunks_a_longer_sequence_outgrew_are_forgotten_by_every_process():
+    """Note [outgrown slots]: after a longer sequence the step's slot set keeps only the chunks
+    its jobs used, the files of the others are gone, a known length again adds no file, and
+    the gradients equal eager's over every call."""
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, _config(memory_budget="16MiB"))
+    ex = cm.runner.executor
+
+    def step(seq):
+        batch = lm_batch(batch=4, seq=seq)
+        cm.train_step(**batch)
+        ref(**batch).loss.backward()
+        cm.synchronize()
+        return set(os.listdir(ex.memory.directory)), {r.file for s in ex.slot_sets.free_sets()
+                                                      for refs in s.values() for r in refs}
+
+    step(2000)                                   # hidden states of 512,000 bytes: one chunk each
+    files, short = step(2000)
+    files_long, long = step(2300)                # 588,800 bytes: new chunks
+    dropped = short - long
+    assert dropped and long <= files_long and not dropped & files_long
+    step(2000)
+    files_again, _ = step(2000)
+    assert step(2000)[0] == files_again          # a known length: no new file
+    check_grads(model, ref)

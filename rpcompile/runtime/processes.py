@@ -165,7 +165,8 @@ class ProcessExecutor:
                 continue
             _, i = recv(conn)
             conns[i] = conn
-        hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))], self.slot_sets)
+        hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))], self.slot_sets,
+                   self.memory)
         # one hand-over counter per worker (Note [hand-over flags], runtime/handover.py)
         self.counters = self.memory.empty((len(config.devices),), torch.int32).zero_()
         counters = self.memory.ref(self.counters)
@@ -413,8 +414,9 @@ class _Hub:
     the caller's thread, "landed" are recorded here; a step's slots are released once its
     StepState is gone and all its jobs landed, and its slot set goes back to `slot_sets`."""
 
-    def __init__(self, devices, procs, conns, slot_sets):
+    def __init__(self, devices, procs, conns, slot_sets, memory):
         self.devices, self.procs, self.conns, self.slot_sets = devices, procs, conns, slot_sets
+        self.memory = memory
         self.locks = [threading.Lock() for _ in conns]
         self.by_conn = {c: i for i, c in enumerate(conns)}
         self.ended: queue.Queue = queue.Queue()
@@ -487,11 +489,19 @@ class _Hub:
         if info.get("failed") and ev is not None:
             self.failed.add(ev)
         wake = ev is not None and not ev.is_set()
+        gone = sorted({r.file for r in info.get("dropped", ())})
         with self.lock:     # before waking a waiter, who may drop the step (and release it)
             if info.get("chunks"):          # the job's slots grew: the set keeps the new chunks
-                record.slots.setdefault((run_no, job), []).extend(info["chunks"])
+                mine = record.slots.setdefault((run_no, job), [])
+                mine[:] = [r for r in mine if r.file not in gone] + info["chunks"]   # Note [outgrown slots]
             if wake:
                 record.outstanding -= 1
+        if gone and self.broken is None and not self.stopping:
+            try:
+                self.to_all(("forget", gone))
+            except OSError:
+                pass
+            self.memory.forget(gone)
         # released before waking the waiter too: a next step issued once this landing was seen
         # (delayed mode: after the optimizer step that waited for it) finds the slot set free
         self.maybe_release(record)

@@ -53,19 +53,20 @@ class SharedMemory:
     register(base uint8 tensor) is called once per file this process maps (a GPU worker
     pins it there)."""
 
-    def __init__(self, directory: str | None = None, register=None):
+    def __init__(self, directory: str | None = None, register=None, unregister=None):
         self.owner = directory is None
         self.directory = directory or os.path.join(_shm_root(), f"rpcompile-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         if self.owner:
             os.makedirs(self.directory)
             self._finalizer = weakref.finalize(self, _remove, self.directory)
-        self._register = register
+        self._register, self._unregister = register, unregister
         st = os.statvfs(self.directory)
         self.capacity = st.f_blocks * st.f_frsize               # the file system's size (a tmpfs: its limit)
         self.others = (st.f_blocks - st.f_bfree) * st.f_frsize  # what others used when we began
         self._files: dict = {}        # name -> base uint8 tensor
         self._by_ptr: dict = {}       # storage data_ptr -> name
         self._names = itertools.count()
+        self._made: dict = {}         # name -> bytes, the files this process made
         self._lock = threading.Lock()
         self.created_bytes = 0
 
@@ -97,7 +98,26 @@ class SharedMemory:
                 f.truncate(nbytes)
             base = self._map(name, nbytes)
             self.created_bytes += nbytes
+            self._made[name] = nbytes
         return base[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def forget(self, names) -> None:
+        """Drop this process's mappings of files no slot set holds any more (Note [outgrown
+        slots]), unpinned first; the owner also removes the files, so that their memory goes once
+        no process maps them (a tensor still viewing one keeps its mapping until it dies)."""
+        for name in names:
+            with self._lock:
+                base = self._files.pop(name, None)
+                if base is not None:
+                    self._by_ptr.pop(base.untyped_storage().data_ptr(), None)
+                self.created_bytes -= self._made.pop(name, 0)
+            if base is not None and self._unregister is not None:
+                self._unregister(base)
+            if self.owner:
+                try:
+                    os.remove(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
 
     def ref(self, t: torch.Tensor):
         """The Ref of a contiguous tensor in one of the files this process mapped, else None."""
@@ -214,11 +234,19 @@ class SlotPool:
         fit them exactly; at a longer length they outgrow them, the pool adds chunks, and the
         old ones would stay in the set unused, step after step: the set would hold the sum over
         every length seen (Llama-3.1-8B's max-length search ran 32,768 then 65,536 tokens in one
-        process and peaked at 251 GB of host memory, 31 B/param). So a step that added chunks keeps only the chunks it used;
-        one that added none keeps them all (a shorter length's downloads fit the longer one's
-        chunks: batches of varying length do not reallocate every step)."""
+        process and peaked at 251 GB of host memory, 31 B/param). So a step that added chunks
+        keeps only the chunks it used; one that added none keeps them all (a shorter length's
+        downloads fit the longer one's chunks: batches of varying length do not reallocate
+        every step). With worker processes the chunks are shared files: the main process takes
+        a job's dropped chunks out of the set and every process forgets them
+        (`SharedMemory.forget`)."""
         with self._lock:
             return [c for c, used in self._chunks if used or not self.created]
+
+    def dropped(self) -> list:
+        """The chunks `kept` leaves out."""
+        with self._lock:
+            return [c for c, used in self._chunks if not used and self.created]
 
 
 def cuda_register(base: torch.Tensor) -> None:
@@ -228,3 +256,8 @@ def cuda_register(base: torch.Tensor) -> None:
     err = cudart.cudaHostRegister(base.data_ptr(), base.numel(), 3)   # Portable | Mapped
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {base.numel()} bytes of shared host memory failed: {err}")
+
+
+def cuda_unregister(base: torch.Tensor) -> None:
+    """Undo `cuda_register` before the mapping goes."""
+    torch.cuda.cudart().cudaHostUnregister(base.data_ptr())

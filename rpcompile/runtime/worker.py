@@ -48,7 +48,7 @@ from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
-from .shared import Ref, SharedMemory, SlotPool, cuda_register
+from .shared import Ref, SharedMemory, SlotPool, cuda_register, cuda_unregister
 from .trace import Tracer
 from . import warmup
 from ..errors import StageError
@@ -240,7 +240,8 @@ class Worker:
         torch.set_float32_matmul_precision(init["float32_matmul_precision"])   # as the user set it
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-        self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None)
+        self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
+                                   unregister=cuda_unregister if self.is_cuda else None)
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
@@ -397,6 +398,8 @@ class Worker:
                 self.steps.pop(msg[1], None)
                 self.early.pop(msg[1], None)
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
+        elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots])
+            self.memory.forget(msg[1])
         elif kind in ("done", "fail"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
@@ -523,7 +526,8 @@ class Worker:
                            "pinned": (self.index, self.label, torch.cuda.host_memory_stats().get(
                                "allocated_bytes.current", 0) if self.is_cuda else 0),
                            "error": error, "failed": err is not None or aborted,
-                           "chunks": [self.memory.ref(c) for c in pool.created]}))
+                           "chunks": [self.memory.ref(c) for c in pool.created],
+                           "dropped": [self.memory.ref(c) for c in pool.dropped()]}))
         # if waiting for the copies failed, the main process hears so (it waits for "landed")
         self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
 
