@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..runtime import ops as rp
-from .graph_utils import output_node
+from .graph_utils import graph_module, output_node
 
 _RANDOM_FUNCTIONS = {
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
@@ -110,7 +110,7 @@ def _compute_graph(gm, body, a, b, inputs, outputs, rng_positions, name):
         env[n] = g.node_copy(n, lambda x: env[x])
     g.output(tuple(env[o] for o in outputs))
     g.lint()
-    return fx.GraphModule(gm, g, class_name=name), has_random
+    return graph_module(gm, g, name), has_random
 
 
 def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad_inputs, params, has_random, name):
@@ -135,7 +135,7 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     grads = g.call_function(rp.vjp, (tuple(outs[o] for o in grad_outputs), wrt, tuple(seeds)))
     g.output((tuple(outs[o] for o in outputs), grads))
     g.lint()
-    return fx.GraphModule(root, g, class_name=name)
+    return graph_module(root, g, name)
 
 
 def _stage_reads(nodes, inside):
@@ -322,7 +322,7 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
     g.output(None)
     order_transfers(g)
     g.lint()
-    return fx.GraphModule(root, g, class_name=f"Stage{st.index}_{role}_program")
+    return graph_module(root, g, f"Stage{st.index}_{role}_program")
 
 
 class _ProgramGraph(fx.Graph):

@@ -8,6 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 _SIDE_EFFECT_FUNCTIONS = {torch._C._log_api_usage_once}
@@ -129,11 +130,31 @@ def map_devices(value, mapping):
     return value
 
 
+def graph_module(root, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """Note [lazy graph modules]: a GraphModule whose Python code is generated when it is first
+    called or its `.code` read, not when it is built (torch's _LazyGraphModule, which Dynamo uses
+    for the same reason). The passes build hundreds of graph modules that never run (a plan's
+    stage graphs, of which the devices run retargeted copies; pieces that only feed the cost
+    model): generating their code was 2.4 of 6.2 s of a re-plan for a new length on the CPU
+    (28-layer Qwen3 graph). runtime/programs.py generates the code of a program when it is
+    built for a device, and of a piece before torch.compile traces it (`generate_code`)."""
+    return _LazyGraphModule(root, graph, class_name=class_name)
+
+
+def generate_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """The Python code of a lazy graph module and of its graph-module children, generated now
+    (in this thread: worker threads may share a program, Note [lazy graph modules])."""
+    for m in gm.modules():
+        if isinstance(m, _LazyGraphModule):
+            m.real_recompile()
+    return gm
+
+
 def clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of gm whose graph (and node metas, shallowly) can be rewritten independently."""
     g = fx.Graph()
     g.output(g.graph_copy(gm.graph, {}))
-    new = fx.GraphModule(gm, g, class_name=type(gm).__name__)
+    new = graph_module(gm, g, type(gm).__name__)
     new.meta = dict(getattr(gm, "meta", {}))
     return new
 
@@ -151,4 +172,4 @@ def retarget(gm: fx.GraphModule, mapping: dict) -> fx.GraphModule:
     for n in g.nodes:
         if n.op in ("get_attr", "call_module") and n.target not in root:
             root[n.target] = gm.get_submodule(n.target) if n.op == "call_module" else getattr(gm, n.target)
-    return fx.GraphModule(root, g, class_name=type(gm).__name__)
+    return graph_module(root, g, type(gm).__name__)

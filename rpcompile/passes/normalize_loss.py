@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import bind_cross_entropy, output_values
+from .graph_utils import bind_cross_entropy, graph_module, output_values
 
 
 @dataclass
@@ -109,7 +109,7 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
         labels = g.call_function(torch.Tensor.__getitem__, (env[target], counted))
         picked = g.call_function(torch.Tensor.__getitem__, (w, labels))
         g.output(g.call_method("sum", (g.call_method("double", (picked,)),)))
-    return fx.GraphModule(gm, g, class_name="LossCounter")
+    return graph_module(gm, g, "LossCounter")
 
 
 def _classes(logits: fx.Node) -> Optional[int]:

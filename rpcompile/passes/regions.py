@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch.fx as fx
 
+from .graph_utils import graph_module
+
 # A run of one block shorter than this is not cut out (a decoder layer has ~50-100 nodes).
 MIN_BLOCK_NODES = 8
 # A graph is cut only when some block piece occurs this many times in it. 1: a piece is reused
@@ -167,7 +169,7 @@ def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: st
         env[n].meta.pop("stack_trace", None)   # layer-independent code, without source comments
     g.output(tuple(env[o] for o in outputs))
     g.lint()
-    return fx.GraphModule(gm, g, class_name=name), ints
+    return graph_module(gm, g, name), ints
 
 
 # Note [pieces at handed-out values]: a piece returns the values used outside it, and which those
@@ -230,7 +232,7 @@ def split_regions(gm: fx.GraphModule) -> fx.GraphModule:
         names.append(f"region{i}")
     top.output(fx.map_arg(out.args[0], env.__getitem__))
     top.lint()
-    split = fx.GraphModule({name: p for name, (_, p, _, _) in zip(names, pieces)}, top, class_name=type(gm).__name__)
+    split = graph_module({name: p for name, (_, p, _, _) in zip(names, pieces)}, top, type(gm).__name__)
     split.meta = dict(getattr(gm, "meta", {}))
     split.meta["rp_regions"] = names
     split.meta["rp_region_keys"] = piece_keys     # their piece_key, for compile_regions

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..passes.graph_utils import retarget
+from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
 from .warmup import WarmupGuard
 
@@ -23,6 +23,7 @@ def compiled(prog, options=None, shared=None):
     shared = {} if shared is None else shared
 
     def inductor(gm):
+        generate_code(gm)   # before Dynamo traces it (Note [lazy graph modules])
         return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options))
 
     for name, child in list(prog.named_children()):
@@ -108,7 +109,7 @@ class ProgramCache:
                 prog = retarget(prog, {capture_device.type: device})
             if self.use_inductor(stage):
                 prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device), {}))
-            self._programs[key] = prog
+            self._programs[key] = generate_code(prog)
         return prog
 
     def clear(self):
