@@ -410,6 +410,8 @@ def pinned_tensors(limit: int = 8) -> dict:
             continue
         entry = storages.setdefault(st.data_ptr(), [st.nbytes(), list(o.shape), str(o.dtype), 0, o])
         entry[3] += 1
+        if o.numel() > entry[4].numel():      # the largest view names the buffer (a slot is a view of it)
+            entry[1:3], entry[4] = [list(o.shape), str(o.dtype)], o
     rows = sorted(storages.values(), key=lambda e: -e[0])
     skip = {id(objects), id(rows)} | {id(e) for e in rows}
     del objects
@@ -672,7 +674,8 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         else:
             fail = s
         rec.update(probes=probes, maxseq_ok=ok, maxseq_fail=fail, current_probe=None)
-        if not good and trainer.restart_after_oom and next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit, spec.maxseq_step):
+        if not good and trainer.restart_after_oom and next_probe(ok, fail, spec.maxseq_start, spec.maxseq_limit,
+                                                                 spec.maxseq_step):
             raise RestartRequested(f"out of memory at {s} tokens; {type(trainer).__name__} restarts after an OOM")
     rec.update(phase="done", max_seq=ok)
 

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # `pytest` as well as `python -m pytest`
 from benchmarks import common, harness, report, run_files  # noqa: E402
@@ -748,3 +749,22 @@ def test_exact_mode_rows_read_the_issues_tree_in_the_same_run():
     assert _bar_row(rows, "overlapped mode", "1").verdict == "no reference"     # no overlapped run at the issue's tree
     rows = bar.evaluate(runs[1:])
     assert _bar_row(rows, "exact mode", "1").verdict == "holds"
+
+
+def test_pinned_tensors_names_what_holds_each_storage(monkeypatch):
+    """benchmarks.common.pinned_tensors: live pinned tensors grouped by storage, largest first,
+    each with the attribute or key that holds it (pinned here: a stand-in for is_pinned)."""
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.buf = torch.zeros(1000)
+    view = holder.buf[10:20]                  # a view: the same storage, counted once
+    keyed = {"slot": torch.zeros(7, dtype=torch.float64)}
+    mine = {id(holder.buf), id(view), id(keyed["slot"])}
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: id(self) in mine)
+    found = common.pinned_tensors(limit=4)
+    assert found["storages"] == 2 and found["found_bytes"] == 4000 + 56
+    (n0, shape0, _, count0, owner0), (n1, _, dtype1, _, owner1) = found["largest"]
+    assert (n0, shape0, count0, n1, dtype1) == (4000, [1000], 2, 56, "torch.float64")
+    assert "Holder[buf]" in owner0 and owner1 == "dict[slot]"
