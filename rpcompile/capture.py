@@ -53,6 +53,7 @@ class Captured:
     on_copies: bool = False  # traced on copies in the compute dtype (capture_call), not on real inputs
     shape_env: Any = None    # dynamo's ShapeEnv: the size symbols' ranges and guards (shapes.py)
     costs: dict = field(default_factory=dict)   # the cost pass's results by graph (Note [costs per capture] in passes/cost.py)
+    node_costs: dict = field(default_factory=dict)   # its measurements by node signature (the same Note)
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

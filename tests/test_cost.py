@@ -442,3 +442,37 @@ def test_gpu_plans_of_a_qwen3_1_7b_shape(monkeypatch):
     assert "model.layers.15 (" in str(plans[4, False]) and "(self_attn" not in str(plans[4, True])
     assert (plans[4, True].stage_plan.est_time
             <= (1 + passes.BLOCK_CUT_SLACK) * plans[4, False].stage_plan.est_time)
+
+
+def test_a_capture_keeps_its_node_measurements_for_graphs_its_key_misses(monkeypatch):
+    """Note [costs per capture]: a plan of the same capture whose graph differs (another LM-head
+    shard count) measures only the nodes not measured before, and gets the costs a fresh
+    annotation gives."""
+    import rpcompile
+    from rpcompile import passes
+    from rpcompile.capture import capture_call
+    from rpcompile.passes import cost
+
+    from models import qwen3
+
+    model = qwen3(vocab=512)
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    cap = capture_call(model, (), {"input_ids": ids, "labels": ids}, dtype=None, device=torch.device("cpu"),
+                       dynamic_lengths=True)
+    measured = []
+    measure = cost._Annotator._measure
+    monkeypatch.setattr(cost._Annotator, "_measure", lambda self, node, *a: measured.append(node.name) or
+                        measure(self, node, *a))
+
+    def plan(shards):
+        config = rpcompile.Config(devices=["cpu"], num_microbatches=2, lm_head_shards=shards)
+        return passes.compile_graph(cap, config, "train")
+
+    plan(2)
+    first = len(measured)
+    p3 = plan(3)
+    again = len(measured) - first
+    assert 0 < again < first / 2, (first, again)        # the layers were measured once
+    kept = cost.graph_costs(p3.gm)[0]
+    fresh = cost.graph_costs(cost.annotate_costs(p3.gm))[0]   # the same graph, measured afresh
+    assert kept and kept == fresh

@@ -208,7 +208,7 @@ def annotate_costs_pass(st: CompileState) -> CompileState:
     if key is not None and key in kept:
         st.gm = set_costs(st.gm, kept[key])
     else:
-        st.gm = annotate_costs(st.gm)
+        st.gm = annotate_costs(st.gm, getattr(st.captured, "node_costs", None))
         if key is not None:
             kept[key] = graph_costs(st.gm)
     return st
