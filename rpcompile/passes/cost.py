@@ -17,6 +17,7 @@ a plan can be re-evaluated for a new batch size by substitution (:func:`evaluate
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -176,10 +177,22 @@ def _tensor_bytes(t: torch.Tensor) -> sympy.Expr:
 
 
 def evaluate(expr, bindings: dict | None = None) -> float:
-    """Value of ``expr`` with symbols bound by ``bindings`` (keys: sympy Symbols or their names)."""
+    """Value of ``expr`` with symbols bound by ``bindings`` (keys: sympy Symbols or their names).
+    Memoised: the planner evaluates the same few expressions (one per kind of node of a decoder
+    layer) tens of thousands of times at one set of sizes."""
     expr = sympy.sympify(expr)
-    by_name = {(k.name if isinstance(k, sympy.Symbol) else str(k)): v
-               for k, v in (bindings or {}).items()}
+    if expr.is_Number:
+        return float(expr)
+    names = tuple(sorted(((k.name if isinstance(k, sympy.Symbol) else str(k)), v) for k, v in (bindings or {}).items()))
+    try:
+        return _evaluate(expr, names)
+    except TypeError:   # a value that cannot be hashed
+        return _evaluate.__wrapped__(expr, names)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _evaluate(expr, names: tuple) -> float:
+    by_name = dict(names)
     subs, missing = {}, []
     for s in expr.free_symbols:
         if s.name in by_name:
