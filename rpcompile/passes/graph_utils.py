@@ -133,9 +133,9 @@ def map_devices(value, mapping):
 def graph_module(root, graph: fx.Graph, class_name: str) -> fx.GraphModule:
     """Note [lazy graph modules]: a GraphModule whose Python code is generated when it is first
     called or its `.code` read, not when it is built (torch's _LazyGraphModule, which Dynamo uses
-    for the same reason). The passes build hundreds of graph modules that never run (a plan's
-    stage graphs, of which the devices run retargeted copies; pieces that only feed the cost
-    model): generating their code was 2.4 of 6.2 s of a re-plan for a new length on the CPU
+    for the same reason). The passes build hundreds of graph modules that never run (the graphs
+    between rewrites; a plan's stage graphs, of which the devices run retargeted copies):
+    generating their code was 2.4 of 6.2 s of a re-plan for a new length on the CPU
     (28-layer Qwen3 graph). runtime/programs.py generates the code of a program when it is
     built for a device, and of a piece before torch.compile traces it (`generate_code`)."""
     return _LazyGraphModule(root, graph, class_name=class_name)
