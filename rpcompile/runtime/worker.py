@@ -523,8 +523,7 @@ class Worker:
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
                            # bytes held by torch's caching host allocator here (pin_memory=True blocks)
-                           "pinned": (self.index, self.label, torch.cuda.host_memory_stats().get(
-                               "allocated_bytes.current", 0) if self.is_cuda else 0),
+                           "pinned": (self.index, self.label, warmup.pinned_bytes(self.device)),
                            "error": error, "failed": err is not None or aborted,
                            "chunks": [self.memory.ref(c) for c in pool.created],
                            "dropped": [self.memory.ref(c) for c in pool.dropped()]}))
