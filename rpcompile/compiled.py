@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from .capture import capture_call, flatten_call
 from .config import Config
 from .errors import InputError
-from .passes import compile_graph
+from .passes import PlanningError, compile_graph
 from .passes.batch import LOSS_TARGET
 from .plan_cache import PlanCache
 from .runner import GraphRunner
@@ -35,6 +35,9 @@ class CompiledModel(torch.nn.Module):
         self.config = config or Config()
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
+        # the optimizer's share on the devices the plans reserve: None until the first train plan
+        # chooses it (Note [optimizer share by room] in passes/host_memory.py)
+        self._on_devices = self.config.optimizer_on_devices
         self._last_plan = None
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -76,7 +79,7 @@ class CompiledModel(torch.nn.Module):
             return cap
 
         def compile(cap, at):
-            plan = compile_graph(cap, config, mode, loss_output=0 if loss_fn is not None else None, at=at)
+            plan = self._compile(cap, mode, 0 if loss_fn is not None else None, at)
             if captured_s:          # this call captured: the capture's first plan
                 plan.compile_seconds = {"dynamo_capture": captured_s.pop(), **plan.compile_seconds}
             if self._dump_dir:
@@ -86,6 +89,24 @@ class CompiledModel(torch.nn.Module):
         plan = self._plans.lookup(key, leaves, capture, compile)
         self._last_plan = plan
         return plan, leaves
+
+    def _compile(self, cap, mode, loss_output, at):
+        """compile_graph beside the optimizer's share on the devices that the plans reserve; a
+        share the plan chose itself (Config.optimizer_on_devices=None) that leaves a new plan no
+        room comes back to the host first (Note [optimizer share by room] in passes/host_memory.py)."""
+        try:
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=self._on_devices)
+        except PlanningError:
+            if self.config.optimizer_on_devices is not None or not self._on_devices:
+                raise
+            self._on_devices = self.runner.optimizer_share = 0.0
+            if self.runner.overlapped is not None:
+                self.synchronize()
+                self.runner.overlapped.bring_home()
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
+        if self._on_devices is None and mode == "train":
+            self._on_devices = self.runner.optimizer_share = plan.optimizer_share
+        return plan
 
     @property
     def plan(self):
@@ -149,8 +170,7 @@ class CompiledModel(torch.nn.Module):
                              "mode call optimizer.step() yourself after train_step")
         self.synchronize()
         self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
-                                               chunks=chunks, state_devices=self.config.devices,
-                                               on_devices=self.config.optimizer_on_devices))
+                                               chunks=chunks, state_devices=self.config.devices))
 
     def synchronize(self) -> None:
         """Wait for the last step's jobs (delayed mode returns before its backward jobs end:

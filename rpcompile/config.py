@@ -46,7 +46,11 @@ class Config:
         copy of their masters and their optimizer state stay on the devices, split evenly among
         them, so the host does less of each step's update and holds less state (Note [optimizer
         state on the devices] in runtime/flat.py). The planner leaves that memory (AdamW: 12
-        bytes a parameter) out of each device's budget. 0 (the default): every update on the host.
+        bytes a parameter) out of each device's budget. 0: every update on the host. None (the
+        default): on GPUs, the first train plan chooses the largest share that fits in half of
+        what its stage jobs leave of each device's budget, and a later plan that does not fit
+        beside it (a longer sequence) brings the state back to the host (Note [optimizer share
+        by room] in passes/host_memory.py); 0 on CPU devices and in exact mode.
     peer_transfers: a boundary activation the next stage job reads goes GPU to GPU where peer
         access exists (the host still gets a copy if a later job reads it), instead of through
         host memory.
@@ -74,7 +78,7 @@ class Config:
     loss_fn: Optional[Callable] = None
     lm_head_shards: Optional[int] = None
     optimizer_mode: str = "exact"
-    optimizer_on_devices: float = 0.0
+    optimizer_on_devices: Optional[float] = None
     compile_stages: Optional[bool] = None   # Inductor for stage compute; None: on for GPUs
     dump_dir: Optional[str] = None
     max_jobs: Optional[int] = None
@@ -121,10 +125,11 @@ class Config:
                              "on through shared host memory")
         if self.optimizer_mode not in ("exact", "overlapped", "delayed"):
             raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact', 'overlapped' or 'delayed'")
-        share = self.optimizer_on_devices
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+        share = self.optimizer_on_devices     # (None: the first train plan chooses it)
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
+                                  or not 0.0 <= share <= 1.0):
             raise ValueError(f"Config.optimizer_on_devices={share!r}: give the share of the parameters whose "
-                             "optimizer steps on the devices, a number from 0 to 1")
+                             "optimizer steps on the devices, a number from 0 to 1 (or None: chosen by the plan)")
         if share and self.optimizer_mode == "exact":
             raise ValueError("Config.optimizer_on_devices needs optimizer_mode='overlapped' or 'delayed' (an attached "
                              "optimizer that rpcompile steps); in exact mode your optimizer.step() runs on the host")

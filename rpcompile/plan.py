@@ -172,6 +172,7 @@ class Plan:
     steps_overlap: bool = False                          # delayed mode's train steps may overlap (passes._steps_overlap)
     early_first_upload: bool = True                      # the next step's first job may go up at the loss (Note [resident weights])
     prefetch_bytes: tuple = ()                           # per job, the most bytes of the next job's weights it prefetches; () no limit
+    optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
@@ -325,7 +326,7 @@ class Plan:
     def to_json(self) -> dict:
         rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
-                "memory_budget": self.memory_budget, "bindings": {k: int(v) for k, v in self.bindings.items()},
+                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share, "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),

@@ -55,6 +55,9 @@ class GraphRunner:
         self.recent_tracers: list = []   # the last steps' tracers (recent_traces)
         self.pending = None              # _PendingStep: a step whose backward jobs may still run
         self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
+        # the share of an attached optimizer placed on the devices: what the plans reserve there
+        # (CompiledModel._compile; Note [optimizer share by room] in passes/host_memory.py)
+        self.optimizer_share = config.optimizer_on_devices or 0.0
 
     @property
     def overlapped(self):

@@ -157,6 +157,28 @@ def test_masters_go_up_only_where_the_host_changed_them(monkeypatch):
     assert stepper.master_uploads - before == on_dev     # after the failure every master went up, once
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_state_brought_home_steps_on_as_the_users_optimizer(name):
+    """FlatStepper.bring_home (Note [optimizer share by room]): the devices' state comes back into
+    host buffers as long as the masters, the user's entries view them, and the steps go on as the
+    user's optimizer's."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](params), OPTIMIZERS[name](ref_params)
+    stepper = _stepper(params, opt, 0.5)
+    _step_both(stepper, params, ref_opt, ref_params, range(3))
+    assert stepper.masters.on_devices and stepper._device_masters
+    stepper.bring_home()
+    assert not stepper.masters.on_devices and not stepper._device_masters and stepper.masters.share == 0.0
+    host = {where for (_, _, where) in stepper._state_bufs}
+    assert host == {None}
+    for p, r in zip(params, ref_params):
+        for key, v in stepper._views[id(p)].items():
+            assert opt.state[p][key] is v
+            torch.testing.assert_close(v, ref_opt.state[r][key])
+    _step_both(stepper, params, ref_opt, ref_params, range(3, 6))
+
+
 def _qwen():
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
@@ -264,8 +286,92 @@ def test_lm_head_shards_are_sized_by_the_jobs_budget(monkeypatch):
     assert shards[1.0] > shards[0.0], shards
 
 
+def test_share_by_room_is_the_largest_64th_that_fits_half_the_room():
+    from rpcompile.passes.host_memory import ROOM_SHARE, device_optimizer_bytes, share_by_room
+    params = list(_qwen().parameters())
+
+    def need(share):
+        return device_optimizer_bytes(params, share, 2)
+    assert share_by_room(params, 2, 0) == 0.0 == share_by_room(params, 2, -5)
+    assert share_by_room(params, 2, int(need(1.0) / ROOM_SHARE)) == 1.0
+    room = int(need(0.5) / ROOM_SHARE)
+    share = share_by_room(params, 2, room)
+    assert 0 < share <= 0.5 and need(share) <= ROOM_SHARE * room < need(share + 1 / 64)
+    assert share_by_room(params, 2, int(need(1 / 64) / ROOM_SHARE) - 1) == 0.0
+
+
+def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monkeypatch):
+    """Config.optimizer_on_devices=None (the default; on CPU devices only where a test lets it
+    apply): the first train plan puts what fits in half its room on the devices and plans the
+    jobs beside it; a longer sequence whose jobs do not fit beside it brings the state back to the
+    host and plans without it; the shorter length keeps its plan. Losses and parameters equal a
+    run with every update on the host all along (Note [optimizer share by room])."""
+    import rpcompile
+    from models import lm_batch
+    from rpcompile import passes
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    monkeypatch.setattr(passes, "_share_by_room_applies",
+                        lambda st: st.mode == "train" and st.config.optimizer_mode != "exact")
+
+    def compiled(**kw):
+        model = _qwen()
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       lm_head_shards=4, **kw))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        cm.attach_optimizer(opt)
+        return model, cm, opt
+
+    model, probe, _ = compiled(memory_budget=1, optimizer_on_devices=0.0)
+    with pytest.raises(rpcompile.PlanningError) as e:
+        probe.train_step(**lm_batch(batch=4, seq=256, vocab=256, seed=0))
+    budget = e.value.min_budget + 1000                      # 256 tokens fit with nothing beside the jobs
+    kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
+    runs = {}
+    for share in (None, 0.0):
+        model, cm, opt = compiled(memory_budget=budget, optimizer_on_devices=share)
+        losses = []
+        for t, seq in enumerate((8, 8, 256, 8, 256)):
+            losses.append(float(cm.train_step(**lm_batch(batch=4, seq=seq, vocab=256, seed=t))))
+            if share is None and t == 1:
+                cm.synchronize()
+                plan, masters = cm.plan, cm.runner.overlapped.masters
+                assert plan.optimizer_share == 1.0 == cm.runner.optimizer_share
+                assert plan.memory_budget == budget - kept and max(plan.stage_plan.job_memory) <= plan.memory_budget
+                assert masters.on_devices and cm.runner.overlapped.stepper._device_masters
+                assert "a share of 1" in str(plan)
+                short_plan = plan
+        cm.synchronize()
+        runs[share] = (losses, [p.detach().clone() for p in model.parameters()], model, cm, opt)
+    (l_auto, p_auto, model, cm, opt), (l_host, p_host, _, _, _) = runs[None], runs[0.0]
+    assert l_auto == pytest.approx(l_host, rel=1e-6)
+    for a, b in zip(p_auto, p_host):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # the long plan has the whole budget; the state is home, one host buffer under the user's entries
+    assert cm.plan.optimizer_share == 0.0 == cm.runner.optimizer_share and cm.plan.memory_budget == budget
+    assert not cm.runner.overlapped.masters.on_devices and not cm.runner.overlapped.stepper._device_masters
+    bufs = {opt.state[p]["momentum_buffer"].untyped_storage().data_ptr() for p in model.parameters() if p.numel() > 1}
+    assert len(bufs) == 1
+    assert short_plan in cm._plans.plans() and len(cm._plans.plans()) == 2
+
+
+def test_the_default_share_is_chosen_on_gpus_only():
+    """On CPU devices, in exact mode and for a call's plan, the default chooses nothing."""
+    import rpcompile
+    from models import lm_batch
+    model = _qwen()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                   memory_budget=2**30))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+    cm.synchronize()
+    assert rpcompile.Config().optimizer_on_devices is None
+    assert cm.plan.optimizer_share == 0.0 == cm.runner.optimizer_share and cm.plan.memory_budget == 2**30
+    assert not cm.runner.overlapped.masters.on_devices
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(optimizer_on_devices=1.5), "a number from 0 to 1"),
+    (dict(optimizer_on_devices="auto"), "a number from 0 to 1"),
     (dict(optimizer_on_devices=True), "a number from 0 to 1"),
     (dict(optimizer_on_devices=0.5), "needs optimizer_mode='overlapped' or 'delayed'"),
 ])

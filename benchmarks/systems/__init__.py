@@ -52,6 +52,10 @@ SYSTEMS = {
                                           "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=1.0) + "
                                           "cm.attach_optimizer(AdamW)", rpcompile_delayed="1",
                                           rpcompile_optimizer_on_devices="1.0"),
+    "rpcompile-delayed-host": _rpcompile("rpcompile-delayed-host",
+                                          "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=0.0) + "
+                                          "cm.attach_optimizer(AdamW): every update on the host",
+                                          rpcompile_delayed="1", rpcompile_optimizer_on_devices="0.0"),
     "rpcompile-p2p": _rpcompile("rpcompile-p2p", "rpcompile, Config(peer_transfers=True)", rpcompile_peer="1"),
     "rpcompile-overlapped-p2p": _rpcompile("rpcompile-overlapped-p2p",
                                            "rpcompile, Config(optimizer_mode='overlapped', peer_transfers=True)",

@@ -65,7 +65,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, graph_costs, graph_key, set_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import device_optimizer_bytes, host_memory
+from .host_memory import device_optimizer_bytes, host_memory, share_by_room
 from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
@@ -97,7 +97,10 @@ class CompileState:
     segments: Any = None
     cut_bytes: Any = None
     budget: Optional[int] = None
-    reserved: int = 0                  # bytes of each device the optimizer keeps (Config.optimizer_on_devices)
+    # the optimizer's share on the devices: Config.optimizer_on_devices or what an earlier plan
+    # chose; None: solve_stages chooses it (Note [optimizer share by room] in passes/host_memory.py)
+    on_devices: Optional[float] = None
+    reserved: int = 0                  # bytes of each device the optimizer keeps (that share)
     mutated_buffers: list = field(default_factory=list)   # buffer indices the graph updates in place
     steps_overlap: bool = False        # the runtime lets train steps overlap (Plan.steps_overlap)
     early_first_upload: bool = False   # delayed mode uploads the next step's first job at the loss (Plan.early_first_upload)
@@ -158,7 +161,7 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        jobs = jobs_budget(st.config, st.captured.params)[2]
+        jobs = jobs_budget(st.config, st.captured.params, st.on_devices)[2]
         st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards,
                               max_logit_bytes=max_logit_bytes(st.config, jobs), at=_lengths_at(st))
         st.lm_head = st.gm.meta.get("rp_lm_head")
@@ -182,15 +185,14 @@ def _lengths_at(st: CompileState) -> Optional[dict]:
     return dict.fromkeys(names, L) if names else None
 
 
-def jobs_budget(config, params) -> tuple:
+def jobs_budget(config, params, share) -> tuple:
     """(Config.memory_budget in bytes or None, the bytes of it each device keeps for the
-    optimizer (Config.optimizer_on_devices: Note [optimizer state on the devices] in
-    runtime/flat.py), what is left for the stage jobs or None)."""
+    optimizer's share on the devices (Note [optimizer state on the devices] in
+    runtime/flat.py; None: not chosen yet, nothing), what is left for the stage jobs or None)."""
     budget = _memory_budget(config)
     if budget is None:
         return None, 0, None
-    reserved = (device_optimizer_bytes(params, config.optimizer_on_devices, len(config.devices))
-                if config.optimizer_on_devices else 0)
+    reserved = device_optimizer_bytes(params, share, len(config.devices)) if share else 0
     return budget, reserved, max(0, budget - reserved)
 
 
@@ -243,7 +245,7 @@ def _stages_compiled(config) -> bool:
 def solve_stages_pass(st: CompileState) -> CompileState:
     config, hw = st.config, st.hardware
     # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
-    budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params)
+    budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params, st.on_devices)
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
 
@@ -265,11 +267,25 @@ def solve_stages_pass(st: CompileState) -> CompileState:
             plan = None
         if plan is not None and plan.est_time <= (1 + BLOCK_CUT_SLACK) * st.stage_plan.est_time:
             st.stage_plan, st.cuts, st.segments, st.cut_bytes = plan, cuts, segments, cut_bytes
+    if st.on_devices is None:   # Note [optimizer share by room] (passes/host_memory.py)
+        st.on_devices = 0.0
+        if _share_by_room_applies(st) and st.budget is not None:
+            room = st.budget - max(st.stage_plan.job_memory)
+            st.on_devices = share_by_room(st.captured.params, len(config.devices), room)
+            st.reserved = device_optimizer_bytes(st.captured.params, st.on_devices, len(config.devices))
+            st.budget -= st.reserved
     # what is resident beside each job (Note [resident weights])
     st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
         st.stage_plan, st.segments, st.budget, len(config.devices),
         may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
     return st
+
+
+def _share_by_room_applies(st: CompileState) -> bool:
+    """Whether a plan chooses the optimizer's share on the devices: a train plan on GPUs whose
+    steps an attached optimizer takes (overlapped, delayed). On CPU devices the devices' memory
+    is the host's."""
+    return st.config.on_gpu and st.mode == "train" and st.config.optimizer_mode != "exact"
 
 
 def _mutated_buffers(gm) -> list:
@@ -310,13 +326,14 @@ def describe_io(st: CompileState) -> CompileState:
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
+    plan.optimizer_share = st.on_devices or 0.0
     st.plan = plan
     return st
 
 
 def host_memory_pass(st: CompileState) -> CompileState:
     st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode,
-                                      st.config.workers, st.config.optimizer_on_devices)
+                                      st.config.workers, st.plan.optimizer_share)
     return st
 
 
@@ -386,11 +403,13 @@ class PassTexts(Sequence):
         return f"PassTexts({[name for name, _, _ in self._items]})"
 
 
-def compile_graph(cap, config, mode: str, loss_output=None, at=None) -> Plan:
+def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config") -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
-    at: {symbol name: size} to plan at instead of the capture's sizes."""
+    at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
+    share on the devices to plan with (None: the plan chooses it; default: the config's)."""
     st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
-                      loss_output_arg=loss_output)
+                      loss_output_arg=loss_output,
+                      on_devices=config.optimizer_on_devices if on_devices == "config" else on_devices)
     names = [name for name, _, _ in PASSES]
     last_rewrite = max(names.index(name) for name in GRAPH_REWRITES)
     printed, seconds = PassTexts(), {}

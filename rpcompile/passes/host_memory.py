@@ -149,6 +149,29 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
 
 
+
+# Note [optimizer share by room]: the optimizer on the devices (Config.optimizer_on_devices) made
+# delayed mode faster where the host's update was what steps waited for, and took its state off
+# the host: Qwen3-1.7B on 4 H200s 111,914 tokens/s against 96,975 with every update on the host,
+# host memory 33.8 against 50.0 GiB; Llama-3.1-8B 30,562 against 30,420, 119.0 against 175.9 GiB
+# (benchmarks/RESULTS.md, twenty-sixth session). Where the devices have the room, there is no
+# reason to leave it on the host; where they have not, the jobs need it. So by default
+# (optimizer_on_devices=None) the first train plan on GPUs chooses the share: solved with nothing
+# reserved, it gives the optimizer at most ROOM_SHARE of what its largest job leaves of the budget
+# (the rest stays for prefetching weights and for what the estimates miss), in 64ths, and plans
+# the resident weights beside what is left. Later plans reserve that share; one that does not fit
+# beside it (a longer sequence) is made without it, and the state goes back to the host first
+# (CompiledModel._compile, FlatStepper.bring_home), so a length that trains with every update on
+# the host trains by default too.
+ROOM_SHARE = 0.5
+
+
+def share_by_room(params, num_devices: int, room: int) -> float:
+    """The largest share, in 64ths, whose device bytes (device_optimizer_bytes) fit in
+    ROOM_SHARE of `room`, the bytes each device has beside its largest job; 0 if none."""
+    fits = [n for n in range(1, 65) if device_optimizer_bytes(params, n / 64, num_devices) <= ROOM_SHARE * room]
+    return fits[-1] / 64 if fits else 0.0
+
 @dataclass
 class HostMemory:
     masters: int
@@ -163,6 +186,7 @@ class HostMemory:
     grad_layout: GradLayout = field(default_factory=GradLayout, repr=False)
     grad_dtype: torch.dtype = torch.float32   # of the host gradient set (host_grad_dtype)
     device_optimizer: int = 0  # per device: masters and state of the optimizer's share there (not host memory)
+    device_share: float = 0.0  # that share (Config.optimizer_on_devices, or the plan's choice)
     staged: int = 0            # the optimizer's share on the devices: two gradient slices per device, staged
 
     steps_alive: int = 1       # steps whose activations are on the host at once
@@ -198,7 +222,7 @@ class HostMemory:
         out = f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
         if self.device_optimizer:
             out += (f"; on each device besides the jobs, {_fmt_bytes(self.device_optimizer)} of fp32 masters and "
-                    "optimizer state (Config.optimizer_on_devices)")
+                    f"optimizer state (Config.optimizer_on_devices: a share of {self.device_share:g})")
         return out
 
 
@@ -249,4 +273,5 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
                       sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
                       steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype, staged=staged,
-                      device_optimizer=device_optimizer_bytes(params, on_devices, plan.num_devices))
+                      device_optimizer=device_optimizer_bytes(params, on_devices, plan.num_devices),
+                      device_share=on_devices)

@@ -95,7 +95,8 @@ def _capture_shards(st, names):
 
     def run(config, stop):
         """The state the pass named `stop` would see."""
-        s = CompileState(captured=st.captured, config=config, mode=st.mode, loss_output=st.loss_output_arg)
+        s = CompileState(captured=st.captured, config=config, mode=st.mode, loss_output=st.loss_output_arg,
+                         on_devices=st.on_devices)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _, fn, _ in PASSES[:order.index(stop)]:

@@ -109,9 +109,17 @@ class FlatMasters:
     def __init__(self, state_devices=(), share: float = 0.0):
         self.buffers: list = []
         self.where: dict = {}
-        self.state_devices = [torch.device(d) for d in state_devices] if share else []
-        self.share = float(share)
+        self.devices = [torch.device(d) for d in state_devices]
+        self.state_devices, self.share = [], 0.0
         self.on_devices: dict = {}
+        self.choose(share)
+
+    def choose(self, share: float) -> None:
+        """The share of the parameters to place on the devices, until the first are placed
+        (Note [optimizer share by room] in passes/host_memory.py: the plan chooses it)."""
+        if not self.buffers:
+            self.share = float(share or 0.0)
+            self.state_devices = self.devices if self.share else []
 
     BLOCK = 1 << 26     # elements of consecutive parameters placed together (at least one parameter)
 
@@ -272,6 +280,32 @@ class FlatStepper:
         if r is None:
             return None, None, self.masters.host_offset(k, off)
         return r, r[0], off - r[0]
+
+    def bring_home(self) -> None:
+        """Every device range's optimizer state back on the host, in host state buffers as long as
+        the masters, which the user's state entries view again (Note [optimizer share by room] in
+        passes/host_memory.py: a plan that does not fit beside it comes next). The host's masters
+        are current (each step copies the stepped ones down). The caller's thread, nothing in
+        flight."""
+        if not any(self.masters.on_devices.values()):
+            return
+        old = self._state_bufs        # (alive until every entry is copied out of it)
+        self._state_bufs = {}
+        self.masters.on_devices.clear()
+        self.masters.share, self.masters.state_devices = 0.0, []
+        for cache in (self._twins, self._device_masters, self._device_synced, self._staging):
+            cache.clear()
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) in self._views]
+        for p in params:
+            k, off = self.masters.where[id(p)]
+            state, views = self.optimizer.state[p], {}
+            for key, v in self._views[id(p)].items():
+                buf, i = self._state_buf(k, key, off, v.dtype)
+                views[key] = state[key] = buf[i:i + p.numel()].view(p.shape).copy_(v)
+            self._views[id(p)] = views
+        del old
+        if any(d.type == "cuda" for d in self.masters.devices):
+            torch.cuda.empty_cache()  # the memory is the jobs' now (worker processes' too)
 
     def _flat_ready(self, p, group) -> bool:
         views = self._views.get(id(p))

@@ -145,7 +145,7 @@ class OverlappedMode(_Mode):
         self.optimizer = optimizer
 
     def start(self, runner, plan, micro):
-        self.optimizer.flatten(host_order(plan))
+        self.optimizer.flatten(host_order(plan), runner.optimizer_share)
         # one set of host gradients: Note [host gradient buffers]
         return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
 
@@ -195,7 +195,7 @@ class DelayedMode(OverlappedMode):
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
             order = host_order(plan)
-            self.optimizer.flatten(order)
+            self.optimizer.flatten(order, runner.optimizer_share)
             self.copies = DelayedWeights(order, runner.working_dtype(plan), pin=runner.host_placement)
         return self.copies
 

@@ -49,12 +49,19 @@ class OverlappedOptimizer:
         # Ended and joined at exit while the interpreter is whole (see executor._stop).
         weakref.finalize(self, _stop_thread, self._queue, self._thread)
 
-    def flatten(self, params) -> None:
+    def flatten(self, params, share: float = 0.0) -> None:
         """Move the trainable host parameters, in this order, into flat buffers (Note [flat host
-        optimizer]); the caller's thread, with no submission in flight."""
+        optimizer]), the first ones with `share` of them on the devices (Note [optimizer state on
+        the devices]); the caller's thread, with no submission in flight."""
         if not self.masters.covers([p for p in params if p.requires_grad]):
             self.synchronize()
+            self.masters.choose(share)
             self.masters.flatten(params)
+
+    def bring_home(self) -> None:
+        """The optimizer state on the devices back on the host (FlatStepper.bring_home)."""
+        self.synchronize()
+        self.stepper.bring_home()
 
     def _event(self, p):
         ev = self._ready.get(id(p))
