@@ -158,8 +158,9 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
 # reason to leave it on the host; where they have not, the jobs need it. So by default
 # (optimizer_on_devices=None) the first train plan on GPUs chooses the share: solved with nothing
 # reserved, it gives the optimizer at most ROOM_SHARE of what its largest job leaves of the budget
-# (the rest stays for prefetching weights and for what the estimates miss), in 64ths, and plans
-# the resident weights beside what is left. Later plans reserve that share; one that does not fit
+# (the rest stays for prefetching weights and for what the estimates miss), in 64ths, never a
+# share too small to outweigh the block a device may hold beyond it (a 24 GiB card would give
+# 6 GiB for 0.2 GiB of Qwen3-1.7B's state), and plans the resident weights beside what is left. Later plans reserve that share; one that does not fit
 # beside it (a longer sequence) is made without it, and the state goes back to the host first
 # (CompiledModel._compile, FlatStepper.bring_home), so a length that trains with every update on
 # the host trains by default too.
@@ -168,8 +169,16 @@ ROOM_SHARE = 0.5
 
 def share_by_room(params, num_devices: int, room: int) -> float:
     """The largest share, in 64ths, whose device bytes (device_optimizer_bytes) fit in
-    ROOM_SHARE of `room`, the bytes each device has beside its largest job; 0 if none."""
-    fits = [n for n in range(1, 65) if device_optimizer_bytes(params, n / 64, num_devices) <= ROOM_SHARE * room]
+    ROOM_SHARE of `room`, the bytes each device has beside its largest job; 0 if none. A share
+    whose part of a device is smaller than the block and parameter a device may hold beyond it
+    (what device_optimizer_bytes adds) is not taken: it would reserve more than it moves."""
+    from ..runtime.flat import FlatMasters
+    flat = _flat_numels(params)
+    if not flat:
+        return 0.0
+    beyond = FlatMasters.BLOCK + max(flat)
+    fits = [n for n in range(1, 65) if n / 64 * sum(flat) / num_devices >= beyond
+            and device_optimizer_bytes(params, n / 64, num_devices) <= ROOM_SHARE * room]
     return fits[-1] / 64 if fits else 0.0
 
 @dataclass
