@@ -174,7 +174,9 @@ def main(argv=None):
     cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=a.microbatches,
                                                    dtype=torch.bfloat16, optimizer_mode=a.mode, workers=a.workers,
                                                    inductor_options=json.loads(a.inductor) if a.inductor else None,
-                                                   memory_budget=int(a.memory_budget_gib * 2**30) if a.memory_budget_gib else None))
+                                                   memory_budget=int(a.memory_budget_gib * 2**30) if a.memory_budget_gib else None,
+                                                   # the host optimizer's variants are what it weighs
+                                                   optimizer_on_devices=0.0))
     opt = torch.optim.AdamW(model.parameters(), fused=on_gpu,
                             **adamw_kwargs(argparse.Namespace(lr=1e-5)))
     if a.mode != "exact":

@@ -95,7 +95,7 @@ def parity(args):
                                    # (the devices' share of the optimizer takes ~12 B/param of the budget)
                                    memory_budget="32MiB" if ondev else "6MiB", compile_stages=inductor,
                                    peer_transfers=peer, optimizer_mode=mode, workers=workers,
-                                   **({"optimizer_on_devices": ondev} if ondev else {}))
+                                   optimizer_on_devices=ondev)   # (0.0: every update on the host, not the plan's choice)
             cm = rpcompile.compile(model, cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
