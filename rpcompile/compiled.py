@@ -63,6 +63,7 @@ class CompiledModel(torch.nn.Module):
         return (mode, spec, tuple(sig), self.model.training, trainable, extra)
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
+        self.runner.prestart()      # worker processes start beside the capture (Note [early workers])
         leaves, spec = flatten_call(args, kwargs)
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
         config = self.config

@@ -59,6 +59,13 @@ class GraphRunner:
         # (CompiledModel._compile; Note [optimizer share by room] in passes/host_memory.py)
         self.optimizer_share = config.optimizer_on_devices or 0.0
 
+    def prestart(self) -> None:
+        """Start what the first run needs while the call is captured and planned (worker
+        processes: Note [early workers] in runtime/processes.py)."""
+        start = getattr(self.executor, "prestart", None)
+        if start is not None:
+            start()
+
     @property
     def overlapped(self):
         """The attached optimizer's thread (runtime.optimizer.OverlappedOptimizer), or None."""

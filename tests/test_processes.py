@@ -154,3 +154,30 @@ def test_slot_chunks_a_longer_sequence_outgrew_are_forgotten_by_every_process():
     files_again, _ = step(2000)
     assert step(2000)[0] == files_again          # a known length: no new file
     check_grads(model, ref)
+
+
+def test_worker_processes_start_before_the_first_capture_and_go_with_an_unrun_model():
+    """Note [early workers]: the first call starts the worker processes before it captures, so
+    they are running when capture fails; the next call connects them; a model whose workers never
+    got their part kills them when it goes."""
+    import gc
+    import time
+    model = qwen3()
+    cm = rpcompile.compile(model, _config())
+    with pytest.raises(rpcompile.CaptureError):   # float ids: the embedding cannot take them
+        cm.train_step(input_ids=torch.zeros(2, 8, 3), labels=torch.zeros(2, 8, dtype=torch.long))
+    server, path, token, procs, _ = cm.runner.executor._early
+    assert cm.runner.executor.hub is None and len(procs) == 2 and all(p.poll() is None for p in procs)
+    cm.train_step(**lm_batch(seed=0))
+    assert cm.runner.executor._early is None and cm.runner.executor.hub.procs == procs
+    # a model that never ran: its started workers end with it
+    other = rpcompile.compile(qwen3(), _config())
+    with pytest.raises(rpcompile.CaptureError):
+        other.train_step(input_ids=torch.zeros(2, 8, 3), labels=torch.zeros(2, 8, dtype=torch.long))
+    early = other.runner.executor._early[3]
+    del other
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(p.poll() is None for p in early) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(p.poll() is not None for p in early)

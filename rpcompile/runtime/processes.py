@@ -71,6 +71,16 @@ def _visible(index: int) -> str:
     return visible.split(",")[index].strip()
 
 
+def _kill_unconnected(procs, server, path):
+    """Worker processes started early that never got their part (Note [early workers])."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    server.close()
+    if os.path.exists(path):
+        os.unlink(path)
+
+
 def _stop(hub, memory):
     hub.stopping = True
     for conn, lock in zip(hub.conns, hub.locks):
@@ -105,6 +115,7 @@ class ProcessExecutor:
         self._tables: dict = {}        # tuple of Refs -> table key
         self._grad_sets: dict = {}     # id(GradSet) -> (key, GradSet)
         self.hub: Optional[_Hub] = None    # started at the first run: a model that never runs costs no process
+        self._early = None                 # (server, path, token, procs, finalizer): processes started by `prestart`
         self.counters: Optional[torch.Tensor] = None   # the workers' hand-over counters (runtime/handover.py)
 
     @property
@@ -116,7 +127,17 @@ class ProcessExecutor:
         as each last reported with a landed job: {"<index>:<device>": bytes}."""
         return {} if self.hub is None else {f"{i}:{label}": n for i, (label, n) in sorted(self.hub.pinned.items())}
 
-    def _start(self):
+    def prestart(self) -> None:
+        """Note [early workers]: the first call captures and plans the model in this process
+        (seconds: Qwen3-1.7B's capture took 11 s on an H200 host) before its first run starts
+        the worker processes, and each worker then imports torch and rpcompile before it
+        connects (2.5 s on a 2-core sandbox, four at once on a GPU host). So the first call
+        starts them before it captures; they connect and wait for their part, which the first
+        run sends (`_start`). Processes never given a part are killed with this executor."""
+        if self.hub is None and self._early is None:
+            self._early = self._spawn()
+
+    def _spawn(self):
         config = self.config
         token = secrets.token_bytes(16)
         path = os.path.join(self.memory.directory, "main.sock")
@@ -131,6 +152,12 @@ class ProcessExecutor:
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from rpcompile.runtime.worker import main; main()"], env=env))
+        return server, path, token, procs, weakref.finalize(self, _kill_unconnected, procs, server, path)
+
+    def _start(self):
+        early, self._early = self._early, None
+        server, path, token, procs, unconnected = early or self._spawn()
+        unconnected.detach()           # from here the hub's finalizer (or the failure below) ends them
         try:
             hub = self._connect(server, token, procs)
         except BaseException as exc:     # nothing half-started stays behind
