@@ -326,7 +326,8 @@ class Plan:
     def to_json(self) -> dict:
         rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
-                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share, "bindings": {k: int(v) for k, v in self.bindings.items()},
+                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share,
+                "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),
                 "param_names": list(self.captured.param_names), "host_link_bytes": self.host_link_bytes(rows),

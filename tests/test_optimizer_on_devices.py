@@ -304,8 +304,7 @@ def test_share_by_room_is_the_largest_64th_that_fits_half_the_room():
     assert share_by_room(params, 2, int(need(smallest - 1 / 64) / ROOM_SHARE)) == 0.0
 
 
-@pytest.mark.parametrize("workers", ["threads", "processes"])
-def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monkeypatch, workers):
+def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monkeypatch):
     """Config.optimizer_on_devices=None (the default; on CPU devices only where a test lets it
     apply): the first train plan puts what fits in half its room on the devices and plans the
     jobs beside it; a longer sequence whose jobs do not fit beside it brings the state back to the
@@ -321,7 +320,7 @@ def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monke
     def compiled(**kw):
         model = _qwen()
         cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
-                                                       lm_head_shards=4, workers=workers, **kw))
+                                                       lm_head_shards=4, **kw))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         cm.attach_optimizer(opt)
         return model, cm, opt

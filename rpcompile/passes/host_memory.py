@@ -149,7 +149,6 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
 
 
-
 # Note [optimizer share by room]: the optimizer on the devices (Config.optimizer_on_devices) made
 # delayed mode faster where the host's update was what steps waited for, and took its state off
 # the host: Qwen3-1.7B on 4 H200s 111,914 tokens/s against 96,975 with every update on the host,
@@ -160,10 +159,11 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
 # reserved, it gives the optimizer at most ROOM_SHARE of what its largest job leaves of the budget
 # (the rest stays for prefetching weights and for what the estimates miss), in 64ths, never a
 # share too small to outweigh the block a device may hold beyond it (a 24 GiB card would give
-# 6 GiB for 0.2 GiB of Qwen3-1.7B's state), and plans the resident weights beside what is left. Later plans reserve that share; one that does not fit
-# beside it (a longer sequence) is made without it, and the state goes back to the host first
-# (CompiledModel._compile, FlatStepper.bring_home), so a length that trains with every update on
-# the host trains by default too.
+# 6 GiB for 0.2 GiB of Qwen3-1.7B's state), and plans the resident weights beside what is left.
+# Later plans reserve that share; one that does not fit beside it (a longer sequence) is made
+# without it, and the state goes back to the host first (CompiledModel._compile,
+# FlatStepper.bring_home), so a length that trains with every update on the host trains by
+# default too.
 ROOM_SHARE = 0.5
 
 
@@ -180,6 +180,7 @@ def share_by_room(params, num_devices: int, room: int) -> float:
     fits = [n for n in range(1, 65) if n / 64 * sum(flat) / num_devices >= beyond
             and device_optimizer_bytes(params, n / 64, num_devices) <= ROOM_SHARE * room]
     return fits[-1] / 64 if fits else 0.0
+
 
 @dataclass
 class HostMemory:
