@@ -35,7 +35,7 @@ class CompiledModel(torch.nn.Module):
         self.config = config or Config()
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
-        # the optimizer's share on the devices the plans reserve: None until the first train plan
+        # the optimizer's share on the devices the plans reserve: None until the first plan
         # chooses it (Note [optimizer share by room] in passes/host_memory.py)
         self._on_devices = self.config.optimizer_on_devices
         self._last_plan = None
@@ -105,7 +105,7 @@ class CompiledModel(torch.nn.Module):
                 self.synchronize()
                 self.runner.overlapped.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
-        if self._on_devices is None and mode == "train":
+        if self._on_devices is None:     # the first plan chose it: every later one reserves it
             self._on_devices = self.runner.optimizer_share = plan.optimizer_share
         return plan
 

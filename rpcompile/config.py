@@ -47,7 +47,7 @@ class Config:
         them, so the host does less of each step's update and holds less state (Note [optimizer
         state on the devices] in runtime/flat.py). The planner leaves that memory (AdamW: 12
         bytes a parameter) out of each device's budget. 0: every update on the host. None (the
-        default): on GPUs, the first train plan chooses the largest share that fits in half of
+        default): on GPUs, the first plan chooses the largest share that fits in half of
         what its stage jobs leave of each device's budget, and a later plan that does not fit
         beside it (a longer sequence) brings the state back to the host (Note [optimizer share
         by room] in passes/host_memory.py); 0 on CPU devices and in exact mode.
@@ -125,7 +125,7 @@ class Config:
                              "on through shared host memory")
         if self.optimizer_mode not in ("exact", "overlapped", "delayed"):
             raise ValueError(f"Config.optimizer_mode={self.optimizer_mode!r}: use 'exact', 'overlapped' or 'delayed'")
-        share = self.optimizer_on_devices     # (None: the first train plan chooses it)
+        share = self.optimizer_on_devices     # (None: the first plan chooses it)
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float))
                                   or not 0.0 <= share <= 1.0):
             raise ValueError(f"Config.optimizer_on_devices={share!r}: give the share of the parameters whose "

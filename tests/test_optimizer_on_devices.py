@@ -314,8 +314,7 @@ def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monke
     from models import lm_batch
     from rpcompile import passes
     from rpcompile.passes.host_memory import device_optimizer_bytes
-    monkeypatch.setattr(passes, "_share_by_room_applies",
-                        lambda st: st.mode == "train" and st.config.optimizer_mode != "exact")
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
 
     def compiled(**kw):
         model = _qwen()
@@ -356,6 +355,31 @@ def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monke
     bufs = {opt.state[p]["momentum_buffer"].untyped_storage().data_ptr() for p in model.parameters() if p.numel() > 1}
     assert len(bufs) == 1
     assert short_plan in cm._plans.plans() and len(cm._plans.plans()) == 2
+
+
+def test_a_forward_calls_plan_chooses_the_share_when_it_comes_first(monkeypatch):
+    """The model's first plan chooses the share, a forward call's too; the train plan after it
+    reserves the same, and the optimizer is placed so."""
+    import rpcompile
+    from models import lm_batch
+    from rpcompile import passes
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
+    model = _qwen()
+    budget = 2**26
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                   memory_budget=budget))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = lm_batch(batch=4, seq=8, vocab=256, seed=0)
+    with torch.no_grad():
+        cm(**batch)
+    kept = device_optimizer_bytes(list(model.parameters()), 1.0, 2)
+    assert cm.plan.mode == "call" and cm.plan.optimizer_share == 1.0 and cm.plan.memory_budget == budget - kept
+    assert cm.runner.optimizer_share == 1.0          # chosen for the model: every later plan reserves it
+    cm.train_step(**batch)
+    cm.synchronize()
+    assert cm.plan.mode == "train" and cm.plan.optimizer_share == 1.0 == cm.runner.optimizer_share
+    assert cm.plan.memory_budget == budget - kept and cm.runner.overlapped.masters.on_devices
 
 
 def test_the_default_share_is_chosen_on_gpus_only():

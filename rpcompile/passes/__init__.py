@@ -282,10 +282,11 @@ def solve_stages_pass(st: CompileState) -> CompileState:
 
 
 def _share_by_room_applies(st: CompileState) -> bool:
-    """Whether a plan chooses the optimizer's share on the devices: a train plan on GPUs whose
-    steps an attached optimizer takes (overlapped, delayed). On CPU devices the devices' memory
-    is the host's."""
-    return st.config.on_gpu and st.mode == "train" and st.config.optimizer_mode != "exact"
+    """Whether a plan chooses the optimizer's share on the devices: on GPUs where an attached
+    optimizer takes the steps (overlapped, delayed). The model's first plan chooses, whatever its
+    call (a forward call's plan too: every later plan reserves the share). On CPU devices the
+    devices' memory is the host's."""
+    return st.config.on_gpu and st.config.optimizer_mode != "exact"
 
 
 def _mutated_buffers(gm) -> list:

@@ -155,7 +155,7 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
 # host memory 33.8 against 50.0 GiB; Llama-3.1-8B 30,562 against 30,420, 119.0 against 175.9 GiB
 # (benchmarks/RESULTS.md, twenty-sixth session). Where the devices have the room, there is no
 # reason to leave it on the host; where they have not, the jobs need it. So by default
-# (optimizer_on_devices=None) the first train plan on GPUs chooses the share: solved with nothing
+# (optimizer_on_devices=None) the first plan on GPUs chooses the share: solved with nothing
 # reserved, it gives the optimizer at most ROOM_SHARE of what its largest job leaves of the budget
 # (the rest stays for prefetching weights and for what the estimates miss), in 64ths, never a
 # share too small to outweigh the block a device may hold beyond it (a 24 GiB card would give
