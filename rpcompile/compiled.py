@@ -35,9 +35,6 @@ class CompiledModel(torch.nn.Module):
         self.config = config or Config()
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
-        # the optimizer's share on the devices the plans reserve: None until the first plan
-        # chooses it (Note [optimizer share by room] in passes/host_memory.py)
-        self._on_devices = self.config.optimizer_on_devices
         self._last_plan = None
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -95,18 +92,20 @@ class CompiledModel(torch.nn.Module):
         """compile_graph beside the optimizer's share on the devices that the plans reserve; a
         share the plan chose itself (Config.optimizer_on_devices=None) that leaves a new plan no
         room comes back to the host first (Note [optimizer share by room] in passes/host_memory.py)."""
+        runner = self.runner
         try:
-            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=self._on_devices)
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
+                                 on_devices=runner.optimizer_share)
         except PlanningError:
-            if self.config.optimizer_on_devices is not None or not self._on_devices:
+            if self.config.optimizer_on_devices is not None or not runner.optimizer_share:
                 raise
-            self._on_devices = self.runner.optimizer_share = 0.0
-            if self.runner.overlapped is not None:
+            runner.optimizer_share = 0.0
+            if runner.overlapped is not None:
                 self.synchronize()
-                self.runner.overlapped.bring_home()
+                runner.overlapped.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
-        if self._on_devices is None:     # the first plan chose it: every later one reserves it
-            self._on_devices = self.runner.optimizer_share = plan.optimizer_share
+        if runner.optimizer_share is None:     # the first plan chose it: every later one reserves it
+            runner.optimizer_share = plan.optimizer_share
         return plan
 
     @property

@@ -55,9 +55,10 @@ class GraphRunner:
         self.recent_tracers: list = []   # the last steps' tracers (recent_traces)
         self.pending = None              # _PendingStep: a step whose backward jobs may still run
         self.mode = ExactMode()         # runtime/modes.py: what a step reads and what its gradients become
-        # the share of an attached optimizer placed on the devices: what the plans reserve there
-        # (CompiledModel._compile; Note [optimizer share by room] in passes/host_memory.py)
-        self.optimizer_share = config.optimizer_on_devices or 0.0
+        # the share of an attached optimizer placed on the devices: what the plans reserve there;
+        # None until the model's first plan chooses it (CompiledModel._compile; Note [optimizer
+        # share by room] in passes/host_memory.py)
+        self.optimizer_share = config.optimizer_on_devices
 
     def prestart(self) -> None:
         """Start what the first run needs while the call is captured and planned (worker

@@ -162,7 +162,7 @@ class RPCompileTrainer(Trainer):
             rows = plan.stage_rows()
             out.update(plan=str(plan), stage_jobs=len(rows), plan_est_step_s=float(plan.est_step_time),
                        # the attached optimizer's share on the devices (Config.optimizer_on_devices, or the plan's)
-                       optimizer_share=float(getattr(self.cm.runner, "optimizer_share", 0.0)),
+                       optimizer_share=float(getattr(self.cm.runner, "optimizer_share", 0.0) or 0.0),
                        plan_job_est_s=[float(r["est_time_s"]) for r in rows],
                        # each stage job uploads its weights once per step (DESIGN.md)
                        plan_weight_upload_bytes_per_step=int(sum(r["param_bytes"] for r in rows)),
