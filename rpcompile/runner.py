@@ -78,6 +78,8 @@ class GraphRunner:
         self.settle()
         self.mode.release(self)
         self.mode = mode_for(self.config, optimizer)
+        if optimizer is not None:     # (worker processes' gradient files: Note [gradients page-locked in the main process])
+            optimizer.stepper.page_lock = getattr(self.host_placement, "page_lock", None)
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
@@ -212,9 +214,6 @@ class GraphRunner:
             add("gradient rows carried to a later chunk", t)
         if self.overlapped is not None:
             add("gradient slices widened for the optimizer", self.overlapped.stepper._wide)
-            for slots in self.overlapped.stepper._staging.values():
-                for buf, _ in slots:
-                    add("gradient slices staged for the devices' optimizer", buf)
         return out
 
     def working_dtype(self, plan):

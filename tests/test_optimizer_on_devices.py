@@ -410,8 +410,9 @@ def test_config_says_what_is_wrong(kw, says):
 
 
 def test_host_bytes_are_what_the_plan_says():
-    """bf16 gradients: the host widens no slice of the devices' share, stages two slices per
-    device instead, and holds the optimizer state of the rest only."""
+    """bf16 gradients: the host widens no slice of the devices' share, stages none either (they
+    go up from the gradient set: Note [gradients page-locked in the main process]), and holds
+    the optimizer state of the rest only."""
     import rpcompile
     from models import lm_batch
     model = _qwen()
@@ -424,8 +425,9 @@ def test_host_bytes_are_what_the_plan_says():
     cm.synchronize()
     planned, allocated = cm.plan.host_memory, cm.host_buffer_bytes()
     largest = max(p.numel() for p in model.parameters())
-    staged = allocated["gradient slices staged for the devices' optimizer"]
-    assert abs(staged - planned.staged) <= 2 * len(DEVICES) * 2 * largest and planned.staged > 0
+    assert set(allocated) == {"working copies", "gradients", "gradient rows carried to a later chunk",
+                              "gradient slices widened for the optimizer"}
+    assert [kind for kind, _ in planned.rows() if "staged" in kind] == []
     masters = cm.runner.overlapped.masters
     on_dev = sum(b - a for rs in masters.on_devices.values() for a, b, _ in rs)
     n = sum(p.numel() for p in model.parameters())
@@ -434,4 +436,3 @@ def test_host_bytes_are_what_the_plan_says():
     host_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is None)
     dev_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is not None)
     assert dev_state == 8 * on_dev and abs(host_state - planned.optimizer_state) <= 8 * largest
-    assert "gradient slices staged for the devices' optimizer" in str(cm.plan)

@@ -79,6 +79,40 @@ def test_shared_memory_that_is_too_small_says_how_to_fix_it(monkeypatch):
         memory.close()
 
 
+def test_page_lock_registers_each_file_once_and_unpins_it_before_it_goes(monkeypatch):
+    """Note [gradients page-locked in the main process]: the main process page-locks a file the
+    first time the optimizer uploads from it, never twice, never a tensor outside its files, and
+    unpins it when the file is forgotten or the memory closed (pinned pages would outlive their
+    mapping)."""
+    import rpcompile.runtime.shared as shared
+    pinned, unpinned = [], []
+    monkeypatch.setattr(shared, "cuda_register", lambda base: pinned.append(base.data_ptr()))
+    monkeypatch.setattr(shared, "cuda_unregister", lambda base: unpinned.append(base.data_ptr()))
+    memory = SharedMemory()
+    try:
+        a, b = memory.empty((1024,), torch.bfloat16), memory.empty((64, 8), torch.float32)
+        assert memory.page_lock(a[100:200]) and memory.page_lock(a) and memory.page_lock(b[3])
+        assert pinned == [a.data_ptr(), b.data_ptr()]
+        assert not memory.page_lock(torch.zeros(4)) and len(pinned) == 2
+        memory.forget([memory.ref(a).file])
+        assert unpinned == [a.data_ptr()]
+    finally:
+        memory.close()
+    assert unpinned == [a.data_ptr(), b.data_ptr()]
+    assert pinned == [a.data_ptr(), b.data_ptr()]
+
+
+def test_the_optimizer_uploads_through_the_main_processs_memory():
+    """Worker processes: the attached optimizer's stepper page-locks the shared gradient files
+    through the main process's SharedMemory; worker threads' gradients are pinned already."""
+    model = qwen3()
+    for workers, want in (("processes", True), ("threads", False)):
+        cm = rpcompile.compile(model, _config(workers=workers, optimizer_mode="delayed"))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        page_lock = cm.runner.overlapped.stepper.page_lock
+        assert (page_lock == cm.runner.executor.memory.page_lock) if want else page_lock is None
+
+
 def _bad_batch(seed):
     b = lm_batch(seed=seed)
     b["input_ids"] = b["input_ids"].clone()

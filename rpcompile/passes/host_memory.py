@@ -197,7 +197,6 @@ class HostMemory:
     grad_dtype: torch.dtype = torch.float32   # of the host gradient set (host_grad_dtype)
     device_optimizer: int = 0  # per device: masters and state of the optimizer's share there (not host memory)
     device_share: float = 0.0  # that share (Config.optimizer_on_devices, or the plan's choice)
-    staged: int = 0            # the optimizer's share on the devices: two gradient slices per device, staged
 
     steps_alive: int = 1       # steps whose activations are on the host at once
 
@@ -212,14 +211,13 @@ class HostMemory:
 
     @property
     def total(self) -> int:
-        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.widened + self.staged
+        return (self.masters + self.param_grads + self.grads + self.carried_rows + self.widened
                 + self.optimizer_state + self.working_copies + self.activations)
 
     def rows(self) -> list:
         return [("master weights", self.masters), ("param.grad (exact mode)", self.param_grads),
                 ("gradients", self.grads), ("gradient rows carried to a later chunk", self.carried_rows),
                 ("gradient slices widened for the optimizer", self.widened),
-                ("gradient slices staged for the devices' optimizer", self.staged),
                 ("optimizer state (AdamW assumed)", self.optimizer_state),
                 ("working copies for upload", self.working_copies),
                 (f"activations and checkpoints ({self.steps_alive} step{'s' if self.steps_alive > 1 else ''})",
@@ -277,11 +275,8 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
     widened = 0
     if itemsize < GRAD_ITEMSIZE and on_devices < 1:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
         widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
-    # two staging buffers per device, each a slice (at most a device's range: about its share)
-    per_device = math.ceil(on_devices * flat / plan.num_devices)
-    staged = 2 * plan.num_devices * itemsize * min(FlatStepper.WIDEN, per_device) if on_devices else 0
     return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
                       sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
-                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype, staged=staged,
+                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype,
                       device_optimizer=device_optimizer_bytes(params, on_devices, plan.num_devices),
                       device_share=on_devices)

@@ -47,6 +47,13 @@ def _remove(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _unlock(locked: dict) -> None:
+    """Unpin the files `SharedMemory.page_lock` pinned, before their mappings go (the pages
+    would stay pinned otherwise)."""
+    while locked:
+        cuda_unregister(locked.popitem()[1])
+
+
 class SharedMemory:
     """Shared files of one run: made here (`empty`), or opened by name (`tensor(ref)`).
 
@@ -67,10 +74,13 @@ class SharedMemory:
         self._by_ptr: dict = {}       # storage data_ptr -> name
         self._names = itertools.count()
         self._made: dict = {}         # name -> bytes, the files this process made
+        self._locked: dict = {}       # name -> base: the files `page_lock` registered in this process
+        weakref.finalize(self, _unlock, self._locked)
         self._lock = threading.Lock()
         self.created_bytes = 0
 
     def close(self):
+        _unlock(self._locked)
         if self.owner:
             self._finalizer()
 
@@ -101,6 +111,20 @@ class SharedMemory:
             self._made[name] = nbytes
         return base[:math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
+    def page_lock(self, t: torch.Tensor) -> bool:
+        """Page-lock this process's mapping of the file t lies in (once per file), for
+        asynchronous copies from it to a device: the main process's optimizer uploads gradients
+        from files the workers write (Note [gradients page-locked in the main process] in
+        runtime/flat.py). False if t lies in none of this process's files."""
+        with self._lock:
+            name = self._by_ptr.get(t.untyped_storage().data_ptr())
+            if name is None:
+                return False
+            if name not in self._locked and self._register is None:
+                cuda_register(self._files[name])
+                self._locked[name] = self._files[name]
+        return True
+
     def forget(self, names) -> None:
         """Drop this process's mappings of files no slot set holds any more (Note [outgrown
         slots]), unpinned first; the owner also removes the files, so that their memory goes once
@@ -111,8 +135,11 @@ class SharedMemory:
                 if base is not None:
                     self._by_ptr.pop(base.untyped_storage().data_ptr(), None)
                 self.created_bytes -= self._made.pop(name, 0)
+                locked = self._locked.pop(name, None) is not None
             if base is not None and self._unregister is not None:
                 self._unregister(base)
+            elif base is not None and locked:
+                cuda_unregister(base)
             if self.owner:
                 try:
                     os.remove(os.path.join(self.directory, name))
