@@ -230,7 +230,7 @@ class GraphRunner:
         after their step (one call for a chunk: Note [few calls per step])."""
         if not (self.config.on_gpu and dtype):
             return None
-        return lambda params: self.host_weights.refresh_many(params, dtype)
+        return lambda params: self.host_weights.refresh_many(params, dtype, self.overlapped.stepper.copy_down)
 
     def run_jobs(self, plan, step, jobs):
         """Run [(job index, stage, role), ...] as a chain: its schedule is built first

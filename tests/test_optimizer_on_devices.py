@@ -157,6 +157,29 @@ def test_masters_go_up_only_where_the_host_changed_them(monkeypatch):
     assert stepper.master_uploads - before == on_dev     # after the failure every master went up, once
 
 
+def test_working_copies_come_down_from_the_devices_where_their_masters_are_current():
+    """Note [working copies from the devices]: copy_down copies (cast) the parameters stepped on
+    a device from there and leaves the host's, and one written in place since, to the host."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
+    stepper = _stepper(params, opt, 0.5)
+    dev = [i for i, p in enumerate(params) if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
+    assert 0 < len(dev) < len(params)
+    dsts = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
+    rest, wait = stepper.copy_down(dsts, params)
+    assert rest == list(range(len(params)))           # never stepped there: the host copies all
+    _step_both(stepper, params, ref_opt, ref_params, range(2))
+    with torch.no_grad():
+        params[dev[0]].mul_(0.5)                      # the user's write: the device's copy is stale
+    rest, wait = stepper.copy_down(dsts, params)
+    wait()
+    assert rest == [i for i in range(len(params)) if i not in dev[1:]]
+    for i in dev[1:]:
+        assert torch.equal(dsts[i], params[i].detach().to(torch.bfloat16))
+    assert all(not dsts[i].any() for i in rest)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_brought_home_steps_on_as_the_users_optimizer(name):
     """FlatStepper.bring_home (Note [optimizer share by room]): the devices' state comes back into

@@ -271,7 +271,7 @@ class DelayedMode(OverlappedMode):
         releases = iter(chunks.release)
 
         def refresh(ps):
-            copies.write_many(ps, slot)
+            copies.write_many(ps, slot, self.optimizer.stepper.copy_down)
             gs.release(next(releases, ()), count)
         grads = ChunkGrads(chunks, gs, run.landed, {i: params[i].dtype for i in chunks.order}, self.carried)
         others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]

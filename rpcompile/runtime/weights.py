@@ -23,6 +23,19 @@ def upload_mark(event, stream) -> tuple:
     return (next(_marks), stream, event)
 
 
+def copy_params(dsts: list, params: list, copy_down=None) -> None:
+    """dsts[i] <- params[i] (working copies), one copy per run of adjacent ones (Note [flat host
+    optimizer]); those whose masters are current on a device copied down from there
+    (`copy_down`: FlatStepper.copy_down, Note [working copies from the devices]) while the host
+    copies the rest."""
+    rest, wait = (range(len(params)), None) if copy_down is None else copy_down(dsts, params)
+    if rest:
+        with torch.no_grad():
+            torch._foreach_copy_(*merge_adjacent([dsts[i] for i in rest], [params[i].detach() for i in rest]))
+    if wait is not None:
+        wait()
+
+
 def wait_for_uploads(marks) -> None:
     """Block until the uploads `marks` name have read their host copies. A stream runs its
     copies in issue order, so only the newest mark of each stream is waited on: a handful of
@@ -90,9 +103,10 @@ class HostWeights:
         the stream's older mark: a stream runs its copies in issue order)."""
         entry[2][:] = [m for m in entry[2] if m[1] is not stream] + [upload_mark(event, stream)]
 
-    def refresh_many(self, params, dtype) -> None:
+    def refresh_many(self, params, dtype, copy_down=None) -> None:
         """Rewrite the copies of the given (whole) parameters that changed, with one wait and one
-        copy call for all of them (the optimizer thread calls this after stepping a chunk)."""
+        copy call for all of them (the optimizer thread calls this after stepping a chunk;
+        copy_down: copy_params)."""
         entries = [(p, self._entry(p)) for p in params]
         stale = [(p, e) for p, e in entries if e[1] is not None and self._stale(e, p, dtype)]
         if not stale:     # (a copy never made yet is made by its first upload)
@@ -102,8 +116,7 @@ class HostWeights:
             lock.acquire()
         try:
             wait_for_uploads([m for _, e in stale for m in e[2]])
-            with torch.no_grad():
-                torch._foreach_copy_([e[1] for _, e in stale], [p.detach() for p, _ in stale])
+            copy_params([e[1] for _, e in stale], [p for p, _ in stale], copy_down)
             for p, e in stale:
                 e[0] = p._version
                 e[2].clear()
@@ -164,17 +177,16 @@ class DelayedWeights:
         """What the jobs of a step with parity `slot` read."""
         return _SlotView(self, slot)
 
-    def write_many(self, params, slot: int) -> None:
+    def write_many(self, params, slot: int, copy_down=None) -> None:
         """Copy the given parameters (just stepped) into copy `slot`, once the uploads from
-        those copies have completed: one wait per stream and one copy call for all."""
+        those copies have completed: one wait per stream and one copy call for all (copy_down:
+        copy_params)."""
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
         with _locked(slots):
             wait_for_uploads([m for s in slots for m in s[1]])
-            with torch.no_grad():
-                # one copy per run of parameters adjacent in both (Note [flat host optimizer])
-                torch._foreach_copy_(*merge_adjacent([s[0] for s in slots], [p.detach() for p in params]))
+            copy_params([s[0] for s in slots], list(params), copy_down)
             for s in slots:
                 s[1].clear()
 
