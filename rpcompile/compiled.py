@@ -93,6 +93,9 @@ class CompiledModel(torch.nn.Module):
         share the plan chose itself (Config.optimizer_on_devices=None) that leaves a new plan no
         room comes back to the host first (Note [optimizer share by room] in passes/host_memory.py)."""
         runner = self.runner
+        opt = runner.overlapped
+        if runner.optimizer_share is None and opt is not None and not opt.stepper.elementwise:
+            runner.optimizer_share = 0.0   # stepped per parameter, on the host: nothing to place on the devices
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=runner.optimizer_share)

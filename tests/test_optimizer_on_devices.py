@@ -405,6 +405,25 @@ def test_a_forward_calls_plan_chooses_the_share_when_it_comes_first(monkeypatch)
     assert cm.plan.memory_budget == budget - kept and cm.runner.overlapped.masters.on_devices
 
 
+def test_an_optimizer_stepped_per_parameter_gets_no_share(monkeypatch):
+    """An optimizer the flat stepper cannot step on a device (not Adam, AdamW or SGD) is stepped
+    per parameter on the host: the plan reserves nothing for it."""
+    import rpcompile
+    from models import lm_batch
+    from rpcompile import passes
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
+    for make, share in ((lambda ps: torch.optim.Adagrad(ps, lr=0.1), 0.0),
+                        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1.0)):
+        model = _qwen()
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       memory_budget=2**26))
+        cm.attach_optimizer(make(model.parameters()))
+        cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+        cm.synchronize()
+        assert cm.plan.optimizer_share == share == cm.runner.optimizer_share
+        assert bool(cm.runner.overlapped.masters.on_devices) == bool(share)
+
+
 def test_the_default_share_is_chosen_on_gpus_only():
     """On CPU devices, in exact mode and for a call's plan, the default chooses nothing."""
     import rpcompile
