@@ -61,8 +61,8 @@ workers page-lock in their own address spaces only, so the first upload from a f
 the main process's mapping of it too (`SharedMemory.page_lock`: once per file, 0.5 s per 4 GiB
 of pages already written). Before, each slice was copied into one of two page-locked staging
 buffers per device: a CPU copy of 2 B per element a step, in the optimizer's critical path,
-and 1 GiB of host memory for Qwen3-1.7B at 4 GPUs (its update on the devices took 0.40 s of
-the 0.54 s its thread worked a step).
+and 1 GiB of host memory for Qwen3-1.7B at 4 GPUs, whose update on the devices took 0.40 s a
+step (0.33 s without them, 4x H200, twenty-seventh session).
 
 Note [working copies from the devices]: after a chunk is stepped, the working copies of its
 parameters are rewritten (the bf16 copies the next steps upload). For a parameter whose
@@ -70,7 +70,8 @@ masters were just stepped on a device, the copy comes from there (`copy_down`): 
 device and copied down (2 B per element more of device-to-host traffic) while the host copies
 its own part, instead of the host reading the fp32 masters it just received and writing bf16
 (6 B of host memory traffic per element, on cores the workers and the optimizer share): at 4
-H200s that refresh took 0.14 s a step for Qwen3-1.7B and 0.58 s of Llama-3.1-8B's 2.07 s step.
+H200s that refresh took 0.14 s a step for Qwen3-1.7B and 0.58 s of Llama-3.1-8B's 2.07 s step;
+from the devices 0.05 s for Qwen3-1.7B (125,154 tokens/s against 118,103, RESULTS.md).
 The masters there equal the host's only if the parameter's `_version` is the one they were
 stepped to (an in-place write through the parameter since, or a failed step, and the host
 copies it). With worker processes the copies are shared files, page-locked in the main

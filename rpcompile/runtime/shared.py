@@ -113,9 +113,10 @@ class SharedMemory:
 
     def page_lock(self, t: torch.Tensor) -> bool:
         """Page-lock this process's mapping of the file t lies in (once per file), for
-        asynchronous copies from it to a device: the main process's optimizer uploads gradients
-        from files the workers write (Note [gradients page-locked in the main process] in
-        runtime/flat.py). False if t lies in none of this process's files."""
+        asynchronous copies between it and a device: the main process's optimizer uploads
+        gradients from files the workers write and copies working copies down into files they
+        read (Notes [gradients page-locked in the main process] and [working copies from the
+        devices] in runtime/flat.py). False if t lies in none of this process's files."""
         with self._lock:
             name = self._by_ptr.get(t.untyped_storage().data_ptr())
             if name is None:
