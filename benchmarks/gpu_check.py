@@ -86,6 +86,8 @@ def parity(args):
         variants = [v for v in variants if v[3] in args.modes.split(",")]
     if args.no_inductor:
         variants = [v for v in variants if not v[1]]
+    if not variants:   # (--workers processes --no-inductor --modes delayed once checked nothing, silently)
+        raise SystemExit("gpu_check parity: these options leave no variant to check")
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for gpus, inductor, peer, mode, workers in dict.fromkeys(variants):
             model = tiny_qwen3()
