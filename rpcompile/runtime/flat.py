@@ -481,7 +481,9 @@ class FlatStepper:
                     used[device] = stream
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         for name in scalars:       # (on the stream that steps: `step` may live on the device)
-                            twin_state[name].copy_(state0[name])
+                            # a fill, not a copy: a copy from pageable host memory would wait for
+                            # everything queued on the stream (the last slice's master download)
+                            twin_state[name].fill_(state0[name])
                         synced = self._device_synced[(k, self.masters.device_range(k, a)[0])]
                         if any(synced.get(id(p)) != p._version for p, _, off in run if off < b and off + p.numel() > a):
                             # the host's masters changed since they came down (or never went up)
