@@ -2,6 +2,7 @@
 eager PyTorch and as worker threads, errors raised in the caller, nothing changed by a failed step."""
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,29 @@ def test_page_lock_registers_each_file_once_and_unpins_it_before_it_goes(monkeyp
         memory.close()
     assert unpinned == [a.data_ptr(), b.data_ptr()]
     assert pinned == [a.data_ptr(), b.data_ptr()]
+
+
+def test_a_file_that_cannot_be_page_locked_is_warned_of_once_and_copied_as_pageable(monkeypatch):
+    """A registration the system refuses (a locked-memory limit) does not fail the optimizer's
+    step: page_lock says False (the copy is then from pageable memory), warns once, never retries."""
+    import rpcompile.runtime.shared as shared
+    calls = []
+
+    def refuse(base):
+        calls.append(base.data_ptr())
+        raise RuntimeError("cudaHostRegister of 4096 bytes of shared host memory failed: 2")
+    monkeypatch.setattr(shared, "cuda_register", refuse)
+    memory = SharedMemory()
+    try:
+        a, b = memory.empty((1024,), torch.float32), memory.empty((1024,), torch.float32)
+        with pytest.warns(UserWarning, match="failed: 2.*synchronous"):
+            assert not memory.page_lock(a)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")          # once: not again for this file or the next
+            assert not memory.page_lock(a) and not memory.page_lock(b)
+        assert calls == [a.data_ptr(), b.data_ptr()]
+    finally:
+        memory.close()
 
 
 def test_the_optimizer_uploads_through_the_main_processs_memory():

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class SharedMemory:
         self._names = itertools.count()
         self._made: dict = {}         # name -> bytes, the files this process made
         self._locked: dict = {}       # name -> base: the files `page_lock` registered in this process
+        self._lock_failed: set = set()   # names of the files it could not register
         weakref.finalize(self, _unlock, self._locked)
         self._lock = threading.Lock()
         self.created_bytes = 0
@@ -116,13 +118,22 @@ class SharedMemory:
         asynchronous copies between it and a device: the main process's optimizer uploads
         gradients from files the workers write and copies working copies down into files they
         read (Notes [gradients page-locked in the main process] and [working copies from the
-        devices] in runtime/flat.py). False if t lies in none of this process's files."""
+        devices] in runtime/flat.py). False if t lies in none of this process's files, or
+        registering it failed (warned of once; its copies are then synchronous, as from any
+        pageable memory: slower, same results)."""
         with self._lock:
             name = self._by_ptr.get(t.untyped_storage().data_ptr())
-            if name is None:
+            if name is None or name in self._lock_failed:
                 return False
             if name not in self._locked and self._register is None:
-                cuda_register(self._files[name])
+                try:
+                    cuda_register(self._files[name])
+                except RuntimeError as e:
+                    self._lock_failed.add(name)
+                    if len(self._lock_failed) == 1:
+                        warnings.warn(f"rpcompile: {e}; the optimizer's copies between such files and the "
+                                      "devices are synchronous (slower, same results)", stacklevel=2)
+                    return False
                 self._locked[name] = self._files[name]
         return True
 
