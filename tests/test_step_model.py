@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.passes import partition
 from rpcompile.passes.partition import Segment, brute_force_stages, solve_stages
-from rpcompile.passes.step_model import overlapped_step_time
+from rpcompile.passes.step_model import load_bound, overlapped_step_time
 
 from models import lm_batch, qwen3
 from test_partition_solver import _outcome, random_case
@@ -130,6 +131,33 @@ def test_search_is_never_worse_than_the_chain_plan_and_mostly_optimal():
         found += 1
         optimal += plan.est_time <= best.est_time * (1 + 1e-9)
     assert found > 200 and optimal >= 0.95 * found, (found, optimal)
+
+
+def test_the_busiest_devices_bound_skips_replays_not_plans(monkeypatch):
+    """load_bound is the busiest device's round-robin share, never above the replay; the search
+    that skips neighbours by it finds the plans it finds without it, with fewer replays."""
+    assert load_bound([1.0, 2.0, 3.0, 4.0], 2) == 6.0                      # 1 + 3 and 2 + 4
+    assert load_bound([1.0, 2.0, 3.0], 2) == 3.0                           # coprime: the sum over N
+    for times, N in (([1.0, 2.0, 3.0, 4.0], 2), ([0.4, 0.5, 0.6, 0.3, 0.2, 0.9], 4)):
+        assert overlapped_step_time(times, 1, N, 4) >= load_bound(times, N)
+    replays = []
+
+    def counted(*a):
+        replays.append(1)
+        return overlapped_step_time(*a)
+    monkeypatch.setattr(partition, "overlapped_step_time", counted)
+    plans, counts = {}, {}
+    for bound in (load_bound, lambda times, N: 0.0):
+        monkeypatch.setattr(partition, "load_bound", bound)
+        replays.clear()
+        got = []
+        for seed in range(60):
+            segs, cut_bytes, kw = random_case(seed)
+            kw["num_devices"] = max(2, kw["num_devices"])
+            plan, _ = _outcome(solve_stages, segs, cut_bytes, {**kw, "overlapped_steps": True})
+            got.append(None if plan is None else (plan.fwd_cuts, plan.split, plan.bwd_cuts, plan.est_time))
+        plans[bound is load_bound], counts[bound is load_bound] = got, len(replays)
+    assert plans[True] == plans[False] and counts[True] < counts[False]
 
 
 @pytest.mark.parametrize("mode", ["delayed", "exact"])

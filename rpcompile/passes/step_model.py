@@ -38,17 +38,25 @@ import math
 from typing import Sequence
 
 
+def load_bound(times: Sequence[float], num_devices: int) -> float:
+    """Seconds per step of the busiest device when the jobs `times` of every step go round-robin
+    over the devices: a lower bound of overlapped_step_time."""
+    J, N = len(times), num_devices
+    cycle = N // math.gcd(J, N)          # steps until every device has run every job once
+    load = [0.0] * N                     # each device's seconds over one cycle
+    for s in range(cycle):
+        for k, t in enumerate(times):
+            load[(s * J + k) % N] += t
+    return max(load) / cycle
+
+
 def overlapped_step_time(times: Sequence[float], fused: int, num_devices: int,
                          num_microbatches: int) -> float:
     """Steady seconds per step of overlapping steps of jobs `times` (execution order; `fused`:
     the index of the job whose end makes the loss known), Note [overlapped step model]."""
     J, N, M = len(times), num_devices, num_microbatches
     cycle = N // math.gcd(J, N)          # steps until every device has run every job once
-    load = [0.0] * N                     # each device's seconds over one cycle
-    for s in range(cycle):
-        for k, t in enumerate(times):
-            load[(s * J + k) % N] += t
-    bound = max(load) / cycle
+    bound = load_bound(times, N)
     measured = cycle * max(2, -(-8 // cycle))    # whole cycles: the loads even out over one
     tol = 1e-9 * max(times)
     mbs = [t / M for t in times]
