@@ -391,12 +391,16 @@ class FlatStepper:
             out += [(x, min(b, x + step), None if r is None else r[2]) for x in range(a, b, step)]
         return out
 
+    def _lock_pages(self, t, device) -> None:
+        """Page-lock the host memory t lies in where it is not yet, for an asynchronous copy
+        between it and `device` (Note [gradients page-locked in the main process]); from pageable
+        memory the copy would hold this thread for its whole length, one device after another."""
+        if device.type == "cuda" and self.page_lock is not None and not t.is_pinned():
+            self.page_lock(t)
+
     def _upload(self, g, device):
-        """g on the device, copied asynchronously from page-locked memory (Note [gradients
-        page-locked in the main process]); from pageable memory the copy would hold this thread
-        for its whole length, one device after another."""
-        if device.type == "cuda" and self.page_lock is not None and not g.is_pinned():
-            self.page_lock(g)
+        """g on the device, copied asynchronously (_lock_pages)."""
+        self._lock_pages(g, device)
         return g.to(device, non_blocking=True)
 
     def copy_down(self, dsts: list, params: list):
@@ -418,8 +422,7 @@ class FlatStepper:
             stream = self._stream(device)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for d, src in zip(*merge_adjacent(ds, ss)):
-                    if stream is not None and self.page_lock is not None and not d.is_pinned():
-                        self.page_lock(d)
+                    self._lock_pages(d, device)
                     d.copy_(src, non_blocking=True)    # (the cast runs on the device: Note)
             streams.append(stream)
 
