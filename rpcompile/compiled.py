@@ -103,9 +103,9 @@ class CompiledModel(torch.nn.Module):
             if self.config.optimizer_on_devices is not None or not runner.optimizer_share:
                 raise
             runner.optimizer_share = 0.0
-            if runner.overlapped is not None:
+            if opt is not None:
                 self.synchronize()
-                runner.overlapped.bring_home()
+                opt.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
         if runner.optimizer_share is None:     # the first plan chose it: every later one reserves it
             runner.optimizer_share = plan.optimizer_share
