@@ -202,3 +202,31 @@ def test_outgrown_slots_leave_the_set():
     assert made == 0 and [c.data_ptr() for c in again] == [c.data_ptr() for c in long]
     mixed, made = step(again, 16384, 8192)                # one outgrew: the chunk left unused goes
     assert made == 1 and [c.numel() for c in mixed] == [8192, 16384]
+
+
+def test_idle_compile_pools_are_shut():
+    """Note [idle compile pools]: a worker's Inductor compile pool (a sidecar process and its
+    compiling processes) is shut once nothing has compiled for the idle time, and not before;
+    the next compilation gets a pool again."""
+    import time
+
+    from torch._inductor import async_compile, config as inductor_config
+
+    from rpcompile.runtime import warmup
+
+    with inductor_config.patch(compile_threads=2, worker_start_method="subprocess"):
+        async_compile.shutdown_compile_workers()
+        pool = async_compile.AsyncCompile.process_pool()
+        assert pool.submit(int, "7").result(timeout=120) == 7
+        sidecar = pool.process
+        warmup._last_alone[0] = time.monotonic()
+        assert not warmup.close_compile_pools_if_idle(60.0)       # compiled just now: kept
+        assert async_compile._pool_set and sidecar.poll() is None
+        warmup._last_alone[0] = time.monotonic() - 61.0
+        assert warmup.close_compile_pools_if_idle(60.0)
+        assert not async_compile._pool_set
+        assert sidecar.wait(timeout=30) is not None                # the sidecar ended
+        assert not warmup.close_compile_pools_if_idle(60.0)        # nothing left to shut
+        again = async_compile.AsyncCompile.process_pool()
+        assert again is not pool and again.submit(int, "8").result(timeout=120) == 8
+        async_compile.shutdown_compile_workers()

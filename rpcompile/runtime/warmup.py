@@ -17,6 +17,46 @@ import torch
 # (device, seconds) of every call that ran alone (first calls: they compile): what a model's
 # first steps spend compiling, per device (benchmarks/diagnose.py prints it).
 first_calls: list = []
+_last_alone = [time.monotonic()]     # when the last call that ran alone ended
+
+# Note [idle compile pools]: Inductor compiles a worker process's kernels in a pool of its own
+# (a sidecar process and cores / workers compiling processes: TORCHINDUCTOR_COMPILE_THREADS,
+# runtime/processes.py), which works in bursts: the first steps, and a new length. Kept alive
+# between bursts, the pools of four workers held 2.3-2.6 GiB of host memory (Qwen3-1.7B and
+# Llama-3.1-8B on 4 H200s: 68 and 36 processes beside 35.5 and 116.4 GiB in all; the sidecars
+# alone 0.4 GiB each, which Inductor's own quiesce keeps). So a worker shuts its pools once no
+# call has compiled for COMPILE_POOL_IDLE_S, under the write side of the lock every compiling
+# call holds; the next compilation starts a pool again (Inductor wakes it as a compile begins,
+# beside the tracing).
+COMPILE_POOL_IDLE_S = 5.0
+
+
+def close_idle_compile_pools(idle_s: float = COMPILE_POOL_IDLE_S, poll_s: float = 1.0) -> threading.Thread:
+    """Start a daemon thread that shuts this process's Inductor compile pools once no call has
+    run alone (compiled) for idle_s (Note [idle compile pools])."""
+    def loop():
+        while True:
+            time.sleep(poll_s)
+            close_compile_pools_if_idle(idle_s)
+    t = threading.Thread(target=loop, name="rpcompile-compile-pools", daemon=True)
+    t.start()
+    return t
+
+
+def close_compile_pools_if_idle(idle_s: float) -> bool:
+    """Shut Inductor's compile pools if there are any and nothing compiled for idle_s; True if it did."""
+    from torch._inductor import async_compile
+    pools = getattr(async_compile, "_pool_set", None)
+    if not pools or time.monotonic() - _last_alone[0] < idle_s:
+        return False
+    _LOCK.acquire_write()
+    try:
+        if not pools or time.monotonic() - _last_alone[0] < idle_s:
+            return False
+        async_compile.shutdown_compile_workers()
+        return True
+    finally:
+        _LOCK.release_write()
 
 
 class _ReadersWriter:
@@ -88,6 +128,7 @@ class WarmupGuard(torch.nn.Module):
             return out
         finally:
             first_calls.append((str(device), time.perf_counter() - t0))
+            _last_alone[0] = time.monotonic()
             _LOCK.release_write()
 
 

@@ -240,6 +240,8 @@ class Worker:
         torch.set_float32_matmul_precision(init["float32_matmul_precision"])   # as the user set it
         if self.is_cuda:
             torch.cuda.set_device(self.device)
+        if init["compile_stages"] is not False:
+            warmup.close_idle_compile_pools()
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
                                    unregister=cuda_unregister if self.is_cuda else None)
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
