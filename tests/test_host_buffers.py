@@ -208,6 +208,7 @@ def test_idle_compile_pools_are_shut():
     """Note [idle compile pools]: a worker's Inductor compile pool (a sidecar process and its
     compiling processes) is shut once nothing has compiled for the idle time, and not before;
     the next compilation gets a pool again."""
+    import threading
     import time
 
     from torch._inductor import async_compile, config as inductor_config
@@ -222,9 +223,22 @@ def test_idle_compile_pools_are_shut():
         warmup._last_alone[0] = time.monotonic()
         assert not warmup.close_compile_pools_if_idle(60.0)       # compiled just now: kept
         assert async_compile._pool_set and sidecar.poll() is None
+        # shut outside the lock: a compiled call (the read side) goes on while the pool ends
         warmup._last_alone[0] = time.monotonic() - 61.0
-        assert warmup.close_compile_pools_if_idle(60.0)
-        assert not async_compile._pool_set
+        release, real_shutdown = threading.Event(), pool.shutdown
+        pool.shutdown = lambda: (release.wait(30), real_shutdown())
+        closed: list = []
+        closer = threading.Thread(target=lambda: closed.append(warmup.close_compile_pools_if_idle(60.0)))
+        closer.start()
+        while async_compile._pool_set:       # taken from Inductor first
+            time.sleep(0.01)
+        reader = threading.Thread(target=lambda: (warmup._LOCK.acquire_read(), warmup._LOCK.release_read()))
+        reader.start()
+        reader.join(timeout=10)
+        assert not reader.is_alive() and closer.is_alive()
+        release.set()
+        closer.join(timeout=60)
+        assert closed == [True]
         assert sidecar.wait(timeout=30) is not None                # the sidecar ended
         assert not warmup.close_compile_pools_if_idle(60.0)        # nothing left to shut
         again = async_compile.AsyncCompile.process_pool()

@@ -25,9 +25,9 @@ _last_alone = [time.monotonic()]     # when the last call that ran alone ended
 # between bursts, the pools of four workers held 2.3-2.6 GiB of host memory (Qwen3-1.7B and
 # Llama-3.1-8B on 4 H200s: 68 and 36 processes beside 35.5 and 116.4 GiB in all; the sidecars
 # alone 0.4 GiB each, which Inductor's own quiesce keeps). So a worker shuts its pools once no
-# call has compiled for COMPILE_POOL_IDLE_S, under the write side of the lock every compiling
-# call holds; the next compilation starts a pool again (Inductor wakes it as a compile begins,
-# beside the tracing).
+# call has compiled for COMPILE_POOL_IDLE_S: taken from Inductor under the write side of the
+# lock every compiling call holds, shut outside it; the next compilation starts a pool again
+# (Inductor wakes it as a compile begins, beside the tracing).
 COMPILE_POOL_IDLE_S = 5.0
 
 
@@ -44,19 +44,28 @@ def close_idle_compile_pools(idle_s: float = COMPILE_POOL_IDLE_S, poll_s: float 
 
 
 def close_compile_pools_if_idle(idle_s: float) -> bool:
-    """Shut Inductor's compile pools if there are any and nothing compiled for idle_s; True if it did."""
+    """Shut Inductor's compile pools if there are any and nothing compiled for idle_s; True if it
+    did. The pools are taken out of Inductor's hands under the write side of the lock (no call
+    compiles meanwhile, and the next one makes a new pool), but shut after it is released: a
+    pool waits for its sidecar to end, and calls holding the read side waited with it (a 2.3 s
+    step on 2 H200s while the lock was held throughout)."""
     from torch._inductor import async_compile
-    pools = getattr(async_compile, "_pool_set", None)
-    if not pools or time.monotonic() - _last_alone[0] < idle_s:
+    live = getattr(async_compile, "_pool_set", None)
+    if not live or time.monotonic() - _last_alone[0] < idle_s:
         return False
     _LOCK.acquire_write()
     try:
-        if not pools or time.monotonic() - _last_alone[0] < idle_s:
+        if not live or time.monotonic() - _last_alone[0] < idle_s:
             return False
-        async_compile.shutdown_compile_workers()
-        return True
+        pools = list(live)
+        live.clear()                    # Inductor forgets them: the set, its cached pool, the ready future
+        async_compile.AsyncCompile.process_pool.cache_clear()
+        async_compile.AsyncCompile._ready_future = None
     finally:
         _LOCK.release_write()
+    for pool in pools:
+        pool.shutdown()
+    return True
 
 
 class _ReadersWriter:
