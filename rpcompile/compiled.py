@@ -15,6 +15,7 @@ from .passes import PlanningError, compile_graph
 from .passes.batch import LOSS_TARGET
 from .plan_cache import PlanCache
 from .runner import GraphRunner
+from .runtime import timeline
 from .runtime.trace import write_chrome_trace
 
 _TARGET = LOSS_TARGET
@@ -60,6 +61,8 @@ class CompiledModel(torch.nn.Module):
         return (mode, spec, tuple(sig), self.model.training, trainable, extra)
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
+        if self._last_plan is None:
+            timeline.mark("first call")
         self.runner.prestart()      # worker processes start beside the capture (Note [early workers])
         leaves, spec = flatten_call(args, kwargs)
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
@@ -74,10 +77,13 @@ class CompiledModel(torch.nn.Module):
                                device=config.devices[0], unbatched=config.unbatched_inputs,
                                dynamic_lengths=config.dynamic_lengths)
             captured_s.append(time.perf_counter() - t0)
+            timeline.mark("captured", captured_s[-1])
             return cap
 
         def compile(cap, at):
+            t0 = time.perf_counter()
             plan = self._compile(cap, mode, 0 if loss_fn is not None else None, at)
+            timeline.mark("planned", time.perf_counter() - t0)
             if captured_s:          # this call captured: the capture's first plan
                 plan.compile_seconds = {"dynamo_capture": captured_s.pop(), **plan.compile_seconds}
             if self._dump_dir:
@@ -125,6 +131,13 @@ class CompiledModel(torch.nn.Module):
         """The executed schedule of the last step: dicts with device, stream, name, start_s,
         end_s, stage, role, job and microbatch (None before the first step)."""
         return self.runner.last_trace()
+
+    @property
+    def setup_timeline(self):
+        """What this process and its worker processes finished in the first steps, and when
+        (Note [setup timeline] in runtime/timeline.py): [{"t", "where", "what", "seconds"}],
+        t in seconds after the first mark. The marks are the process's: every compiled model's."""
+        return timeline.setup_timeline()
 
     @property
     def last_placements(self):

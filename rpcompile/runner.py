@@ -19,6 +19,7 @@ from .runtime.grads import HostGrads
 from .runtime.job import Microbatch, StepState
 from .runtime.schedule import build_schedule
 from .runtime.programs import ProgramCache
+from .runtime import timeline
 from .runtime.trace import Tracer
 from .runtime.modes import ExactMode, mode_for, sum_param_grads
 from .runtime.weights import HostWeights
@@ -289,6 +290,7 @@ class GraphRunner:
         for m in micro:
             m.outputs = resolve(m.outputs)
         total = sum(w * m.outputs[loss_name].double() for w, m in zip(weights, micro))
+        timeline.mark_early("step", "train_step returned")
         return total.to(micro[0].outputs[loss_name].dtype)
 
     def _step(self, plan, step, jobs):

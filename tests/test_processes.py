@@ -23,6 +23,8 @@ def _config(workers="processes", memory_budget="300KiB", **kw):
 def test_exact_mode_in_worker_processes_matches_eager():
     """train_step and a differentiable call (one compiled model, one pair of worker processes:
     each start is a fresh interpreter) equal eager; a worker that dies is an error in the caller."""
+    from rpcompile.runtime import timeline
+    timeline.reset()     # marks are the process's; this test reads its own model's
     cm = train_both(qwen3(), [lm_batch(seed=s) for s in range(2)], _config(), steps=3)
     # warm steps reuse the shared files (activation slots go back when a step ends, and the
     # gradients lent as param.grad when zero_grad() dropped them): none is added
@@ -32,6 +34,16 @@ def test_exact_mode_in_worker_processes_matches_eager():
         cm.model.zero_grad()
         cm.train_step(**lm_batch(seed=s))
     assert set(os.listdir(cm.runner.executor.memory.directory)) == files
+    # Note [setup timeline]: each worker's marks came back, in the order its first steps went
+    timeline = cm.setup_timeline
+    assert [r["t"] for r in timeline] == sorted(r["t"] for r in timeline)
+    for w in ("worker 0", "worker 1"):
+        whats = [r["what"] for r in timeline if r["where"] == w]
+        first_job = next(i for i, what in enumerate(whats) if what.startswith("job "))
+        assert whats.index("imported") < whats.index("set up") < whats.index("plan loaded") < first_job
+    main = [r["what"] for r in timeline if r["where"] == "main"]
+    assert main.index("first call") < main.index("captured") < main.index("workers ready") < \
+        main.index("train_step returned")
     # the jobs ran in the workers, alternating, and their spans came back with their devices
     assert {w for _, _, _, w in cm.last_placements} == {0, 1}
     spans = cm.last_trace

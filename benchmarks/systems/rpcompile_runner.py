@@ -156,6 +156,8 @@ class RPCompileTrainer(Trainer):
             by_device[device] = (n + 1, total + sec)
         # where the first steps go (the bar's first-steps row): capture and passes per plan, compiles per device
         out["first_calls"] = {d: [n, round(sec, 2)] for d, (n, sec) in sorted(by_device.items())}
+        # what each process finished when, in the first steps (Note [setup timeline])
+        out["setup_timeline"] = self.cm.setup_timeline
         out["compile_seconds"] = [{k: round(v, 3) for k, v in p.compile_seconds.items()} for p in self.cm._plans.plans()]
         plan = self.cm.plan
         if plan is not None:

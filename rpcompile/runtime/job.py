@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import InputError, StageError
-from . import ops
+from . import ops, timeline
 from .device import Pending
 from .grads import param_index
 
@@ -377,3 +377,4 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     finally:
         if ctx is not None:
             ctx.close()
+        timeline.mark_early("job", f"job {job_index} ({role}) on {dev.label} ended")

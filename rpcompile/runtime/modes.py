@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from . import timeline
 from .grads import as_dtype, for_step, param_index, sum_param_grads
 from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
@@ -194,9 +195,13 @@ class DelayedMode(OverlappedMode):
         params = plan.captured.params
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
+            t0 = time.perf_counter()
             order = host_order(plan)
             self.optimizer.flatten(order, runner.optimizer_share)
+            timeline.mark("flat masters made", time.perf_counter() - t0)
+            t0 = time.perf_counter()
             self.copies = DelayedWeights(order, runner.working_dtype(plan), pin=runner.host_placement)
+            timeline.mark("working copies made", time.perf_counter() - t0)
         return self.copies
 
     def start(self, runner, plan, micro):

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..errors import RPCompileError, StageError, StepAbandoned
-from . import portable, warmup
+from . import portable, timeline, warmup
 from .device import Pending
 from .schedule import Schedule
 from .shared import SharedMemory, SlotSets
@@ -152,10 +152,12 @@ class ProcessExecutor:
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", "from rpcompile.runtime.worker import main; main()"], env=env))
+        timeline.mark("workers spawned")
         return server, path, token, procs, weakref.finalize(self, _kill_unconnected, procs, server, path)
 
     def _start(self):
         early, self._early = self._early, None
+        t0 = time.perf_counter()
         server, path, token, procs, unconnected = early or self._spawn()
         unconnected.detach()           # from here the hub's finalizer (or the failure below) ends them
         try:
@@ -174,6 +176,7 @@ class ProcessExecutor:
         threading.Thread(target=hub.receive, name="rpcompile-receiver", daemon=True).start()
         weakref.finalize(self, _stop, hub, self.memory)
         self.hub = hub
+        timeline.mark("workers ready", time.perf_counter() - t0)
 
     def _connect(self, server, token, procs) -> "_Hub":
         """Accept the workers' connections, send each its part, wait until all are ready."""
@@ -500,6 +503,7 @@ class _Hub:
 
     def landed(self, step_id, run_no, job, info):
         warmup.first_calls.extend(info["first_calls"])
+        timeline.extend(info.get("marks", ()))
         if "pinned" in info:
             index, label, nbytes = info["pinned"]
             self.pinned[index] = (label, nbytes)

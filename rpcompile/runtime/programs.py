@@ -5,8 +5,11 @@ One cache per process: the runner's (worker threads) or a worker process's own
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from . import timeline
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
 from .warmup import WarmupGuard
@@ -104,12 +107,14 @@ class ProgramCache:
         key = (plan_key, stage.index, role, device)
         prog = self._programs.get(key)
         if prog is None:
+            t0 = time.perf_counter()
             prog = stage.programs[role]
             if capture_device != device:
                 prog = retarget(prog, {capture_device.type: device})
             if self.use_inductor(stage):
                 prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device), {}))
             self._programs[key] = generate_code(prog)
+            timeline.mark(f"program {stage.index}{role} for {device} built", time.perf_counter() - t0)
         return prog
 
     def clear(self):

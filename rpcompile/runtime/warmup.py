@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from . import timeline
 # (device, seconds) of every call that ran alone (first calls: they compile): what a model's
 # first steps spend compiling, per device (benchmarks/diagnose.py prints it).
 first_calls: list = []
@@ -137,6 +138,7 @@ class WarmupGuard(torch.nn.Module):
             return out
         finally:
             first_calls.append((str(device), time.perf_counter() - t0))
+            timeline.mark(f"call alone on {device}", first_calls[-1][1])
             _last_alone[0] = time.monotonic()
             _LOCK.release_write()
 

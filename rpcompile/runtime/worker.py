@@ -36,6 +36,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection, wait as wait_connections
 
@@ -50,7 +51,7 @@ from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
 from .shared import Ref, SharedMemory, SlotPool, cuda_register, cuda_unregister
 from .trace import Tracer
-from . import warmup
+from . import timeline, warmup
 from ..errors import StageError
 from ..plan import key_numel
 
@@ -380,16 +381,20 @@ class Worker:
 
     def _handle(self, msg):
         kind = msg[0]
+        t0 = time.perf_counter()
         if kind == "plan":
             self.plans[msg[1]] = WorkerPlan(portable.loads(msg[2]))
+            timeline.mark("plan loaded", time.perf_counter() - t0)
         elif kind == "table":
             self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
+            timeline.mark("working copies mapped", time.perf_counter() - t0)
         elif kind == "grads":
             _, key, layout, ref, consumed = msg
             flat = self.memory.tensor(ref)
             gs = GradSet(layout, False, {}, "gradients", consumed=self.memory.tensor(consumed), dtype=flat.dtype)
             gs._flat = flat
             self.grad_sets[key] = gs
+            timeline.mark("gradients mapped", time.perf_counter() - t0)
         elif kind == "prefetch":       # the next step's first job's weights (delayed mode)
             _, token, refs, dtype = msg
             self.dev.prefetch(("first", token), [(i, self.memory.tensor(r)) for i, r in refs], dtype, _Snapshot())
@@ -524,6 +529,7 @@ class Worker:
             spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
+                           "marks": timeline.take_new(),
                            # bytes held by torch's caching host allocator here (pin_memory=True blocks)
                            "pinned": (self.index, self.label, warmup.pinned_bytes(self.device)),
                            "error": error, "failed": err is not None or aborted,
@@ -545,15 +551,20 @@ def main():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     directory, index, token = os.environ["RPCOMPILE_WORKER_DIR"], int(os.environ["RPCOMPILE_WORKER_INDEX"]), \
         bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
+    timeline.set_where(f"worker {index}")
+    timeline.mark("imported")
     server = serve_socket(os.path.join(directory, f"w{index}.sock"))
     main_conn = connect(os.path.join(directory, "main.sock"), token)
     send(main_conn, threading.Lock(), ("hello", index))
     _, init = recv(main_conn)
+    timeline.mark("given its part")
     # the main process's import path: a model's module found there (a script's folder) unpickles here
     sys.path[:] = init["sys_path"] + [p for p in sys.path if p not in init["sys_path"]]
     if os.environ.get("RPCOMPILE_WORKER_SWITCH_MS"):   # an instrument (benchmarks): the lock's switch interval
         sys.setswitchinterval(float(os.environ["RPCOMPILE_WORKER_SWITCH_MS"]) * 1e-3)
+    t0 = time.perf_counter()
     worker = Worker(index, init, main_conn)
+    timeline.mark("set up", time.perf_counter() - t0)
     n = init["workers"]
     for j in range(index):                       # connect to the lower indices, accept the higher
         conn = connect(os.path.join(directory, f"w{j}.sock"), token)
@@ -564,6 +575,7 @@ def main():
         _, j = recv(conn)
         worker.peers[j] = (conn, threading.Lock())
     server.close()
+    timeline.mark("peers connected")
     notifier = threading.Thread(target=worker.notifier, name="rpcompile-notifier", daemon=True)
     notifier.start()
     threading.Thread(target=worker.receiver, name="rpcompile-receiver", daemon=True).start()

@@ -1,0 +1,78 @@
+"""The setup timeline: when each process of a compiled model finished each part of its first
+steps (capture, plan, worker start, working copies, plan and weights in the workers, programs
+built, calls that compiled, jobs ended), on one wall clock.
+
+Note [setup timeline]: the first four steps at 4 GPUs took 108-145 s (Qwen3-1.7B on 4 H200s,
+cold Inductor cache; the issue's bar is 60 s), yet py-spy found the main process busy for 57 s
+of them and each worker process for 37-47 s (28th session): most of the time is waiting, which
+a profile of busy samples does not place. So each process marks what it finished and how long
+it took; worker processes send their marks with their landed jobs, and `setup_timeline()` lists
+them all in time order. Only the first marks are kept (LIMIT): steady steps add none after the
+first steps, since what every step repeats is marked for the first steps only (`mark_early`).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+LIMIT = 4000           # marks kept per process
+EARLY = 40             # marks per kind for what repeats every step (jobs, steps): the first steps'
+
+_marks: list = []      # (wall time, where, what, seconds or None)
+_sent = 0              # marks a worker process has sent so far
+_where = ["main"]
+_counts: dict = {}     # kind -> marks made by mark_early
+_lock = threading.Lock()
+
+
+def set_where(where: str) -> None:
+    """Name this process's marks (a worker process: its index and device)."""
+    _where[0] = where
+
+
+def mark(what: str, seconds: Optional[float] = None) -> None:
+    """`what` ended now (after `seconds`, if given)."""
+    if len(_marks) < LIMIT:
+        with _lock:
+            _marks.append((time.time(), _where[0], what, None if seconds is None else round(seconds, 3)))
+
+
+def mark_early(kind: str, what: str, seconds: Optional[float] = None) -> None:
+    """As mark, for something every step repeats (a job, a step): only the first EARLY of a kind."""
+    n = _counts.get(kind, 0)
+    if n < EARLY:
+        _counts[kind] = n + 1
+        mark(what, seconds)
+
+
+def take_new() -> list:
+    """The marks made since the last call (a worker process sends them with a landed job)."""
+    global _sent
+    with _lock:
+        new, _sent = _marks[_sent:], len(_marks)
+    return new
+
+
+def extend(marks: list) -> None:
+    """Marks another process sent."""
+    with _lock:
+        _marks.extend(marks[:max(0, LIMIT * 9 - len(_marks))])
+
+
+def reset() -> None:
+    """Forget every mark and count (a process that starts over, such as a test)."""
+    global _sent
+    with _lock:
+        _marks.clear()
+        _counts.clear()
+        _sent = 0
+
+
+def setup_timeline() -> list:
+    """Every mark so far, in time order: [{"t": seconds after the first, "where", "what",
+    "seconds"}]."""
+    with _lock:
+        marks = sorted(_marks)
+    t0 = marks[0][0] if marks else 0.0
+    return [{"t": round(t - t0, 3), "where": where, "what": what, "seconds": sec} for t, where, what, sec in marks]
