@@ -61,12 +61,12 @@ class GraphRunner:
         # share by room] in passes/host_memory.py)
         self.optimizer_share = config.optimizer_on_devices
 
-    def prestart(self) -> None:
+    def prestart(self, modules=()) -> None:
         """Start what the first run needs while the call is captured and planned (worker
-        processes: Note [early workers] in runtime/processes.py)."""
+        processes, which import `modules` meanwhile: Note [early workers] in runtime/processes.py)."""
         start = getattr(self.executor, "prestart", None)
         if start is not None:
-            start()
+            start(modules)
 
     @property
     def overlapped(self):

@@ -41,6 +41,8 @@ def test_exact_mode_in_worker_processes_matches_eager():
         whats = [r["what"] for r in timeline if r["where"] == w]
         first_job = next(i for i, what in enumerate(whats) if what.startswith("job "))
         assert whats.index("imported") < whats.index("set up") < whats.index("plan loaded") < first_job
+        # the model's modules were imported before the worker was given its part (Note [early workers])
+        assert whats.index("model's modules imported") < whats.index("given its part")
     main = [r["what"] for r in timeline if r["where"] == "main"]
     assert main.index("first call") < main.index("captured") < main.index("workers ready") < \
         main.index("train_step returned")
@@ -251,3 +253,13 @@ def test_worker_processes_start_before_the_first_capture_and_go_with_an_unrun_mo
     while any(p.poll() is None for p in early) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(p.poll() is not None for p in early)
+
+
+def test_workers_are_told_the_models_modules(monkeypatch):
+    """Note [early workers]: the first call starts the workers with the model's modules to
+    import beside the capture (transformers' Qwen3 here), never __main__."""
+    cm = rpcompile.compile(qwen3(), _config(workers="threads"))
+    seen = []
+    monkeypatch.setattr(cm.runner, "prestart", lambda modules=(): seen.append(list(modules)))
+    cm.train_step(**lm_batch(seed=0))
+    assert "transformers.models.qwen3.modeling_qwen3" in seen[0] and "__main__" not in seen[0]

@@ -127,17 +127,22 @@ class ProcessExecutor:
         as each last reported with a landed job: {"<index>:<device>": bytes}."""
         return {} if self.hub is None else {f"{i}:{label}": n for i, (label, n) in sorted(self.hub.pinned.items())}
 
-    def prestart(self) -> None:
+    def prestart(self, modules=()) -> None:
         """Note [early workers]: the first call captures and plans the model in this process
         (seconds: Qwen3-1.7B's capture took 11 s on an H200 host) before its first run starts
         the worker processes, and each worker then imports torch and rpcompile before it
         connects (2.5 s on a 2-core sandbox, four at once on a GPU host). So the first call
         starts them before it captures; they connect and wait for their part, which the first
-        run sends (`_start`). Processes never given a part are killed with this executor."""
+        run sends (`_start`). Processes never given a part are killed with this executor.
+        Loading the plan imports the model's modules (its classes are named in the graphs' node
+        meta): transformers, 2.9 s on the sandbox and 4.5 s a worker on an H200 host, after the
+        capture. So the workers import `modules` (the model's, by name) before they connect too;
+        one that fails to import there (a script's folder, known only from the main process's
+        path, which the workers get later) is imported with the plan, as before."""
         if self.hub is None and self._early is None:
-            self._early = self._spawn()
+            self._early = self._spawn(modules)
 
-    def _spawn(self):
+    def _spawn(self, modules=()):
         config = self.config
         token = secrets.token_bytes(16)
         path = os.path.join(self.memory.directory, "main.sock")
@@ -145,7 +150,7 @@ class ProcessExecutor:
         procs = []
         for i, d in enumerate(config.devices):
             env = {**os.environ, "RPCOMPILE_WORKER_DIR": self.memory.directory, "RPCOMPILE_WORKER_INDEX": str(i),
-                   "RPCOMPILE_WORKER_TOKEN": token.hex()}
+                   "RPCOMPILE_WORKER_TOKEN": token.hex(), "RPCOMPILE_WORKER_IMPORTS": ",".join(modules)}
             if d.type == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = _visible(d.index)
             # Inductor's compile pool is per process: share the cores instead of 32 pools of 32

@@ -29,6 +29,7 @@ adds go back to the main process with the job's landing.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import pickle
 import queue
@@ -553,6 +554,12 @@ def main():
         bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
     timeline.set_where(f"worker {index}")
     timeline.mark("imported")
+    for name in filter(None, os.environ.get("RPCOMPILE_WORKER_IMPORTS", "").split(",")):
+        try:        # the model's modules, before the plan names them (Note [early workers])
+            importlib.import_module(name)
+        except Exception:   # noqa: BLE001 - loading the plan imports it again, and says what failed
+            pass
+    timeline.mark("model's modules imported")
     server = serve_socket(os.path.join(directory, f"w{index}.sock"))
     main_conn = connect(os.path.join(directory, "main.sock"), token)
     send(main_conn, threading.Lock(), ("hello", index))
