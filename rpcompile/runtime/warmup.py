@@ -15,6 +15,7 @@ import time
 import torch
 
 from . import timeline
+
 # (device, seconds) of every call that ran alone (first calls: they compile): what a model's
 # first steps spend compiling, per device (benchmarks/diagnose.py prints it).
 first_calls: list = []
