@@ -768,3 +768,27 @@ def test_pinned_tensors_names_what_holds_each_storage(monkeypatch):
     (n0, shape0, _, count0, owner0), (n1, _, dtype1, _, owner1) = found["largest"]
     assert (n0, shape0, count0, n1, dtype1) == (4000, [1000], 2, 56, "torch.float64")
     assert "Holder[buf]" in owner0 and owner1 == "dict[slot]"
+
+
+def test_setup_timeline_reads_a_run_file(tmp_path, capsys):
+    """benchmarks.setup_timeline prints a run's marks in order and the longest waits of each
+    process (Note [setup timeline])."""
+    from benchmarks import setup_timeline
+
+    marks = [{"t": 0.0, "where": "main", "what": "first call", "seconds": None},
+             {"t": 1.0, "where": "worker 0", "what": "imported", "seconds": None},
+             {"t": 14.0, "where": "main", "what": "captured", "seconds": 13.5},
+             {"t": 20.0, "where": "worker 0", "what": "plan loaded", "seconds": 0.1},
+             {"t": 21.0, "where": "main", "what": "train_step returned", "seconds": None}]
+    run = [{"results": [{"system": "roundpipe", "info": {}},
+                        {"system": "rpcompile-delayed", "info": {"setup_timeline": marks}}]}]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert setup_timeline.load(str(path), "rpcompile-delayed") == marks
+    assert setup_timeline.gaps(marks, 2) == [(19.0, "worker 0", "imported", "plan loaded", 1.0),
+                                             (14.0, "main", "first call", "captured", 0.0)]
+    setup_timeline.main([str(path), "--gaps", "1"])
+    out = capsys.readouterr().out
+    assert "captured" in out and "13.50" in out and "19.00 s  worker 0" in out and "14.00 s" not in out
+    with pytest.raises(SystemExit):
+        setup_timeline.load(str(path), "eager")
