@@ -9,6 +9,7 @@ in the steady state the devices launch their work concurrently.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -51,7 +52,7 @@ def close_compile_pools_if_idle(idle_s: float) -> bool:
     compiles meanwhile, and the next one makes a new pool), but shut after it is released: a
     pool waits for its sidecar to end, and calls holding the read side waited with it (a 2.3 s
     step on 2 H200s while the lock was held throughout)."""
-    from torch._inductor import async_compile
+    async_compile = sys.modules.get("torch._inductor.async_compile")   # not imported: no pool
     live = getattr(async_compile, "_pool_set", None)
     if not live or time.monotonic() - _last_alone[0] < idle_s:
         return False

@@ -242,7 +242,7 @@ class Worker:
         torch.set_float32_matmul_precision(init["float32_matmul_precision"])   # as the user set it
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-        if init["compile_stages"] is not False:
+        if init["compile_stages"] or (init["compile_stages"] is None and self.is_cuda):   # Inductor compiles here
             warmup.close_idle_compile_pools()
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
                                    unregister=cuda_unregister if self.is_cuda else None)
