@@ -98,10 +98,14 @@ class ProgramCache:
         self._programs: dict = {}
         self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)
 
+    @property
+    def inductor(self) -> bool:
+        """Whether stages are compiled by Inductor here (Config.compile_stages; None: on GPUs)."""
+        return bool(self.on_gpu if self.compile_stages is None else self.compile_stages)
+
     def use_inductor(self, stage) -> bool:
-        on = self.on_gpu if self.compile_stages is None else self.compile_stages
         # Random stages stay eager: Inductor's own RNG would not replay our reseeded streams.
-        return bool(on) and not stage.random
+        return self.inductor and not stage.random
 
     def get(self, plan_key, capture_key, capture_device, stage, role, device):
         key = (plan_key, stage.index, role, device)

@@ -242,14 +242,14 @@ class Worker:
         torch.set_float32_matmul_precision(init["float32_matmul_precision"])   # as the user set it
         if self.is_cuda:
             torch.cuda.set_device(self.device)
-        if init["compile_stages"] or (init["compile_stages"] is None and self.is_cuda):   # Inductor compiles here
-            warmup.close_idle_compile_pools()
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
                                    unregister=cuda_unregister if self.is_cuda else None)
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
         self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
+        if self.programs.inductor:
+            warmup.close_idle_compile_pools()
         self.plans: dict = {}
         self.tables: dict = {}
         self.grad_sets: dict = {}
