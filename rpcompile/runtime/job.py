@@ -377,4 +377,4 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     finally:
         if ctx is not None:
             ctx.close()
-        timeline.mark_early("job", f"job {job_index} ({role}) on {dev.label} ended")
+        timeline.mark_early("job", "job {} ({}) on {} ended", job_index, role, dev.label)

@@ -186,7 +186,7 @@ class OverlappedOptimizer:
             self.lr_scheduler.step()
         self.timings = (self.timings + [{"grads_s": grads_s, "clip_s": t2 - t1, "step_s": step_s,
                                          "refresh_s": refresh_s, "total_s": time.perf_counter() - t0}])[-16:]
-        timeline.mark_early("optimizer", "optimizer step done", self.timings[-1]["total_s"])
+        timeline.mark_early("optimizer", "optimizer step done", seconds=self.timings[-1]["total_s"])
 
 
 def _stop_thread(q, thread):

@@ -17,6 +17,7 @@ import time
 from typing import Optional
 
 LIMIT = 4000           # marks kept per process
+RECEIVED = 8 * LIMIT   # marks kept from worker processes (as many as eight workers' own)
 EARLY = 40             # marks per kind for what repeats every step (jobs, steps): the first steps'
 
 _marks: list = []      # (wall time, where, what, seconds or None)
@@ -38,12 +39,13 @@ def mark(what: str, seconds: Optional[float] = None) -> None:
             _marks.append((time.time(), _where[0], what, None if seconds is None else round(seconds, 3)))
 
 
-def mark_early(kind: str, what: str, seconds: Optional[float] = None) -> None:
-    """As mark, for something every step repeats (a job, a step): only the first EARLY of a kind."""
+def mark_early(kind: str, what: str, *args, seconds: Optional[float] = None) -> None:
+    """As mark, for something every step repeats (a job, a step): only the first EARLY of a kind;
+    `what` is formatted with args only then (a job's end is on every step's path)."""
     n = _counts.get(kind, 0)
     if n < EARLY:
         _counts[kind] = n + 1
-        mark(what, seconds)
+        mark(what.format(*args) if args else what, seconds)
 
 
 def take_new() -> list:
@@ -57,7 +59,7 @@ def take_new() -> list:
 def extend(marks: list) -> None:
     """Marks another process sent."""
     with _lock:
-        _marks.extend(marks[:max(0, LIMIT * 9 - len(_marks))])
+        _marks.extend(marks[:max(0, LIMIT + RECEIVED - len(_marks))])
 
 
 def reset() -> None:
