@@ -66,6 +66,12 @@ class Config:
         under one interpreter lock). None (the default): processes on two or more GPUs (4x H200,
         Qwen3-1.7B, delayed mode, one run: 97,279 tokens/s against 79,821 with threads), threads
         on one GPU, on CPU devices and with peer_transfers.
+    data_parallel: whether each device may run a copy of the one-device plan over its share of
+        the microbatches, the copies' gradients summed on the devices before they come down
+        (Note [replicas] in runtime/replicas.py), instead of the stage jobs of one pipeline
+        handed round-robin. None (the default): the planner weighs both and takes the faster
+        on GPUs driven by worker threads (`workers="threads"`); True: the replicas wherever there
+        is a microbatch for every device (workers default to threads); False: never.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -87,6 +93,7 @@ class Config:
     unbatched_inputs: Sequence = ()
     dynamic_lengths: bool = True
     workers: Optional[str] = None
+    data_parallel: Optional[bool] = None
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -115,11 +122,18 @@ class Config:
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"Config.inductor_options={self.inductor_options!r}: give a dict of Inductor options, "
                              "e.g. {'cpp_wrapper': True}")
+        if self.data_parallel not in (None, True, False):
+            raise ValueError(f"Config.data_parallel={self.data_parallel!r}: give True, False or None (the planner "
+                             "chooses)")
         if self.workers is None:
             multi_gpu = self.on_gpu and len(self.devices) > 1
-            self.workers = "processes" if multi_gpu and not self.peer_transfers else "threads"
+            processes = multi_gpu and not self.peer_transfers and not self.data_parallel
+            self.workers = "processes" if processes else "threads"
         if self.workers not in ("threads", "processes"):
             raise ValueError(f"Config.workers={self.workers!r}: use 'threads' or 'processes'")
+        if self.workers == "processes" and self.data_parallel:
+            raise ValueError("Config(data_parallel=True) needs workers='threads': the replicas sum their gradients "
+                             "device to device within one process")
         if self.workers == "processes" and self.peer_transfers:
             raise ValueError("Config(peer_transfers=True) needs workers='threads': worker processes hand values "
                              "on through shared host memory")

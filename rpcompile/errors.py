@@ -17,16 +17,17 @@ class StageError(RPCompileError):
     """A stage job failed on a device; names the stage, the microbatch and the device, and
     (`schedule`, raised in the caller's thread) the run's schedule with the failing job marked."""
 
-    def __init__(self, message, *, stage=None, microbatch=None, device=None, job=None, schedule=None):
+    def __init__(self, message, *, stage=None, microbatch=None, device=None, job=None, schedule=None, worker=None):
         super().__init__(message if schedule is None else f"{message}\nschedule: {schedule}")
         self.message = message
         self.stage, self.microbatch, self.device, self.job = stage, microbatch, device, job
+        self.worker = worker       # the worker index of the device (which copy of a job: Note [replicas])
         self.schedule = schedule
 
     def with_schedule(self, schedule: str) -> "StageError":
         """This error again, its message followed by the schedule line."""
         err = StageError(self.message, stage=self.stage, microbatch=self.microbatch, device=self.device,
-                         job=self.job, schedule=schedule)
+                         job=self.job, schedule=schedule, worker=self.worker)
         err.__cause__ = self.__cause__
         return err
 

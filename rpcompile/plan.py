@@ -173,6 +173,7 @@ class Plan:
     early_first_upload: bool = True                      # the next step's first job may go up at the loss (Note [resident weights])
     prefetch_bytes: tuple = ()                           # per job, the most bytes of the next job's weights it prefetches; () no limit
     optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
+    replicas: int = 1                                    # copies of the stage jobs, one per device (Note [replicas])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
@@ -241,7 +242,7 @@ class Plan:
         """Bytes a step moves over the host link for weights (up) and gradients (down, in the
         host gradient set's dtype: Note [working-dtype gradients])."""
         rows = rows or self.stage_rows()
-        up = sum(r["param_bytes"] for r in rows)
+        up = self.replicas * sum(r["param_bytes"] for r in rows)    # (each copy uploads its weights)
         down = sum(self._grad_itemsize() * self.param_numel(key) for st in self.stages for key in st.grad_params)
         return {"weights_up": up, "grads_down": down}
 
@@ -275,10 +276,16 @@ class Plan:
         legend = self.symbol_legend()
         at = ", ".join(f"{s} = {v}" for s, v, _ in legend)
         masters = sum(p.numel() * p.element_size() for p in self.captured.params)
+        if self.replicas > 1:
+            share = math.ceil(M / self.replicas)
+            how = (f"{len(rows)} stage job{'s' * (len(rows) != 1)} per step on each of {self.replicas} devices "
+                   f"(replicas: a copy of the jobs each, over up to {share} of the {M} microbatches, the gradients "
+                   "summed between the devices)")
+        else:
+            how = (f"{len(rows)} stage job{'s' * (len(rows) != 1)} per step, handed round-robin to {n_dev} "
+                   f"device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job")
         head = [
-            f"rpcompile plan ({self.mode}): {len(rows)} stage job{'s' * (len(rows) != 1)} per step, handed round-robin "
-            f"to {n_dev} device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job"
-            + (f" (costed at {at})" if at else ""),
+            f"rpcompile plan ({self.mode}): {how}" + (f" (costed at {at})" if at else ""),
             f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model); device memory budget "
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
@@ -301,8 +308,12 @@ class Plan:
         out.append("  fwd: forward only (its input is kept on the host for the backward's recompute); fused: the last "
                    "stage, forward + loss + backward in one job; bwd: recompute + backward, in reverse order (cut "
                    "separately from the forward stages, so their module ranges differ)")
-        out.append(f"  job k of a step runs on device (offset + k) mod {n_dev}, the offset carrying over from step "
-                   f"to step; each job runs all {M} microbatches with its weights uploaded once")
+        if self.replicas > 1:
+            out.append(f"  copy r of the jobs runs on device r over its share of the {M} microbatches, each job with "
+                       "its weights uploaded once; est time: per copy")
+        else:
+            out.append(f"  job k of a step runs on device (offset + k) mod {n_dev}, the offset carrying over from step "
+                       f"to step; each job runs all {M} microbatches with its weights uploaded once")
         out.append("  weights: the job's parameter bytes uploaded per step; FLOPs/mb: per microbatch (G = 10^9); "
                    "device mem: planned peak on the device while the job runs; host act: activations (fwd) or "
                    "their gradients (fused, bwd) the job writes to host memory per step")
@@ -326,7 +337,7 @@ class Plan:
     def to_json(self) -> dict:
         rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
-                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share,
+                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share, "replicas": self.replicas,
                 "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),

@@ -245,7 +245,8 @@ class GraphRunner:
             step.tracer = Tracer(self.config.devices if self.config.workers == "threads" else [])
         self.last_tracer = step.tracer
         self.recent_tracers = (self.recent_tracers + [step.tracer])[-3:]
-        schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset)
+        schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
+                                  len(step.micro))
         return self.executor.issue(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
 
     def last_trace(self):

@@ -103,7 +103,7 @@ def test_delayed_mode_does_not_wait_for_the_optimizer_step():
     loss1 = cm.train_step(**lm_batch(seed=1))
     assert held.wait(10) and torch.isfinite(loss1)
     pending = cm.runner.pending
-    assert pending is not None and not all(ev.is_set() for ev in pending.run.finished.values()), \
+    assert pending is not None and not all(ev.is_set() for evs in pending.run.finished.values() for ev in evs), \
         "step 1 wrote a gradient piece the optimizer still reads"
     third = threading.Thread(target=cm.train_step, kwargs=lm_batch(seed=2))
     third.start()                          # waits for optimizer step 0 (its weights)

@@ -47,6 +47,7 @@ Note [rp_* node meta]: facts passes leave on fx nodes, who writes and who reads 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import warnings
@@ -62,7 +63,7 @@ from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs, graph_costs, graph_key, set_costs
+from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, set_costs
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import device_optimizer_bytes, host_memory, share_by_room
@@ -106,6 +107,7 @@ class CompileState:
     early_first_upload: bool = False   # delayed mode uploads the next step's first job at the loss (Plan.early_first_upload)
     prefetch_bytes: tuple = ()         # per job, the most bytes of the next job's weights it prefetches (Plan.prefetch_bytes)
     stage_plan: Any = None             # partition.StagePlan
+    replicas: int = 1                  # copies of the stage plan, one per device (Note [replicas])
     stages: list = field(default_factory=list)
     plan: Optional[Plan] = None
 
@@ -248,25 +250,28 @@ def solve_stages_pass(st: CompileState) -> CompileState:
     budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params, st.on_devices)
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
-
-    def solve(segments, cut_bytes):
-        return solve_stages(segments, cut_bytes, num_devices=len(config.devices),
-                            num_microbatches=config.num_microbatches, memory_budget=st.budget,
-                            upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(len(config.devices)),
-                            max_jobs=config.max_jobs, overlapped_steps=st.steps_overlap,
-                            reserved=st.reserved, budget_set=budget_set)
-    try:
-        st.stage_plan = solve(st.segments, st.cut_bytes)
+    N, M = len(config.devices), config.num_microbatches
+    replicas = _replicas(st, N, M)
+    try:   # (Config.data_parallel=True: only the replicas)
+        pipeline = None if config.data_parallel and replicas > 1 else _best_stage_plan(st, N, M, budget_set)
     except PlanningError as e:   # with the longest length that fits (Note [longest length])
         raise planning_error(st, e, rows=_rows_per_microbatch(st)) from None
-    if st.block_cuts is not None:
-        cuts, segments, cut_bytes = st.block_cuts
+    if replicas > 1:   # Note [replicas]: each device runs the one-device plan over its share of the microbatches
         try:
-            plan = solve(segments, cut_bytes)
-        except PlanningError:
-            plan = None
-        if plan is not None and plan.est_time <= (1 + BLOCK_CUT_SLACK) * st.stage_plan.est_time:
-            st.stage_plan, st.cuts, st.segments, st.cut_bytes = plan, cuts, segments, cut_bytes
+            copy = _best_stage_plan(st, 1, math.ceil(M / replicas), budget_set)
+        except PlanningError as e:
+            if pipeline is None:
+                raise planning_error(st, e, rows=_rows_per_microbatch(st)) from None
+            copy = None
+        if copy is not None:
+            copy_plan = copy[0]
+            est = copy_plan.est_time + exchange_seconds(st.captured.params, replicas, hw)
+            if pipeline is None or est < pipeline[0].est_time:
+                pipeline = (dataclasses.replace(copy_plan, est_time=est), *copy[1:])
+            else:
+                replicas = 1
+    st.stage_plan, st.cuts, st.segments, st.cut_bytes = pipeline
+    st.replicas = replicas
     if st.on_devices is None:   # Note [optimizer share by room] (passes/host_memory.py)
         st.on_devices = 0.0
         if _share_by_room_applies(st) and st.budget is not None:
@@ -274,11 +279,58 @@ def solve_stages_pass(st: CompileState) -> CompileState:
             st.on_devices = share_by_room(st.captured.params, len(config.devices), room)
             st.reserved = device_optimizer_bytes(st.captured.params, st.on_devices, len(config.devices))
             st.budget -= st.reserved
-    # what is resident beside each job (Note [resident weights])
+    # what is resident beside each job (Note [resident weights]); a replica's jobs all run on its device
     st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
-        st.stage_plan, st.segments, st.budget, len(config.devices),
-        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
+        st.stage_plan, st.segments, st.budget, 1 if replicas > 1 else N,
+        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train" and replicas == 1)
     return st
+
+
+def _best_stage_plan(st: CompileState, num_devices: int, num_microbatches: int, budget_set) -> tuple:
+    """(stage plan, cuts, segments, cut bytes) of the best plan for `num_devices` devices and
+    `num_microbatches` microbatches a job: the cuts between blocks where that is nearly as fast
+    (Note [cuts between blocks]). Raises PlanningError where nothing fits."""
+    config, hw = st.config, st.hardware
+
+    def solve(segments, cut_bytes):
+        return solve_stages(segments, cut_bytes, num_devices=num_devices,
+                            num_microbatches=num_microbatches, memory_budget=st.budget,
+                            upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(num_devices),
+                            max_jobs=config.max_jobs, overlapped_steps=st.steps_overlap,
+                            reserved=st.reserved, budget_set=budget_set)
+    best = (solve(st.segments, st.cut_bytes), st.cuts, st.segments, st.cut_bytes)
+    if st.block_cuts is not None:
+        cuts, segments, cut_bytes = st.block_cuts
+        try:
+            plan = solve(segments, cut_bytes)
+        except PlanningError:
+            plan = None
+        if plan is not None and plan.est_time <= (1 + BLOCK_CUT_SLACK) * best[0].est_time:
+            best = (plan, cuts, segments, cut_bytes)
+    return best
+
+
+def _weighs_replicas(config) -> bool:
+    """Whether the planner weighs replicas against the pipeline (Config.data_parallel): where
+    asked to, or by default on GPUs driven by worker threads (CPU devices train the pipeline
+    unless asked: they stand in for GPUs in tests, and their costs decide nothing)."""
+    return bool(config.workers == "threads" and config.data_parallel is not False
+                and (config.data_parallel or config.on_gpu))
+
+
+def _replicas(st: CompileState, num_devices: int, num_microbatches: int) -> int:
+    """How many copies of the one-device plan the planner may weigh (Note [replicas]): one per
+    device, where every device gets a microbatch and Config.data_parallel allows it; 1: none."""
+    if not _weighs_replicas(st.config) or num_devices < 2 or num_microbatches < num_devices:
+        return 1
+    if st.mutated_buffers:   # the microbatches update them one after another
+        if st.config.data_parallel:
+            raise PlanningError(f"Config(data_parallel=True): the model updates buffers in place "
+                                f"({len(st.mutated_buffers)} of them, e.g. running statistics) microbatch after "
+                                "microbatch, which copies running side by side cannot do; leave data_parallel "
+                                "at None or False")
+        return 1
+    return num_devices
 
 
 def _share_by_room_applies(st: CompileState) -> bool:
@@ -328,6 +380,7 @@ def describe_io(st: CompileState) -> CompileState:
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share = st.on_devices or 0.0
+    plan.replicas = st.replicas
     st.plan = plan
     return st
 

@@ -134,6 +134,7 @@ class Hardware:
     mem_bw: float
     upload_bw: float
     job_overhead_per_device_s: float = 0.0
+    peer_bw: float = 10e9           # B/s one device reads of another's memory (replicas' gradients)
 
     @classmethod
     def cpu(cls) -> "Hardware":
@@ -145,7 +146,8 @@ class Hardware:
         # (and each hand-over between jobs) waits longer the more devices there are: measured on
         # H200s, a microbatch's hop between jobs took ~12 ms with 2 devices and ~38 ms (median)
         # with 4; 32 stage jobs on 4 GPUs ran 16% slower than 8 (the plan without this term).
-        return cls(peak_flops=790e12, mem_bw=3.0e12, upload_bw=55e9, job_overhead_per_device_s=0.010)
+        return cls(peak_flops=790e12, mem_bw=3.0e12, upload_bw=55e9, job_overhead_per_device_s=0.010,
+                   peer_bw=150e9)
 
     def job_overhead_s(self, num_devices: int) -> float:
         return self.job_overhead_per_device_s * num_devices
@@ -153,6 +155,13 @@ class Hardware:
     def seconds(self, cost: NodeCost, bindings: dict, *, dtype_bytes: int | None = None):
         return node_seconds(cost, bindings, peak_flops=self.peak_flops, mem_bw=self.mem_bw,
                             dtype_bytes=dtype_bytes)
+
+
+def exchange_seconds(params, replicas: int, hw: Hardware) -> float:
+    """Seconds the replicas of a plan take to sum their gradients (Note [replicas] in
+    runtime/replicas.py): each device reads its slice of every other device's fp32 accumulators."""
+    grad_bytes = 4 * sum(p.numel() for p in params if p.requires_grad)
+    return grad_bytes * (replicas - 1) / replicas / hw.peer_bw
 
 
 # ----------------------------------------------------------------------------------------------

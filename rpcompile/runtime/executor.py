@@ -18,6 +18,7 @@ from ..errors import StageError, StepAbandoned
 from .device import DeviceRuntime, resolve
 from .host_buffers import host_empty
 from .job import JobLinks, StepState, run_job
+from .replicas import GradExchange
 from .schedule import Schedule
 from .shared import SlotPool, SlotSets
 
@@ -67,11 +68,11 @@ def _give_back(slot_sets, slots, devices):
 
 def _run_with_slots(step, a, stage, dev, program, links, slots):
     """run_job, its downloads in the job's chunks of the step's slot set."""
-    mine = slots.setdefault((a.job, a.role), [])
+    mine = slots.setdefault((a.job, a.role, a.replica), [])
     pool = SlotPool(_PinnedChunks, mine)
     dev.host_slots = pool.empty
     try:
-        run_job(step, a.job, a.prev_job, stage, a.role, dev, program, links)
+        run_job(step, a.job, a.prev_job, stage, a.role, dev, program, links, a.microbatches, a.replica)
     finally:
         mine[:] = pool.kept()       # Note [outgrown slots] (runtime/shared.py)
 
@@ -122,6 +123,8 @@ class Executor:
                              f"{len(self.workers)}")
         actions = schedule.actions
         step.done_events.update({a.job: [threading.Event() for _ in step.micro] for a in actions})
+        if any(a.replicas > 1 for a in actions):   # Note [replicas] (runtime/replicas.py)
+            step.exchanges.update({a.job: GradExchange(a.replicas) for a in actions})
         if not self.in_flight:   # weights prefetched for jobs of runs that failed
             for w in self.workers:
                 w.dev.prefetched.clear()
@@ -146,7 +149,7 @@ class Executor:
             ev = threading.Event()
             worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
                              _run_with_slots(step, a, stage, w.dev, p, links, slots), ev))
-            finished[a.job] = ev
+            finished.setdefault(a.job, []).append(ev)     # (a job's copies: Note [replicas])
         self.offset = schedule.next_offset
         self.in_flight += 1
         return ThreadRun(self, step, schedule, finished)
@@ -170,17 +173,19 @@ class ThreadRun:
         """Block until `jobs` (default: all) have ended; on a failure, until every job has
         ended, then raise it (a StageError with the schedule's line, the failing job marked)."""
         for j in (self.finished if jobs is None else jobs):
-            self.finished[j].wait()
+            for ev in self.finished[j]:
+                ev.wait()
         step = self.step
         if self.ended or (jobs is not None and step.error is None):
             return
-        for ev in self.finished.values():
-            ev.wait()
+        for events in self.finished.values():
+            for ev in events:
+                ev.wait()
         self.ended = True
         self.executor.in_flight -= 1
         err = step.error
         if isinstance(err, StageError) and err.schedule is None:
-            err = err.with_schedule(self.schedule.render(failed=err.job))
+            err = err.with_schedule(self.schedule.render(failed=err.job, device=err.worker))
         if err is not None:
             raise err
 
@@ -190,7 +195,8 @@ def _landing(finished: dict, step_ref, param_grads: dict):
     may ask; it holds no step: an optimizer submission waiting with it keeps none alive);
     StepAbandoned if a job of the step failed (ThreadRun.wait raises that failure)."""
     def landed(job: int) -> None:
-        finished[job].wait()
+        for ev in finished[job]:
+            ev.wait()
         step = step_ref()
         if step is not None and step.error is not None:
             raise StepAbandoned(f"job {job}'s step failed")

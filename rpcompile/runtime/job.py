@@ -66,6 +66,7 @@ class StepState:
     grad_need: int = 0                                 # optimizer submissions done with a gradient piece before it is written
     submission: Optional[int] = None                   # delayed mode: the optimizer's count once its submission is done
     buffer_index: dict = field(default_factory=dict)
+    exchanges: dict = field(default_factory=dict)      # job index -> replicas.GradExchange (Note [replicas])
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wait_done(self, job: int, mb: int) -> None:
@@ -101,10 +102,12 @@ class JobContext:
     `handle` is what the program's ops take as `job` (Note [program ops])."""
 
     def __init__(self, step: StepState, job_index: int, prev_job: Optional[int], stage, role: str, dev,
-                 links: Optional[JobLinks] = None):
+                 links: Optional[JobLinks] = None, replica: int = 0):
         self.step, self.job_index, self.prev_job = step, job_index, prev_job
         self.stage, self.role, self.dev = stage, role, dev
         self.links = links or JobLinks()
+        self.replica = replica
+        self.exchange = step.exchanges.get(job_index)     # Note [replicas] (runtime/replicas.py)
         self.weights: dict = {}
         self.buffers: dict = {}
         self.write_back: list = []
@@ -306,10 +309,11 @@ class JobContext:
         if gate is not None:
             for key in self.stage.grad_params:
                 gate(params[param_index(key)])
-        if self.dev.is_cpu:
+        own = self.replica > 0     # (copy 0 of a job with replicas accumulates in the piece on a CPU device)
+        if self.dev.is_cpu and not own:
             self._wait_piece_free()
         grads = self.step.grads
-        self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index))
+        self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index), own=own)
         self.grad_acc = grads.views(self.stage.index, self.grad_flat)
 
     def _wait_piece_free(self):
@@ -324,7 +328,9 @@ class JobContext:
         for host, dev in self.write_back:
             with torch.no_grad():
                 host.copy_(dev)
-        if self.grad_got:
+        if self.exchange is not None:
+            self._finish_replica()
+        elif self.grad_got:
             grads = self.step.grads
             piece = grads.piece(self.stage.index)
             if not self.dev.is_cpu:
@@ -336,6 +342,31 @@ class JobContext:
             self.step.param_grads[self.job_index] = {
                 key: Pending(views[key], down.event) if isinstance(down, Pending) else views[key]
                 for key in self.stage.grad_params if key in self.grad_got}
+
+    def _finish_replica(self):
+        """This copy's slice of the gradients, summed over the copies of the job, comes down
+        into its slice of the host piece (Note [replicas])."""
+        ex, grads = self.exchange, self.step.grads
+        got = self.span("host", "wait_replicas", lambda: ex.share(self.replica, self.grad_flat, self.grad_got,
+                                                                 self.dev, self.step))
+        if got is None:
+            raise Aborted()
+        if not got:
+            return
+        piece = grads.piece(self.stage.index)
+        self._wait_piece_free()
+        lo, hi = ex.bounds(self.replica, ex.n, piece.numel())
+        total = self.span("compute", "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
+                          bytes=4 * (hi - lo) * (ex.n - 1))
+        down = self.span("out", "download_grads", lambda: self.dev.download_into(total, piece[lo:hi]),
+                         bytes=(hi - lo) * piece.element_size())
+        done = ex.landed(down, self.dev)
+        if done is False:
+            return
+        views = grads.host_views(self.stage.index)
+        # the last copy's event follows every copy's download: they share it
+        self.step.param_grads[self.job_index] = {key: views[key] if done is None else Pending(views[key], done)
+                                                 for key in self.stage.grad_params if key in got}
 
 
 def _prefetch(step: StepState, dev, job_index: int, stage, limit=None) -> None:
@@ -355,15 +386,16 @@ def _prefetch(step: StepState, dev, job_index: int, stage, limit=None) -> None:
 
 
 def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, program,
-            links: Optional[JobLinks] = None) -> None:
-    """Run one stage job over every microbatch; failures are recorded on the step."""
+            links: Optional[JobLinks] = None, microbatches=None, replica: int = 0) -> None:
+    """Run one stage job over every microbatch (or, for a copy of it, `microbatches`: Note
+    [replicas]); failures are recorded on the step."""
     ctx = None
     try:
         # This job's weights, unless the job before it on this device already queued them.
         _prefetch(step, dev, job_index, stage)
-        ctx = JobContext(step, job_index, prev_job, stage, role, dev, links)
+        ctx = JobContext(step, job_index, prev_job, stage, role, dev, links, replica)
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
-            for mb in range(len(step.micro)):
+            for mb in (range(len(step.micro)) if microbatches is None else microbatches):
                 program.forward(ctx.handle, mb)   # not program(...): see ops.compute
             ctx.finish()
     except Aborted:
@@ -371,7 +403,7 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     except BaseException as exc:  # reported in the caller's thread by the executor
         mb = ctx.microbatch if ctx is not None else None
         err = StageError(f"stage {stage.index} ({role}) on {dev.label}, microbatch {mb}: {type(exc).__name__}: {exc}",
-                         stage=stage.index, microbatch=mb, device=dev.label, job=job_index)
+                         stage=stage.index, microbatch=mb, device=dev.label, job=job_index, worker=dev.worker_index)
         err.__cause__ = exc
         step.fail(err)
     finally:

@@ -8,6 +8,9 @@ and later jobs read, for peer transfers); the executor only hands the actions to
 
     str(schedule)               0F@0 1F@1 2FB@0 3B@1     (stage, role F / FB fused / B, @ worker)
     schedule.render(failed=2)   0F@0 1F@1 [2FB@0 failed] 3B@1
+
+With replicas (Note [replicas] in runtime/replicas.py) every worker runs the whole chain over its
+share of the microbatches, each action naming them: `0FB@0[0:2] 0FB@1[2:4]`.
 """
 from __future__ import annotations
 
@@ -32,9 +35,13 @@ class JobAction:
     # they list every parameter and activation a stage takes).
     next_reads: frozenset = field(default=frozenset(), repr=False)
     later_reads: frozenset = field(default=frozenset(), repr=False)
+    replica: int = 0                       # which copy of the chain (Note [replicas])
+    microbatches: Optional[range] = None   # the microbatches it runs (None: all of the step's)
+    replicas: int = 1                      # copies of the chain in the run
 
     def __str__(self) -> str:
-        return f"{self.stage}{ROLE_LETTERS.get(self.role, self.role)}@{self.device}"
+        mbs = "" if self.microbatches is None else f"[{self.microbatches.start}:{self.microbatches.stop}]"
+        return f"{self.stage}{ROLE_LETTERS.get(self.role, self.role)}@{self.device}{mbs}"
 
 
 @dataclass(frozen=True)
@@ -58,18 +65,26 @@ class Schedule:
     def __str__(self) -> str:
         return self.render()
 
-    def render(self, failed: Optional[int] = None) -> str:
-        """The actions on one line; the job `failed` (a job index) marked."""
-        return " ".join(f"[{a} failed]" if a.job == failed else str(a) for a in self.actions)
+    def render(self, failed: Optional[int] = None, device: Optional[int] = None) -> str:
+        """The actions on one line; the job `failed` (a job index; with replicas, its copy on
+        worker `device`) marked."""
+        def marked(a):
+            return a.job == failed and (device is None or a.replicas == 1 or a.device == device)
+        return " ".join(f"[{a} failed]" if marked(a) else str(a) for a in self.actions)
 
 
-def build_schedule(jobs, num_devices: int, offset: int = 0) -> Schedule:
+def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
+                   num_microbatches: Optional[int] = None) -> Schedule:
     """The schedule of a chain of jobs [(job index, stage, role), ...] over `num_devices`
-    workers, its first job on worker `offset` (mod num_devices). Pure: runs nothing.
+    workers, its first job on worker `offset` (mod num_devices); with `replicas` > 1, a copy
+    of the chain on each of workers 0..replicas-1, over consecutive shares of the
+    `num_microbatches` (Note [replicas]). Pure: runs nothing.
     A stage needs `.index` and `.inputs` (the names it reads)."""
     if num_devices < 1:
         raise ValueError(f"a schedule needs at least one device, got {num_devices}")
     jobs = list(jobs)
+    if replicas > 1:
+        return _replicated(jobs, num_devices, offset, replicas, num_microbatches)
     devices = [(offset + k) % num_devices for k in range(len(jobs))]
     reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
     actions = []
@@ -82,4 +97,39 @@ def build_schedule(jobs, num_devices: int, offset: int = 0) -> Schedule:
             next_device=devices[k + 1] if k + 1 < len(jobs) else None,
             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
             later_reads=frozenset().union(*reads[k + 2:])))
+    return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})
+
+
+def microbatch_shares(num_microbatches: int, replicas: int) -> list:
+    """Consecutive ranges of the microbatches, one per replica, as even as they go (the first
+    ones one longer); a replica may get none where there are fewer microbatches than replicas."""
+    base, extra = divmod(num_microbatches, replicas)
+    out, start = [], 0
+    for r in range(replicas):
+        stop = start + base + (r < extra)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+def _replicated(jobs, num_devices: int, offset: int, replicas: int, num_microbatches: Optional[int]) -> Schedule:
+    """Every worker runs the chain over its share of the microbatches; a job's copies are
+    listed together, in worker order (Note [replicas])."""
+    if replicas > num_devices:
+        raise ValueError(f"{replicas} replicas need as many devices, got {num_devices}")
+    if num_microbatches is None:
+        raise ValueError("a schedule of replicas needs the number of microbatches")
+    reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
+    shares = microbatch_shares(num_microbatches, replicas)
+    actions = []
+    for k, (job, stage, role) in enumerate(jobs):
+        for r in range(replicas):
+            actions.append(JobAction(
+                job=job, stage=stage.index, role=role, device=r,
+                prev_job=jobs[k - 1][0] if k > 0 else None,
+                next_on_device=jobs[k + 1][0] if k + 1 < len(jobs) else None,
+                next_device=r if k + 1 < len(jobs) else None,
+                next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
+                later_reads=frozenset().union(*reads[k + 2:]),
+                replica=r, microbatches=shares[r], replicas=replicas))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})

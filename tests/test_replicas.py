@@ -1,0 +1,169 @@
+"""Replicas (Note [replicas] in runtime/replicas.py): each device runs the one-device plan over
+its share of the microbatches and the copies sum their gradients. The schedule is checked
+without threads; training is checked against eager PyTorch in every optimizer mode, on CPU
+devices (worker threads: the same code paths as on GPUs but for the device-to-device reads)."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.runtime.schedule import build_schedule, microbatch_shares
+
+from models import MLP, lm_batch, qwen3
+from parity import close, delayed_run, inject_fault, train_both
+
+
+def _chain(kinds):
+    return [(k, SimpleNamespace(index=k, inputs=[f"x{k}"]), kind) for k, kind in enumerate(kinds)]
+
+
+def test_shares_cover_the_microbatches_in_order():
+    assert microbatch_shares(4, 2) == [range(0, 2), range(2, 4)]
+    assert microbatch_shares(5, 2) == [range(0, 3), range(3, 5)]
+    assert microbatch_shares(3, 4) == [range(0, 1), range(1, 2), range(2, 3), range(3, 3)]
+    for m in range(1, 9):
+        for r in range(1, 5):
+            shares = microbatch_shares(m, r)
+            assert [mb for s in shares for mb in s] == list(range(m))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_replicated_schedule_prints_and_marks_one_copy():
+    s = build_schedule(_chain(["fwd", "fused", "bwd"]), 2, offset=1, replicas=2, num_microbatches=3)
+    assert str(s) == "0F@0[0:2] 0F@1[2:3] 1FB@0[0:2] 1FB@1[2:3] 2B@0[0:2] 2B@1[2:3]"
+    assert s.render(failed=1, device=1) == "0F@0[0:2] 0F@1[2:3] 1FB@0[0:2] [1FB@1[2:3] failed] 2B@0[0:2] 2B@1[2:3]"
+    # each copy's next job is its own next job, on its own device
+    for a in s.actions:
+        assert a.replicas == 2 and a.device == a.replica
+        if a.job < 2:
+            assert (a.next_on_device, a.next_device) == (a.job + 1, a.device)
+    with pytest.raises(ValueError, match="number of microbatches"):
+        build_schedule(_chain(["fwd", "fused"]), 2, replicas=2)
+    with pytest.raises(ValueError, match="3 replicas"):
+        build_schedule(_chain(["fused"]), 2, replicas=3, num_microbatches=4)
+
+
+@pytest.mark.parametrize("devices,microbatches,rows", [(2, 4, 5), (2, 3, 5), (3, 3, 2)])
+def test_replicas_train_as_eager(devices, microbatches, rows):
+    """Even and uneven shares, and a batch of two rows over three copies (the third runs no
+    microbatch): loss, gradients and parameters after SGD-momentum steps as in eager PyTorch."""
+    model = qwen3()
+    cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget="300KiB",
+                           data_parallel=True)
+    cm = train_both(model, [lm_batch(batch=rows, seed=s) for s in range(3)], cfg, check_every_step=True)
+    assert cm.plan.replicas == devices and "replicas" in str(cm.plan)
+    text = str(cm.last_schedule)
+    for r, share in enumerate(microbatch_shares(min(rows, microbatches), devices)):
+        assert f"@{r}[{share.start}:{share.stop}]" in text
+
+
+def test_replicas_in_overlapped_mode_equal_eager():
+    model = qwen3(tied=True)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4, memory_budget="300KiB",
+                                                   optimizer_mode="overlapped", data_parallel=True))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9), max_grad_norm=0.5)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    for step in range(3):
+        batch = lm_batch(seed=step)
+        loss = cm.train_step(**batch)
+        loss_ref = ref(**batch).loss
+        loss_ref.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt_ref.step(), opt_ref.zero_grad()
+        close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
+    cm.synchronize()
+    assert cm.plan.replicas == 2
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-6, name)
+
+
+def test_replicas_in_delayed_mode_equal_the_pipeline(delayed_reference):
+    """The same delayed steps as parity.delayed_run's pipeline (one microbatch a copy)."""
+    losses, params = delayed_run(data_parallel=True)
+    for t, (a, b) in enumerate(zip(losses, delayed_reference[0], strict=True)):
+        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
+    for a, b in zip(params, delayed_reference[1], strict=True):
+        close(a, b, 1e-4, 1e-6, "parameter after three delayed steps")
+
+
+def test_a_failing_copy_raises_and_changes_nothing(monkeypatch):
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
+                                                   memory_budget="300KiB", data_parallel=True))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    batch = lm_batch()
+    cm.train_step(**batch)
+    opt.step(), opt.zero_grad()
+    params = [p.detach().clone() for p in model.parameters()]
+    stage = cm.plan.stages[-1].index
+    inject_fault(monkeypatch, stage, microbatch=3)     # in the second copy's share only
+    with pytest.raises(rpcompile.StageError) as e:
+        cm.train_step(**batch)
+    err = e.value
+    assert err.stage == stage and err.microbatch == 3 and err.worker == 1
+    assert f"[{stage}B@1[2:4] failed]" in str(err) and f" {stage}B@0[0:2] " in f" {err.schedule} "
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), params):
+        assert torch.equal(p, q)
+    monkeypatch.undo()
+    assert torch.isfinite(cm.train_step(**batch))      # the workers carry on
+
+
+def test_the_planner_takes_the_faster_of_pipeline_and_replicas(monkeypatch):
+    """With data_parallel=None the plan is the one of the two with the lower estimate (on GPUs
+    driven by threads; CPU devices keep the pipeline unless asked)."""
+    from rpcompile import passes
+
+    def plan(dp):
+        cm = rpcompile.compile(qwen3(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
+                                                         memory_budget="300KiB", data_parallel=dp))
+        cm.train_step(**lm_batch())
+        return cm.plan
+    assert plan(None).replicas == 1
+    monkeypatch.setattr(passes, "_weighs_replicas", lambda config: config.data_parallel is not False)
+    pipeline, replicas, chosen = plan(False), plan(True), plan(None)
+    assert pipeline.replicas == 1 and replicas.replicas == 2
+    assert pipeline.est_step_time != replicas.est_step_time
+    faster = min(pipeline, replicas, key=lambda p: p.est_step_time)
+    assert chosen.replicas == faster.replicas
+    assert chosen.est_step_time == pytest.approx(faster.est_step_time)
+
+
+def test_what_replicas_refuse(monkeypatch):
+    with pytest.raises(ValueError, match="data_parallel=True\\) needs workers='threads'"):
+        rpcompile.Config(devices=["cpu", "cpu"], workers="processes", data_parallel=True)
+    with pytest.raises(ValueError, match="data_parallel='yes'"):
+        rpcompile.Config(data_parallel="yes")
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "device_count", lambda: 2)
+        assert rpcompile.Config(devices=["cuda:0", "cuda:1"]).workers == "processes"
+        assert rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=True).workers == "threads"
+
+    class Normed(torch.nn.Module):   # running statistics: updated microbatch after microbatch
+        def __init__(self):
+            super().__init__()
+            self.mlp, self.bn = MLP(), torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(self.mlp(x)).square().mean()
+    cm = rpcompile.compile(Normed(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                      data_parallel=True))
+    with pytest.raises(rpcompile.PlanningError, match="updates buffers in place"):
+        cm.train_step(torch.randn(8, 8))
+
+
+def test_a_forward_call_with_replicas_equals_eager():
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
+                                                   memory_budget="300KiB", data_parallel=True))
+    batch = lm_batch()
+    with torch.no_grad():
+        out, want = cm(**batch), ref(**batch)
+    assert str(cm.last_schedule).startswith("0F@0[0:2] 0F@1[2:4]")
+    close(out.logits, want.logits, 1e-5, 1e-6, "logits")
+    close(out.loss, want.loss, 1e-5, 1e-6, "loss")
