@@ -82,6 +82,9 @@ def parity(args):
     if args.workers == "processes":   # worker processes (no peer path there), with Inductor too
         variants = [v[:4] + ("processes",) for v in variants if not v[2]] + [
             (two, True, False, "delayed", "processes"), (two, True, False, "overlapped", "processes")]
+    if args.data_parallel:   # replicas (Note [replicas]); on one GPU, two copies share it
+        variants = [(2, inductor, False, mode, "threads") for inductor in (False, True)
+                    for mode in ("exact", "overlapped", "delayed")]
     if args.modes:
         variants = [v for v in variants if v[3] in args.modes.split(",")]
     if args.no_inductor:
@@ -93,7 +96,8 @@ def parity(args):
             model = tiny_qwen3()
             ref = copy.deepcopy(model).to(dev)
             ondev = args.on_devices if mode != "exact" else 0.0
-            cfg = rpcompile.Config(devices=[f"cuda:{i}" for i in range(gpus)], num_microbatches=3, dtype=dtype,
+            cfg = rpcompile.Config(devices=[f"cuda:{i % torch.cuda.device_count()}" for i in range(gpus)],
+                                   num_microbatches=3, dtype=dtype, data_parallel=args.data_parallel or None,
                                    # (the devices' share of the optimizer takes ~12 B/param of the budget)
                                    memory_budget="32MiB" if ondev else "6MiB", compile_stages=inductor,
                                    peer_transfers=peer, optimizer_mode=mode, workers=workers,
@@ -131,7 +135,7 @@ def parity(args):
             perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
             key = (f"{dtype_name}_gpus{gpus}_{'inductor' if inductor else 'eager'}"
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
-                   f"{'_processes' if workers == 'processes' else ''}"
+                   f"{'_processes' if workers == 'processes' else ''}{'_replicas' if cm.plan.replicas > 1 else ''}"
                    f"{f'_ondev{ondev:g}' if ondev else ''}")
             res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
@@ -400,6 +404,8 @@ def main():
     ap.add_argument("--workers", default="threads", choices=["threads", "processes"],
                     help="parity: Config.workers of the variants")
     ap.add_argument("--overlapped", action="store_true")
+    ap.add_argument("--data-parallel", action="store_true",
+                    help="parity: replicas (Config.data_parallel) on two GPUs, or two copies on one")
     ap.add_argument("--modes", default="", help="parity: only these optimizer modes (comma-separated)")
     ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
     ap.add_argument("--on-devices", type=float, default=0.0,
