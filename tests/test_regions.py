@@ -216,6 +216,41 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     assert new and not whole, f"{len(whole)} of {len(new)} new pieces are whole layers compiled again"
 
 
+def test_a_new_shard_count_reuses_the_compiled_shards(monkeypatch):
+    """A longer length whose plan splits the LM head into more shards (6 -> 11), and moves its
+    first shards into the forward job, compiles no shard again for a training call: the first
+    shard takes its end as an input like the others their bounds (Note [shard bounds as
+    inputs]), and a shard at a job's end is the plain shard piece, not cut at the running max and
+    sum it hands out (Note [pieces at handed-out values]). Before, 9 pieces compiled at the new
+    length, 4 of them for training calls; now the forward job's pieces (a new role for them)
+    and the piece of the final norm where the new plan puts its job boundary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from torch._dynamo.backends.registry import lookup_backend
+    compiled = []
+    compile_ = torch.compile
+
+    def counting(gm, **kw):
+        if "backend" in kw:        # the capture's own call
+            return compile_(gm, **kw)
+        return compile_(gm, **kw, backend=lambda g, ex: (compiled.append(torch.is_grad_enabled()),
+                                                         lookup_backend("aot_eager")(g, ex))[1])
+    monkeypatch.setattr(torch, "compile", counting)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=1024))
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=1, compile_stages=True,
+                                                   memory_budget=12 * 2**20))
+    shards = []
+    for seq in (256, 512):
+        first = len(compiled)
+        cm.train_step(**lm_batch(batch=1, seq=seq, vocab=4096))
+        shards.append(cm.plan.gm.meta["rp_lm_head"]["K"])
+    new = compiled[first:]
+    assert len(cm._plans.plans()) == 2 and shards[1] > shards[0], shards
+    assert sum(new) <= 1 and len(new) <= 5, f"{len(new)} pieces compiled at the new length, {sum(new)} for training"
+
+
 def _whole_layer(gm, layer_nodes) -> bool:
     blocks = Counter(block_of(n) for n in body_nodes(gm))
     return len(blocks) == 1 and None not in blocks and all(c == layer_nodes[b] for b, c in blocks.items())

@@ -570,7 +570,9 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
         hit = fn(torch.logical_and, ge, lt)
         idx = fn(torch.clamp, off, 0, b - a - 1)
         if apart:       # Note [shard bounds as inputs] (passes/regions.py): arg indices
-            for n, i in ((w_k, 1), (b_k, 1), (ge, 1), (lt, 1), (off, 1), (idx, 2)) if a else ():
+            # (the first shard's start is 0 in every shard count: its end is an input too)
+            for n, i in ((w_k, 1), (b_k, 1), (ge, 1), (lt, 1), (off, 1), (idx, 2)) if a else (
+                    (w_k, 1), (b_k, 1), (lt, 1), (idx, 2)):
                 if n is not None:
                     n.meta["rp_shard_bound"] = i
         # l_k[rows, idx] rather than gather: its backward keeps only the indices, gather's

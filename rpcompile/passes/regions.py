@@ -130,7 +130,10 @@ def _runs(body: list, handed: set = frozenset()) -> list:
 # (runtime/programs.py, LengthDynamic), so one compiled piece serves every shard after the
 # first, of every shard count: compiled apart, the 25 shards of Qwen3-1.7B at 65,536 tokens
 # compiled each once for the forward and once for the training call, and again at every plan
-# with another shard count.
+# with another shard count. The first shard (no running max and sum to take) is a piece of its
+# own, its end an input as well: with its end a constant, every plan at a new length that
+# changed the shard count compiled it again (a 6-layer Qwen3 on CPU, 7 shards at 512 tokens,
+# 13 at 1,024).
 
 
 def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: str) -> tuple:
@@ -183,14 +186,18 @@ def _piece(gm: fx.GraphModule, nodes: list, reads: list, outputs: list, name: st
 # the plain layer. An earlier cure, returning from every layer each value live at any legal cut,
 # made the layers identical too but held ~16 extra token-sized values at each layer's end: a
 # forward job of Qwen3-1.7B at 65,536 tokens measured 7.2 GiB on an H100 against 3.3 before it
-# and 4.2 planned.
+# and 4.2 planned. An LM-head shard is not cut: what a job hands out from inside it is its
+# running max and sum, which every shard piece returns anyway (for the next shard); cut there,
+# the shard at a job's end became two new pieces in every plan whose jobs end at another shard.
 
 
 def _cut_at_handouts(runs: list, handed: set) -> list:
-    """runs with each block run cut after its last node in handed (not its own last node)."""
+    """runs with each block run cut after its last node in handed (not its own last node); an
+    LM-head shard's run is not cut (Note [pieces at handed-out values])."""
     out = []
     for k, nodes in runs:
-        last = max((i for i, n in enumerate(nodes[:-1]) if n in handed), default=None) if k is not None else None
+        cut = k is not None and k[0] != SHARD
+        last = max((i for i, n in enumerate(nodes[:-1]) if n in handed), default=None) if cut else None
         if last is None:
             out.append((k, nodes))
         else:
