@@ -58,7 +58,8 @@ class Liveness:
         """Positions no stage may end at, whatever the sizes (see legal_cuts); computed once."""
         if self._blocked is None:
             L = len(self.body)
-            unsendable = {n for nodes in self.live for n in nodes if _data_dependent(n) or _tensor_tuple(n)}
+            live = dict.fromkeys(n for nodes in self.live for n in nodes)    # each node once (live at many positions)
+            unsendable = {n for n in live if _data_dependent(n) or _tensor_tuple(n)}
             self._blocked = _mutation_spans(self) | _functorch_regions(self) | {
                 p for p in range(L + 1) if any(n in unsendable for n in self.live[p])}
         return self._blocked
