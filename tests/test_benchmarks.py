@@ -324,6 +324,11 @@ def test_rpcompile_options_become_config_fields():
     assert rpcompile.Config(devices=["cpu", "cpu"], **kw).peer_transfers is True
     kw, _ = rpcompile_runner.config_options(spec("rpcompile-delayed"), rpcompile.Config)
     assert rpcompile.Config(devices=["cpu", "cpu"], **kw).optimizer_mode == "delayed"
+    kw, notes = rpcompile_runner.config_options(spec("rpcompile-delayed-dp"), rpcompile.Config)
+    assert kw == {"optimizer_mode": "delayed", "data_parallel": True} and "replica" in notes[1]
+    assert rpcompile.Config(devices=["cpu", "cpu"], **kw).workers == "threads"
+    with pytest.raises(RuntimeError, match="no data_parallel field"):
+        rpcompile_runner.config_options(spec("rpcompile-delayed-dp"), _ConfigWithoutPeers)
     kw, notes = rpcompile_runner.config_options(spec("rpcompile", rpcompile_memory_budget_gib="80"), rpcompile.Config)
     assert kw == {"memory_budget": 80 * 2**30} and "80 GiB" in notes[0]   # a plan for less than the card
 

@@ -48,6 +48,10 @@ SYSTEMS = {
     "rpcompile-delayed-threads": _rpcompile("rpcompile-delayed-threads",
                                             "rpcompile, Config(optimizer_mode='delayed', workers='threads') + "
                                             "cm.attach_optimizer(AdamW)", rpcompile_delayed="1", rpcompile_threads="1"),
+    "rpcompile-delayed-dp": _rpcompile("rpcompile-delayed-dp",
+                                       "rpcompile, Config(optimizer_mode='delayed', data_parallel=True) + "
+                                       "cm.attach_optimizer(AdamW): replicas on worker threads", rpcompile_delayed="1",
+                                       rpcompile_data_parallel="1"),
     "rpcompile-delayed-ondev": _rpcompile("rpcompile-delayed-ondev",
                                           "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=1.0) + "
                                           "cm.attach_optimizer(AdamW)", rpcompile_delayed="1",

@@ -18,6 +18,9 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
                           GPU; on several, processes are)
   rpcompile_processes=1   Config(workers="processes"): one worker process per device; system
                           "rpcompile-delayed-proc" (with rpcompile_delayed=1)
+  rpcompile_data_parallel=1  Config(data_parallel=True): replicas, each device running the one-device
+                          plan over its share of the microbatches (worker threads); system
+                          "rpcompile-delayed-dp" (with rpcompile_delayed=1)
   rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
@@ -74,6 +77,12 @@ def config_options(spec, config_cls) -> tuple:
     if _on(spec.options, "rpcompile_threads"):
         kwargs["workers"] = "threads"
         notes.append("Config(workers='threads'): one worker thread per device")
+    if _on(spec.options, "rpcompile_data_parallel"):
+        if "data_parallel" not in fields:
+            raise RuntimeError("--option rpcompile_data_parallel=1 asks for Config(data_parallel=True), but this "
+                               "rpcompile's Config has no data_parallel field")
+        kwargs["data_parallel"] = True
+        notes.append("Config(data_parallel=True): a replica of the one-device plan per device, worker threads")
     if spec.options.get("rpcompile_worker_switch_ms"):
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
