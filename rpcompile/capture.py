@@ -54,6 +54,7 @@ class Captured:
     shape_env: Any = None    # dynamo's ShapeEnv: the size symbols' ranges and guards (shapes.py)
     costs: dict = field(default_factory=dict)   # the cost pass's results by graph (Note [costs per capture] in passes/cost.py)
     node_costs: dict = field(default_factory=dict)   # its measurements by node signature (the same Note)
+    pass_texts: dict = field(default_factory=dict)   # graph texts of the rewriting passes, for re-plans (passes/__init__.py)
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]

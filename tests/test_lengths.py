@@ -117,6 +117,10 @@ def test_length_over_the_memory_budget_replans(captures):
     assert len(second.stages) > len(first.stages)
     assert max(second.stage_plan.job_memory) <= budget
     assert cm.plan is first            # back at 16, the first plan serves
+    # the rewriting passes' texts: the re-plan's are the first plan's, rendered once per capture
+    rewrites = [k for k, (name, _, _) in enumerate(first.passes) if name in ("capture", "causal_attention")]
+    for k in rewrites:
+        assert second.passes[k][2] is first.passes[k][2] and "def forward" in first.passes[k][2]
 
 
 def test_compiled_pieces_compile_once_for_every_length(monkeypatch):

@@ -417,7 +417,9 @@ PASSES = [
 # pass left them (the CompileState's fields are reassigned by later passes, so not the state
 # itself). That is the state's text only while nothing changes those objects afterwards:
 # - the graph passes up to split_lm_head (GRAPH_REWRITES) rewrite st.gm in place, so the text
-#   of every state before the last of them is rendered at once (python_code: 0.08 s a state);
+#   of every state before the last of them is rendered at once (python_code: 0.08 s a state),
+#   once per capture: a re-plan at a new length rewrites the same graph the same way (0.5 s of a
+#   28-layer Qwen3's re-plan on CPU went to rendering them again);
 # - after split_lm_head, st.gm's code is final: annotate_costs only sets node meta (rp_cost,
 #   frozen NodeCosts, never replaced), the later passes and the runtime read it (codegen adds an
 #   rp_param_slice_fqn meta no text shows); so split_lm_head's and annotate_costs' texts render
@@ -472,7 +474,12 @@ def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices=
         st = run(st)
         seconds[name] = time.perf_counter() - t0       # (the texts rendered now are not counted)
         text = _printer(st, show)
-        printed.append((name, show, text() if i < last_rewrite or show == "plan" else text))
+        if i < last_rewrite:   # the same rewrites of the same capture at every length: rendered once
+            key = (name, mode, loss_output)
+            if key not in cap.pass_texts:
+                cap.pass_texts[key] = text()
+            text = cap.pass_texts[key]
+        printed.append((name, show, text() if show == "plan" else text))
     st.plan.passes = printed
     st.plan.compile_seconds.update(seconds)
     return st.plan
