@@ -84,6 +84,7 @@ runs after this pass, so the new nodes are costed like any other.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -372,8 +373,9 @@ def find_lm_head(gm: fx.GraphModule) -> LMHead | None:
 _LAYER_SEG = re.compile(r"\[\s*['\"]?([^\]'\"]+)['\"]?\s*\]")
 
 
-def _module_path_segments(path: str) -> list[str]:
-    return [s for s in _LAYER_SEG.sub(r".\1", path).split(".") if s]
+@functools.lru_cache(maxsize=4096)    # (every node of a layer names the same few paths, at every plan)
+def _module_path_segments(path: str) -> tuple:
+    return tuple(s for s in _LAYER_SEG.sub(r".\1", path).split(".") if s)
 
 
 def _node_flops(node: fx.Node, at: dict | None = None) -> int:
@@ -429,7 +431,7 @@ def _shards_by_memory(head: LMHead, at: dict | None, max_logit_bytes: float | No
 def _shards_by_flops(gm: fx.GraphModule, head: LMHead, at: dict | None) -> int:
     head_nodes = {head.linear, *head.chain, head.loss}
     # decoder layers: the numbered container (e.g. model.layers.N) with most members
-    stacks: dict[fx.Node, list[list[str]]] = {}
+    stacks: dict[fx.Node, list[tuple]] = {}
     members: dict[str, set[str]] = {}
     for n in gm.graph.nodes:
         paths = [_module_path_segments(v[0]) for v in (n.meta.get("nn_module_stack") or {}).values()
