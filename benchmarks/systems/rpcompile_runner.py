@@ -55,34 +55,26 @@ def config_options(spec, config_cls) -> tuple:
     if _on(spec.options, "rpcompile_delayed"):
         kwargs["optimizer_mode"] = "delayed"
         notes.append("Config(optimizer_mode='delayed'): gradients applied one step late, as RoundPipe's async step")
+    def ask(option, field, value, note):
+        if field not in fields:
+            raise RuntimeError(f"--option {option} asks for Config({field}={value!r}), but this rpcompile's "
+                               f"Config has no {field} field")
+        kwargs[field] = value
+        notes.append(note)
     if _on(spec.options, "rpcompile_peer"):
-        if "peer_transfers" not in fields:
-            raise RuntimeError("--option rpcompile_peer=1 asks for Config(peer_transfers=True), but this "
-                               "rpcompile's Config has no peer_transfers field")
-        kwargs["peer_transfers"] = True
-        notes.append("Config(peer_transfers=True)")
+        ask("rpcompile_peer=1", "peer_transfers", True, "Config(peer_transfers=True)")
     if _on(spec.options, "rpcompile_processes"):
-        if "workers" not in fields:
-            raise RuntimeError("--option rpcompile_processes=1 asks for Config(workers='processes'), but this "
-                               "rpcompile's Config has no workers field")
-        kwargs["workers"] = "processes"
-        notes.append("Config(workers='processes'): one worker process per device")
+        ask("rpcompile_processes=1", "workers", "processes", "Config(workers='processes'): one worker process per device")
     if spec.options.get("rpcompile_optimizer_on_devices"):
-        if "optimizer_on_devices" not in fields:
-            raise RuntimeError("--option rpcompile_optimizer_on_devices asks for Config(optimizer_on_devices=...), but "
-                               "this rpcompile's Config has no optimizer_on_devices field")
-        kwargs["optimizer_on_devices"] = float(spec.options["rpcompile_optimizer_on_devices"])
-        notes.append(f"Config(optimizer_on_devices={kwargs['optimizer_on_devices']}): that share of the optimizer "
-                     "steps on the devices")
+        share = float(spec.options["rpcompile_optimizer_on_devices"])
+        ask("rpcompile_optimizer_on_devices", "optimizer_on_devices", share,
+            f"Config(optimizer_on_devices={share}): that share of the optimizer steps on the devices")
     if _on(spec.options, "rpcompile_threads"):
         kwargs["workers"] = "threads"
         notes.append("Config(workers='threads'): one worker thread per device")
     if _on(spec.options, "rpcompile_data_parallel"):
-        if "data_parallel" not in fields:
-            raise RuntimeError("--option rpcompile_data_parallel=1 asks for Config(data_parallel=True), but this "
-                               "rpcompile's Config has no data_parallel field")
-        kwargs["data_parallel"] = True
-        notes.append("Config(data_parallel=True): a replica of the one-device plan per device, worker threads")
+        ask("rpcompile_data_parallel=1", "data_parallel", True,
+            "Config(data_parallel=True): a replica of the one-device plan per device, worker threads")
     if spec.options.get("rpcompile_worker_switch_ms"):
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
