@@ -70,8 +70,9 @@ class Config:
         the microbatches, the copies' gradients summed on the devices before they come down
         (Note [replicas] in runtime/replicas.py), instead of the stage jobs of one pipeline
         handed round-robin. None (the default): the planner weighs both and takes the faster
-        on GPUs driven by worker threads (`workers="threads"`); True: the replicas wherever there
-        is a microbatch for every device (workers default to threads); False: never.
+        on GPUs driven by worker threads (`workers="threads"`, peer_transfers off); True: the
+        replicas wherever there is a microbatch for every device (workers default to threads);
+        False: never.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -131,6 +132,9 @@ class Config:
             self.workers = "processes" if processes else "threads"
         if self.workers not in ("threads", "processes"):
             raise ValueError(f"Config.workers={self.workers!r}: use 'threads' or 'processes'")
+        if self.data_parallel and self.peer_transfers:
+            raise ValueError("Config(data_parallel=True) and peer_transfers=True ask for two different plans: replicas "
+                             "keep every job's activations on its own device; choose one")
         if self.workers == "processes" and self.data_parallel:
             raise ValueError("Config(data_parallel=True) needs workers='threads': the replicas sum their gradients "
                              "device to device within one process")

@@ -137,11 +137,17 @@ def test_what_replicas_refuse(monkeypatch):
         rpcompile.Config(devices=["cpu", "cpu"], workers="processes", data_parallel=True)
     with pytest.raises(ValueError, match="data_parallel='yes'"):
         rpcompile.Config(data_parallel="yes")
+    with pytest.raises(ValueError, match="choose one"):
+        rpcompile.Config(devices=["cpu", "cpu"], data_parallel=True, peer_transfers=True)
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "device_count", lambda: 2)
         assert rpcompile.Config(devices=["cuda:0", "cuda:1"]).workers == "processes"
         assert rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=True).workers == "threads"
+        from rpcompile.passes import _weighs_replicas
+        assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads"))
+        assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True))
+        assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"]))      # processes
 
     class Normed(torch.nn.Module):   # running statistics: updated microbatch after microbatch
         def __init__(self):

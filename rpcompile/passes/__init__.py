@@ -312,10 +312,11 @@ def _best_stage_plan(st: CompileState, num_devices: int, num_microbatches: int, 
 
 def _weighs_replicas(config) -> bool:
     """Whether the planner weighs replicas against the pipeline (Config.data_parallel): where
-    asked to, or by default on GPUs driven by worker threads (CPU devices train the pipeline
-    unless asked: they stand in for GPUs in tests, and their costs decide nothing)."""
+    asked to, or by default on GPUs driven by worker threads without peer transfers (asked for,
+    they are the pipeline's; CPU devices train the pipeline unless asked: they stand in for GPUs
+    in tests, and their costs decide nothing)."""
     return bool(config.workers == "threads" and config.data_parallel is not False
-                and (config.data_parallel or config.on_gpu))
+                and (config.data_parallel or (config.on_gpu and not config.peer_transfers)))
 
 
 def _replicas(st: CompileState, num_devices: int, num_microbatches: int) -> int:
