@@ -35,8 +35,9 @@ def test_replicated_schedule_prints_and_marks_one_copy():
     assert str(s) == "0F@0[0:2] 0F@1[2:3] 1FB@0[0:2] 1FB@1[2:3] 2B@0[0:2] 2B@1[2:3]"
     assert s.render(failed=1, device=1) == "0F@0[0:2] 0F@1[2:3] 1FB@0[0:2] [1FB@1[2:3] failed] 2B@0[0:2] 2B@1[2:3]"
     # each copy's next job is its own next job, on its own device
+    assert s.replicas == 2
     for a in s.actions:
-        assert a.replicas == 2 and a.device == a.replica
+        assert a.device == a.replica
         if a.job < 2:
             assert (a.next_on_device, a.next_device) == (a.job + 1, a.device)
     with pytest.raises(ValueError, match="number of microbatches"):

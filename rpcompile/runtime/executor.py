@@ -123,8 +123,8 @@ class Executor:
                              f"{len(self.workers)}")
         actions = schedule.actions
         step.done_events.update({a.job: [threading.Event() for _ in step.micro] for a in actions})
-        if any(a.replicas > 1 for a in actions):   # Note [replicas] (runtime/replicas.py)
-            step.exchanges.update({a.job: GradExchange(a.replicas) for a in actions})
+        if schedule.replicas > 1:   # Note [replicas] (runtime/replicas.py)
+            step.exchanges.update({job: GradExchange(schedule.replicas) for job in schedule.stages})
         if not self.in_flight:   # weights prefetched for jobs of runs that failed
             for w in self.workers:
                 w.dev.prefetched.clear()

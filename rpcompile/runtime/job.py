@@ -355,7 +355,7 @@ class JobContext:
             return
         piece = grads.piece(self.stage.index)
         self._wait_piece_free()
-        lo, hi = ex.bounds(self.replica, ex.n, piece.numel())
+        lo, hi = ex.bounds(self.replica, piece.numel())
         total = self.span("compute", "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
                           bytes=4 * (hi - lo) * (ex.n - 1))
         down = self.span("out", "download_grads", lambda: self.dev.download_into(total, piece[lo:hi]),

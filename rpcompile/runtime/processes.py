@@ -302,7 +302,7 @@ class ProcessExecutor:
         if schedule.num_devices != len(self.workers):
             raise ValueError(f"a schedule for {schedule.num_devices} devices given to an executor of "
                              f"{len(self.workers)}")
-        if any(a.replicas > 1 for a in schedule.actions):   # Config.data_parallel refuses processes
+        if schedule.replicas > 1:   # Config.data_parallel refuses processes
             raise ValueError("a schedule of replicas (Note [replicas]) needs worker threads")
         plan = step.plan
         record = getattr(step, "remote", None)

@@ -63,14 +63,13 @@ class GradExchange:
                 self._cond.wait(0.05)
             return set(self.got)
 
-    @staticmethod
-    def bounds(r: int, replicas: int, numel: int) -> tuple:
+    def bounds(self, r: int, numel: int) -> tuple:
         """Slice r of a piece of `numel` elements."""
-        return r * numel // replicas, (r + 1) * numel // replicas
+        return r * numel // self.n, (r + 1) * numel // self.n
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
         """Slice r summed over the copies, on copy r's device (in its own accumulator)."""
-        lo, hi = self.bounds(r, self.n, numel)
+        lo, hi = self.bounds(r, numel)
         own = self.accs[r]
         total = own[lo:hi] if own is not None else torch.zeros(hi - lo, dtype=torch.float32, device=dev.device)
         for q, acc in enumerate(self.accs):

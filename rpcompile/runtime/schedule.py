@@ -37,7 +37,6 @@ class JobAction:
     later_reads: frozenset = field(default=frozenset(), repr=False)
     replica: int = 0                       # which copy of the chain (Note [replicas])
     microbatches: Optional[range] = None   # the microbatches it runs (None: all of the step's)
-    replicas: int = 1                      # copies of the chain in the run
 
     def __str__(self) -> str:
         mbs = "" if self.microbatches is None else f"[{self.microbatches.start}:{self.microbatches.stop}]"
@@ -52,6 +51,7 @@ class Schedule:
     num_devices: int
     offset: int                                                   # worker of the first job
     stages: dict = field(default_factory=dict, repr=False, compare=False)   # job index -> Stage
+    replicas: int = 1                                             # copies of the chain (Note [replicas])
 
     @property
     def next_offset(self) -> int:
@@ -69,7 +69,7 @@ class Schedule:
         """The actions on one line; the job `failed` (a job index; with replicas, its copy on
         worker `device`) marked."""
         def marked(a):
-            return a.job == failed and (device is None or a.replicas == 1 or a.device == device)
+            return a.job == failed and (device is None or self.replicas == 1 or a.device == device)
         return " ".join(f"[{a} failed]" if marked(a) else str(a) for a in self.actions)
 
 
@@ -131,5 +131,6 @@ def _replicated(jobs, num_devices: int, offset: int, replicas: int, num_microbat
                 next_device=r if k + 1 < len(jobs) else None,
                 next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
                 later_reads=frozenset().union(*reads[k + 2:]),
-                replica=r, microbatches=shares[r], replicas=replicas))
-    return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})
+                replica=r, microbatches=shares[r]))
+    return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs},
+                    replicas)
