@@ -540,3 +540,48 @@ def test_every_gradient_a_job_sends_to_the_host_is_read(tied):
     for st in stages:   # the rows' gradients are the job's parameter gradients
         assert sorted(st.param_slices.values()) == sorted(p for p in st.grad_params if isinstance(p, tuple)) \
             or st.kind == "fwd"
+
+
+def test_shards_that_take_an_earlier_shards_example_values_cost_as_if_fake_executed(monkeypatch):
+    """Note [shard values]: a shard after the first takes the example values of an earlier shard
+    of its width and parity; every node's shape, dtype and cost (FLOPs, bytes saved, view or not)
+    equal those of the same rewrite with every node fake-executed. 127 rows in 8 shards: widths
+    16 (shards 0-6) and 15 (shard 7), both parities, symbolic rows."""
+    from rpcompile.passes import lm_head
+    from rpcompile.passes.cost import annotate_costs
+
+    def make():
+        model = tiny("qwen3", V_ODD, True)
+        ids, labels = batch(V_ODD)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(labels, 0)
+        gm, inputs, _ = capture(hf_loss(model), input_ids=ids, labels=labels)
+        return gm, inputs
+    gm, _ = captured("dynamic", make)
+    shared = annotate_costs(split_lm_head(clone(gm), 8))
+    begin = lm_head._Builder.begin_shard
+    monkeypatch.setattr(lm_head._Builder, "begin_shard", lambda self, shard, key: begin(self, shard, None))
+    fresh = annotate_costs(split_lm_head(clone(gm), 8))
+
+    values = {n.name: n.meta.get("example_value") for n in shard_nodes(shared)}
+    by_shard = {}
+    for n in shard_nodes(shared):
+        by_shard.setdefault(n.meta["rp_lm_head"]["k"], []).append(values[n.name])
+    assert [id(v) for v in by_shard[5]] == [id(v) for v in by_shard[3]] == [id(v) for v in by_shard[1]]
+    assert not {id(v) for v in by_shard[2]} & {id(v) for v in by_shard[1]}   # the other parity
+    assert not {id(v) for v in by_shard[7]} & {id(v) for v in by_shard[1]}   # the other width
+
+    others = {n.name: n for n in fresh.graph.nodes}
+    compared = 0
+    for n in shared.graph.nodes:
+        m = others[n.name]
+        a, b = n.meta.get("example_value"), m.meta.get("example_value")
+        if isinstance(b, torch.Tensor):
+            assert (a.shape, a.stride(), a.dtype, a.requires_grad) == (b.shape, b.stride(), b.dtype, b.requires_grad), n.name
+        c, d = n.meta.get("rp_cost"), m.meta.get("rp_cost")
+        if d is not None:
+            assert (c.fwd_flops, c.bwd_flops, c.out_bytes, c.saved_bytes, c.is_view, c.requires_grad) == (
+                d.fwd_flops, d.bwd_flops, d.out_bytes, d.saved_bytes, d.is_view, d.requires_grad), n.name
+            assert [v for v, _ in c.saved_values] == [v for v, _ in d.saved_values], n.name
+            compared += 1
+    assert compared > 8 * 20

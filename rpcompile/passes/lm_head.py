@@ -473,6 +473,18 @@ def shard_bounds(vocab_size: int, num_shards: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------- rewriting
 
 
+# Note [shard values]: every shard but the first is the same ~25 ops on tensors of the same
+# shapes (rows x width; the running max, sum and target logit are per row), so fake-executing
+# each shard's nodes (~2 ms a node on an H200 host, 0.8 s of a re-plan at 25 shards) gives the
+# same example values again and again. A shard after the first takes the values of an earlier
+# shard of the same width and the same parity of k, node by node, instead: the same objects,
+# shared by two nodes. Same parity because a shard reads the running values of the shard before
+# it: were shard k's values shard k-1's, the running max it makes would be the very tensor it
+# reads, and annotate_costs (which takes an output that shares an input's storage for a view)
+# would cost the update as a free view. With the two parities alternating, a shard's values
+# alias each other, and what it reads, exactly as in the shard that made them.
+
+
 class _Builder:
     """Inserts nodes before ``anchor`` with example values, module stack and rp_lm_head meta."""
 
@@ -481,6 +493,21 @@ class _Builder:
         self.part: str = "prologue"
         self.shard: dict | None = None
         self.src: fx.Node | None = None
+        self._made: dict = {}          # shard key -> the example values of its nodes, in order
+        self._replay: list | None = None
+        self._record: list | None = None
+        self._at = 0
+
+    def begin_shard(self, shard: dict, key: Any) -> None:
+        """The next nodes are `shard`'s; those of an earlier shard with the same key have the
+        same example values (Note [shard values]); key None: fake-execute them."""
+        self.part, self.shard = "shard", shard
+        self._replay = self._made.get(key) if key is not None else None
+        self._record = self._made.setdefault(key, []) if key is not None and self._replay is None else None
+        self._at = 0
+
+    def end_shards(self) -> None:
+        self.shard, self._replay, self._record = None, None, None
 
     def __call__(self, op: str, target: Any, *args: Any, _name: str | None = None, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -492,7 +519,13 @@ class _Builder:
         node.meta["rp_lm_head_part"] = self.part
         if self.shard is not None:
             node.meta["rp_lm_head"] = dict(self.shard)
-        val = self._fake(node)
+        if self._replay is not None:
+            val = self._replay[self._at]
+            self._at += 1
+        else:
+            val = self._fake(node)
+            if self._record is not None:
+                self._record.append(val)
         if val is not None:
             node.meta["example_value"] = val
         return node
@@ -546,7 +579,8 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
     wkind = _placeholder_kind(head.weight)
     bkind = _placeholder_kind(head.bias) if isinstance(head.bias, fx.Node) else None
     for k, (a, b) in enumerate(shard_bounds(V, num_shards)):
-        node.part, node.shard = "shard", {"k": k, "K": num_shards, "start": a, "stop": b, "apart": apart}
+        node.begin_shard({"k": k, "K": num_shards, "start": a, "stop": b, "apart": apart},
+                         key=(b - a, k % 2) if k else None)
         w_k = fn(operator.getitem, head.weight, slice(a, b), _name=f"lm_head_weight_{k}")
         if wkind in ("param", "buffer"):
             w_k.meta["rp_param_slice"] = (head.weight.name, 0, a, b)
@@ -585,7 +619,8 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
         t = g_k if t is None else fn(torch.add, t, g_k, _name=f"lm_head_target_logit_{k}")
 
     # epilogue: nll = m + log s - t on the counted tokens, reduced like the loss was
-    node.src, node.part, node.shard = head.loss, "epilogue", None
+    node.end_shards()
+    node.src, node.part = head.loss, "epilogue"
     nll = fn(torch.sub, fn(torch.add, m, fn(torch.log, s)), t)
     valid = fn(torch.ne, y, head.ignore_index)
     nll = fn(torch.where, valid, nll, 0.0, _name="lm_head_nll")
