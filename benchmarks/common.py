@@ -635,6 +635,34 @@ class _ProbeProfiler:
         return {"profile": [[f, round(ct, 3), round(tt, 3), nc] for f, ct, tt, nc in rows[:self.n]]}
 
 
+class _GcClock:
+    """Seconds and count of the interpreter's garbage collections per generation while on: a
+    full (generation 2) collection walks every object the process tracks (a compiled model's
+    graphs, fake tensors, sympy sizes), and one falling into a new length's step is seconds
+    the step pays that no profile names."""
+
+    def __init__(self):
+        self.seconds, self.count, self._t = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+
+    def _tick(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t
+            self.count[info["generation"]] += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._tick)
+        return False
+
+    def record(self) -> dict:
+        return {"gc_s": [round(x, 3) for x in self.seconds], "gc_n": list(self.count)}
+
+
 def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
     ok, fail = spec.maxseq_ok, spec.maxseq_fail
     probes = list(spec.maxseq_probes)
@@ -644,9 +672,9 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         reset_gpu_peaks(devices)
         t = time.perf_counter()
         ids = batch_ids(spec.spec.vocab, 1, s, step=0, rank=rank, seed=spec.seed)
-        repeat_s, prof = None, _ProbeProfiler(spec)
+        repeat_s, prof, gcs = None, _ProbeProfiler(spec), _GcClock()
         try:
-            with prof:
+            with prof, gcs:
                 loss = float(trainer.step(ids))
                 trainer.finish()
             good, err = math.isfinite(loss), None if math.isfinite(loss) else f"loss {loss}"
@@ -667,7 +695,7 @@ def _max_seq_search(trainer, spec, rec, rank, devices, reduce_max) -> None:
         mem = _mem(devices, reduce_max) if good or not trainer.restart_after_oom else {}
         probes.append({"seq_len": s, "ok": good, "loss": loss, "s": probe_s if good else time.perf_counter() - t,
                        "repeat_s": repeat_s, "error": err, "peak_gpu_alloc_bytes": mem.get("peak_gpu_alloc_bytes"),
-                       **prof.top(),
+                       **prof.top(), **gcs.record(),
                        **trainer.probe_info()})
         if good:
             ok = s
