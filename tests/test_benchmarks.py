@@ -246,7 +246,7 @@ def test_max_seq_search_times_a_new_length_beside_a_known_one(tmp_path):
         sleep = next(r for r in p["profile"] if "sleep" in r[0])
         assert sleep[1] >= 0.25
     assert all(p["repeat_s"] is None for p in res["simulated"]["probes"] if not p["ok"])
-    assert "new length: s over a known one" in md and "first 0.3; then 0.3 (0.3)" in md
+    assert "new length: s over a known one" in md and "first 0.3; then 0.3 (0.3), probes profiled (inflated)" in md
 
 
 def test_a_probe_stopped_by_the_host_memory_guard_is_a_length_that_does_not_fit():
