@@ -236,7 +236,8 @@ def test_parity_float64_model():
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
 
 
-def test_parity_dynamic_batch():
+def _dynamic_batch():
+    """The 2-layer Qwen3 captured with a dynamic batch dim (symbolic rows)."""
     def make():
         model = tiny("qwen3", V_ODD, True)
         ids, labels = batch(V_ODD)
@@ -244,7 +245,11 @@ def test_parity_dynamic_batch():
         torch._dynamo.mark_dynamic(labels, 0)
         gm, inputs, _ = capture(hf_loss(model), input_ids=ids, labels=labels)
         return gm, inputs
-    gm, inputs = captured("dynamic", make)
+    return captured("dynamic", make)
+
+
+def test_parity_dynamic_batch():
+    gm, inputs = _dynamic_batch()
     assert any(isinstance(x, int) for x in inputs)  # a SymInt placeholder
     new = assert_parity(gm, inputs, 3)
     assert all("example_value" in n.meta for n in shard_nodes(new))
@@ -550,14 +555,7 @@ def test_shards_that_take_an_earlier_shards_example_values_cost_as_if_fake_execu
     from rpcompile.passes import lm_head
     from rpcompile.passes.cost import annotate_costs
 
-    def make():
-        model = tiny("qwen3", V_ODD, True)
-        ids, labels = batch(V_ODD)
-        torch._dynamo.mark_dynamic(ids, 0)
-        torch._dynamo.mark_dynamic(labels, 0)
-        gm, inputs, _ = capture(hf_loss(model), input_ids=ids, labels=labels)
-        return gm, inputs
-    gm, _ = captured("dynamic", make)
+    gm, _ = _dynamic_batch()
     shared = annotate_costs(split_lm_head(clone(gm), 8))
     begin = lm_head._Builder.begin_shard
     monkeypatch.setattr(lm_head._Builder, "begin_shard", lambda self, shard, key: begin(self, shard, None))
