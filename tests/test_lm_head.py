@@ -561,10 +561,9 @@ def test_shards_that_take_an_earlier_shards_example_values_cost_as_if_fake_execu
     monkeypatch.setattr(lm_head._Builder, "begin_shard", lambda self, shard, key: begin(self, shard, None))
     fresh = annotate_costs(split_lm_head(clone(gm), 8))
 
-    values = {n.name: n.meta.get("example_value") for n in shard_nodes(shared)}
     by_shard = {}
     for n in shard_nodes(shared):
-        by_shard.setdefault(n.meta["rp_lm_head"]["k"], []).append(values[n.name])
+        by_shard.setdefault(n.meta["rp_lm_head"]["k"], []).append(n.meta.get("example_value"))
     assert [id(v) for v in by_shard[5]] == [id(v) for v in by_shard[3]] == [id(v) for v in by_shard[1]]
     assert not {id(v) for v in by_shard[2]} & {id(v) for v in by_shard[1]}   # the other parity
     assert not {id(v) for v in by_shard[7]} & {id(v) for v in by_shard[1]}   # the other width
