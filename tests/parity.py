@@ -76,21 +76,22 @@ def tight_budget(cm, batch, call, slack=1.15):
 
 def train_both(model, batches, config, *, call=None, eager_step=None, steps=3, lr=1e-2, optimizer="sgd",
                loss_rtol=1e-5, grad_rtol=1e-4, param_rtol=1e-4, param_atol=1e-6, min_stages=2,
-               check_every_step=False):
+               check_every_step=False, slack=1.15):
     """Train a copy with rpcompile and one eagerly; check loss, grads and parameters agree.
 
     batches: list of kwargs dicts, one per step. call(cm, batch) -> loss runs rpcompile
     (default: cm.train_step(**batch)); eager_step(model, batch) -> loss runs eager forward +
     backward (default: model(**batch).loss.backward()). optimizer: "sgd" (momentum 0.9, the
     default) or "adamw" (then param_atol should allow for its lr-sized steps of noise).
-    Gradients are checked at the first step (every step with check_every_step). Returns the
-    compiled model.
+    Gradients are checked at the first step (every step with check_every_step). With
+    Config(memory_budget=TIGHT) the budget is `slack` times the smallest that fits (tight_budget).
+    Returns the compiled model.
     """
     ref = copy.deepcopy(model)
     call = call or (lambda cm, b: cm.train_step(**b))
     cm = rpcompile.compile(model, config=config)
     if config.memory_budget == TIGHT:
-        config.memory_budget = tight_budget(cm, batches[0], call)
+        config.memory_budget = tight_budget(cm, batches[0], call, slack)
     opt = make_optimizer(model.parameters(), optimizer, lr)
     opt_ref = make_optimizer(ref.parameters(), optimizer, lr)
 

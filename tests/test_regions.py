@@ -138,7 +138,9 @@ def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     monkeypatch.setattr(torch, "compile", counting)
     config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True, memory_budget=TIGHT,
                               inductor_options={"cpp_wrapper": True})
-    cm = train_both(qwen3(layers=2), [lm_batch()], config, steps=2)     # 10 stage jobs
+    # 3 times the smallest budget: 3 stage jobs, one of each role (1.15 times made 7 jobs and 13
+    # pieces to compile, against 3, for the same sharing)
+    cm = train_both(qwen3(layers=2), [lm_batch()], config, steps=2, slack=3)
     assert len(cm.plan.stages) >= 3
     assert seen and all(o == {"cpp_wrapper": True} for o in seen)
     with pytest.raises(ValueError, match="inductor_options"):
@@ -185,9 +187,11 @@ def _shards_in(piece) -> list:
     return sorted({n.meta.get("rp_lm_head", {}).get("k") for n in gm.graph.nodes if n.op == "call_function"} - {None})
 
 
-def _aot_eager_compile(compile_):
-    """torch.compile with aot_eager standing in for Inductor (the stage pieces only)."""
-    return lambda gm, **kw: compile_(gm, **{**kw, "backend": kw.get("backend", "aot_eager")})
+def _aot_eager_compile(compile_, backend="aot_eager"):
+    """torch.compile with aot_eager standing in for Inductor (the stage pieces only). Tests that
+    count which pieces compile, and check no values, pass backend="eager": dynamo compiles the
+    same pieces, as often (the backend sees each graph dynamo hands it), in half the time or less."""
+    return lambda gm, **kw: compile_(gm, **{**kw, "backend": kw.get("backend", backend)})
 
 
 def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
@@ -197,14 +201,18 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     Where a forward job hands out a value from inside a layer, that layer used to be a whole-layer
     piece with one more output, compiled again for every plan."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    monkeypatch.setattr(torch, "compile", _aot_eager_compile(torch.compile))
+    monkeypatch.setattr(torch, "compile", _aot_eager_compile(torch.compile, backend="eager"))
     torch.manual_seed(0)
-    # wider than models.qwen3, so that the plans cut inside layers
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    # wider than models.qwen3, so that the plans cut inside layers; 3 layers, not 6 (as many
+    # pieces to compile, and a longer capture): at 256 tokens the forward job keeps layers 0-1
+    # whole and the backward jobs cut them where the 128-token plan did not (after the attention
+    # norm, before the MLP), so a whole-layer piece with one more output would be compiled anew
+    # (the code before Note [pieces at handed-out values] compiled 2 such pieces here)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                          max_position_embeddings=256))
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1, compile_stages=True,
-                                                   memory_budget=8 * 2**20))   # 5 jobs at 128 tokens, 8 at 256 (two devices: one device plans for the sum of the job times, Note [one device sums])
+                                                   memory_budget=7 * 2**20))   # 4 jobs at 128 tokens, 5 at 256 (two devices: one device plans for the sum of the job times, Note [one device sums])
     cm.train_step(**lm_batch(batch=1, seq=128, vocab=512))
     layer_nodes = Counter(block_of(n) for n in body_nodes(cm.plan.gm))
     shared = next(iter(cm.runner.programs._pieces.values()))
@@ -232,8 +240,10 @@ def test_a_new_shard_count_reuses_the_compiled_shards(monkeypatch):
     def counting(gm, **kw):
         if "backend" in kw:        # the capture's own call
             return compile_(gm, **kw)
+        # (the eager backend: the same graphs reach it as reach aot_eager, 9 and 4 before the
+        # fix as with aot_eager; this test counts them and checks no values)
         return compile_(gm, **kw, backend=lambda g, ex: (compiled.append(torch.is_grad_enabled()),
-                                                         lookup_backend("aot_eager")(g, ex))[1])
+                                                         lookup_backend("eager")(g, ex))[1])
     monkeypatch.setattr(torch, "compile", counting)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
