@@ -265,3 +265,20 @@ def test_workers_are_told_the_models_modules(monkeypatch):
     monkeypatch.setattr(cm.runner, "prestart", lambda modules=(): seen.append(list(modules)))
     cm.train_step(**lm_batch(seed=0))
     assert "transformers.models.qwen3.modeling_qwen3" in seen[0] and "__main__" not in seen[0]
+
+
+def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch):
+    """With compiled stages, a worker process dry-runs a stage program when a job of it comes up
+    for the first time (Note [dry runs]): every graph compiles there, none in a job, each
+    program once per worker, and the results equal eager's."""
+    from rpcompile.runtime import timeline
+    from worker_aot_eager import InWorkers
+    tests = os.path.dirname(os.path.abspath(__file__))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    timeline.reset()     # marks are the process's; this test reads its own model's
+    cm = train_both(InWorkers(qwen3(layers=1)), [lm_batch(seed=s) for s in range(2)],
+                    _config(compile_stages=True, max_jobs=3), steps=2)     # fwd, fused, bwd
+    marks = [(r["where"], r["what"]) for r in cm.setup_timeline]
+    dry = [(w, what.split()[3]) for w, what in marks if what.startswith("dry run of ")]
+    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
+    assert not [m for m in marks if "failed" in m[1] or (m[1].startswith("job ") and "compiled" in m[1])]

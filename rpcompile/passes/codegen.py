@@ -81,6 +81,7 @@ class Stage:
     param_slices: dict = field(default_factory=dict)   # input name -> (param index, first row, end row)
     tensors: set = field(default_factory=set)          # input/output names whose values are tensors
     row_checks: dict = field(default_factory=dict)     # name -> fn(rows, syms): dim 0 a microbatch's value must have
+    shapes: dict = field(default_factory=dict)         # fetched act / grad name -> (sizes, dtype): value_shapes
 
     @property
     def program(self) -> fx.GraphModule:
@@ -200,6 +201,7 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
         if isinstance(v, fx.Node):
             graph_out.setdefault(v.name, []).append(i)
     checkpoints = sorted({a for kind, (a, _) in jobs if kind != "fwd"})
+    sizes = size_symbols(gm)
     rng_positions = sorted({a for _, (a, _) in jobs})
 
     stages = []
@@ -246,8 +248,44 @@ def build_stages(gm: fx.GraphModule, lv, jobs: list) -> list:
             st.grad_params = [sliced[n] if n in sliced else n.meta["rp_index"] for n in grad_param_nodes]
             st.backward = _backward_graph(forward, reads, st.outputs, st.grad_outputs, st.grad_inputs,
                                           [n.name for n in grad_param_nodes], has_random, f"{name}_backward")
+        st.shapes = value_shapes([n for n in reads if st.kinds[n.name] == "act"]
+                                 + [n for n in outputs if n.name in st.grad_outputs], sizes)
         stages.append(st)
     return stages
+
+
+def value_shapes(nodes, sizes: dict) -> dict:
+    """{name: (sizes, dtype)} of the tensor values of `nodes` whose sizes are ints or sympy
+    expressions over the graph's size placeholders (renamed to them: `sizes` maps each size
+    symbol to its placeholder's name), so a worker process can size stand-in values for a
+    microbatch from its size values alone (Note [dry runs] in runtime/dry_run.py). A value sized
+    by anything else (a data-dependent size) is left out."""
+    import sympy
+    out = {}
+    for n in nodes:
+        ev = n.meta.get("example_value")
+        if not isinstance(ev, torch.Tensor):
+            continue
+        dims = []
+        for d in ev.shape:
+            if not isinstance(d, torch.SymInt):
+                dims.append(int(d))
+                continue
+            expr = d.node.expr
+            if not expr.free_symbols <= sizes.keys():
+                break
+            dims.append(expr.xreplace({s: sympy.Symbol(sizes[s], integer=True, positive=True)
+                                       for s in expr.free_symbols}))
+        else:
+            out[n.name] = (tuple(dims), ev.dtype)
+    return out
+
+
+def size_symbols(gm: fx.GraphModule) -> dict:
+    """{size symbol: name of the placeholder that carries it} of a captured graph."""
+    return {n.meta["example_value"].node.expr: n.name for n in gm.graph.nodes
+            if n.op == "placeholder" and n.meta.get("rp_kind") == "sym"
+            and isinstance(n.meta.get("example_value"), torch.SymInt)}
 
 
 def build_program(st: Stage, role: str) -> fx.GraphModule:

@@ -145,6 +145,11 @@ class WarmupGuard(torch.nn.Module):
             _LOCK.release_write()
 
 
+def compiled_graphs() -> int:
+    """Graphs TorchDynamo has compiled in this process so far (its counters' unique graphs)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def pinned_bytes(device) -> int:
     """Bytes torch's caching host allocator holds (pin_memory=True blocks, free ones included);
     0 off CUDA."""

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 
 from . import portable
 from .device import DeviceRuntime, Pending, _map
+from .dry_run import DryRuns
 from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
@@ -250,6 +251,7 @@ class Worker:
         self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
         if self.programs.inductor:
             warmup.close_idle_compile_pools()
+        self.dry_runs = DryRuns(self.programs, self.dev)
         self.plans: dict = {}
         self.tables: dict = {}
         self.grad_sets: dict = {}
@@ -478,6 +480,7 @@ class Worker:
             step, a, plan = item
             # outputs too: the main process copies them out (_Output.resolve)
             self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
+            self.dry_runs.before_job(step, plan, plan.stages[a.stage], a.role)   # Note [dry runs]
             self.run_one(step, a, plan)
             item = step = None
 
@@ -493,7 +496,11 @@ class Worker:
                                stage=stage.index, device=self.label, job=a.job))
             program = None
         if program is not None:
+            graphs = warmup.compiled_graphs() if self.programs.inductor else 0
             run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links)
+            if self.programs.inductor and warmup.compiled_graphs() > graphs:   # no dry run did (Note [dry runs])
+                timeline.mark(f"job {a.job} ({a.role}) on {self.label} compiled "
+                              f"{warmup.compiled_graphs() - graphs} graph(s)")
         self.finished(step, a)
 
     def finished(self, step: WorkerStep, a):
