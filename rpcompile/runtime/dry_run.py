@@ -25,7 +25,10 @@ are not dry-run.
 
 A dry run changes nothing a step reads: it writes no slot, gradient or buffer (buffers and
 inputs are cloned, so in-place updates stay in the clones), draws no random numbers, and
-its failure only leaves the program to compile at its real first call.
+its failure only leaves the program to compile at its real first call. On the device it holds
+about what its job holds for one microbatch, weights included, after the device's previous job
+has ended: beside the job's own prefetched weights, that is the plan's room for one job and
+the next job's weights.
 """
 from __future__ import annotations
 
