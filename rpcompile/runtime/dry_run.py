@@ -38,6 +38,7 @@ import traceback
 import torch
 
 from . import ops, timeline
+from .job import JobContext
 from .weights import working_dtype
 
 
@@ -83,11 +84,8 @@ class DryRunJob:
     def user_input(self, mb, index):
         return self._copy(self.step.micro[mb].leaves[index])
 
-    def sym(self, mb, name):
-        return self.step.micro[mb].syms[name]
-
-    def loss_seed(self, mb):
-        return torch.full((), self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
+    sym = JobContext.sym                 # (read the step's microbatch only)
+    loss_seed = JobContext.loss_seed
 
     def rng_key(self, mb):
         raise RuntimeError("a random stage is not dry-run")

@@ -496,11 +496,11 @@ class Worker:
                                stage=stage.index, device=self.label, job=a.job))
             program = None
         if program is not None:
-            graphs = warmup.compiled_graphs() if self.programs.inductor else 0
+            before = warmup.compiled_graphs() if self.programs.inductor else None
             run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links)
-            if self.programs.inductor and warmup.compiled_graphs() > graphs:   # no dry run did (Note [dry runs])
-                timeline.mark(f"job {a.job} ({a.role}) on {self.label} compiled "
-                              f"{warmup.compiled_graphs() - graphs} graph(s)")
+            compiled = 0 if before is None else warmup.compiled_graphs() - before
+            if compiled:      # what no dry run compiled (Note [dry runs])
+                timeline.mark(f"job {a.job} ({a.role}) on {self.label} compiled {compiled} graph(s)")
         self.finished(step, a)
 
     def finished(self, step: WorkerStep, a):
