@@ -11,7 +11,7 @@ from rpcompile.passes.cut_points import body_nodes
 from rpcompile.passes.regions import block_of, compile_regions, piece_key, split_regions
 
 from models import MLP, lm_batch, qwen3
-from parity import TIGHT, train_both
+from parity import TIGHT, aot_eager_compile, train_both
 
 
 def _planned(model, batch, **config):
@@ -166,7 +166,7 @@ def test_each_lm_head_shard_is_a_piece_of_its_own(monkeypatch):
     its traced 5.75 GiB). Loss and gradients still equal eager with the pieces compiled."""
     from rpcompile.passes import lm_head
     monkeypatch.setattr(lm_head, "SHARD_SHARE", 4096)     # shards by memory: several of them
-    monkeypatch.setattr(torch, "compile", _aot_eager_compile(torch.compile))
+    monkeypatch.setattr(torch, "compile", aot_eager_compile(torch.compile))
     config = rpcompile.Config(devices=["cpu"], num_microbatches=2, compile_stages=True, memory_budget=TIGHT)
     cm = train_both(qwen3(layers=2), [lm_batch()], config, steps=2)
     K = cm.plan.gm.meta["rp_lm_head"]["K"]
@@ -187,13 +187,6 @@ def _shards_in(piece) -> list:
     return sorted({n.meta.get("rp_lm_head", {}).get("k") for n in gm.graph.nodes if n.op == "call_function"} - {None})
 
 
-def _aot_eager_compile(compile_, backend="aot_eager"):
-    """torch.compile with aot_eager standing in for Inductor (the stage pieces only). Tests that
-    count which pieces compile, and check no values, pass backend="eager": dynamo compiles the
-    same pieces, as often (the backend sees each graph dynamo hands it), in half the time or less."""
-    return lambda gm, **kw: compile_(gm, **{**kw, "backend": kw.get("backend", backend)})
-
-
 def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     """A longer sequence that the first plan cannot fit gets a plan of more, smaller jobs, cut
     elsewhere inside the layers; its whole-layer pieces are the very pieces compiled for the
@@ -201,7 +194,7 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     Where a forward job hands out a value from inside a layer, that layer used to be a whole-layer
     piece with one more output, compiled again for every plan."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    monkeypatch.setattr(torch, "compile", _aot_eager_compile(torch.compile, backend="eager"))
+    monkeypatch.setattr(torch, "compile", aot_eager_compile(torch.compile, backend="eager"))
     torch.manual_seed(0)
     # wider than models.qwen3, so that the plans cut inside layers; 3 layers, not 6 (as many
     # pieces to compile, and a longer capture): at 256 tokens the forward job keeps layers 0-1

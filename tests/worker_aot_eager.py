@@ -5,13 +5,10 @@ import os
 
 import torch
 
+from parity import aot_eager_compile
+
 if os.environ.get("RPCOMPILE_WORKER_INDEX") is not None:     # in a worker process only
-    _compile = torch.compile
-
-    def _aot_eager(model=None, **kw):
-        return _compile(model, **{**kw, "backend": kw.get("backend", "aot_eager"), "options": None})
-
-    torch.compile = _aot_eager
+    torch.compile = aot_eager_compile(torch.compile)
 
 
 class InWorkers(torch.nn.Module):
