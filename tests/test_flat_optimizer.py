@@ -81,6 +81,26 @@ def test_runs_step_as_the_users_optimizer(name):
             torch.testing.assert_close(got["state"][i][key], v, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["adamw-fused", "sgd-nesterov"])
+def test_a_parameter_larger_than_a_piece_never_has_its_whole_first_state_made_at_once(name):
+    """Its first step goes by twins a PIECE at a time: the user's optimizer never steps it
+    whole (which makes its whole state, and a widened gradient, on the host at once)."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = OPTIMIZERS[name](params), OPTIMIZERS[name](ref_params)
+    masters = FlatMasters()
+    masters.flatten(params)
+    stepper = FlatStepper(opt, masters)
+    stepper.PIECE = 100
+    stepped_whole = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: stepped_whole.extend(
+        p.numel() for g in o.param_groups for p in g["params"] if p.grad is not None))
+    _step_both(stepper, params, ref_opt, ref_params, range(2))
+    assert stepped_whole and max(stepped_whole) <= 100 and params[0].numel() > 100
+    assert opt.state[params[0]]["momentum_buffer" if name.startswith("sgd") else "exp_avg"].data_ptr() == \
+        stepper._state_bufs[(0, "momentum_buffer" if name.startswith("sgd") else "exp_avg", None)].data_ptr()
+
+
 def test_load_state_dict_and_a_missing_gradient():
     model, ref = _model(), _model()
     params, ref_params = list(model.parameters()), list(ref.parameters())

@@ -55,6 +55,7 @@ def test_device_parts_step_as_the_users_optimizer(name, share):
     params, ref_params = list(model.parameters()), list(ref.parameters())
     opt, ref_opt = OPTIMIZERS[name](params), OPTIMIZERS[name](ref_params)
     stepper = _stepper(params, opt, share)
+    stepper.PIECE = 100          # the 128-element weight's first step in slices, its state made on the host
     _step_both(stepper, params, ref_opt, ref_params, range(4))
     on_dev = [p for p in params if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
     assert on_dev and (share < 1 or len(on_dev) == len(params))
@@ -211,13 +212,17 @@ def _qwen():
 
 
 @pytest.mark.parametrize("mode, workers", [("delayed", "threads"), ("overlapped", "threads"), ("delayed", "processes")])
-def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers):
+def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers, monkeypatch):
     """The same losses and parameters with half the optimizer on the (CPU) devices as with none
-    there; the plan says what the devices keep and the host no longer holds."""
+    there; the plan says what the devices keep and the host no longer holds. (With half there,
+    the first steps of the parameters larger than FlatStepper.PIECE go in slices.)"""
     import rpcompile
     from models import lm_batch
+    from rpcompile.runtime.flat import FlatStepper
     runs = {}
     for share in (0.0, 0.5):
+        if share:
+            monkeypatch.setattr(FlatStepper, "PIECE", 1000)      # the 8,192-element embedding in 9 slices
         model = _qwen()
         cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
                                                        optimizer_on_devices=share, workers=workers))

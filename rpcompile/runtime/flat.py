@@ -27,7 +27,9 @@ exists in fp32 for more than a slice.
 
 A parameter's first step is a per-parameter step of the user's optimizer (which makes its state
 the way the optimizer makes it: SGD's momentum is the first gradient, Adam's moments zeros);
-its state is then moved into the flat buffers. The user's state entries are checked every step
+its state is then moved into the flat buffers, a PIECE of elements at a time (a parameter larger
+than that by twins over its slices), so that a first step's state never exists twice for more
+than a piece. The user's state entries are checked every step
 (a `load_state_dict` replaces them: they are moved again), and scalar state (Adam's `step`) is
 kept per parameter as the optimizer keeps it, a run stepping only parameters whose values agree.
 
@@ -216,7 +218,10 @@ class FlatStepper:
     """Steps the user's optimizer over (parameter, gradient) pairs, a contiguous run at a time
     where it can (Note [flat host optimizer]), per parameter where it cannot."""
 
-    PIECE = 1 << 27
+    # elements of a first step made at once (per parameter, or a slice of a larger one): its
+    # widened gradient and AdamW state take 12 B each on the host beside the flat buffers until
+    # the state is moved (384 MiB; at 1 << 27, 1.5 GiB on top of a 4-GPU run's host memory)
+    PIECE = 1 << 25
     # elements of a narrower gradient widened at once: a 256 MiB fp32 buffer, and 120 steps of
     # Llama-3.1-8B a submission (each call may wait for the interpreter lock: Note [few calls per step])
     WIDEN = 1 << 26
@@ -243,11 +248,13 @@ class FlatStepper:
     def _per_param(self, pairs) -> None:
         """Step pairs with the user's optimizer itself, a slice of about PIECE elements at a time,
         and move the state it made into the flat buffers after each slice: the state of a first
-        step exists twice only for one slice, not for the model."""
+        step exists twice only for one slice, not for the model. A parameter larger than a slice
+        has its first step in slices of its own (`_first_in_slices`)."""
         piece: list = []
         for i, (p, g) in enumerate(pairs):
-            piece.append((p, g))
-            if i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE:
+            if p.numel() <= self.PIECE or not self._first_in_slices(p, g):
+                piece.append((p, g))
+            if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
                 for q, h in piece:
                     q.grad = h if h.dtype == q.dtype else h.to(q.dtype)
                 self.optimizer.step()
@@ -258,6 +265,54 @@ class FlatStepper:
                         if id(q) not in self._views:
                             self._adopt(q)
                 piece = []
+
+    def _first_in_slices(self, p, g) -> bool:
+        """A flat parameter's first step (it has no state yet), PIECE elements at a time, each
+        slice by a twin over that slice of the masters, whose state goes into the flat buffers
+        before the next slice is stepped; False (nothing done) where that does not apply.
+
+        The optimizers stepped flat are elementwise, so a slice's state is made as the whole
+        parameter's would be (Adam's zeros, SGD's first gradient), and the user's state entries
+        end as views of the flat buffers, as `_adopt` leaves them. Stepped whole by the user's
+        optimizer, Qwen3-1.7B's tied embedding (311M elements) made its fp32 gradient and AdamW
+        state at once: 3.5 GiB more host memory for a moment, the peak of a 4-GPU run."""
+        group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
+        if (not self.elementwise or group is None or group.get("differentiable") or id(p) not in self.masters.where
+                or self.optimizer.state.get(p) or g.shape != p.shape or not g.is_contiguous()):
+            return False
+        k, off = self.masters.where[id(p)]
+        flat_p, flat_g, n = p.detach().view(-1), g.view(-1), p.numel()
+        for a in range(0, n, self.PIECE):
+            part = flat_p[a:min(n, a + self.PIECE)]
+            twin = type(self.optimizer)([part], **{c: group[c] for c in self._ctor_keys if c in group})
+            part.grad = flat_g[a:a + part.numel()].to(p.dtype)
+            try:
+                twin.step()
+            finally:
+                part.grad = None
+            made = twin.state[part]
+            for key, v in made.items():
+                if isinstance(v, torch.Tensor) and v.shape == part.shape:
+                    buf, i = self._state_buf(k, key, off, v.dtype)
+                    buf[i + a:i + a + part.numel()].copy_(v)
+        # (the scalar state, `step`, is every slice's; a state that is not tensors, SGD's
+        # momentum_buffer None without momentum, stays what the optimizer made: not flat)
+        tensors = all(isinstance(v, torch.Tensor) and (v.shape == part.shape or v.dim() == 0) for v in made.values())
+        state, views = {}, {}
+        for key, v in made.items():
+            if tensors and v.shape == part.shape:
+                buf, i = self._state_buf(k, key, off, v.dtype)
+                state[key] = views[key] = buf[i:i + n].view(p.shape)
+            else:
+                state[key] = v
+        self.optimizer.state[p] = state
+        self._stepped.add(id(p))
+        if tensors:
+            self._views[id(p)] = views
+        r = self.masters.device_range(k, off)
+        if r is not None and r[2].type == "cuda":
+            torch.cuda.current_stream(r[2]).synchronize()
+        return True
 
     def _adopt(self, p) -> bool:
         """Move p's (tensor) optimizer state into the flat state buffers; False if its state is
