@@ -12,7 +12,7 @@ import rpcompile
 from models import lm_batch, qwen3
 from parity import check_grads, close, delayed_run, train_both
 from rpcompile.runtime.processes import WorkerDied
-from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull
+from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull, remove_stale_directories
 
 
 def _config(workers="processes", memory_budget="300KiB", **kw):
@@ -92,6 +92,34 @@ def test_shared_memory_that_is_too_small_says_how_to_fix_it(monkeypatch):
             memory.empty((64, 1024, 1024), torch.float32)
     finally:
         memory.close()
+
+
+def test_a_killed_runs_shared_files_go_at_the_next_run_and_a_live_ones_stay():
+    """Note [stale shared files]: a run killed with SIGKILL leaves its directory in /dev/shm; the
+    next SharedMemory removes it, and leaves alone the directory of a run still alive."""
+    import signal
+    import subprocess
+    import sys
+    child = ("import sys, time, torch; from rpcompile.runtime.shared import SharedMemory; m = SharedMemory(); "
+             "m.empty((1 << 20,), torch.uint8).fill_(1); print(m.directory, flush=True); time.sleep(120)")
+    procs = [subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        dead, alive = (p.stdout.readline().strip() for p in procs)
+        assert os.path.isdir(dead) and len(os.listdir(dead)) == 2      # the lock file and a buffer
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(timeout=30)
+        assert os.path.isdir(dead)                                   # nothing ran at its end
+        memory = SharedMemory()
+        try:
+            assert not os.path.exists(dead) and os.path.isdir(alive) and os.path.isdir(memory.directory)
+        finally:
+            memory.close()
+        assert not os.path.exists(memory.directory)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
+    assert alive in remove_stale_directories() and not os.path.exists(alive)
 
 
 def test_page_lock_registers_each_file_once_and_unpins_it_before_it_goes(monkeypatch):

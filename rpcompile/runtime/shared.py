@@ -7,9 +7,19 @@ registers each mapping as page-locked (cudaHostRegister) so its copies are async
 Messages between processes then carry only a `Ref` (file, byte offset, shape, dtype): a few
 dozen bytes, whatever the tensor's size. Files are removed when the main process closes the
 memory (or exits); a process that mapped one keeps its mapping.
+
+Note [stale shared files]: a main process killed (SIGKILL, or SIGTERM, whose default action
+runs no exit handler: `timeout`, a batch system, the benchmark harness) leaves its directory
+behind, and /dev/shm is memory: Qwen3-1.7B's run left 16 GiB there until the next reboot. So
+the directory's owner holds an exclusive lock (flock) on a file in it while it lives, and a
+new run's SharedMemory removes every `rpcompile-*` directory whose lock it can take: the kernel
+drops a lock with the last descriptor of the process that held it, however the process ended
+(and whatever PID namespace it ran in, where a PID check could not tell). A directory is
+locked before it gets its name, so none is ever seen unlocked while its owner lives.
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import math
 import os
@@ -44,8 +54,52 @@ def _shm_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def _remove(path):
+def _remove(path, lock_fd=None):
     shutil.rmtree(path, ignore_errors=True)
+    if lock_fd is not None:
+        os.close(lock_fd)
+
+
+_LOCK_FILE = "owner.lock"
+
+
+def _locked_directory(root: str) -> tuple:
+    """(path, descriptor) of a new run directory under root, its lock file held exclusively by
+    this process before the directory takes its name (Note [stale shared files])."""
+    tmp = tempfile.mkdtemp(prefix=".rpcompile-new-", dir=root)
+    fd = os.open(os.path.join(tmp, _LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    path = os.path.join(root, f"rpcompile-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.rename(tmp, path)
+    return path, fd
+
+
+def remove_stale_directories(root: str | None = None) -> list:
+    """Remove the run directories under root (/dev/shm) whose owner process has ended: those whose
+    lock file nobody holds (Note [stale shared files]); the paths removed."""
+    root = root or _shm_root()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        if not name.startswith("rpcompile-"):
+            continue
+        try:
+            fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDWR)
+        except OSError:            # not a directory of ours, or one from before the lock files
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:            # its owner lives
+            os.close(fd)
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+        removed.append(path)
+    return removed
 
 
 def _unlock(locked: dict) -> None:
@@ -63,10 +117,12 @@ class SharedMemory:
 
     def __init__(self, directory: str | None = None, register=None, unregister=None):
         self.owner = directory is None
-        self.directory = directory or os.path.join(_shm_root(), f"rpcompile-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         if self.owner:
-            os.makedirs(self.directory)
-            self._finalizer = weakref.finalize(self, _remove, self.directory)
+            remove_stale_directories()
+            self.directory, lock_fd = _locked_directory(_shm_root())
+            self._finalizer = weakref.finalize(self, _remove, self.directory, lock_fd)
+        else:
+            self.directory = directory
         self._register, self._unregister = register, unregister
         st = os.statvfs(self.directory)
         self.capacity = st.f_blocks * st.f_frsize               # the file system's size (a tmpfs: its limit)
