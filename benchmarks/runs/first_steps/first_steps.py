@@ -13,14 +13,26 @@ spec = get_model("qwen3-1.7b")
 model = build_model(spec, dtype=torch.float32, device="cpu", init_device="cuda:0")
 nparams = sum(p.numel() for p in model.parameters())
 
+def meminfo():
+    return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/meminfo")}
 def used():
-    m = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/meminfo")}
+    m = meminfo()
     return m["MemTotal"] - m["MemAvailable"]
+MI0 = meminfo()
+def mi_delta():
+    m = meminfo()
+    return {k: round((m[k] - MI0[k]) / 2**30, 2) for k in ("MemFree", "MemAvailable", "AnonPages", "Shmem", "Cached", "Buffers", "Mapped", "PageTables", "SUnreclaim", "SReclaimable", "KernelStack", "Unevictable", "Mlocked", "AnonHugePages", "ShmemHugePages", "VmallocUsed", "Percpu", "HugePages_Total") if k in m and k in MI0}
 samples, stop = [], [False]
 def by_kind():
     import subprocess as sp
     out = sp.run(["ps", "-e", "-o", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
     acc = {"main": 0, "worker": 0, "compile": 0}
+    try:
+        roll = {x.split(":")[0]: int(x.split()[1]) for x in open("/proc/self/smaps_rollup").read().splitlines()[1:] if x.split()[1].isdigit()}
+        for f in ("Pss_Anon", "Pss_File", "Pss_Shmem", "Rss"):
+            acc["main_" + f] = roll.get(f, 0) * 1024
+    except Exception:
+        pass
     for l in out:
         pid, _, args = l.strip().partition(" ")
         kind = "compile" if "compile_worker" in args else "worker" if "rpcompile.runtime.worker" in args else "main" if int(pid) == os.getpid() else None
@@ -31,15 +43,26 @@ def by_kind():
                 pass
     return {k: round(v / 2**30, 2) for k, v in acc.items()}
 kinds = []
+best = [0, None]
+def fast_sampler():
+    while not stop[0]:
+        samples.append((time.time(), used()))
+        time.sleep(0.05)
 def sampler():
     i = 0
     while not stop[0]:
-        samples.append((time.time(), used()))
-        if i % 4 == 0:
-            kinds.append((time.time(), used(), by_kind()))
+        if True:
+            kinds.append((time.time(), used(), {**by_kind(), 'mi': mi_delta()}))
+            u = kinds[-1][1]
+            if "t0" in globals() and time.time() - t0 > 35 and u > best[0]:
+                best[0] = u
+                import traceback
+                me = threading.get_ident()
+                best[1] = (round(time.time() - t0, 2), round((u - used0) / 2**30, 2), {threading._active.get(tid).name if tid in threading._active else tid: "".join(traceback.format_stack(fr)[-6:]) for tid, fr in sys._current_frames().items() if tid != me})
         i += 1; time.sleep(0.25)
 used0 = used()
 threading.Thread(target=sampler, daemon=True).start()
+threading.Thread(target=fast_sampler, daemon=True).start()
 
 cfg = rpcompile.Config(devices=["cuda:0"] * n, num_microbatches=4, dtype=torch.bfloat16, workers="processes",
                        optimizer_mode="delayed", memory_budget=int(budget * 2**30),
@@ -69,9 +92,19 @@ res = {"n": n, "budget_gib": budget, "steps_s": [round(x, 3) for x in times], "f
        "marks": [m for m in tl if m["what"].startswith(("dry run", "call alone", "job ", "captured", "planned", "workers ready", "train_step returned")) and not m["what"].endswith("ended")],
        "at_peak": min(kinds, key=lambda k: abs(k[0] - peak_t))[2] if kinds else None,
        "kinds_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2), k) for t, u, k in kinds[::3]],
-       "used_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2)) for t, u in samples[::8]]}
+       "used_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2)) for t, u in samples[::8]],
+       "around_peak": [(round(t - t0, 2), round((u - used0) / 2**30, 2), k) for t, u, k in kinds if abs(t - peak_t) < 4]}
 json.dump(res, open(out, "w"), indent=1)
-print(json.dumps({k: v for k, v in res.items() if k not in ("marks", "used_trace")}, indent=None))
+print(json.dumps({k: v for k, v in res.items() if k not in ("marks", "used_trace", "kinds_trace", "around_peak")}, indent=None))
+print("stacks at the last new maximum", best[1] and best[1][:2])
+for name, st in (best[1][2].items() if best[1] else []):
+    if "rpcompile" not in st: continue
+    print("--", name); print(st)
+print("step ends", [round(t - t0, 2) for t in marks_t])
+for t, u, k in res["around_peak"]:
+    mi = k.pop("mi")
+    k = {a: round(b / 2**30, 2) if b > 2**20 else b for a, b in k.items()}
+    print(t, u, k, {x: mi[x] for x in ("AnonPages", "Shmem", "Cached", "VmallocUsed", "SUnreclaim", "PageTables")})
 for m in res["marks"]:
     print(f'{m["t"]:8.2f} {m["where"]:9s} {m["what"]} {m["seconds"] or ""}')
 import subprocess
@@ -94,3 +127,59 @@ def tree(root):
 print("main async_compile:", "torch._inductor.async_compile" in sys.modules,
       len(getattr(sys.modules.get("torch._inductor.async_compile"), "_pool_set", ()) or ()))
 tree(os.getpid())
+# main's anonymous mappings > 64 MiB, and which CPU tensors (reachable by gc) lie in them
+import gc
+maps, cur = [], None
+for line in open("/proc/self/smaps"):
+    parts = line.split()
+    if len(parts) >= 5 and "-" in parts[0] and not parts[0].endswith(":"):
+        a, b = (int(x, 16) for x in parts[0].split("-"))
+        cur = [a, b, parts[5] if len(parts) > 5 else "", 0, 0]
+        maps.append(cur)
+    elif parts[0] == "Rss:" and cur:
+        cur[3] = int(parts[1]) * 1024
+    elif parts[0] == "Anonymous:" and cur:
+        cur[4] = int(parts[1]) * 1024
+tensors = {}
+for o in gc.get_objects():
+    try:
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            s = o.untyped_storage()
+            tensors[s.data_ptr()] = (s.nbytes(), tuple(o.shape), str(o.dtype).replace("torch.", ""), "pinned" if o.is_pinned() else "")
+    except Exception:
+        pass
+tot = sum(m[4] for m in maps)
+print(f"main anonymous total {tot / 2**30:.2f} GiB; mappings with > 64 MiB anonymous:")
+for a, b, name, rss, anon in sorted(maps, key=lambda m: -m[4]):
+    if anon < 64 * 2**20:
+        break
+    inside = [t for p, t in tensors.items() if a <= p < b]
+    print(f"  {anon / 2**20:9.1f} MiB anon ({(b - a) / 2**20:.0f} MiB mapped) {name[:30]:30s} {len(inside)} tensors {sum(t[0] for t in inside) / 2**20:.1f} MiB", sorted(inside, key=lambda t: -t[0])[:4])
+# each worker's anonymous memory by mapping size
+def anon_maps(pid):
+    maps, cur = [], None
+    for line in open(f"/proc/{pid}/smaps"):
+        parts = line.split()
+        if len(parts) >= 5 and "-" in parts[0] and not parts[0].endswith(":"):
+            a, b = (int(x, 16) for x in parts[0].split("-"))
+            cur = [a, b, parts[5] if len(parts) > 5 else "", 0]
+            maps.append(cur)
+        elif parts[0] == "Anonymous:" and cur:
+            cur[3] = int(parts[1]) * 1024
+    return maps
+out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+for l in out:
+    pid, ppid, args = (l.strip().split(None, 2) + ["", ""])[:3]
+    if "rpcompile.runtime.worker" in args or "compile_worker" in args:
+        try:
+            m = anon_maps(pid)
+        except OSError:
+            continue
+        tot = sum(x[3] for x in m)
+        big = sorted(m, key=lambda x: -x[3])[:8]
+        buckets = {"<1M": 0, "1-16M": 0, "16-64M": 0, ">64M": 0}
+        for x in m:
+            k = "<1M" if x[3] < 2**20 else "1-16M" if x[3] < 16 * 2**20 else "16-64M" if x[3] < 64 * 2**20 else ">64M"
+            buckets[k] += x[3]
+        print(pid, args[:60], f"anon {tot / 2**20:.0f} MiB", {k: round(v / 2**20) for k, v in buckets.items()},
+              [(round(x[3] / 2**20), round((x[1] - x[0]) / 2**20), x[2][:20]) for x in big])
