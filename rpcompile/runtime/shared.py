@@ -10,7 +10,8 @@ memory (or exits); a process that mapped one keeps its mapping.
 
 Note [stale shared files]: a main process killed (SIGKILL, or SIGTERM, whose default action
 runs no exit handler: `timeout`, a batch system, the benchmark harness) leaves its directory
-behind, and /dev/shm is memory: Qwen3-1.7B's run left 16 GiB there until the next reboot. So
+behind, and /dev/shm is memory: Qwen3-1.7B's 4-GPU layout keeps 16 GiB of files there (Shmem
+in the thirty-second session's runs), which would stay until the next reboot. So
 the directory's owner holds an exclusive lock (flock) on a file in it while it lives, and a
 new run's SharedMemory removes every `rpcompile-*` directory whose lock it can take: the kernel
 drops a lock with the last descriptor of the process that held it, however the process ended
