@@ -32,9 +32,14 @@ case "$what" in
     [ -d "$dir" ] || { echo "ab.sh: $dir is missing: run 'ab.sh prepare $name' here and carry .ab" >&2; exit 1; }
     export PYTHONPATH=$PWD
     bash benchmarks/setup_device.sh > "$out/setup.log" 2>&1 || true
+    # each side compiles from empty caches of its own: with one shared cache the second side's
+    # setup seconds were the first's compiles read back (77.9 against 46.1 s, 2 H200s, 29 Nov)
+    side_caches() { export TORCHINDUCTOR_CACHE_DIR=/tmp/ab-inductor-$1 TRITON_CACHE_DIR=/tmp/ab-triton-$1; rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"; }
+    side_caches "$(basename "$dir")"
     (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness --out '' --json "$out/$(basename "$dir").json" \
         --log-dir /tmp/ab-logs "$@" > "$out/$(basename "$dir").log" 2>&1) || true
     grep '\[harness\]' "$out/$(basename "$dir").log" | sed "s/^/$(basename "$dir"): /" || true
+    side_caches tree
     python -m benchmarks.harness --out '' --json "$out/tree.json" --log-dir /tmp/ab-logs "$@" > "$out/tree.log" 2>&1 || true
     grep '\[harness\]' "$out/tree.log" | sed 's/^/tree: /' || true
     ;;
