@@ -73,6 +73,34 @@ def test_device_parts_step_as_the_users_optimizer(name, share):
             torch.testing.assert_close(got["state"][i][key], v, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS) + ["sgd-plain"])
+def test_a_device_parts_first_step_is_made_on_its_device(name):
+    """Note [first step on the device]: the user's optimizer steps only the host's parameters;
+    a device part's first step is a twin's over its masters there, whose state lands in the
+    device buffers, and the stepped masters there are the host's (copy_down can read them)."""
+    make = OPTIMIZERS.get(name) or (lambda ps: torch.optim.SGD(ps, lr=1e-1))
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = make(params), make(ref_params)
+    stepper = _stepper(params, opt, 0.5)
+    stepper.PIECE = 100          # the 128-element weight in two slices
+    by_user = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: by_user.extend(
+        id(p) for g in o.param_groups for p in g["params"] if p.grad is not None))
+    _step_both(stepper, params, ref_opt, ref_params, range(1))
+    on_dev = [p for p in params if stepper._on_a_device(p)]
+    assert on_dev and len(on_dev) < len(params)
+    assert by_user and not set(by_user) & {id(p) for p in on_dev}
+    for p in on_dev:
+        torch.testing.assert_close(stepper._device_view(p), p, rtol=0, atol=0)
+    _step_both(stepper, params, ref_opt, ref_params, range(1, 3))
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    for i in want["state"]:
+        assert got["state"][i].keys() == want["state"][i].keys()
+        for key, v in want["state"][i].items():
+            torch.testing.assert_close(got["state"][i][key].cpu(), v, rtol=1e-6, atol=1e-7)
+
+
 def test_bf16_gradients_in_slices_across_the_device_ranges():
     """A narrower gradient is stepped WIDEN elements at a time; slices are cut where a device
     range begins or ends."""

@@ -29,7 +29,8 @@ A parameter's first step is a per-parameter step of the user's optimizer (which 
 the way the optimizer makes it: SGD's momentum is the first gradient, Adam's moments zeros);
 its state is then moved into the flat buffers, a PIECE of elements at a time (a parameter larger
 than that by twins over its slices), so that a first step's state never exists twice for more
-than a piece. The user's state entries are checked every step
+than a piece. A parameter whose state lives on a device has its first step there, by twins over
+its slices (Note [first step on the device]). The user's state entries are checked every step
 (a `load_state_dict` replaces them: they are moved again), and scalar state (Adam's `step`) is
 kept per parameter as the optimizer keeps it, a run stepping only parameters whose values agree.
 
@@ -252,7 +253,7 @@ class FlatStepper:
         has its first step in slices of its own (`_first_in_slices`)."""
         piece: list = []
         for i, (p, g) in enumerate(pairs):
-            if p.numel() <= self.PIECE or not self._first_in_slices(p, g):
+            if not (p.numel() > self.PIECE or self._on_a_device(p)) or not self._first_in_slices(p, g):
                 piece.append((p, g))
             if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
                 for q, h in piece:
@@ -266,6 +267,10 @@ class FlatStepper:
                             self._adopt(q)
                 piece = []
 
+    def _on_a_device(self, p) -> bool:
+        where = self.masters.where.get(id(p))
+        return where is not None and self.masters.device_range(*where) is not None
+
     def _first_in_slices(self, p, g) -> bool:
         """A flat parameter's first step (it has no state yet), PIECE elements at a time, each
         slice by a twin over that slice of the masters, whose state goes into the flat buffers
@@ -275,28 +280,49 @@ class FlatStepper:
         parameter's would be (Adam's zeros, SGD's first gradient), and the user's state entries
         end as views of the flat buffers, as `_adopt` leaves them. Stepped whole by the user's
         optimizer, Qwen3-1.7B's tied embedding (311M elements) made its fp32 gradient and AdamW
-        state at once: 3.5 GiB more host memory for a moment, the peak of a 4-GPU run."""
+        state at once: 3.5 GiB more host memory for a moment, the peak of a 4-GPU run.
+
+        Note [first step on the device]: a parameter whose state lives on a device has its first
+        step there, as every later one: its masters go up, the twin makes the state on the
+        device, the stepped masters come down. Made on the host and copied up, the state of a
+        4-GPU Qwen3-1.7B with `optimizer_on_devices=1.0` (13.6 GB: page faults of fresh zeros,
+        a host AdamW over 1.7B elements, pageable copies) held the third step's jobs, which wait
+        for the first step's weights, for about 5 s (4 workers on one H200)."""
         group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
         if (not self.elementwise or group is None or group.get("differentiable") or id(p) not in self.masters.where
                 or self.optimizer.state.get(p) or g.shape != p.shape or not g.is_contiguous()):
             return False
         k, off = self.masters.where[id(p)]
+        r = self.masters.device_range(k, off)     # (a parameter is never split between two places)
+        device = None if r is None else r[2]
         flat_p, flat_g, n = p.detach().view(-1), g.view(-1), p.numel()
-        for a in range(0, n, self.PIECE):
-            part = flat_p[a:min(n, a + self.PIECE)]
-            twin = type(self.optimizer)([part], **{c: group[c] for c in self._ctor_keys if c in group})
-            part.grad = flat_g[a:a + part.numel()].to(p.dtype)
-            try:
-                twin.step()
-            finally:
-                part.grad = None
-            made = twin.state[part]
-            for key, v in made.items():
-                if isinstance(v, torch.Tensor) and v.shape == part.shape:
-                    buf, i = self._state_buf(k, key, off, v.dtype)
-                    buf[i + a:i + a + part.numel()].copy_(v)
-        # (the scalar state, `step`, is every slice's; a state that is not tensors, SGD's
-        # momentum_buffer None without momentum, stays what the optimizer made: not flat)
+        stream = self._stream(device) if device is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if device is not None:
+                dm = self._device_masters_of(k, r)
+                on_dev = dm[off - r[0]:off - r[0] + n]
+                on_dev.copy_(flat_p, non_blocking=True)
+                self.master_uploads += n
+            for a in range(0, n, self.PIECE):
+                b = min(n, a + self.PIECE)
+                part = flat_p[a:b] if device is None else on_dev[a:b]
+                twin = type(self.optimizer)([part], **{c: group[c] for c in self._ctor_keys if c in group})
+                part.grad = (flat_g[a:b] if device is None else self._upload(flat_g[a:b], device)).to(p.dtype)
+                try:
+                    twin.step()
+                finally:
+                    part.grad = None
+                made = twin.state[part]
+                for key, v in made.items():
+                    if isinstance(v, torch.Tensor) and v.shape == part.shape:
+                        buf, i = self._state_buf(k, key, off, v.dtype)
+                        buf[i + a:i + b].copy_(v)
+            if device is not None:
+                flat_p.copy_(on_dev, non_blocking=True)     # (through p: its _version moves)
+        if stream is not None:
+            stream.synchronize()
+        # (the scalar state, `step`, is every slice's, kept on the host; a state that is not
+        # tensors, SGD's momentum_buffer None without momentum, stays what the optimizer made)
         tensors = all(isinstance(v, torch.Tensor) and (v.shape == part.shape or v.dim() == 0) for v in made.values())
         state, views = {}, {}
         for key, v in made.items():
@@ -304,14 +330,13 @@ class FlatStepper:
                 buf, i = self._state_buf(k, key, off, v.dtype)
                 state[key] = views[key] = buf[i:i + n].view(p.shape)
             else:
-                state[key] = v
+                state[key] = v.cpu() if isinstance(v, torch.Tensor) and v.dim() == 0 else v
         self.optimizer.state[p] = state
         self._stepped.add(id(p))
         if tensors:
             self._views[id(p)] = views
-        r = self.masters.device_range(k, off)
-        if r is not None and r[2].type == "cuda":
-            torch.cuda.current_stream(r[2]).synchronize()
+            if device is not None:      # the masters there are the host's
+                self._device_synced[(k, r[0])][id(p)] = p._version
         return True
 
     def _adopt(self, p) -> bool:
@@ -411,12 +436,7 @@ class FlatStepper:
             if r is None:
                 run = self.masters.buffers[k][start:stop]
             else:
-                dm = self._device_masters.get((k, where))
-                if dm is None:
-                    dm = self._device_masters[(k, where)] = torch.empty(r[1] - r[0], dtype=self.masters.buffers[k].dtype,
-                                                                        device=r[2])
-                    self._device_synced[(k, where)] = {}
-                run = dm[i:i + stop - start]
+                run = self._device_masters_of(k, r)[i:i + stop - start]
             opt = type(self.optimizer)([run], **{c: group[c] for c in self._ctor_keys if c in group})
             state = {}
             for name, v in example_state.items():
@@ -430,6 +450,15 @@ class FlatStepper:
             opt.state[run] = state
             twin = self._twins[key] = (opt, run)
         return twin
+
+    def _device_masters_of(self, k, r):
+        """The fp32 masters of buffer k's device range r = (start, stop, device) there."""
+        dm = self._device_masters.get((k, r[0]))
+        if dm is None:
+            dm = self._device_masters[(k, r[0])] = torch.empty(r[1] - r[0], dtype=self.masters.buffers[k].dtype,
+                                                               device=r[2])
+            self._device_synced[(k, r[0])] = {}
+        return dm
 
     def _slices(self, k, start, stop, narrow: bool) -> list:
         """[(a, b, device or None)]: start:stop cut where a device range begins or ends, and a
