@@ -89,7 +89,7 @@ res = {"n": n, "budget_gib": budget, "steps_s": [round(x, 3) for x in times], "f
        "mem": {k: {"pss": round(v["pss_bytes"] / 2**30, 2), "n": v["processes"], **{m: round(b / 2**30, 2) for m, b in v["pss_by_mapping"].items()}} for k, v in mem.items()},
        "host_buffers": {k: [round(x / 2**30, 2) if isinstance(x, int) and x > 2**20 else x for x in v] if isinstance(v, (list, tuple)) else v for k, v in cm.host_buffer_bytes().items()} if False else {k: round(v / 2**30, 2) for k, v in cm.host_buffer_bytes().items()},
        "plan_host": [l for l in str(cm.plan).splitlines() if "host" in l][:3],
-       "marks": [m for m in tl if m["what"].startswith(("dry run", "call alone", "job ", "captured", "planned", "workers ready", "train_step returned")) and not m["what"].endswith("ended")],
+       "marks": [m for m in tl if m["what"].startswith(("dry run", "call alone", "job ", "captured", "planned", "workers ready", "train_step returned", "optimizer step")) and not m["what"].endswith("ended")],
        "at_peak": min(kinds, key=lambda k: abs(k[0] - peak_t))[2] if kinds else None,
        "kinds_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2), k) for t, u, k in kinds[::3]],
        "used_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2)) for t, u in samples[::8]],
