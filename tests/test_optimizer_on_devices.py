@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rpcompile.runtime.flat import FlatMasters, FlatStepper
 from test_flat_optimizer import OPTIMIZERS, _model, _step_both, _step_skipping
@@ -83,14 +84,23 @@ def test_a_device_parts_first_step_is_made_on_its_device(name):
     params, ref_params = list(model.parameters()), list(ref.parameters())
     opt, ref_opt = make(params), make(ref_params)
     stepper = _stepper(params, opt, 0.5)
-    stepper.PIECE = 100          # the 128-element weight in two slices
-    by_user = []
+    stepper.PIECE = 100          # the host's 128-element weight in two slices
+    stepper.WIDEN = 120          # a device's in slices of 30: within the plan's room for a widened slice
+    by_user, twins = [], []
     opt.register_step_pre_hook(lambda o, args, kwargs: by_user.extend(
         id(p) for g in o.param_groups for p in g["params"] if p.grad is not None))
-    _step_both(stepper, params, ref_opt, ref_params, range(1))
+    def twin_sizes(o, args, kwargs):
+        if o is not opt and o is not ref_opt:
+            twins.extend(p.numel() for g in o.param_groups for p in g["params"])
+    hook = register_optimizer_step_pre_hook(twin_sizes)
+    try:
+        _step_both(stepper, params, ref_opt, ref_params, range(1))
+    finally:
+        hook.remove()
     on_dev = [p for p in params if stepper._on_a_device(p)]
-    assert on_dev and len(on_dev) < len(params)
+    assert on_dev and len(on_dev) < len(params) and max(p.numel() for p in on_dev) > 30
     assert by_user and not set(by_user) & {id(p) for p in on_dev}
+    assert twins and max(twins) <= 30
     for p in on_dev:
         torch.testing.assert_close(stepper._device_view(p), p, rtol=0, atol=0)
     _step_both(stepper, params, ref_opt, ref_params, range(1, 3))

@@ -303,8 +303,12 @@ class FlatStepper:
                 on_dev = dm[off - r[0]:off - r[0] + n]
                 on_dev.copy_(flat_p, non_blocking=True)
                 self.master_uploads += n
-            for a in range(0, n, self.PIECE):
-                b = min(n, a + self.PIECE)
+            # on a device a slice's new state and gradient (AdamW: 8 + 2 + 4 B an element) stay
+            # within what the plan keeps there for a widened gradient (WIDEN x 6 B:
+            # device_optimizer_bytes in passes/host_memory.py)
+            piece = self.PIECE if device is None else min(self.PIECE, self.WIDEN // 4)
+            for a in range(0, n, piece):
+                b = min(n, a + piece)
                 part = flat_p[a:b] if device is None else on_dev[a:b]
                 twin = type(self.optimizer)([part], **{c: group[c] for c in self._ctor_keys if c in group})
                 part.grad = (flat_g[a:b] if device is None else self._upload(flat_g[a:b], device)).to(p.dtype)
