@@ -249,8 +249,9 @@ class FlatStepper:
     def _per_param(self, pairs) -> None:
         """Step pairs with the user's optimizer itself, a slice of about PIECE elements at a time,
         and move the state it made into the flat buffers after each slice: the state of a first
-        step exists twice only for one slice, not for the model. A parameter larger than a slice
-        has its first step in slices of its own (`_first_in_slices`)."""
+        step exists twice only for one slice, not for the model. A parameter larger than a slice,
+        or whose state lives on a device, has its first step in slices of its own
+        (`_first_in_slices`)."""
         piece: list = []
         for i, (p, g) in enumerate(pairs):
             if not (p.numel() > self.PIECE or self._on_a_device(p)) or not self._first_in_slices(p, g):
@@ -283,8 +284,8 @@ class FlatStepper:
         state at once: 3.5 GiB more host memory for a moment, the peak of a 4-GPU run.
 
         Note [first step on the device]: a parameter whose state lives on a device has its first
-        step there, as every later one: its masters go up, the twin makes the state on the
-        device, the stepped masters come down. Made on the host and copied up, the state of a
+        step there, as every later one: its masters go up, twins over slices of WIDEN/4 elements
+        make the state on the device, the stepped masters come down. Made on the host and copied up, the state of a
         4-GPU Qwen3-1.7B with `optimizer_on_devices=1.0` (13.6 GB: page faults of fresh zeros,
         a host AdamW over 1.7B elements, pageable copies) held the third step's jobs, which wait
         for the first step's weights, for about 5 s (4 workers on one H200)."""
