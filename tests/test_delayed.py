@@ -41,7 +41,7 @@ def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None):
 
 @pytest.mark.parametrize("devices,microbatches,clip,gamma", [(1, 1, None, None), (2, 3, 0.5, 0.5), (3, 2, None, None)])
 def test_delayed_mode_follows_the_one_step_delay_recurrence(devices, microbatches, clip, gamma):
-    model = qwen3(tied=True)
+    model = qwen3(tied=True, layers=1)
     batches = [lm_batch(seed=s) for s in range(5)]
     ref_losses, ref = _eager_delayed(model, batches, 1e-3, clip, gamma)
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget="300KiB",
@@ -57,7 +57,7 @@ def test_delayed_mode_follows_the_one_step_delay_recurrence(devices, microbatche
         close(p.detach(), q.detach(), 1e-4, 1e-6, name)
     # the delay is real: undelayed training differs from step 1 on (step 1 sees the initial
     # parameters here, the parameters after step 0 there)
-    plain = _eager_plain(qwen3(tied=True), batches[:2], 1e-3)
+    plain = _eager_plain(qwen3(tied=True, layers=1), batches[:2], 1e-3)
     assert torch.equal(plain[0], ref_losses[0]) and (plain[1] - ref_losses[1]).abs() > 2e-6   # 4 ulps of the loss
 
 
@@ -154,7 +154,7 @@ def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeyp
 
 def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     """A LoRA-like run: frozen parameters are copied once (not twice) and never rewritten."""
-    model = qwen3(seed=5)
+    model = qwen3(seed=5, layers=1)
     frozen = [p for n, p in model.named_parameters() if "mlp" in n]
     for p in frozen:
         p.requires_grad_(False)
@@ -222,7 +222,7 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
 
 
 def _compiled(tied=True):
-    model = qwen3(tied=tied)
+    model = qwen3(tied=tied, layers=1)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
                                                    memory_budget="300KiB", optimizer_mode="delayed"))
     return model, cm

@@ -51,7 +51,8 @@ def test_static_lengths_capture_each_length(captures):
     """Config(dynamic_lengths=False): the old behaviour, a capture per length (the test above can fail)."""
     lengths = [16, 24, 16]
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, dynamic_lengths=False)
-    train_both(qwen3(), _batches(lengths), cfg, steps=len(lengths), min_stages=0)
+    # (1 layer: what is counted is captures, each a dynamo trace of the model)
+    train_both(qwen3(layers=1), _batches(lengths), cfg, steps=len(lengths), min_stages=0)
     assert len(captures) == 2
 
 
@@ -167,7 +168,7 @@ def test_dynamo_backend_trains_at_several_lengths():
     """torch.compile(model, backend=rpcompile.backend(...)): dynamo's own dynamic shapes decide
     the graphs; at each length the loss and gradients equal eager."""
     torch._dynamo.reset()
-    model = qwen3()
+    model = qwen3(layers=1)      # (1 layer: dynamo traces the model at each of its graphs' lengths)
     ref = copy.deepcopy(model)
     backend = rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
     compiled = torch.compile(model, backend=backend)

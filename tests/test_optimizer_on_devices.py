@@ -241,10 +241,12 @@ def test_state_brought_home_steps_on_as_the_users_optimizer(name):
     _step_both(stepper, params, ref_opt, ref_params, range(3, 6))
 
 
-def _qwen():
+def _qwen(layers=1):
+    """A tied Qwen3 of vocab 256 (an 8,192-element embedding); one layer where it is compiled
+    (what these tests check does not depend on the depth)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     return Qwen3ForCausalLM(cfg)
 
@@ -354,7 +356,7 @@ def test_lm_head_shards_are_sized_by_the_jobs_budget(monkeypatch):
 
 def test_share_by_room_is_the_largest_64th_that_fits_half_the_room():
     from rpcompile.passes.host_memory import ROOM_SHARE, device_optimizer_bytes, share_by_room
-    params = list(_qwen().parameters())
+    params = list(_qwen(layers=2).parameters())
     n, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
     smallest = (FlatMasters.BLOCK + largest) / (n / 2)      # a device's part at least what it may hold beyond it
 

@@ -12,7 +12,7 @@ from parity import close
 
 @pytest.mark.parametrize("devices,microbatches", [(1, 1), (2, 3), (4, 4)])
 def test_overlapped_equals_eager_with_clipping_and_scheduler(devices, microbatches):
-    model = qwen3(tied=True)
+    model = qwen3(tied=True, layers=1)
     ref = copy.deepcopy(model)
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget="300KiB",
                            optimizer_mode="overlapped")
@@ -48,7 +48,7 @@ def test_overlapped_mode_needs_an_optimizer():
 
 def test_next_step_waits_for_the_parameters_it_reads():
     """The optimizer thread is slowed down; the next step must still read updated weights."""
-    model = qwen3()
+    model = qwen3(layers=1)
     ref = copy.deepcopy(model)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
                                                    memory_budget="300KiB", optimizer_mode="overlapped"))

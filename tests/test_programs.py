@@ -26,6 +26,12 @@ def _compiled_mlp():
     return cm
 
 
+@pytest.fixture(scope="module")
+def mlp_cm():
+    """_compiled_mlp() once for the tests below that only read its plan and programs."""
+    return _compiled_mlp()
+
+
 def _programs_text(cm):
     parts = []
     for st in cm.plan.stages:
@@ -33,8 +39,8 @@ def _programs_text(cm):
     return "\n".join(parts)
 
 
-def test_stage_programs_match_golden():
-    text = _programs_text(_compiled_mlp())
+def test_stage_programs_match_golden(mlp_cm):
+    text = _programs_text(mlp_cm)
     if os.environ.get("RPCOMPILE_UPDATE_GOLDEN"):
         os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
         with open(GOLDEN, "w") as f:
@@ -47,8 +53,8 @@ def _targets(program):
     return [n.target for n in program.graph.nodes if n.op == "call_function"]
 
 
-def test_program_order_and_print_readable():
-    cm = _compiled_mlp()
+def test_program_order_and_print_readable(mlp_cm):
+    cm = mlp_cm
     kinds = [st.kind for st in cm.plan.stages]
     assert kinds[0] == "fwd" and "fused" in kinds and kinds[-1] == "bwd"
     for st in cm.plan.stages:
@@ -68,9 +74,9 @@ def test_program_order_and_print_readable():
     assert isinstance(cm.stages[1].program.print_readable(print_output=False), str)
 
 
-def test_order_transfers_pass_moves_uploads_up():
+def test_order_transfers_pass_moves_uploads_up(mlp_cm):
     """The pass puts activation uploads first, then weights, then the prefetch, after the wait."""
-    cm = _compiled_mlp()
+    cm = mlp_cm
     st = next(s for s in cm.plan.stages if s.kind == "bwd")
     g = copy.deepcopy(st.program.graph)
     nodes = list(g.nodes)
@@ -85,9 +91,9 @@ def test_order_transfers_pass_moves_uploads_up():
     assert _targets(torch.fx.GraphModule(st.program, g)) == _targets(st.program)
 
 
-def test_trace_job_keeps_program_ops_in_order():
+def test_trace_job_keeps_program_ops_in_order(mlp_cm):
     """A stage job traced with fake tensors: aten compute between the program's ops, in order."""
-    cm = _compiled_mlp()
+    cm = mlp_cm
     for st in cm.plan.stages:
         gm = trace_job(cm, st.index)
         traced = [n.target for n in gm.graph.nodes
@@ -99,8 +105,8 @@ def test_trace_job_keeps_program_ops_in_order():
             assert matmuls >= 2
 
 
-def test_dump_writes_graphs_and_plan(tmp_path):
-    cm = _compiled_mlp()
+def test_dump_writes_graphs_and_plan(mlp_cm, tmp_path):
+    cm = mlp_cm
     cm.dump(str(tmp_path))
     plan = json.loads((tmp_path / "train" / "plan.json").read_text())
     assert len(plan["stages"]) == len(cm.plan.stages)
@@ -117,12 +123,20 @@ def test_dump_env_variable(tmp_path, monkeypatch):
     assert (tmp_path / "train" / "plan.json").exists()
 
 
-def test_trace_job_on_a_transformers_model():
-    """Size symbols, rotary tables, masks and the split LM head trace with fake tensors too."""
-    from models import lm_batch, qwen3
-    cm = rpcompile.compile(qwen3(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                     memory_budget="300KiB"))
+@pytest.fixture(scope="module")
+def qwen3_cm():
+    """A 2-layer Qwen3 on 2 CPU devices, 2 microbatches, a 300KiB budget, after one train_step:
+    its plan's jobs (fwd, fused and bwd) for the tests below, which only trace them."""
+    from models import qwen3
+    cm = rpcompile.compile(qwen3(layers=2), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                             memory_budget="300KiB"))
     cm.train_step(**lm_batch())
+    return cm
+
+
+def test_trace_job_on_a_transformers_model(qwen3_cm):
+    """Size symbols, rotary tables, masks and the split LM head trace with fake tensors too."""
+    cm = qwen3_cm
     assert len(cm.plan.stages) >= 3
     for st in cm.plan.stages:
         gm = trace_job(cm, st.index)
@@ -155,14 +169,11 @@ def test_live_peak_counts_values_until_their_last_use_and_views_once():
         assert peak == expect, (fn.__name__, peak, where)
 
 
-def test_live_peak_of_a_backward_job_holds_its_saved_values():
+def test_live_peak_of_a_backward_job_holds_its_saved_values(qwen3_cm):
     """On a transformers model's jobs the traced peak is positive and a backward job (recompute
     and backward) holds more at once than the forward job of the same layers holds at its end."""
-    from models import lm_batch, qwen3
     # (2 layers: 5 jobs, fwd, fused and bwd, to trace; 4 layers made 9 of them, for the same check)
-    cm = rpcompile.compile(qwen3(layers=2), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                             memory_budget="300KiB"))
-    cm.train_step(**lm_batch())
+    cm = qwen3_cm
     peaks = {st.index: live_peak(trace_job(cm, st.index))[0] for st in cm.plan.stages}
     assert all(p > 0 for p in peaks.values())
     fwd = [st.index for st in cm.plan.stages if st.kind == "fwd"]
