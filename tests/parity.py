@@ -82,6 +82,21 @@ def tight_budget(cm, batch, call, slack=1.15):
     raise AssertionError("a 1-byte memory budget should not fit any plan")
 
 
+def plan_kept_capture(cm, kept: dict):
+    """cm plans the capture kept in `kept` (the first call's that finds none there), as a re-plan
+    does: the passes read cm's Config when they plan it. For tests that plan one model several
+    ways and read only the plans (a capture is most of their time)."""
+    plans = cm._plans
+
+    def capture_once(capture):
+        if "cap" not in kept:
+            kept["cap"] = capture()
+        return kept["cap"]
+    plans.lookup = lambda key, leaves, capture, compile: type(plans).lookup(
+        plans, key, leaves, lambda: capture_once(capture), compile)
+    return cm
+
+
 def train_both(model, batches, config, *, call=None, eager_step=None, steps=3, lr=1e-2, optimizer="sgd",
                loss_rtol=1e-5, grad_rtol=1e-4, param_rtol=1e-4, param_atol=1e-6, min_stages=2,
                check_every_step=False, slack=1.15):

@@ -415,6 +415,7 @@ def test_a_long_sequence_fits_a_budget_the_flops_rule_cannot():
 
     import rpcompile
     from models import lm_batch, qwen3
+    from parity import plan_kept_capture
 
     V = 8192
     model = qwen3(vocab=V)
@@ -424,16 +425,8 @@ def test_a_long_sequence_fits_a_budget_the_flops_rule_cannot():
     def compiled(**kw):
         # every compiled model below plans the one capture of `trained` (the passes read the
         # Config when they plan it, as a re-plan does; a capture was 3/4 of this test's time)
-        cm = rpcompile.compile(trained, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1, **kw))
-        plans = cm._plans
-
-        def capture_once(capture):
-            if "cap" not in kept:
-                kept["cap"] = capture()
-            return kept["cap"]
-        plans.lookup = lambda key, leaves, capture, compile: type(plans).lookup(
-            plans, key, leaves, lambda: capture_once(capture), compile)
-        return cm
+        return plan_kept_capture(rpcompile.compile(trained, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1,
+                                                                          **kw)), kept)
     probe = compiled()                     # no budget on CPU devices: the FLOPs rule alone
     probe.train_step(**b)
     flops_only = probe.plan.lm_head["K"]

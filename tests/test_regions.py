@@ -11,20 +11,13 @@ from rpcompile.passes.cut_points import body_nodes
 from rpcompile.passes.regions import block_of, compile_regions, piece_key, split_regions
 
 from models import MLP, lm_batch, qwen3
-from parity import TIGHT, aot_eager_compile, train_both
+from parity import TIGHT, aot_eager_compile, plan_kept_capture, train_both
 
 
 def _planned(model, batch, kept=None, **config):
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], **config))
     if kept is not None:     # the capture kept in `kept` (the first call's) is the one planned
-        plans = cm._plans
-
-        def capture_once(capture):
-            if "cap" not in kept:
-                kept["cap"] = capture()
-            return kept["cap"]
-        plans.lookup = lambda key, leaves, capture, compile: type(plans).lookup(
-            plans, key, leaves, lambda: capture_once(capture), compile)
+        plan_kept_capture(cm, kept)
     cm.train_step(**batch)
     return cm
 
