@@ -97,7 +97,7 @@ def test_a_device_parts_first_step_is_made_on_its_device(name):
         _step_both(stepper, params, ref_opt, ref_params, range(1))
     finally:
         hook.remove()
-    on_dev = [p for p in params if stepper._on_a_device(p)]
+    on_dev = [p for p in params if stepper.masters.device_range(*stepper.masters.where[id(p)])]
     assert on_dev and len(on_dev) < len(params) and max(p.numel() for p in on_dev) > 30
     assert by_user and not set(by_user) & {id(p) for p in on_dev}
     assert twins and max(twins) <= 30

@@ -254,7 +254,7 @@ class FlatStepper:
         (`_first_in_slices`)."""
         piece: list = []
         for i, (p, g) in enumerate(pairs):
-            if not (p.numel() > self.PIECE or self._on_a_device(p)) or not self._first_in_slices(p, g):
+            if not self._first_in_slices(p, g):
                 piece.append((p, g))
             if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
                 for q, h in piece:
@@ -268,14 +268,12 @@ class FlatStepper:
                             self._adopt(q)
                 piece = []
 
-    def _on_a_device(self, p) -> bool:
-        where = self.masters.where.get(id(p))
-        return where is not None and self.masters.device_range(*where) is not None
-
     def _first_in_slices(self, p, g) -> bool:
         """A flat parameter's first step (it has no state yet), PIECE elements at a time, each
         slice by a twin over that slice of the masters, whose state goes into the flat buffers
-        before the next slice is stepped; False (nothing done) where that does not apply.
+        before the next slice is stepped; False (nothing done) where that does not apply, or for
+        a parameter of at most PIECE elements stepped on the host (the user's optimizer steps it,
+        with others, in `_per_param`).
 
         The optimizers stepped flat are elementwise, so a slice's state is made as the whole
         parameter's would be (Adam's zeros, SGD's first gradient), and the user's state entries
@@ -285,16 +283,20 @@ class FlatStepper:
 
         Note [first step on the device]: a parameter whose state lives on a device has its first
         step there, as every later one: its masters go up, twins over slices of WIDEN/4 elements
-        make the state on the device, the stepped masters come down. Made on the host and copied up, the state of a
-        4-GPU Qwen3-1.7B with `optimizer_on_devices=1.0` (13.6 GB: page faults of fresh zeros,
-        a host AdamW over 1.7B elements, pageable copies) held the third step's jobs, which wait
-        for the first step's weights, for about 5 s (4 workers on one H200)."""
-        group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
-        if (not self.elementwise or group is None or group.get("differentiable") or id(p) not in self.masters.where
-                or self.optimizer.state.get(p) or g.shape != p.shape or not g.is_contiguous()):
+        make the state on the device, the stepped masters come down. Made on the host and copied
+        up, the state of a 4-GPU Qwen3-1.7B with `optimizer_on_devices=1.0` (13.6 GB: page
+        faults of fresh zeros, a host AdamW over 1.7B elements, pageable copies) held the third
+        step's jobs, which wait for the first step's weights, for about 5 s (4 workers on one
+        H200)."""
+        where = self.masters.where.get(id(p))
+        r = None if where is None else self.masters.device_range(*where)   # (never split between two places)
+        if where is None or (r is None and p.numel() <= self.PIECE):
             return False
-        k, off = self.masters.where[id(p)]
-        r = self.masters.device_range(k, off)     # (a parameter is never split between two places)
+        group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
+        if (not self.elementwise or group is None or group.get("differentiable") or self.optimizer.state.get(p)
+                or g.shape != p.shape or not g.is_contiguous()):
+            return False
+        k, off = where
         device = None if r is None else r[2]
         flat_p, flat_g, n = p.detach().view(-1), g.view(-1), p.numel()
         stream = self._stream(device) if device is not None else None
