@@ -196,6 +196,31 @@ def test_masters_go_up_only_where_the_host_changed_them(monkeypatch):
     assert stepper.master_uploads - before == on_dev     # after the failure every master went up, once
 
 
+def test_prepared_masters_go_up_again_only_where_written_before_the_first_step():
+    """Note [ready before the first step]: prepare puts the device ranges' masters there once; the
+    first step then uploads only a parameter written in place since, and every step equals the
+    user's optimizer's."""
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
+    stepper = _stepper(params, opt, 0.5)
+    on_dev = sum(b - a for rs in stepper.masters.on_devices.values() for a, b, _ in rs)
+    stepper.prepare(params)
+    assert stepper.master_uploads == on_dev
+    for (k, start), dm in stepper._device_masters.items():
+        assert torch.equal(dm, stepper.masters.buffers[k][start:start + dm.numel()])
+    dev_p = [i for i, p in enumerate(params) if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
+    i = dev_p[0]
+    with torch.no_grad():          # the user's write after prepare, on both
+        params[i].mul_(0.5)
+        ref_params[i].mul_(0.5)
+    _step_both(stepper, params, ref_opt, ref_params, range(3))
+    assert stepper.master_uploads == on_dev + params[i].numel()
+    stepper.prepare(params)        # there already: nothing goes up
+    _step_both(stepper, params, ref_opt, ref_params, range(3, 4))
+    assert stepper.master_uploads == on_dev + params[i].numel()
+
+
 def test_working_copies_come_down_from_the_devices_where_their_masters_are_current():
     """Note [working copies from the devices]: copy_down copies (cast) the parameters stepped on
     a device from there and leaves the host's, and one written in place since, to the host."""
@@ -259,7 +284,9 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     import rpcompile
     from models import lm_batch
     from rpcompile.runtime.flat import FlatStepper
-    runs = {}
+    runs, prepared = {}, []
+    prepare = FlatStepper.prepare
+    monkeypatch.setattr(FlatStepper, "prepare", lambda self, ps, bufs=(): prepared.append(len(bufs)) or prepare(self, ps, bufs))
     for share in (0.0, 0.5):
         if share:
             monkeypatch.setattr(FlatStepper, "PIECE", 1000)      # the 8,192-element embedding in 9 slices
@@ -275,6 +302,11 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     for a, b in zip(p0, p1):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert cm1.runner.overlapped.masters.on_devices and cm1.runner.overlapped.stepper._device_masters
+    # (Note [ready before the first step]) once per model, with the gradients (and delayed mode's
+    # two working copies); the masters went up then only
+    assert prepared == [1 + 2 * (mode == "delayed")] * 2
+    stepper = cm1.runner.overlapped.stepper
+    assert stepper.master_uploads == sum(b - a for rs in stepper.masters.on_devices.values() for a, b, _ in rs)
     hm0, hm1 = cm0.plan.host_memory, cm1.plan.host_memory
     assert hm1.optimizer_state < hm0.optimizer_state and hm1.device_optimizer > 0 == hm0.device_optimizer
     assert "Config.optimizer_on_devices" in str(cm1.plan)

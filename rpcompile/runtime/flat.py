@@ -67,6 +67,18 @@ buffers per device: a CPU copy of 2 B per element a step, in the optimizer's cri
 and 1 GiB of host memory for Qwen3-1.7B at 4 GPUs, whose update on the devices took 0.40 s a
 step (0.33 s without them, 4x H200, twenty-seventh session).
 
+Note [ready before the first step]: the first optimizer step also did what only it needs, in
+the time a later step waits for it (delayed mode: the third train step's jobs read its weights):
+page-locking the worker processes' gradient and working-copy files in the main process (0.8 s
+for Qwen3-1.7B: Note [gradients page-locked in the main process]) and putting the device ranges'
+masters there (4 B an element up). With 2 worker processes on one H200 and every update on the
+device (Config.optimizer_on_devices=1.0) that step took 2.4-2.6 s against 0.8-1.3 s for the
+next ones, and the third train step waited for it. So the modes queue `FlatStepper.prepare` at
+the first train step's start: the optimizer thread does both while that step's jobs run (its
+compiles take tens of seconds); the first optimizer step then took 1.8-1.9 s. A parameter
+written in place before its first step goes up again then (its `_version` moved), as every
+later step checks.
+
 Note [working copies from the devices]: after a chunk is stepped, the working copies of its
 parameters are rewritten (the bf16 copies the next steps upload). For a parameter whose
 masters were just stepped on a device, the copy comes from there (`copy_down`): cast on the
@@ -304,8 +316,9 @@ class FlatStepper:
             if device is not None:
                 dm = self._device_masters_of(k, r)
                 on_dev = dm[off - r[0]:off - r[0] + n]
-                on_dev.copy_(flat_p, non_blocking=True)
-                self.master_uploads += n
+                if self._device_synced[(k, r[0])].get(id(p)) != p._version:     # (not put there by `prepare`)
+                    on_dev.copy_(flat_p, non_blocking=True)
+                    self.master_uploads += n
             # on a device a slice's new state and gradient (AdamW: 8 + 2 + 4 B an element) stay
             # within what the plan keeps there for a widened gradient (WIDEN x 6 B:
             # device_optimizer_bytes in passes/host_memory.py)
@@ -345,6 +358,37 @@ class FlatStepper:
             if device is not None:      # the masters there are the host's
                 self._device_synced[(k, r[0])][id(p)] = p._version
         return True
+
+    def prepare(self, params, host_buffers=()) -> None:
+        """Before the first step, while the first train step's jobs run (Note [ready before the
+        first step]): page-lock the host buffers the device parts copy to and from, and put every
+        device range's masters there (those of `params` then count as the host's)."""
+        ranges = [(k, r) for k, rs in self.masters.on_devices.items() for r in rs]
+        if not ranges:
+            return
+        for t in host_buffers:
+            self._lock_pages(t, ranges[0][1][2])
+        members: dict = {}
+        for p in params:
+            where = self.masters.where.get(id(p))
+            r = None if where is None else self.masters.device_range(*where)
+            if r is not None:
+                members.setdefault((where[0], r[0]), []).append(p)
+        streams = set()
+        for k, r in ranges:
+            if (k, r[0]) in self._device_masters:     # there already (stepped, or prepared before)
+                continue
+            stream = self._stream(r[2])
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._device_masters_of(k, r).copy_(self.masters.buffers[k][r[0]:r[1]], non_blocking=True)
+            self.master_uploads += r[1] - r[0]
+            synced = self._device_synced[(k, r[0])]
+            for p in members.get((k, r[0]), ()):
+                synced[id(p)] = p._version
+            streams.add(stream)
+        for stream in streams:
+            if stream is not None:
+                stream.synchronize()
 
     def _adopt(self, p) -> bool:
         """Move p's (tensor) optimizer state into the flat state buffers; False if its state is

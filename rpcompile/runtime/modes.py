@@ -144,11 +144,20 @@ class OverlappedMode(_Mode):
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
+        self.prepared = False
 
     def start(self, runner, plan, micro):
         self.optimizer.flatten(host_order(plan), runner.optimizer_share)
         # one set of host gradients: Note [host gradient buffers]
-        return runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
+        step = runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
+        self._prepare(plan, step)
+        return step
+
+    def _prepare(self, plan, step, host_buffers=()):
+        """At the first step's start: Note [ready before the first step] (runtime/flat.py)."""
+        if not self.prepared:
+            self.prepared = True
+            self.optimizer.prepare(plan.captured.params, [step.grads.flat(), *host_buffers])
 
     def _submission(self, plan, step, order_of=use_order):
         """(parameter indices in use order, grads()) of a finished step. The optimizer thread
@@ -215,6 +224,7 @@ class DelayedMode(OverlappedMode):
         # Note [one gradient set]: a job writes its piece once every earlier submission is done
         # with it, the one of a step still running included (Note [overlapped steps])
         step.grad_need = step.grads.submitted + (t - self.steps)
+        self._prepare(plan, step, self.copies.buffers)
         if pending is not None:   # the upload finish() started, if it is for this step's first job
             was_plan, dev, key = pending
             future = dev.prefetched.pop(key, None)

@@ -71,6 +71,13 @@ class OverlappedOptimizer:
             ev.set()
         return ev
 
+    def prepare(self, params, host_buffers=()) -> None:
+        """Queue FlatStepper.prepare (Note [ready before the first step] in runtime/flat.py): this
+        thread does it before the next submission; not a submission (wait_completed does not
+        count it), and a failure is raised by the next call as a step's would be."""
+        params, host_buffers = list(params), list(host_buffers)
+        self._queue.put(lambda: self.stepper.prepare(params, host_buffers))
+
     def wait_param(self, p):
         """Block until the pending optimizer step of `p` is done."""
         self._event(p).wait()
@@ -120,6 +127,16 @@ class OverlappedOptimizer:
             if item is None:
                 self._queue.task_done()
                 return
+            if callable(item):          # (prepare)
+                t0 = time.perf_counter()
+                try:
+                    item()
+                except BaseException as exc:
+                    self._error = exc
+                timeline.mark("ready for the first step", time.perf_counter() - t0)
+                item = None
+                self._queue.task_done()
+                continue
             self._run(*item)
             # The submission (its gradients, and the step they come from) is dropped before waiting.
             item = None

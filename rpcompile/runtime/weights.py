@@ -173,6 +173,11 @@ class DelayedWeights:
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
 
+    @property
+    def buffers(self) -> list:
+        """The flat buffers the copies are views of."""
+        return list(self._flats)
+
     def view(self, slot: int) -> "_SlotView":
         """What the jobs of a step with parity `slot` read."""
         return _SlotView(self, slot)
