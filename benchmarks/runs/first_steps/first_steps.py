@@ -64,6 +64,23 @@ used0 = used()
 threading.Thread(target=sampler, daemon=True).start()
 threading.Thread(target=fast_sampler, daemon=True).start()
 
+
+# instrument: seconds per optimizer submission in page_lock / _first_in_slices / copy_down / _upload
+import collections
+from rpcompile.runtime import shared as _sh, flat as _fl
+OPT_T = collections.defaultdict(float)
+def _timed(cls, name):
+    f = getattr(cls, name)
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            OPT_T[(len(marks_t) if "marks_t" in globals() else -1, name)] += time.perf_counter() - t
+    setattr(cls, name, g)
+for _c, _n in ((_sh.SharedMemory, "page_lock"), (_fl.FlatStepper, "_first_in_slices"), (_fl.FlatStepper, "copy_down"),
+               (_fl.FlatStepper, "_upload"), (_fl.FlatStepper, "_step_run"), (_fl.FlatStepper, "step"), (_fl.FlatStepper, "_per_param")):
+    _timed(_c, _n)
 cfg = rpcompile.Config(devices=["cuda:0"] * n, num_microbatches=4, dtype=torch.bfloat16, workers="processes",
                        optimizer_mode="delayed", memory_budget=int(budget * 2**30),
                        **({"optimizer_on_devices": float(os.environ["OPT_ON_DEV"])} if os.environ.get("OPT_ON_DEV") else {}))
@@ -94,6 +111,9 @@ res = {"n": n, "budget_gib": budget, "steps_s": [round(x, 3) for x in times], "f
        "kinds_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2), k) for t, u, k in kinds[::3]],
        "used_trace": [(round(t - t0, 1), round((u - used0) / 2**30, 2)) for t, u in samples[::8]],
        "around_peak": [(round(t - t0, 2), round((u - used0) / 2**30, 2), k) for t, u, k in kinds if abs(t - peak_t) < 4]}
+res["opt_timings"] = [{k: round(v, 3) for k, v in t.items()} for t in cm.runner.overlapped.timings]
+res["opt_t"] = sorted((str(k), round(v, 3)) for k, v in OPT_T.items())
+print("opt timings", res["opt_timings"]); print("opt_t", res["opt_t"])
 json.dump(res, open(out, "w"), indent=1)
 print(json.dumps({k: v for k, v in res.items() if k not in ("marks", "used_trace", "kinds_trace", "around_peak")}, indent=None))
 print("stacks at the last new maximum", best[1] and best[1][:2])
