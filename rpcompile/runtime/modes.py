@@ -154,8 +154,9 @@ class OverlappedMode(_Mode):
         return step
 
     def _prepare(self, plan, step, host_buffers=()):
-        """At the first step's start: Note [ready before the first step] (runtime/flat.py)."""
-        if not self.prepared:
+        """At the first step's start, with worker processes: Note [ready before the first step]
+        (runtime/flat.py)."""
+        if not self.prepared and self.optimizer.stepper.page_lock is not None:
             self.prepared = True
             self.optimizer.prepare(plan.captured.params, [step.grads.flat(), *host_buffers])
 
