@@ -78,10 +78,11 @@ the first train step's start: the optimizer thread does both while that step's j
 compiles take tens of seconds); the first optimizer step then took 1.8-1.9 s. A parameter
 written in place before its first step goes up again then (its `_version` moved), as every
 later step checks. Only with worker processes: with worker threads the host buffers are pinned
-already, and at 1 GPU (the share 0.95) preparing held 3.2 GiB more of the main process's memory
-through step 1 (28.7 against 25.6-25.8 GiB host peak, twice in one order and the other; the
-cause not found: the gradient set's size) for a first optimizer step 0.3 s shorter that no step
-waited for.
+already, and at 1 GPU (the share 0.95) the main process held 3.2 GiB more (the gradient set's
+size) from step 1's compiles to its end (host peak 28.7 against 25.6-25.8 GiB, two same-call
+A/Bs in both orders) for a first optimizer step 0.3 s shorter that no step waited for. The cause
+was not found; it began before any optimizer step, so preparing is the suspect, and the run
+without it there is still to be measured.
 
 Note [working copies from the devices]: after a chunk is stepped, the working copies of its
 parameters are rewritten (the bf16 copies the next steps upload). For a parameter whose
