@@ -302,9 +302,9 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     for a, b in zip(p0, p1):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert cm1.runner.overlapped.masters.on_devices and cm1.runner.overlapped.stepper._device_masters
-    # (Note [ready before the first step]) with worker processes, once per model, with the gradients
-    # (and delayed mode's two working copies); the masters went up then only
-    assert prepared == ([1 + 2 * (mode == "delayed")] * 2 if workers == "processes" else [])
+    # (Note [ready before the first step]) with worker processes and a share on the devices, once,
+    # with the gradients (and delayed mode's two working copies); the masters went up then only
+    assert prepared == ([1 + 2 * (mode == "delayed")] if workers == "processes" else [])
     stepper = cm1.runner.overlapped.stepper
     assert stepper.master_uploads == sum(b - a for rs in stepper.masters.on_devices.values() for a, b, _ in rs)
     hm0, hm1 = cm0.plan.host_memory, cm1.plan.host_memory

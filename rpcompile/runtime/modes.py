@@ -154,9 +154,10 @@ class OverlappedMode(_Mode):
         return step
 
     def _prepare(self, plan, step, host_buffers=()):
-        """At the first step's start, with worker processes: Note [ready before the first step]
-        (runtime/flat.py)."""
-        if not self.prepared and self.optimizer.stepper.page_lock is not None:
+        """At the first step's start, with worker processes and a share of the optimizer on the
+        devices: Note [ready before the first step] (runtime/flat.py)."""
+        if (not self.prepared and self.optimizer.stepper.page_lock is not None
+                and any(self.optimizer.masters.on_devices.values())):
             self.prepared = True
             self.optimizer.prepare(plan.captured.params, [step.grads.flat(), *host_buffers])
 
