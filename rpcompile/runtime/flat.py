@@ -78,11 +78,12 @@ the first train step's start: the optimizer thread does both while that step's j
 compiles take tens of seconds); the first optimizer step then took 1.8-1.9 s. A parameter
 written in place before its first step goes up again then (its `_version` moved), as every
 later step checks. Only with worker processes: with worker threads the host buffers are pinned
-already, and at 1 GPU (the share 0.95) the main process held 3.2 GiB more (the gradient set's
-size) from step 1's compiles to its end (host peak 28.7 against 25.6-25.8 GiB, two same-call
-A/Bs in both orders) for a first optimizer step 0.3 s shorter that no step waited for. The cause
-was not found; it began before any optimizer step, so preparing is the suspect, and the run
-without it there is still to be measured.
+already, and at 1 GPU (the share 0.95) the host peak rose by the gradient set's size (28.7
+against 25.6-25.8 GiB, two same-call A/Bs in both orders) for a first optimizer step 0.3 s
+shorter that no step waited for: preparing made the set at step 1's start, where the job makes it
+at step 1's end, so it lay under the compiles' passing peak (the main process's RSS was 3.2 GiB
+higher from then to step 1's end and the same after). Worker processes make their gradient files
+before step 1's jobs anyway (the proxy's peak did not move). Not yet measured at 1 GPU after this.
 
 Note [working copies from the devices]: after a chunk is stepped, the working copies of its
 parameters are rewritten (the bf16 copies the next steps upload). For a parameter whose
