@@ -77,13 +77,15 @@ next ones, and the third train step waited for it. So the modes queue `FlatStepp
 the first train step's start: the optimizer thread does both while that step's jobs run (its
 compiles take tens of seconds); the first optimizer step then took 1.8-1.9 s. A parameter
 written in place before its first step goes up again then (its `_version` moved), as every
-later step checks. Only with worker processes: with worker threads the host buffers are pinned
-already, and at 1 GPU (the share 0.95) the host peak rose by the gradient set's size (28.7
-against 25.6-25.8 GiB, two same-call A/Bs in both orders) for a first optimizer step 0.3 s
-shorter that no step waited for: preparing made the set at step 1's start, where the job makes it
-at step 1's end, so it lay under the compiles' passing peak (the main process's RSS was 3.2 GiB
-higher from then to step 1's end and the same after). Worker processes make their gradient files
-before step 1's jobs anyway (the proxy's peak did not move). Not yet measured at 1 GPU after this.
+later step checks. Only with worker processes (and a share on the devices): with worker threads
+the host buffers are pinned already, and at 1 GPU (the share 0.95) the host peak rose by the
+gradient set's size (28.7 against 25.6-25.8 GiB, two same-call A/Bs in both orders) for a first
+optimizer step 0.3 s shorter that no step waited for. Preparing made the set at step 1's start,
+where a job makes it at its first gradients (after the compiles: Job.accumulate_grads), so it
+lay under the compiles' passing peak (the main process's RSS was 3.2 GiB higher from then until
+step 1 ended, the same after). Worker processes make their gradient files as step 1's jobs are
+sent (ProcessExecutor._grads_key): the proxy's peak did not move. Not yet measured at 1 GPU
+after this.
 
 Note [working copies from the devices]: after a chunk is stepped, the working copies of its
 parameters are rewritten (the bf16 copies the next steps upload). For a parameter whose
