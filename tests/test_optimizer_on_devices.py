@@ -221,6 +221,20 @@ def test_prepared_masters_go_up_again_only_where_written_before_the_first_step()
     assert stepper.master_uploads == on_dev + params[i].numel()
 
 
+def test_a_failed_prepare_is_raised_once_by_the_next_call_and_changes_nothing(monkeypatch):
+    from rpcompile.runtime.optimizer import OverlappedOptimizer
+    params = list(_model().parameters())
+    before = [p.detach().clone() for p in params]
+    ov = OverlappedOptimizer(torch.optim.AdamW(params, lr=1e-2), state_devices=DEVICES)
+    ov.flatten(params, 0.5)
+    monkeypatch.setattr(ov.stepper, "prepare", lambda *a: (_ for _ in ()).throw(MemoryError("boom")))
+    ov.prepare(params)
+    with pytest.raises(RuntimeError, match="preparing its first step .* before any parameter was stepped: boom"):
+        ov.synchronize()
+    ov.synchronize()                 # raised once
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_working_copies_come_down_from_the_devices_where_their_masters_are_current():
     """Note [working copies from the devices]: copy_down copies (cast) the parameters stepped on
     a device from there and leaves the host's, and one written in place since, to the host."""
