@@ -176,6 +176,13 @@ class FlatMasters:
         i = bisect.bisect_right(ranges, (off, math.inf)) - 1
         return ranges[i] if i >= 0 and off < ranges[i][1] else None
 
+    def place_of(self, p) -> tuple:
+        """((buffer index, offset) of p's masters, the device range that holds them): (None, None)
+        for a parameter not flattened, a range of None for one the host steps (a parameter is
+        never split between two places)."""
+        where = self.where.get(id(p))
+        return where, (None if where is None else self.device_range(*where))
+
     def host_offset(self, k: int, off: int) -> int:
         """Where offset off of buffer k (stepped on the host) lies among the host's elements only."""
         return off - sum(b - a for a, b, _ in self.on_devices.get(k, ()) if b <= off)
@@ -318,8 +325,7 @@ class FlatStepper:
         the parameters are issued (a wait after each held the device idle while this thread made
         the next one's twins: 1.6 s against a later step's 0.6 s, 2 worker processes, one H200),
         and the scalar state to bring to the host then."""
-        where = self.masters.where.get(id(p))
-        r = None if where is None else self.masters.device_range(*where)   # (never split between two places)
+        where, r = self.masters.place_of(p)
         if where is None or (r is None and p.numel() <= self.PIECE):
             return False
         group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
@@ -391,8 +397,7 @@ class FlatStepper:
             self._lock_pages(t, ranges[0][1][2])
         members: dict = {}
         for p in params:
-            where = self.masters.where.get(id(p))
-            r = None if where is None else self.masters.device_range(*where)
+            where, r = self.masters.place_of(p)
             if r is not None:
                 members.setdefault((where[0], r[0]), []).append(p)
         streams = set()
@@ -591,8 +596,7 @@ class FlatStepper:
     def _device_view(self, p):
         """p's masters on its device, where they equal the host's (stepped there since it last
         changed), else None."""
-        where = self.masters.where.get(id(p))
-        r = None if where is None else self.masters.device_range(*where)
+        where, r = self.masters.place_of(p)
         if r is None or self._device_synced.get((where[0], r[0]), {}).get(id(p)) != p._version:
             return None
         dm = self._device_masters.get((where[0], r[0]))

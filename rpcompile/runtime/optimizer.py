@@ -131,11 +131,11 @@ class OverlappedOptimizer:
                 t0 = time.perf_counter()
                 try:
                     item()
+                    timeline.mark("ready for the first step", time.perf_counter() - t0)
                 except BaseException as exc:     # (raised by the next call: say it was no step)
                     self._error = RuntimeError(f"preparing its first step (the masters on the devices, page-locked "
                                                f"host buffers), before any parameter was stepped: {exc}")
                     self._error.__cause__ = exc
-                timeline.mark("ready for the first step", time.perf_counter() - t0)
                 item = None
                 self._queue.task_done()
                 continue
