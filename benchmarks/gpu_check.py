@@ -83,7 +83,7 @@ def parity(args):
         variants = [v[:4] + ("processes",) for v in variants if not v[2]] + [
             (two, True, False, "delayed", "processes"), (two, True, False, "overlapped", "processes")]
     if args.data_parallel:   # replicas (Note [replicas]); on one GPU, two copies share it
-        variants = [(2, inductor, False, mode, "threads") for inductor in (False, True)
+        variants = [(2, inductor, False, mode, args.workers) for inductor in (False, True)
                     for mode in ("exact", "overlapped", "delayed")]
     if args.modes:
         variants = [v for v in variants if v[3] in args.modes.split(",")]

@@ -71,8 +71,9 @@ class Config:
         (Note [replicas] in runtime/replicas.py), instead of the stage jobs of one pipeline
         handed round-robin. None (the default): the planner weighs both and takes the faster
         on GPUs driven by worker threads (`workers="threads"`, peer_transfers off); True: the
-        replicas wherever there is a microbatch for every device (workers default to threads);
-        False: never.
+        replicas wherever there is a microbatch for every device (workers default to threads;
+        with workers="processes" the copies sum in a process group of the workers: Note
+        [replicas in worker processes]); False: never.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -135,9 +136,6 @@ class Config:
         if self.data_parallel and self.peer_transfers:
             raise ValueError("Config(data_parallel=True) and peer_transfers=True ask for two different plans: replicas "
                              "keep every job's activations on its own device; choose one")
-        if self.workers == "processes" and self.data_parallel:
-            raise ValueError("Config(data_parallel=True) needs workers='threads': the replicas sum their gradients "
-                             "device to device within one process")
         if self.workers == "processes" and self.peer_transfers:
             raise ValueError("Config(peer_transfers=True) needs workers='threads': worker processes hand values "
                              "on through shared host memory")

@@ -1,7 +1,8 @@
 """Replicas (Note [replicas] in runtime/replicas.py): each device runs the one-device plan over
 its share of the microbatches and the copies sum their gradients. The schedule is checked
 without threads; training is checked against eager PyTorch in every optimizer mode, on CPU
-devices (worker threads: the same code paths as on GPUs but for the device-to-device reads)."""
+devices (worker threads: the same code paths as on GPUs but for the device-to-device reads;
+worker processes: the gloo process group where GPUs have NCCL's)."""
 import copy
 from types import SimpleNamespace
 
@@ -46,13 +47,15 @@ def test_replicated_schedule_prints_and_marks_one_copy():
         build_schedule(_chain(["fused"]), 2, replicas=3, num_microbatches=4)
 
 
-@pytest.mark.parametrize("devices,microbatches,rows", [(2, 4, 5), (2, 3, 5), (3, 3, 2)])
-def test_replicas_train_as_eager(devices, microbatches, rows):
+@pytest.mark.parametrize("devices,microbatches,rows,workers", [
+    (2, 4, 5, "threads"), (2, 3, 5, "threads"), (3, 3, 2, "threads"), (2, 3, 5, "processes"), (3, 3, 2, "processes")])
+def test_replicas_train_as_eager(devices, microbatches, rows, workers):
     """Even and uneven shares, and a batch of two rows over three copies (the third runs no
-    microbatch): loss, gradients and parameters after SGD-momentum steps as in eager PyTorch."""
+    microbatch): loss, gradients and parameters after SGD-momentum steps as in eager PyTorch,
+    with the copies in worker threads or in worker processes (Note [replicas in worker processes])."""
     model = qwen3()
     cfg = rpcompile.Config(devices=["cpu"] * devices, num_microbatches=microbatches, memory_budget="300KiB",
-                           data_parallel=True)
+                           data_parallel=True, workers=workers)
     cm = train_both(model, [lm_batch(batch=rows, seed=s) for s in range(3)], cfg, check_every_step=True)
     assert cm.plan.replicas == devices and "replicas" in str(cm.plan)
     text = str(cm.last_schedule)
@@ -84,6 +87,33 @@ def test_replicas_in_overlapped_mode_equal_eager():
 def test_replicas_in_delayed_mode_equal_the_pipeline(delayed_reference):
     """The same delayed steps as parity.delayed_run's pipeline (one microbatch a copy)."""
     losses, params = delayed_run(data_parallel=True)
+    for t, (a, b) in enumerate(zip(losses, delayed_reference[0], strict=True)):
+        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
+    for a, b in zip(params, delayed_reference[1], strict=True):
+        close(a, b, 1e-4, 1e-6, "parameter after three delayed steps")
+
+
+def test_replicas_in_worker_processes_equal_the_pipeline_and_a_failed_copy_changes_nothing(delayed_reference):
+    """parity.delayed_run's delayed steps with the copies in worker processes, and before the
+    last a batch that fails in the second copy's share only: the first copy, waiting for it
+    at the exchange, stops; the error comes to the caller with that copy marked, and nothing
+    changed (Note [replicas in worker processes])."""
+    def fail(cm, model, t):
+        cm.synchronize()
+        before = [p.detach().clone() for p in model.parameters()]
+        bad = lm_batch(seed=t)
+        bad["input_ids"] = bad["input_ids"].clone()
+        bad["input_ids"][4, 3] = 10_000          # row 4: the second microbatch, out of the vocabulary
+        with pytest.raises(rpcompile.StageError) as info:
+            cm.train_step(**bad)
+        err = info.value
+        assert err.worker == 1 and err.microbatch == 1
+        assert "@1[1:2] failed]" in err.schedule and "@0[0:1] failed]" not in err.schedule
+        cm.synchronize()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert all(p.grad is None for p in model.parameters())
+
+    losses, params = delayed_run("processes", fail_at=2, fail=fail, data_parallel=True)
     for t, (a, b) in enumerate(zip(losses, delayed_reference[0], strict=True)):
         close(a, b, 1e-5, 1e-6, f"loss at step {t}")
     for a, b in zip(params, delayed_reference[1], strict=True):
@@ -138,8 +168,6 @@ def test_the_planner_takes_the_faster_of_pipeline_and_replicas(monkeypatch):
 
 
 def test_what_replicas_refuse(monkeypatch):
-    with pytest.raises(ValueError, match="data_parallel=True\\) needs workers='threads'"):
-        rpcompile.Config(devices=["cpu", "cpu"], workers="processes", data_parallel=True)
     with pytest.raises(ValueError, match="data_parallel='yes'"):
         rpcompile.Config(data_parallel="yes")
     with pytest.raises(ValueError, match="choose one"):
@@ -153,6 +181,8 @@ def test_what_replicas_refuse(monkeypatch):
         assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads"))
         assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True))
         assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"]))      # processes
+        assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="processes",
+                                                 data_parallel=True))
 
     class Normed(torch.nn.Module):   # running statistics: updated microbatch after microbatch
         def __init__(self):

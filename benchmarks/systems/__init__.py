@@ -52,6 +52,11 @@ SYSTEMS = {
                                        "rpcompile, Config(optimizer_mode='delayed', data_parallel=True) + "
                                        "cm.attach_optimizer(AdamW): replicas on worker threads", rpcompile_delayed="1",
                                        rpcompile_data_parallel="1"),
+    "rpcompile-delayed-dp-proc": _rpcompile("rpcompile-delayed-dp-proc",
+                                            "rpcompile, Config(optimizer_mode='delayed', data_parallel=True, "
+                                            "workers='processes') + cm.attach_optimizer(AdamW): replicas in worker "
+                                            "processes", rpcompile_delayed="1", rpcompile_data_parallel="1",
+                                            rpcompile_processes="1"),
     "rpcompile-delayed-ondev": _rpcompile("rpcompile-delayed-ondev",
                                           "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=1.0) + "
                                           "cm.attach_optimizer(AdamW)", rpcompile_delayed="1",

@@ -74,7 +74,7 @@ def config_options(spec, config_cls) -> tuple:
         notes.append("Config(workers='threads'): one worker thread per device")
     if _on(spec.options, "rpcompile_data_parallel"):
         ask("rpcompile_data_parallel=1", "data_parallel", True,
-            "Config(data_parallel=True): a replica of the one-device plan per device, worker threads")
+            "Config(data_parallel=True): a replica of the one-device plan per device")
     if spec.options.get("rpcompile_worker_switch_ms"):
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
@@ -202,8 +202,9 @@ class RPCompileTrainer(Trainer):
             free = sets.free_sets()
             out["slot_sets"] = {"made": sets.made, "free": len(free),
                                 # per set: job -> [chunks, bytes], beside the plan's host act column
-                                "jobs": [{job: [len(refs), sum(r.shape[0] for r in refs)] for (_, job), refs in sorted(s.items())}
-                                         for s in free]}
+                                # (a copy of a job other than the first, Note [replicas]: "job.copy")
+                                "jobs": [{(job if not copy else f"{job}.{copy}"): [len(refs), sum(r.shape[0] for r in refs)]
+                                          for (_, job, copy), refs in sorted(s.items())} for s in free]}
         opt = self.cm.runner.overlapped
         if opt is not None and opt.timings:   # the host optimizer thread's seconds, median of the last steps
             out["optimizer_s"] = {k: statistics.median(t[k] for t in opt.timings[-8:]) for k in opt.timings[-1]}

@@ -315,8 +315,8 @@ def _weighs_replicas(config) -> bool:
     asked to, or by default on GPUs driven by worker threads without peer transfers (asked for,
     they are the pipeline's; CPU devices train the pipeline unless asked: they stand in for GPUs
     in tests, and their costs decide nothing)."""
-    return bool(config.workers == "threads" and config.data_parallel is not False
-                and (config.data_parallel or (config.on_gpu and not config.peer_transfers)))
+    return bool(config.data_parallel or (config.data_parallel is None and config.workers == "threads"
+                                         and config.on_gpu and not config.peer_transfers))
 
 
 def _replicas(st: CompileState, num_devices: int, num_microbatches: int) -> int:

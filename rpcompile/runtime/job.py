@@ -309,11 +309,14 @@ class JobContext:
         if gate is not None:
             for key in self.stage.grad_params:
                 gate(params[param_index(key)])
-        own = self.replica > 0     # (copy 0 of a job with replicas accumulates in the piece on a CPU device)
-        if self.dev.is_cpu and not own:
-            self._wait_piece_free()
         grads = self.step.grads
-        self.grad_flat = self.dev.grad_accumulator(grads.piece(self.stage.index), own=own)
+        piece = grads.piece(self.stage.index)
+        if self.exchange is not None:     # Note [replicas]: the exchange says where a copy accumulates
+            self.grad_flat = self.exchange.accumulator(self.replica, self.dev, piece, self._wait_piece_free)
+        else:
+            if self.dev.is_cpu:
+                self._wait_piece_free()
+            self.grad_flat = self.dev.grad_accumulator(piece)
         self.grad_acc = grads.views(self.stage.index, self.grad_flat)
 
     def _wait_piece_free(self):

@@ -8,6 +8,7 @@ updated buffers where the runner expects them, and raises the first failure here
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -302,11 +303,12 @@ class ProcessExecutor:
         if schedule.num_devices != len(self.workers):
             raise ValueError(f"a schedule for {schedule.num_devices} devices given to an executor of "
                              f"{len(self.workers)}")
-        if schedule.replicas > 1:   # Config.data_parallel refuses processes
-            raise ValueError("a schedule of replicas (Note [replicas]) needs worker threads")
+        if schedule.replicas not in (1, len(self.workers)):    # (the copies' process group is all workers)
+            raise ValueError(f"a schedule of {schedule.replicas} replicas given to {len(self.workers)} worker "
+                             "processes: replicas in worker processes take every worker")
         plan = step.plan
         record = getattr(step, "remote", None)
-        desc = {"plan": self._plan_key(plan), "actions": list(schedule.actions),
+        desc = {"plan": self._plan_key(plan), "actions": list(schedule.actions), "replicas": schedule.replicas,
                 "trace": step.tracer is not None, "t0": step.tracer.t0 if step.tracer is not None else 0.0}
         if record is None:
             record = step.remote = self.hub.record(next(self._ids), self.slot_sets.take())
@@ -328,7 +330,9 @@ class ProcessExecutor:
             desc["seeds"] = seeds
         with self.hub.lock:
             run_no = record.new_run([a.job for a in schedule.actions], step.tracer)
-            desc["slots"] = {a.job: list(record.slots.get((run_no, a.job), ())) for a in schedule.actions}
+            # (per copy of a job: Note [replicas in worker processes])
+            desc["slots"] = {(a.job, a.replica): list(record.slots.get((run_no, a.job, a.replica), ()))
+                             for a in schedule.actions}
         desc["run"] = run_no
         self.last_schedule = schedule
         self.offset = schedule.next_offset
@@ -348,14 +352,16 @@ class ProcessExecutor:
         if info["grads"]:
             views = step.grads.host_views(stage.index)
             # the whole run landed: no job of it still reads a working copy the optimizer rewrites
-            step.param_grads[job] = {key: Pending(views[key], run_landed) for key in info["grads"]}
+            # (the copies of a job report their keys each: Note [replicas in worker processes])
+            step.param_grads.setdefault(job, {}).update({key: Pending(views[key], run_landed) for key in info["grads"]})
         for mb, outs in info["outputs"].items():
             for name, v in outs.items():
                 step.micro[mb].outputs[name] = _Output(decode(v, self.memory), job_landed)
         e = info["error"]
         if e is None:
             return None
-        err = StageError(e["message"], stage=e["stage"], microbatch=e["microbatch"], device=e["device"], job=e["job"])
+        err = StageError(e["message"], stage=e["stage"], microbatch=e["microbatch"], device=e["device"], job=e["job"],
+                         worker=e.get("worker"))
         if e["traceback"]:
             err.__cause__ = RemoteError(e["cause"], e["traceback"])
         return err
@@ -370,7 +376,7 @@ class _ProcessRun:
     def __init__(self, executor, step, schedule, record, run_no):
         self.executor, self.step, self.schedule = executor, step, schedule
         self.record, self.run_no = record, run_no
-        self.waiting = {a.job for a in schedule.actions}
+        self.waiting = collections.Counter(a.job for a in schedule.actions)    # job -> copies not ended
         self.over = False
         self.inbox: list = []
         self.first_error, self.aborted, self.updated = None, False, []
@@ -385,7 +391,7 @@ class _ProcessRun:
         hub, key = self.executor.hub, (self.record.step_id, self.run_no)
         want = None if jobs is None else set(jobs)
         try:
-            while self.waiting and (want is None or self.first_error is not None or want & self.waiting):
+            while self.waiting and (want is None or self.first_error is not None or want & self.waiting.keys()):
                 if not self.inbox and hub.broken is not None:
                     raise WorkerDied(hub.broken)
                 msg = self.inbox.pop(0) if self.inbox else hub.ended.get()
@@ -409,7 +415,9 @@ class _ProcessRun:
         self._end()
 
     def _take(self, job, info):
-        self.waiting.discard(job)
+        self.waiting[job] -= 1
+        if not self.waiting[job]:
+            del self.waiting[job]
         self.aborted = self.aborted or info.get("aborted", False)
         err = self.executor._take(self.step, self.schedule, job, info,
                                   _Landed(self.executor.hub, self.record.landed[(self.run_no, job)]), self.run_landed)
@@ -430,7 +438,7 @@ class _ProcessRun:
             err = StageError("stage jobs stopped after another job's failure that no worker reported; "
                              "the workers' errors are printed above")
         if err is not None:
-            raise err.with_schedule(schedule.render(failed=err.job))
+            raise err.with_schedule(schedule.render(failed=err.job, device=err.worker))
 
 
 def _landing(hub, record, run_no):
@@ -522,15 +530,16 @@ class _Hub:
         if tracer is not None and info["spans"]:
             tracer.extend(info["spans"])
         ev = record.landed.get((run_no, job))
+        last = record.copy_landed(run_no, job)      # (every copy of the job: Note [replicas])
         if info.get("error") and ev is not None:
             self.landed_errors[ev] = f"the copies of job {job} did not land: {info['error']}"
         if info.get("failed") and ev is not None:
             self.failed.add(ev)
-        wake = ev is not None and not ev.is_set()
+        wake = ev is not None and not ev.is_set() and last
         gone = sorted({r.file for r in info.get("dropped", ())})
         with self.lock:     # before waking a waiter, who may drop the step (and release it)
             if info.get("chunks"):          # the job's slots grew: the set keeps the new chunks
-                mine = record.slots.setdefault((run_no, job), [])
+                mine = record.slots.setdefault((run_no, job, info.get("replica", 0)), [])
                 mine[:] = [r for r in mine if r.file not in gone] + info["chunks"]   # Note [outgrown slots]
             if wake:
                 record.outstanding -= 1
@@ -569,21 +578,30 @@ class _StepRecord:
 
     def __init__(self, step_id, slots: dict):
         self.step_id = step_id
-        self.slots = slots           # its slot set: (run, job) -> chunk Refs (Note [slot sets])
+        self.slots = slots           # its slot set: (run, job, copy) -> chunk Refs (Note [slot sets])
         self.runs = 0
-        self.landed: dict = {}       # (run, job) -> threading.Event
+        self.landed: dict = {}       # (run, job) -> threading.Event (set once every copy landed)
+        self.copies: dict = {}       # (run, job) -> copies not landed (Note [replicas])
         self.tracers: dict = {}      # run -> Tracer
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
 
     def new_run(self, jobs, tracer) -> int:
+        """A run of `jobs` (a job named once per copy); its number."""
         self.runs += 1
         for j in jobs:
             self.landed[(self.runs, j)] = threading.Event()
-        self.outstanding += len(jobs)
+            self.copies[(self.runs, j)] = self.copies.get((self.runs, j), 0) + 1
+        self.outstanding += len(set(jobs))
         if tracer is not None:
             self.tracers[self.runs] = tracer
         return self.runs
+
+    def copy_landed(self, run_no, job) -> bool:
+        """A copy of `job` landed: whether it was the last."""
+        left = self.copies.get((run_no, job), 1) - 1
+        self.copies[(run_no, job)] = left
+        return left <= 0
 
 
 class _Landed:

@@ -22,10 +22,24 @@ event after all of them: the job's gradients are complete when it has.
 A copy that failed sets the step's error, which ends the others' wait (they stop as jobs do
 when another job failed); a copy with no microbatch (fewer microbatches than devices)
 takes part with no accumulator.
+
+Note [replicas in worker processes]: with one worker process per device (Config(workers=
+"processes")) the copies cannot read one another's accumulators; the workers form a process
+group (torch.distributed: NCCL on GPUs, gloo on CPU devices; made at the first exchange) and
+each copy's `reduce_scatter` leaves slice r of the sum on copy r's device, over the GPUs' own
+links. A collective waits for every member, so a copy that failed before it would leave the
+others waiting for ever: each copy first tells the others its gradient keys (a "replica"
+message between workers) and joins the collective only once every copy has said so, or stops
+when a job of the step failed (the "fail" message). The accumulators are padded to a multiple
+of the copies (the collective's slices are equal) and never the host piece (each copy writes
+only its slice of it). The workers run their jobs in the chain's order and the runs in the
+order sent, so every member calls the collectives in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from typing import Callable, Optional
 
 import torch
 
@@ -67,6 +81,14 @@ class GradExchange:
         """Slice r of a piece of `numel` elements."""
         return r * numel // self.n, (r + 1) * numel // self.n
 
+    @staticmethod
+    def accumulator(r: int, dev, piece, wait_piece_free):
+        """Copy r's zeroed fp32 accumulator for the host piece: copy 0's on a CPU device is the
+        piece itself (the others add into it), once the optimizer is done with it."""
+        if r == 0 and dev.is_cpu:
+            wait_piece_free()
+        return dev.grad_accumulator(piece, own=r > 0)
+
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
         """Slice r summed over the copies, on copy r's device (in its own accumulator)."""
         lo, hi = self.bounds(r, numel)
@@ -100,3 +122,67 @@ class GradExchange:
         done = torch.cuda.Event()
         done.record(dev.out)
         return done
+
+
+class PeerExchange:
+    """Where the copy of a job in this worker process meets the copies in the others (Note
+    [replicas in worker processes]): one per run and job in each worker."""
+
+    def __init__(self, replicas: int, announce: Callable, group: Callable):
+        self.n = replicas
+        self._announce = announce          # announce(keys): tell the other copies this one is here
+        self._group = group                # group(): the workers' process group (made once)
+        self.got: set = set()
+        self.arrived: set = set()
+        self.padded: Optional[torch.Tensor] = None
+        self._cond = threading.Condition()
+
+    def arrive(self, r: int, keys) -> None:
+        """Copy r is ready to sum (its gradient keys); from its message or this copy."""
+        with self._cond:
+            self.got.update(keys)
+            self.arrived.add(r)
+            self._cond.notify_all()
+
+    def share(self, r: int, acc, got, dev, step) -> Optional[set]:
+        """As GradExchange.share: every copy's keys once all are ready (None: a job failed)."""
+        self._announce(list(got))
+        self.arrive(r, got)
+        with self._cond:
+            while len(self.arrived) < self.n:
+                if step.error is not None:
+                    return None
+                self._cond.wait(0.05)
+            return set(self.got)
+
+    def _chunk(self, numel: int) -> int:
+        return -(-numel // self.n)
+
+    def bounds(self, r: int, numel: int) -> tuple:
+        """Slice r of a piece of `numel` elements: equal slices, the last one cut short."""
+        c = self._chunk(numel)
+        return min(numel, r * c), min(numel, (r + 1) * c)
+
+    def accumulator(self, r: int, dev, piece, wait_piece_free):
+        """This copy's zeroed fp32 accumulator for the host piece, padded for the collective."""
+        self.padded = torch.zeros(self.n * self._chunk(piece.numel()), dtype=torch.float32, device=dev.device)
+        return self.padded[:piece.numel()]
+
+    def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
+        """Slice r summed over the copies, on this copy's device."""
+        import torch.distributed as dist
+        c = self._chunk(numel)
+        full = self.padded if self.padded is not None else \
+            torch.zeros(self.n * c, dtype=torch.float32, device=dev.device)
+        out = torch.empty(c, dtype=torch.float32, device=dev.device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        # (on a GPU in its compute stream, which then waits for the collective)
+        with contextlib.nullcontext() if dev.is_cpu else torch.cuda.stream(dev.compute):
+            scatter(out, full, group=self._group())
+        self.padded = None
+        lo, hi = self.bounds(r, numel)
+        return out[:hi - lo]
+
+    def landed(self, down, dev):
+        """This copy's slice is on its way: its own download's event (None on CPU devices)."""
+        return down.event if isinstance(down, Pending) else None

@@ -29,6 +29,7 @@ adds go back to the main process with the job's landing.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import os
 import pickle
@@ -51,6 +52,7 @@ from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
+from .replicas import PeerExchange
 from .shared import Ref, SharedMemory, SlotPool, cuda_register, cuda_unregister
 from .trace import Tracer
 from . import timeline, warmup
@@ -188,9 +190,26 @@ class WorkerStep(StepState):
         self.run_no = 0
         self.position: dict = {}
         self.owner: list = []            # per microbatch: (kind, name) -> (chain position, value)
+        self.replicated = False          # the run's jobs are copies (Note [replicas in worker processes])
+        self.peer_exchanges: dict = {}   # (run, job) -> replicas.PeerExchange
 
-    def start_run(self, run_no, actions):
+    def peer_exchange(self, run_no, job, replicas) -> PeerExchange:
+        """This worker's meeting point for the copies of `job` in run run_no (made by whichever
+        comes first: the run, or another copy's message)."""
+        with self.lock:
+            ex = self.peer_exchanges.get((run_no, job))
+            if ex is None:
+                worker, step_id = self.worker, self.step_id
+                ex = self.peer_exchanges[(run_no, job)] = PeerExchange(
+                    replicas, lambda keys: worker.to_peers(("replica", step_id, run_no, job, worker.index,
+                                                            replicas, keys)),
+                    worker.replica_group)
+            return ex
+
+    def start_run(self, run_no, actions, replicas=1):
         self.run_no = run_no
+        self.replicated = replicas > 1
+        self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         self.order = [a.job for a in actions]
         self.job_stage = {a.job: a.stage for a in actions}
         self.position = {j: k for k, j in enumerate(self.order)}
@@ -209,7 +228,8 @@ class WorkerStep(StepState):
             self.done_events[j][mb].wait()
 
     def mark_done(self, job, mb):
-        self.worker.publish(self, job, mb)
+        if not self.replicated:     # (a copy's values stay with it: its next job runs here)
+            self.worker.publish(self, job, mb)
         super().mark_done(job, mb)
 
     def fail(self, exc):
@@ -264,11 +284,25 @@ class Worker:
         self.step_lock = threading.Lock()
         self.first_calls_sent = 0
         self.clock = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.workers = init["workers"]
+        self._group = None             # the workers' process group (Note [replicas in worker processes])
         try:
             self.flags = HandoverFlags(self.memory.tensor(init["counters"]), index, self.device)
         except (OSError, RuntimeError) as exc:   # no stream memory operations: hand over landed data
             print(f"rpcompile: {self.label}: hand-overs wait for landed downloads ({exc})", file=sys.stderr)
             self.flags = None
+
+    def replica_group(self):
+        """The process group of all workers, made at the first exchange of replicas (every
+        worker calls this once, from its job thread, at the same point of the same run)."""
+        if self._group is None:
+            import torch.distributed as dist
+            kw = {"device_id": self.device} if self.is_cuda else {}
+            dist.init_process_group("nccl" if self.is_cuda else "gloo", rank=self.index, world_size=self.workers,
+                                    init_method="file://" + os.path.join(self.memory.directory, "replicas.store"),
+                                    timeout=datetime.timedelta(seconds=300), **kw)
+            self._group = dist.group.WORLD
+        return self._group
 
     # --- messages out ------------------------------------------------------------------
     def to_main(self, msg):
@@ -380,7 +414,8 @@ class Worker:
                            exc, stage=a.stage, device=self.label, job=a.job)
             self.to_main(("ended", step_id, desc["run"], a.job, {"grads": [], "outputs": {}, "buffers": {},
                                                                 "error": describe(err)}))
-            self.to_main(("landed", step_id, desc["run"], a.job, {"spans": [], "first_calls": [], "failed": True}))
+            self.to_main(("landed", step_id, desc["run"], a.job, {"replica": a.replica, "spans": [], "first_calls": [],
+                                                                  "failed": True}))
 
     def _handle(self, msg):
         kind = msg[0]
@@ -410,7 +445,7 @@ class Worker:
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
         elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots])
             self.memory.forget(msg[1])
-        elif kind in ("done", "fail"):
+        elif kind in ("done", "fail", "replica"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
                 if step is None:
@@ -422,6 +457,9 @@ class Worker:
         if msg[0] == "done":
             _, _, job, mb, values, stamp = msg
             step.receive(job, mb, values, stamp)
+        elif msg[0] == "replica":     # another copy is ready to sum (Note [replicas in worker processes])
+            _, _, run_no, job, r, replicas, keys = msg
+            step.peer_exchange(run_no, job, replicas).arrive(r, keys)
         else:
             step.fail(RemoteFailure())
 
@@ -442,12 +480,12 @@ class Worker:
                 self.steps[step_id] = step
             for mb, grads in desc.get("seeds", {}).items():
                 step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
-            step.start_run(desc["run"], desc["actions"])
+            step.start_run(desc["run"], desc["actions"], desc.get("replicas", 1))
             pools = self.pools.setdefault(step_id, {})
             for a in desc["actions"]:
                 if a.device == self.index:
                     pools[(desc["run"], a.job)] = SlotPool(
-                        self.memory, [self.memory.tensor(r) for r in desc["slots"].get(a.job, ())])
+                        self.memory, [self.memory.tensor(r) for r in desc["slots"].get((a.job, a.replica), ())])
             self.claim_first_upload(step, desc)
             if desc["trace"]:
                 step.tracer = Tracer([self.device], [self.label], self.clock)
@@ -497,7 +535,7 @@ class Worker:
             program = None
         if program is not None:
             before = warmup.compiled_graphs() if self.programs.inductor else None
-            run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links)
+            run_job(step, a.job, a.prev_job, stage, a.role, self.dev, program, links, a.microbatches, a.replica)
             compiled = 0 if before is None else warmup.compiled_graphs() - before
             if compiled:      # what no dry run compiled (Note [dry runs])
                 timeline.mark(f"job {a.job} ({a.role}) on {self.label} compiled {compiled} graph(s)")
@@ -536,7 +574,7 @@ class Worker:
         def landed(error=None):
             spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
-                          {"spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
+                          {"replica": a.replica, "spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
                            "marks": timeline.take_new(),
                            # bytes held by torch's caching host allocator here (pin_memory=True blocks)
                            "pinned": (self.index, self.label, warmup.pinned_bytes(self.device)),
@@ -550,7 +588,7 @@ class Worker:
 def describe(err: StageError) -> dict:
     cause = err.__cause__
     return {"message": err.message, "stage": err.stage, "microbatch": err.microbatch, "device": err.device,
-            "job": err.job, "cause": None if cause is None else type(cause).__name__,
+            "job": err.job, "worker": err.worker, "cause": None if cause is None else type(cause).__name__,
             "traceback": "".join(traceback.format_exception(cause)) if cause is not None else ""}
 
 
