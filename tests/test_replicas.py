@@ -120,6 +120,53 @@ def test_replicas_in_worker_processes_equal_the_pipeline_and_a_failed_copy_chang
         close(a, b, 1e-4, 1e-6, "parameter after three delayed steps")
 
 
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_each_copy_gets_the_next_steps_first_weights_early(monkeypatch, workers):
+    """Delayed mode sends the next step's first job's weights up as a step ends (Note [resident
+    weights]); with replicas every device runs a copy of that job, so each gets them, and each
+    worker's copy claims its own upload. (On CPU devices nothing goes up: the requests and the
+    claims are what is checked; on GPUs the 2x H200 run of the thirty-fifth session.)"""
+    from rpcompile.runtime.device import DeviceRuntime
+    from rpcompile.runtime.processes import ProcessExecutor
+    from rpcompile.runtime.worker import Worker
+    asked = []
+    if workers == "threads":
+        real = DeviceRuntime.prefetch
+
+        def prefetch(dev, key, *a, **kw):
+            if key[0] == "next step":
+                asked.append((dev.worker_index, key[1]))
+            return real(dev, key, *a, **kw)
+        monkeypatch.setattr(DeviceRuntime, "prefetch", prefetch)
+    else:
+        real = ProcessExecutor.send_prefetch
+
+        def send_prefetch(ex, worker, *a, **kw):
+            asked.append((worker, None))
+            return real(ex, worker, *a, **kw)
+        monkeypatch.setattr(ProcessExecutor, "send_prefetch", send_prefetch)
+    model = qwen3(seed=3)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers=workers,
+                                                   optimizer_mode="delayed", data_parallel=True))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2))
+    for t in range(3):
+        assert torch.isfinite(cm.train_step(**lm_batch(seed=t)))
+    cm.synchronize()
+    assert cm.plan.replicas == 2 and cm.plan.early_first_upload      # (no budget: room for it)
+    # a request per step to each device
+    assert len(asked) >= 4 and {w for w, _ in asked} == {0, 1}
+    if workers == "threads":
+        assert sorted(asked) == sorted((w, t) for t in {t for _, t in asked} for w in (0, 1))
+    # a worker's claim: the token named for it goes to its copy of the first job, no other one
+    worker = SimpleNamespace(index=1, dev=SimpleNamespace(prefetched={("first", 7): "mine", ("first", 6): "old"}))
+    step = object()
+    actions = build_schedule(_chain(["fused"]), 2, replicas=2, num_microbatches=2).actions
+    Worker.claim_first_upload(worker, step, {"actions": actions, "first_upload": {0: 5, 1: 7}})
+    assert worker.dev.prefetched == {(id(step), 0): "mine"}
+    Worker.claim_first_upload(worker, step, {"actions": actions, "first_upload": {0: 5}})
+    assert worker.dev.prefetched == {(id(step), 0): "mine"}     # (nothing named for it: no "first" left)
+
+
 def test_a_failing_copy_raises_and_changes_nothing(monkeypatch):
     model = qwen3()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,

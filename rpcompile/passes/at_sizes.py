@@ -21,4 +21,5 @@ def job_memory_at(plan, config, bindings: dict) -> list:
                    max_jobs=None)
     memory = [costs.job_mem(kind, i, j) for kind, (i, j) in plan.stage_plan.jobs()]
     return resident_memory(memory, job_weights(segments, plan.stage_plan), plan.prefetch_bytes,
-                           len(plan.stage_plan.fwd_bounds), plan.num_devices, plan.early_first_upload)
+                           len(plan.stage_plan.fwd_bounds), 1 if plan.replicas > 1 else plan.num_devices,
+                           plan.early_first_upload)     # (a replica's jobs all run on its device)

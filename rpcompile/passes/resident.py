@@ -44,7 +44,9 @@ def resident_memory(memory, weights, allowance, num_fwd: int, num_devices: int, 
         beside = weights[k + N] if k + N < J else 0
         if allowance:
             beside = min(beside, allowance[k])
-        if early and k > num_fwd and (k - J) % N == 0:
+        # (a plan of one fused job, as each copy of replicas runs: the upload starts as it ends,
+        # while its device may still compute its last microbatch)
+        if early and (k > num_fwd or J == 1) and (k - J) % N == 0:
             beside += weights[0]
         out.append(max(m, m - p + beside))   # never below the solver's count, which its search and errors use
     return out

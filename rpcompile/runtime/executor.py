@@ -128,9 +128,9 @@ class Executor:
         if not self.in_flight:   # weights prefetched for jobs of runs that failed
             for w in self.workers:
                 w.dev.prefetched.clear()
-        if step.first_upload is not None:   # started before the step, for its first job
-            dev, future = step.first_upload
-            dev.prefetched[(id(step), actions[0].job)] = future
+        for dev, future in step.first_upload:   # started before the step, for a device's first job
+            first = next(a for a in actions if self.workers[a.device].dev is dev)
+            dev.prefetched[(id(step), first.job)] = future
         # Every program exists before any job is handed out: a failure here must not leave
         # workers waiting on jobs that were never queued.
         programs = [programs_for(schedule.stage(a.job), a.role, self.workers[a.device].dev.device) for a in actions]

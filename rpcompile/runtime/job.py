@@ -62,7 +62,7 @@ class StepState:
     loss_weights: Any = None                           # call mode: how the loss output combines
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
-    first_upload: Any = None                           # (device, future): the first job's weights, sent before the step
+    first_upload: list = field(default_factory=list)   # [(device, future)]: its first job's weights, sent before the step
     grad_need: int = 0                                 # optimizer submissions done with a gradient piece before it is written
     submission: Optional[int] = None                   # delayed mode: the optimizer's count once its submission is done
     buffer_index: dict = field(default_factory=dict)

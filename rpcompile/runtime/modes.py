@@ -227,12 +227,12 @@ class DelayedMode(OverlappedMode):
         # with it, the one of a step still running included (Note [overlapped steps])
         step.grad_need = step.grads.submitted + (t - self.steps)
         self._prepare(plan, step, self.copies.buffers)
-        if pending is not None:   # the upload finish() started, if it is for this step's first job
-            was_plan, dev, key = pending
-            future = dev.prefetched.pop(key, None)
-            if (future is not None and was_plan is plan and key == ("next step", t)
-                    and dev is runner.executor.next_device()):
-                step.first_upload = (dev, future)
+        if pending is not None:   # the uploads finish() started, if they are for this step's first jobs
+            was_plan, devs, key = pending
+            for dev in devs:
+                future = dev.prefetched.pop(key, None)
+                if future is not None and was_plan is plan and key == ("next step", t) and dev in _first_devices(runner, plan):
+                    step.first_upload.append((dev, future))
         self.started += 1
         return step
 
@@ -304,14 +304,22 @@ class DelayedMode(OverlappedMode):
         rather than when step t starts."""
         if not plan.early_first_upload:   # the device has no room for it yet (Note [resident weights])
             return
-        dev = runner.executor.next_device()
+        devs = _first_devices(runner, plan)
         params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
         opt, key, done = self.optimizer, ("next step", t), t - 1 + self.skipped
         if self.next_upload is not None and self.next_upload[2] == key:
             return            # asked for already (as the step before this one ended)
-        dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
-                     before=lambda: opt.wait_completed(done, raise_errors=False))
-        self.next_upload = (plan, dev, key)
+        for dev in devs:
+            dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
+                         before=lambda: opt.wait_completed(done, raise_errors=False))
+        self.next_upload = (plan, devs, key)
+
+
+def _first_devices(runner, plan) -> list:
+    """The devices that run a copy of the next step's first job: the next in the rotation, or
+    with replicas each of theirs (Note [replicas])."""
+    workers = runner.executor.workers
+    return [w.dev for w in workers[:plan.replicas]] if plan.replicas > 1 else [runner.executor.next_device()]
 
 
 def mode_for(config, optimizer):

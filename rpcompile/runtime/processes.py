@@ -316,15 +316,17 @@ class ProcessExecutor:
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
                         micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
                         dtype=step.dtype, buffers=list(step.buffers), grad_need=step.grad_need)
-        if step.first_upload is not None:   # asked for as the last step ended (delayed mode)
-            dev, future = step.first_upload
-            step.first_upload = None
+        firsts = {}                         # worker -> the first job it runs
+        for a in schedule.actions:
+            firsts.setdefault(a.device, a.job)
+        uploads, step.first_upload = step.first_upload, []
+        for dev, future in uploads:         # asked for as the last step ended (delayed mode)
             try:
                 token = future.result()
             except OSError:                 # a worker is gone: the send below says so
                 token = None
-            if token is not None and dev.index == schedule.actions[0].device:
-                desc["first_upload"] = token
+            if token is not None and dev.index in firsts:
+                desc.setdefault("first_upload", {})[dev.index] = token
         seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
         if seeds:
             desc["seeds"] = seeds

@@ -500,12 +500,14 @@ class Worker:
                 self.jobs.put((step, a, plan))
 
     def claim_first_upload(self, step, desc):
-        """The weights a "prefetch" sent up for this run's first job become that job's; any
-        other early upload is dropped (its step started elsewhere)."""
-        first = desc["actions"][0]
+        """The weights a "prefetch" sent up for the first job this worker runs in this run (the
+        run's first job; with replicas, this worker's copy of it) become that job's; any other
+        early upload is dropped (its step started elsewhere)."""
+        token = desc.get("first_upload", {}).get(self.index)
+        first = next((a for a in desc["actions"] if a.device == self.index), None)
         for key in [k for k in self.dev.prefetched if k[0] == "first"]:
             future = self.dev.prefetched.pop(key)
-            if key == ("first", desc.get("first_upload")) and first.device == self.index:
+            if token is not None and key == ("first", token) and first is not None:
                 self.dev.prefetched[(id(step), first.job)] = future
 
     # --- jobs ----------------------------------------------------------------------------
