@@ -227,7 +227,8 @@ def test_what_replicas_refuse(monkeypatch):
         from rpcompile.passes import _weighs_replicas
         assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads"))
         assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True))
-        assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"]))      # processes
+        assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"]))      # processes
+        assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=False))
         assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="processes",
                                                  data_parallel=True))
 

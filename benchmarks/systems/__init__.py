@@ -57,6 +57,10 @@ SYSTEMS = {
                                             "workers='processes') + cm.attach_optimizer(AdamW): replicas in worker "
                                             "processes", rpcompile_delayed="1", rpcompile_data_parallel="1",
                                             rpcompile_processes="1"),
+    "rpcompile-delayed-pipe": _rpcompile("rpcompile-delayed-pipe",
+                                         "rpcompile, Config(optimizer_mode='delayed', data_parallel=False) + "
+                                         "cm.attach_optimizer(AdamW): the pipeline, never replicas",
+                                         rpcompile_delayed="1", rpcompile_pipeline="1"),
     "rpcompile-delayed-ondev": _rpcompile("rpcompile-delayed-ondev",
                                           "rpcompile, Config(optimizer_mode='delayed', optimizer_on_devices=1.0) + "
                                           "cm.attach_optimizer(AdamW)", rpcompile_delayed="1",

@@ -21,6 +21,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_data_parallel=1  Config(data_parallel=True): replicas, each device running the one-device
                           plan over its share of the microbatches (worker threads); system
                           "rpcompile-delayed-dp" (with rpcompile_delayed=1)
+  rpcompile_pipeline=1    Config(data_parallel=False): the pipeline, never replicas; system
+                          "rpcompile-delayed-pipe" (with rpcompile_delayed=1)
   rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
@@ -75,6 +77,8 @@ def config_options(spec, config_cls) -> tuple:
     if _on(spec.options, "rpcompile_data_parallel"):
         ask("rpcompile_data_parallel=1", "data_parallel", True,
             "Config(data_parallel=True): a replica of the one-device plan per device")
+    if _on(spec.options, "rpcompile_pipeline"):
+        ask("rpcompile_pipeline=1", "data_parallel", False, "Config(data_parallel=False): the pipeline, never replicas")
     if spec.options.get("rpcompile_worker_switch_ms"):
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])

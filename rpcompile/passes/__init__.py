@@ -282,7 +282,7 @@ def solve_stages_pass(st: CompileState) -> CompileState:
     # what is resident beside each job (Note [resident weights]); a replica's jobs all run on its device
     st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
         st.stage_plan, st.segments, st.budget, 1 if replicas > 1 else N,
-        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train" and replicas == 1)
+        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
     return st
 
 
@@ -312,11 +312,10 @@ def _best_stage_plan(st: CompileState, num_devices: int, num_microbatches: int, 
 
 def _weighs_replicas(config) -> bool:
     """Whether the planner weighs replicas against the pipeline (Config.data_parallel): where
-    asked to, or by default on GPUs driven by worker threads without peer transfers (asked for,
-    they are the pipeline's; CPU devices train the pipeline unless asked: they stand in for GPUs
-    in tests, and their costs decide nothing)."""
-    return bool(config.data_parallel or (config.data_parallel is None and config.workers == "threads"
-                                         and config.on_gpu and not config.peer_transfers))
+    asked to, or by default on GPUs without peer transfers (asked for, they are the pipeline's;
+    CPU devices train the pipeline unless asked: they stand in for GPUs in tests, and their
+    costs decide nothing)."""
+    return bool(config.data_parallel or (config.data_parallel is None and config.on_gpu and not config.peer_transfers))
 
 
 def _replicas(st: CompileState, num_devices: int, num_microbatches: int) -> int:
