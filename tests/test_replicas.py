@@ -48,7 +48,7 @@ def test_replicated_schedule_prints_and_marks_one_copy():
 
 
 @pytest.mark.parametrize("devices,microbatches,rows,workers", [
-    (2, 4, 5, "threads"), (2, 3, 5, "threads"), (3, 3, 2, "threads"), (2, 3, 5, "processes"), (3, 3, 2, "processes")])
+    (2, 4, 5, "threads"), (2, 3, 5, "threads"), (3, 3, 2, "threads"), (3, 3, 2, "processes")])
 def test_replicas_train_as_eager(devices, microbatches, rows, workers):
     """Even and uneven shares, and a batch of two rows over three copies (the third runs no
     microbatch): loss, gradients and parameters after SGD-momentum steps as in eager PyTorch,
@@ -153,7 +153,7 @@ def test_each_copy_gets_the_next_steps_first_weights_early(monkeypatch, workers)
         assert torch.isfinite(cm.train_step(**lm_batch(seed=t)))
     cm.synchronize()
     assert cm.plan.replicas == 2 and cm.plan.early_first_upload      # (no budget: room for it)
-    # a request per step to each device
+    # a request for each later step to each device
     assert len(asked) >= 4 and {w for w, _ in asked} == {0, 1}
     if workers == "threads":
         assert sorted(asked) == sorted((w, t) for t in {t for _, t in asked} for w in (0, 1))
