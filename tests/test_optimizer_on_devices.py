@@ -294,7 +294,9 @@ def _qwen(layers=1):
 def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers, monkeypatch):
     """The same losses and parameters with half the optimizer on the (CPU) devices as with none
     there; the plan says what the devices keep and the host no longer holds. (With half there,
-    the first steps of the parameters larger than FlatStepper.PIECE go in slices.)"""
+    the first steps of the parameters larger than FlatStepper.PIECE go in slices.) The run with
+    none there uses worker threads: worker processes equal them (test_processes.py), and a
+    second pair of processes would only start again."""
     import rpcompile
     from models import lm_batch
     from rpcompile.runtime.flat import FlatStepper
@@ -306,7 +308,8 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
             monkeypatch.setattr(FlatStepper, "PIECE", 1000)      # the 8,192-element embedding in 9 slices
         model = _qwen()
         cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
-                                                       optimizer_on_devices=share, workers=workers))
+                                                       optimizer_on_devices=share,
+                                                       workers=workers if share else "threads"))
         cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         losses = [float(cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=t))) for t in range(4)]
         cm.synchronize()
