@@ -137,6 +137,11 @@ class Config:
         if self.data_parallel and self.peer_transfers:
             raise ValueError("Config(data_parallel=True) and peer_transfers=True ask for two different plans: replicas "
                              "keep every job's activations on its own device; choose one")
+        if (self.workers == "processes" and self.data_parallel and self.on_gpu
+                and len(set(self.devices)) < len(self.devices)):
+            raise ValueError("Config(data_parallel=True, workers='processes') with a GPU named twice: the replicas sum "
+                             "their gradients through NCCL, one GPU per worker process; name each GPU once, or use "
+                             "workers='threads'")
         if self.workers == "processes" and self.peer_transfers:
             raise ValueError("Config(peer_transfers=True) needs workers='threads': worker processes hand values "
                              "on through shared host memory")

@@ -167,6 +167,38 @@ def test_each_copy_gets_the_next_steps_first_weights_early(monkeypatch, workers)
     assert worker.dev.prefetched == {(id(step), 0): "mine"}     # (nothing named for it: no "first" left)
 
 
+def test_a_copy_joins_the_sum_unless_a_copy_not_ready_failed():
+    """Note [replicas in worker processes]: a copy waits for every copy's word before the
+    collective; a failure of a copy that already gave it (in a later job) does not stop it, as
+    the others may be in the collective already; a failure of one that has not, does."""
+    import threading
+    from rpcompile.runtime.replicas import PeerExchange
+    from rpcompile.runtime.worker import RemoteFailure
+
+    class Step:
+        def __init__(self):
+            self.error, self.failed_copies = None, set()
+
+        def error_is_remote(self):
+            return isinstance(self.error, RemoteFailure)
+
+    dev = SimpleNamespace(device=torch.device("cpu"), is_cpu=True)
+    said = []
+    # copy 1 said it is ready and then failed; copy 2's word comes later: copy 0 waits for it
+    ex, step = PeerExchange(3, said.append, lambda: None), Step()
+    ex.arrive(1, [5])
+    step.error, step.failed_copies = RemoteFailure(), {1}
+    threading.Timer(0.2, ex.arrive, (2, [7])).start()
+    assert ex.share(0, None, {3}, dev, step, 10) == {3, 5, 7} and said == [[3]]
+    assert ex.padded.shape == (12,) and ex.out.shape == (4,) and not ex.padded.any()   # (no microbatch: zeros)
+    # copy 2 failed before saying so: copy 0 stops
+    ex, step = PeerExchange(3, said.append, lambda: None), Step()
+    ex.arrive(1, [5])
+    step.error, step.failed_copies = RemoteFailure(), {2}
+    assert ex.share(0, None, {3}, dev, step, 10) is None
+    assert [PeerExchange(3, None, None).bounds(r, 10) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
 def test_a_failing_copy_raises_and_changes_nothing(monkeypatch):
     model = qwen3()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
@@ -231,6 +263,13 @@ def test_what_replicas_refuse(monkeypatch):
         assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=False))
         assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="processes",
                                                  data_parallel=True))
+        # NCCL takes one GPU per worker process: a GPU named twice keeps the pipeline there
+        with pytest.raises(ValueError, match="GPU named twice"):
+            rpcompile.Config(devices=["cuda:0", "cuda:0"], workers="processes", data_parallel=True)
+        from rpcompile.passes import _repeats_a_gpu
+        assert _repeats_a_gpu(rpcompile.Config(devices=["cuda:0", "cuda:0"], workers="processes"))
+        assert not _repeats_a_gpu(rpcompile.Config(devices=["cuda:0", "cuda:1"]))
+        assert rpcompile.Config(devices=["cuda:0", "cuda:0"], data_parallel=True).workers == "threads"
 
     class Normed(torch.nn.Module):   # running statistics: updated microbatch after microbatch
         def __init__(self):

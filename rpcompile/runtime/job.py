@@ -350,14 +350,16 @@ class JobContext:
         """This copy's slice of the gradients, summed over the copies of the job, comes down
         into its slice of the host piece (Note [replicas])."""
         ex, grads = self.exchange, self.step.grads
+        piece = grads.piece(self.stage.index) if self.stage.index in grads.layout.stages else None
+        if piece is not None:
+            self._wait_piece_free()     # (before the copies meet: Note [replicas in worker processes])
         got = self.span("host", "wait_replicas", lambda: ex.share(self.replica, self.grad_flat, self.grad_got,
-                                                                 self.dev, self.step))
+                                                                 self.dev, self.step,
+                                                                 0 if piece is None else piece.numel()))
         if got is None:
             raise Aborted()
         if not got:
             return
-        piece = grads.piece(self.stage.index)
-        self._wait_piece_free()
         lo, hi = ex.bounds(self.replica, piece.numel())
         total = self.span("compute", "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
                           bytes=4 * (hi - lo) * (ex.n - 1))

@@ -28,9 +28,12 @@ Note [replicas in worker processes]: with one worker process per device (Config(
 group (torch.distributed: NCCL on GPUs, gloo on CPU devices; made at the first exchange) and
 each copy's `reduce_scatter` leaves slice r of the sum on copy r's device, over the GPUs' own
 links. A collective waits for every member, so a copy that failed before it would leave the
-others waiting for ever: each copy first tells the others its gradient keys (a "replica"
-message between workers) and joins the collective only once every copy has said so, or stops
-when a job of the step failed (the "fail" message). The accumulators are padded to a multiple
+others waiting for ever: each copy first does what can fail (the group made, its buffers
+allocated), then tells the others its gradient keys (a "replica" message between workers) and
+joins the collective once every copy has said so. It stops instead when a copy that has not
+said so failed (the "fail" message names the worker): that copy never will. A copy that failed
+after saying so (in a later job) is no reason to stop, since every other copy may have joined
+the collective already. The accumulators are padded to a multiple
 of the copies (the collective's slices are equal) and never the host piece (each copy writes
 only its slice of it). The workers run their jobs in the chain's order and the runs in the
 order sent, so every member calls the collectives in the same order.
@@ -59,7 +62,7 @@ class GradExchange:
         self.downloads: list = []                 # what the copies' downloads returned
         self._cond = threading.Condition()
 
-    def share(self, r: int, acc, got, dev, step) -> set:
+    def share(self, r: int, acc, got, dev, step, numel: int) -> set:
         """Copy r's accumulator and the keys it made; blocks until every copy has shared, then
         returns the keys of all copies (None if a job of the step failed meanwhile)."""
         ready = None
@@ -134,7 +137,8 @@ class PeerExchange:
         self._group = group                # group(): the workers' process group (made once)
         self.got: set = set()
         self.arrived: set = set()
-        self.padded: Optional[torch.Tensor] = None
+        self.padded: Optional[torch.Tensor] = None      # this copy's accumulator, padded
+        self.out: Optional[torch.Tensor] = None         # its slice of the sum
         self._cond = threading.Condition()
 
     def arrive(self, r: int, keys) -> None:
@@ -144,13 +148,21 @@ class PeerExchange:
             self.arrived.add(r)
             self._cond.notify_all()
 
-    def share(self, r: int, acc, got, dev, step) -> Optional[set]:
-        """As GradExchange.share: every copy's keys once all are ready (None: a job failed)."""
+    def share(self, r: int, acc, got, dev, step, numel: int) -> Optional[set]:
+        """As GradExchange.share: every copy's keys once all are ready (None: a copy that was
+        not ready failed, or this worker did)."""
+        self._group()
+        c = self._chunk(numel)
+        if self.padded is None:     # (a copy with no microbatch takes part with zeros)
+            self.padded = torch.zeros(self.n * c, dtype=torch.float32, device=dev.device)
+        self.out = torch.empty(c, dtype=torch.float32, device=dev.device)
         self._announce(list(got))
         self.arrive(r, got)
         with self._cond:
             while len(self.arrived) < self.n:
-                if step.error is not None:
+                failed = step.failed_copies if hasattr(step, "failed_copies") else ()
+                if any(q not in self.arrived for q in failed) or (
+                        step.error is not None and not step.error_is_remote()):
                     return None
                 self._cond.wait(0.05)
             return set(self.got)
@@ -171,15 +183,12 @@ class PeerExchange:
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
         """Slice r summed over the copies, on this copy's device."""
         import torch.distributed as dist
-        c = self._chunk(numel)
-        full = self.padded if self.padded is not None else \
-            torch.zeros(self.n * c, dtype=torch.float32, device=dev.device)
-        out = torch.empty(c, dtype=torch.float32, device=dev.device)
+        full, out = self.padded, self.out     # (made by share)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         # (on a GPU in its compute stream, which then waits for the collective)
         with contextlib.nullcontext() if dev.is_cpu else torch.cuda.stream(dev.compute):
             scatter(out, full, group=self._group())
-        self.padded = None
+        self.padded = self.out = None
         lo, hi = self.bounds(r, numel)
         return out[:hi - lo]
 

@@ -192,6 +192,7 @@ class WorkerStep(StepState):
         self.owner: list = []            # per microbatch: (kind, name) -> (chain position, value)
         self.replicated = False          # the run's jobs are copies (Note [replicas in worker processes])
         self.peer_exchanges: dict = {}   # (run, job) -> replicas.PeerExchange
+        self.failed_copies: set = set()  # workers whose job of this step failed (their "fail" messages)
 
     def peer_exchange(self, run_no, job, replicas) -> PeerExchange:
         """This worker's meeting point for the copies of `job` in run run_no (made by whichever
@@ -236,7 +237,10 @@ class WorkerStep(StepState):
         first = self.error is None
         super().fail(exc)
         if first and not isinstance(exc, RemoteFailure):
-            self.worker.to_peers(("fail", self.step_id))
+            self.worker.to_peers(("fail", self.step_id, self.worker.index))
+
+    def error_is_remote(self) -> bool:
+        return isinstance(self.error, RemoteFailure)
 
     def receive(self, job, mb, values, stamp=None) -> None:
         """A peer's values of `job` for microbatch mb; with a stamp (producer, number) they are
@@ -300,7 +304,7 @@ class Worker:
             kw = {"device_id": self.device} if self.is_cuda else {}
             dist.init_process_group("nccl" if self.is_cuda else "gloo", rank=self.index, world_size=self.workers,
                                     init_method="file://" + os.path.join(self.memory.directory, "replicas.store"),
-                                    timeout=datetime.timedelta(seconds=300), **kw)
+                                    timeout=datetime.timedelta(seconds=120), **kw)
             self._group = dist.group.WORLD
         return self._group
 
@@ -406,12 +410,12 @@ class Worker:
     def refuse_run(self, step_id, desc, exc):
         """A run this worker cannot start (its plan did not load, ...): its jobs end failed,
         and the other workers' jobs of the run stop."""
-        self.to_peers(("fail", step_id))
+        self.to_peers(("fail", step_id, self.index))
         for a in desc["actions"]:
             if a.device != self.index:
                 continue
             err = _failure(f"stage {a.stage} ({a.role}) on {self.label}: its worker process could not start the run",
-                           exc, stage=a.stage, device=self.label, job=a.job)
+                           exc, stage=a.stage, device=self.label, job=a.job, worker=self.index)
             self.to_main(("ended", step_id, desc["run"], a.job, {"grads": [], "outputs": {}, "buffers": {},
                                                                 "error": describe(err)}))
             self.to_main(("landed", step_id, desc["run"], a.job, {"replica": a.replica, "spans": [], "first_calls": [],
@@ -461,6 +465,8 @@ class Worker:
             _, _, run_no, job, r, replicas, keys = msg
             step.peer_exchange(run_no, job, replicas).arrive(r, keys)
         else:
+            if len(msg) > 2:     # (Note [replicas in worker processes]: which copy failed)
+                step.failed_copies.add(msg[2])
             step.fail(RemoteFailure())
 
     def start_run(self, step_id, desc):
@@ -526,6 +532,13 @@ class Worker:
 
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]
+        if step.replicated and self._group is None and step.error is None:
+            try:     # made here, where every worker's first copy starts (Note [replicas in worker processes])
+                self.replica_group()
+            except BaseException as exc:
+                step.fail(_failure(f"{self.label}: the worker processes' group for summing the replicas' gradients "
+                                   "could not be made", exc, stage=stage.index, device=self.label, job=a.job,
+                                   worker=self.index))
         nxt = a.next_on_device
         links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[step.job_stage[nxt]]),
                          next_reads=a.next_reads, later_reads=a.later_reads)
@@ -533,7 +546,7 @@ class Worker:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
         except BaseException as exc:
             step.fail(_failure(f"stage {stage.index} ({a.role}) on {self.label}: building its program failed", exc,
-                               stage=stage.index, device=self.label, job=a.job))
+                               stage=stage.index, device=self.label, job=a.job, worker=self.index))
             program = None
         if program is not None:
             before = warmup.compiled_graphs() if self.programs.inductor else None
