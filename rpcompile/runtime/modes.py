@@ -229,9 +229,10 @@ class DelayedMode(OverlappedMode):
         self._prepare(plan, step, self.copies.buffers)
         if pending is not None:   # the uploads finish() started, if they are for this step's first jobs
             was_plan, devs, key = pending
+            firsts = _first_devices(runner, plan)
             for dev in devs:
                 future = dev.prefetched.pop(key, None)
-                if future is not None and was_plan is plan and key == ("next step", t) and dev in _first_devices(runner, plan):
+                if future is not None and was_plan is plan and key == ("next step", t) and dev in firsts:
                     step.first_upload.append((dev, future))
         self.started += 1
         return step

@@ -316,16 +316,14 @@ class ProcessExecutor:
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
                         micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
                         dtype=step.dtype, buffers=list(step.buffers), grad_need=step.grad_need)
-        firsts = {}                         # worker -> the first job it runs
-        for a in schedule.actions:
-            firsts.setdefault(a.device, a.job)
+        running = {a.device for a in schedule.actions}     # workers with a job of this run
         uploads, step.first_upload = step.first_upload, []
         for dev, future in uploads:         # asked for as the last step ended (delayed mode)
             try:
                 token = future.result()
             except OSError:                 # a worker is gone: the send below says so
                 token = None
-            if token is not None and dev.index in firsts:
+            if token is not None and dev.index in running:
                 desc.setdefault("first_upload", {})[dev.index] = token
         seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
         if seeds:

@@ -190,7 +190,6 @@ class WorkerStep(StepState):
         self.run_no = 0
         self.position: dict = {}
         self.owner: list = []            # per microbatch: (kind, name) -> (chain position, value)
-        self.replicated = False          # the run's jobs are copies (Note [replicas in worker processes])
         self.peer_exchanges: dict = {}   # (run, job) -> replicas.PeerExchange
         self.failed_copies: set = set()  # workers whose job of this step failed (their "fail" messages)
 
@@ -207,9 +206,13 @@ class WorkerStep(StepState):
                     worker.replica_group)
             return ex
 
+    @property
+    def replicated(self) -> bool:
+        """Whether the run's jobs are copies (Note [replicas in worker processes])."""
+        return bool(self.exchanges)
+
     def start_run(self, run_no, actions, replicas=1):
         self.run_no = run_no
-        self.replicated = replicas > 1
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         self.order = [a.job for a in actions]
         self.job_stage = {a.job: a.stage for a in actions}
@@ -297,8 +300,9 @@ class Worker:
             self.flags = None
 
     def replica_group(self):
-        """The process group of all workers, made at the first exchange of replicas (every
-        worker calls this once, from its job thread, at the same point of the same run)."""
+        """The process group of all workers, made as the first replicated job starts (every
+        worker calls this from its job thread at the same point of the same run; later calls
+        return it)."""
         if self._group is None:
             import torch.distributed as dist
             kw = {"device_id": self.device} if self.is_cuda else {}
