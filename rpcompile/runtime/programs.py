@@ -12,29 +12,30 @@ import torch
 from . import timeline
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
-from .warmup import WarmupGuard
+from .warmup import WarmupGuard, _signature
 
 
-def compiled(prog, options=None, shared=None):
+def compiled(prog, options=None, shared=None, locks=None):
     """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
     cut at repeated blocks such as decoder layers (passes/regions.py): identical pieces share
     one compiled function, memoised in `shared`. The cache passes one dict per device and
     capture, so a decoder layer is one compiled object per device, whatever stage program or
     re-planned length uses it (first steps at 4 GPUs measured the same, 215-231 s against
-    226 s: Inductor's caches had already served the repeats)."""
+    226 s: Inductor's caches had already served the repeats). `locks`: worker processes'
+    CompileLocks (Note [compile each piece once], compile_once.py)."""
     prog = retarget(prog, {})   # a private copy whose children we may replace
     shared = {} if shared is None else shared
 
     def inductor(gm):
         generate_code(gm)   # before Dynamo traces it (Note [lazy graph modules])
-        return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options))
+        return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options), locks)
 
     for name, child in list(prog.named_children()):
         if name == "forward_graph" or name.startswith("forward_part"):   # Note [forward parts] (codegen)
-            setattr(prog, name, WarmupGuard(compile_regions(child, inductor, shared)))
+            setattr(prog, name, WarmupGuard(compile_regions(child, inductor, shared), locks))
     if hasattr(prog, "backward_graph"):
         prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
-        prog.backward_graph = WarmupGuard(prog.backward_graph)
+        prog.backward_graph = WarmupGuard(prog.backward_graph, locks)
     return prog
 
 
@@ -53,12 +54,22 @@ class LengthDynamic(torch.nn.Module):
     the recompute), and each compile must see them; a call costs 6-8 us more than the
     compiled function alone (CPU, 5 marked inputs and one int)."""
 
-    def __init__(self, gm, compiled):
+    def __init__(self, gm, compiled, locks=None):
         super().__init__()
         self.compiled = compiled
         self.dims, self.ints = length_inputs(gm)
+        self.locks, self.code, self._seen = locks, gm.code, set()
 
     def forward(self, *args):
+        if self.locks is not None:     # Note [compile each piece once] (compile_once.py)
+            sig = _signature(args)
+            if sig not in self._seen:
+                out = self.locks.first_call("piece", self.code, sig, lambda: self._call(args))
+                self._seen.add(sig)
+                return out
+        return self._call(args)
+
+    def _call(self, args):
         if self.dims or self.ints:
             args = list(args)
             for i, dims in self.dims:
@@ -93,8 +104,9 @@ def length_inputs(gm) -> tuple:
 class ProgramCache:
     """Programs by (plan, stage, role, device), built on first use."""
 
-    def __init__(self, compile_stages, on_gpu: bool, inductor_options=None):
+    def __init__(self, compile_stages, on_gpu: bool, inductor_options=None, locks=None):
         self.compile_stages, self.on_gpu, self.inductor_options = compile_stages, on_gpu, inductor_options
+        self.locks = locks              # CompileLocks in worker processes (compile_once.py)
         self._programs: dict = {}
         self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)
 
@@ -116,7 +128,8 @@ class ProgramCache:
             if capture_device != device:
                 prog = retarget(prog, {capture_device.type: device})
             if self.use_inductor(stage):
-                prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device), {}))
+                prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device), {}),
+                                self.locks)
             self._programs[key] = generate_code(prog)
             timeline.mark(f"program {stage.index}{role} for {device} built", time.perf_counter() - t0)
         return prog

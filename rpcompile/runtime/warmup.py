@@ -114,11 +114,14 @@ def _signature(args) -> tuple:
 
 
 class WarmupGuard(torch.nn.Module):
-    """Calls `inner`; a call with an input signature not seen before runs alone."""
+    """Calls `inner`; a call with an input signature not seen before runs alone (and, given
+    worker processes' CompileLocks, alone among them until one has made it: Note [compile each
+    piece once], compile_once.py)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, locks=None):
         super().__init__()
         self.inner = inner
+        self.locks = locks
         self._seen: set = set()
 
     def forward(self, *args):
@@ -134,7 +137,10 @@ class WarmupGuard(torch.nn.Module):
         t0 = time.perf_counter()
         try:
             pinned = pinned_bytes(device)
-            out = self.inner(*args)
+            if self.locks is None:
+                out = self.inner(*args)
+            else:
+                out = self.locks.first_call("program", self.inner.code, sig, lambda: self.inner(*args))
             self._seen.add(sig)
             release_autotune_copies(device, pinned)
             return out

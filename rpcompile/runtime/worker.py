@@ -46,6 +46,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import portable
+from .compile_once import CompileLocks
 from .device import DeviceRuntime, Pending, _map
 from .dry_run import DryRuns
 from .grads import GradSet, param_index
@@ -275,7 +276,8 @@ class Worker:
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
-        self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
+        self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"],
+                                     CompileLocks(init["directory"]))
         if self.programs.inductor:
             warmup.close_idle_compile_pools()
         self.dry_runs = DryRuns(self.programs, self.dev)

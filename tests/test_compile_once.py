@@ -1,0 +1,124 @@
+"""Note [compile each piece once] (runtime/compile_once.py): a piece's (or a program's) first call
+with a new input signature holds a file lock named by its code and that signature until one
+process has made that call, so worker processes that ask for the same piece at once compile it
+one after the other (the later ones from Inductor's caches), and different pieces compile side
+by side. Each LengthDynamic below stands for one process's copy of a piece; each lock is its own
+file descriptor, as in two processes."""
+import threading
+import time
+
+import torch
+import torch.fx as fx
+
+from rpcompile.runtime.compile_once import CompileLocks
+from rpcompile.runtime.programs import LengthDynamic
+from rpcompile.runtime.warmup import _signature
+
+
+def _piece(scale: float) -> fx.GraphModule:
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x * scale
+    return fx.symbolic_trace(M())
+
+
+class _SlowFirstCalls:
+    """Stands for torch.compile's function: the first call of a signature takes `seconds`."""
+
+    def __init__(self, gm, log, name, seconds=0.3):
+        self.gm, self.log, self.name, self.seconds, self.seen = gm, log, name, seconds, set()
+
+    def __call__(self, *args):
+        sig = tuple(a.shape for a in args)
+        if sig not in self.seen:
+            self.log.append(("start", self.name, time.monotonic()))
+            time.sleep(self.seconds)
+            self.log.append(("end", self.name, time.monotonic()))
+            self.seen.add(sig)
+        return self.gm(*args)
+
+
+def _call_together(calls):
+    threads = [threading.Thread(target=fn, args=args) for fn, args in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+
+
+def _span(log, name):
+    return [t for kind, n, t in log if n == name]
+
+
+def test_the_same_piece_compiles_in_one_process_at_a_time(tmp_path):
+    locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
+    a, b = (LengthDynamic(gm, _SlowFirstCalls(gm, log, name), locks) for name in "ab")
+    x = torch.ones(3)
+    _call_together([(a, (x,)), (b, (x,))])
+    (a0, a1), (b0, b1) = _span(log, "a"), _span(log, "b")
+    assert a1 <= b0 or b1 <= a0, log          # one after the other, never side by side
+    assert torch.equal(a(x), 2 * x) and torch.equal(b(x), 2 * x)
+
+
+def test_other_pieces_and_signatures_compile_side_by_side(tmp_path):
+    locks, log = CompileLocks(str(tmp_path)), []
+    g2, g3 = _piece(2.0), _piece(3.0)
+    a, b, c = (LengthDynamic(g2, _SlowFirstCalls(g2, log, "a"), locks),
+               LengthDynamic(g3, _SlowFirstCalls(g3, log, "b"), locks),    # other code
+               LengthDynamic(g2, _SlowFirstCalls(g2, log, "c"), locks))    # same code, other shape
+    _call_together([(a, (torch.ones(3),)), (b, (torch.ones(3),)), (c, (torch.ones(4),))])
+    starts, ends = [min(_span(log, n)) for n in "abc"], [max(_span(log, n)) for n in "abc"]
+    assert max(starts) < min(ends), log       # all three were compiling at once
+
+
+def _blocks(fn, *args) -> bool:
+    """Whether fn(*args) is still running after 0.3 s (it then finishes within 5 s)."""
+    t = threading.Thread(target=fn, args=args)
+    t.start()
+    t.join(timeout=0.3)
+    return t.is_alive()
+
+
+def test_once_one_process_made_the_call_the_others_need_no_lock(tmp_path):
+    locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
+    a, b = (LengthDynamic(gm, _SlowFirstCalls(gm, log, name, seconds=0), locks) for name in "ab")
+    x = torch.ones(3)
+    a(x)
+    lock = locks(gm.code, _signature((x,)))
+    with lock:                                # held by a third process, say
+        assert not _blocks(b, x)
+
+
+def test_a_first_call_that_failed_leaves_the_next_process_to_compile_alone(tmp_path):
+    locks, gm = CompileLocks(str(tmp_path)), _piece(2.0)
+
+    def fails(*args):
+        raise RuntimeError("compile failed")
+    a = LengthDynamic(gm, fails, locks)
+    b = LengthDynamic(gm, _SlowFirstCalls(gm, [], "b", seconds=0), locks)
+    x = torch.ones(3)
+    try:
+        a(x)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the failing call did not raise")
+    with locks(gm.code, _signature((x,))):
+        assert _blocks(b, x)                  # not marked done: b takes the lock
+
+
+def test_a_known_signature_takes_no_lock(tmp_path):
+    locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
+    a = LengthDynamic(gm, _SlowFirstCalls(gm, log, "a", seconds=0), locks)
+    x = torch.ones(3)
+    a(x)
+    with locks(gm.code, _signature((x,))):        # the lock of that very call, held elsewhere: a second call must not wait
+        done = []
+        t = threading.Thread(target=lambda: done.append(a(x)))
+        t.start()
+        t.join(timeout=5)
+        assert done and torch.equal(done[0], 2 * x)
+    y = torch.ones(5)
+    with locks(gm.code, _signature((y,))):
+        assert _blocks(a, y)                  # a new signature waits for its lock
