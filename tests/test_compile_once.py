@@ -122,3 +122,12 @@ def test_a_known_signature_takes_no_lock(tmp_path):
     y = torch.ones(5)
     with locks(gm.code, _signature((y,))):
         assert _blocks(a, y)                  # a new signature waits for its lock
+
+
+def test_no_locks_without_inductors_fx_graph_cache(tmp_path, monkeypatch):
+    """With the cache off a process that waited would compile everything again after the first."""
+    from torch._inductor import config
+    from rpcompile.runtime.compile_once import compile_locks
+    assert isinstance(compile_locks(str(tmp_path)), CompileLocks)
+    monkeypatch.setattr(config, "fx_graph_cache", False)
+    assert compile_locks(str(tmp_path)) is None

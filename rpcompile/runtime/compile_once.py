@@ -21,7 +21,8 @@ shares a decoder layer between different stage programs of a pipeline. Different
 compile side by side; the program locks are taken before the piece locks and a piece's holder
 waits for nothing, so no two processes wait for each other. A call that fails leaves no mark
 (the next process compiles itself), and a file lock dies with its holder, so a crashed worker
-leaves no one waiting. Worker threads share one process and need none of this: warmup.py runs
+leaves no one waiting. With Inductor's FX graph cache off there are no locks (the others would
+compile again, after the first instead of beside it). Worker threads share one process and need none of this: warmup.py runs
 their first calls one at a time, and the second device reads the same caches.
 
 Measured (2 H200s, Qwen3-1.7B, replicas in processes, cold caches, one run each side): host
@@ -80,6 +81,13 @@ class CompileLocks:
             timeline.mark(f"{what} {os.path.basename(path)[8:16]} first called: FX graph cache {counts[0]} hit(s) "
                           f"{counts[1]} miss(es), AOTAutograd cache {counts[2]} hit(s) {counts[3]} miss(es)", waited)
         return out
+
+
+def compile_locks(directory: str):
+    """CompileLocks in `directory`, or None where Inductor's FX graph cache is off: a process that
+    waited would then compile everything again after the first, one after the other."""
+    from torch._inductor import config
+    return CompileLocks(directory) if config.fx_graph_cache else None
 
 
 def _cache_counts() -> list:

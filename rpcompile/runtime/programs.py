@@ -104,9 +104,9 @@ def length_inputs(gm) -> tuple:
 class ProgramCache:
     """Programs by (plan, stage, role, device), built on first use."""
 
-    def __init__(self, compile_stages, on_gpu: bool, inductor_options=None, locks=None):
+    def __init__(self, compile_stages, on_gpu: bool, inductor_options=None):
         self.compile_stages, self.on_gpu, self.inductor_options = compile_stages, on_gpu, inductor_options
-        self.locks = locks              # CompileLocks in worker processes (compile_once.py)
+        self.locks = None               # a worker process's CompileLocks (compile_once.py)
         self._programs: dict = {}
         self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)
 

@@ -46,7 +46,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import portable
-from .compile_once import CompileLocks
+from .compile_once import compile_locks
 from .device import DeviceRuntime, Pending, _map
 from .dry_run import DryRuns
 from .grads import GradSet, param_index
@@ -276,9 +276,9 @@ class Worker:
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
-        self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"],
-                                     CompileLocks(init["directory"]))
+        self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
         if self.programs.inductor:
+            self.programs.locks = compile_locks(init["directory"])
             warmup.close_idle_compile_pools()
         self.dry_runs = DryRuns(self.programs, self.dev)
         self.plans: dict = {}
