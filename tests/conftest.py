@@ -4,13 +4,7 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest -n 2 on 2 cores: one intra-op thread per test process and per worker process it
-    # starts (measured 8-10% less wall time than two each, on the 2-core CI machine)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-else:
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)
