@@ -59,8 +59,9 @@ class CompileLocks:
 
     def first_call(self, what: str, code: str, signature: tuple, call):
         """call(), the first in this process with this signature: alone among the processes
-        until one of them has made such a call (then from the caches it filled); the wait and
-        what Inductor's caches served go into the setup timeline, named `what`."""
+        until one of them has made such a call (then from the caches it filled). What
+        Inductor's caches served, and the seconds of the wait and the call, go into the setup
+        timeline, named `what`."""
         path = self._path(code, signature)
         done = path + ".done"
         t0 = time.perf_counter()
@@ -76,10 +77,10 @@ class CompileLocks:
             if not first:      # made by another process while this one waited
                 out = call()
         counts = [b - a for a, b in zip(before, _cache_counts())]
-        waited = time.perf_counter() - t0
-        if any(counts) or waited > 0.1:
+        took = time.perf_counter() - t0
+        if any(counts) or took > 0.1:
             timeline.mark(f"{what} {os.path.basename(path)[8:16]} first called: FX graph cache {counts[0]} hit(s) "
-                          f"{counts[1]} miss(es), AOTAutograd cache {counts[2]} hit(s) {counts[3]} miss(es)", waited)
+                          f"{counts[1]} miss(es), AOTAutograd cache {counts[2]} hit(s) {counts[3]} miss(es)", took)
         return out
 
 
