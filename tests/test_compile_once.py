@@ -10,9 +10,19 @@ import time
 import torch
 import torch.fx as fx
 
+import pytest
+
+from rpcompile.runtime import programs
 from rpcompile.runtime.compile_once import CompileLocks
 from rpcompile.runtime.programs import LengthDynamic
-from rpcompile.runtime.warmup import _signature
+from rpcompile.runtime.warmup import WarmupGuard, _signature
+
+
+@pytest.fixture
+def in_first_call(monkeypatch):
+    """Pieces called as if inside their program's first call, where the runtime calls a piece
+    with a new signature (each thread here stands for a process)."""
+    monkeypatch.setattr(programs, "calling_alone", lambda: True)
 
 
 def _piece(scale: float) -> fx.GraphModule:
@@ -51,7 +61,7 @@ def _span(log, name):
     return [t for kind, n, t in log if n == name]
 
 
-def test_the_same_piece_compiles_in_one_process_at_a_time(tmp_path):
+def test_the_same_piece_compiles_in_one_process_at_a_time(tmp_path, in_first_call):
     locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
     a, b = (LengthDynamic(gm, _SlowFirstCalls(gm, log, name), locks) for name in "ab")
     x = torch.ones(3)
@@ -61,7 +71,7 @@ def test_the_same_piece_compiles_in_one_process_at_a_time(tmp_path):
     assert torch.equal(a(x), 2 * x) and torch.equal(b(x), 2 * x)
 
 
-def test_other_pieces_and_signatures_compile_side_by_side(tmp_path):
+def test_other_pieces_and_signatures_compile_side_by_side(tmp_path, in_first_call):
     locks, log = CompileLocks(str(tmp_path)), []
     g2, g3 = _piece(2.0), _piece(3.0)
     a, b, c = (LengthDynamic(g2, _SlowFirstCalls(g2, log, "a"), locks),
@@ -80,7 +90,7 @@ def _blocks(fn, *args) -> bool:
     return t.is_alive()
 
 
-def test_once_one_process_made_the_call_the_others_need_no_lock(tmp_path):
+def test_once_one_process_made_the_call_the_others_need_no_lock(tmp_path, in_first_call):
     locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
     a, b = (LengthDynamic(gm, _SlowFirstCalls(gm, log, name, seconds=0), locks) for name in "ab")
     x = torch.ones(3)
@@ -90,7 +100,7 @@ def test_once_one_process_made_the_call_the_others_need_no_lock(tmp_path):
         assert not _blocks(b, x)
 
 
-def test_a_first_call_that_failed_leaves_the_next_process_to_compile_alone(tmp_path):
+def test_a_first_call_that_failed_leaves_the_next_process_to_compile_alone(tmp_path, in_first_call):
     locks, gm = CompileLocks(str(tmp_path)), _piece(2.0)
 
     def fails(*args):
@@ -108,7 +118,7 @@ def test_a_first_call_that_failed_leaves_the_next_process_to_compile_alone(tmp_p
         assert _blocks(b, x)                  # not marked done: b takes the lock
 
 
-def test_a_known_signature_takes_no_lock(tmp_path):
+def test_a_known_signature_takes_no_lock(tmp_path, in_first_call):
     locks, log, gm = CompileLocks(str(tmp_path)), [], _piece(2.0)
     a = LengthDynamic(gm, _SlowFirstCalls(gm, log, "a", seconds=0), locks)
     x = torch.ones(3)
@@ -131,3 +141,17 @@ def test_no_locks_without_inductors_fx_graph_cache(tmp_path, monkeypatch):
     assert isinstance(compile_locks(str(tmp_path)), CompileLocks)
     monkeypatch.setattr(config, "fx_graph_cache", False)
     assert compile_locks(str(tmp_path)) is None
+
+
+def test_a_piece_takes_its_lock_only_inside_its_programs_first_call(tmp_path):
+    """A piece's inputs follow from its program's: outside the program's first call (the
+    steady state) it computes no signature and takes no lock."""
+    locks, gm = CompileLocks(str(tmp_path)), _piece(2.0)
+    piece = LengthDynamic(gm, _SlowFirstCalls(gm, [], "a", seconds=0), locks)
+    program = WarmupGuard(piece)
+    x, y = torch.ones(3), torch.ones(4)
+    with locks(gm.code, _signature((x,))):
+        assert _blocks(program, x)            # the program's first call: the piece waits
+    program(x)                                # (known now: waits for that first call to end)
+    with locks(gm.code, _signature((y,))):
+        assert not _blocks(piece, y)          # called outside one: no lock

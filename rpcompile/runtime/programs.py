@@ -12,7 +12,7 @@ import torch
 from . import timeline
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
-from .warmup import WarmupGuard, _signature
+from .warmup import WarmupGuard, _signature, calling_alone
 
 
 def compiled(prog, options=None, shared=None, locks=None):
@@ -61,7 +61,10 @@ class LengthDynamic(torch.nn.Module):
         self.locks, self.code, self._seen = locks, gm.code, set()
 
     def forward(self, *args):
-        if self.locks is not None:     # Note [compile each piece once] (compile_once.py)
+        # Note [compile each piece once] (compile_once.py). A piece's inputs follow from its
+        # program's, so a new signature here comes only inside the program's first call: the
+        # steady state computes none.
+        if self.locks is not None and calling_alone():
             sig = _signature(args)
             if sig not in self._seen:
                 out = self.locks.first_call("piece", self.code, sig, lambda: self._call(args))

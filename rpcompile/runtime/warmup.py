@@ -103,6 +103,12 @@ class _ReadersWriter:
 _LOCK = _ReadersWriter()
 
 
+def calling_alone() -> bool:
+    """Whether a call with a new input signature is running (it holds the write side): only then
+    can a piece inside it meet a new signature of its own (compile_once.py)."""
+    return _LOCK._writing
+
+
 def _signature(args) -> tuple:
     sig = [torch.is_grad_enabled()]
     for a in args:
