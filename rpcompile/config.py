@@ -137,8 +137,7 @@ class Config:
         if self.data_parallel and self.peer_transfers:
             raise ValueError("Config(data_parallel=True) and peer_transfers=True ask for two different plans: replicas "
                              "keep every job's activations on its own device; choose one")
-        if (self.workers == "processes" and self.data_parallel and self.on_gpu
-                and len(set(self.devices)) < len(self.devices)):
+        if self.workers == "processes" and self.data_parallel and self.repeats_a_gpu:
             raise ValueError("Config(data_parallel=True, workers='processes') with a GPU named twice: the replicas sum "
                              "their gradients through NCCL, one GPU per worker process; name each GPU once, or use "
                              "workers='threads'")
@@ -159,6 +158,11 @@ class Config:
     @property
     def on_gpu(self) -> bool:
         return self.devices[0].type == "cuda"
+
+    @property
+    def repeats_a_gpu(self) -> bool:
+        """Whether a GPU is named twice (two devices of one GPU: NCCL cannot sum between them)."""
+        return self.on_gpu and len(set(self.devices)) < len(self.devices)
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:

@@ -266,9 +266,8 @@ def test_what_replicas_refuse(monkeypatch):
         # NCCL takes one GPU per worker process: a GPU named twice keeps the pipeline there
         with pytest.raises(ValueError, match="GPU named twice"):
             rpcompile.Config(devices=["cuda:0", "cuda:0"], workers="processes", data_parallel=True)
-        from rpcompile.passes import _repeats_a_gpu
-        assert _repeats_a_gpu(rpcompile.Config(devices=["cuda:0", "cuda:0"], workers="processes"))
-        assert not _repeats_a_gpu(rpcompile.Config(devices=["cuda:0", "cuda:1"]))
+        assert rpcompile.Config(devices=["cuda:0", "cuda:0"], workers="processes").repeats_a_gpu
+        assert not rpcompile.Config(devices=["cuda:0", "cuda:1"]).repeats_a_gpu
         assert rpcompile.Config(devices=["cuda:0", "cuda:0"], data_parallel=True).workers == "threads"
 
     class Normed(torch.nn.Module):   # running statistics: updated microbatch after microbatch

@@ -318,16 +318,12 @@ def _weighs_replicas(config) -> bool:
     return bool(config.data_parallel or (config.data_parallel is None and config.on_gpu and not config.peer_transfers))
 
 
-def _repeats_a_gpu(config) -> bool:
-    return config.on_gpu and len(set(config.devices)) < len(config.devices)
-
-
 def _replicas(st: CompileState, num_devices: int, num_microbatches: int) -> int:
     """How many copies of the one-device plan the planner may weigh (Note [replicas]): one per
     device, where every device gets a microbatch and Config.data_parallel allows it; 1: none."""
     if not _weighs_replicas(st.config) or num_devices < 2 or num_microbatches < num_devices:
         return 1
-    if st.config.workers == "processes" and _repeats_a_gpu(st.config):
+    if st.config.workers == "processes" and st.config.repeats_a_gpu:
         return 1       # (Config refuses data_parallel=True here: NCCL takes one GPU per process)
     if st.mutated_buffers:   # the microbatches update them one after another
         if st.config.data_parallel:
