@@ -22,8 +22,9 @@ compile side by side; the program locks are taken before the piece locks and a p
 waits for nothing, so no two processes wait for each other. A call that fails leaves no mark
 (the next process compiles itself), and a file lock dies with its holder, so a crashed worker
 leaves no one waiting. With Inductor's FX graph cache off there are no locks (the others would
-compile again, after the first instead of beside it). Worker threads share one process and need none of this: warmup.py runs
-their first calls one at a time, and the second device reads the same caches.
+compile again, after the first instead of beside it). Worker threads share one process and need
+none of this: warmup.py runs their first calls one at a time, and the second device reads the
+same caches.
 
 Measured (2 H200s, Qwen3-1.7B, replicas in processes, cold caches, one run each side): host
 memory peak 32.2 -> 25.8 GiB, setup 69 -> 64 s; worker 1 waited 27 s and then made its first

@@ -26,17 +26,17 @@ takes part with no accumulator.
 Note [replicas in worker processes]: with one worker process per device (Config(workers=
 "processes")) the copies cannot read one another's accumulators; the workers form a process
 group (torch.distributed: NCCL on GPUs, gloo on CPU devices; made as the first replicated job
-starts, where every worker gets to at the same point) and
-each copy's `reduce_scatter` leaves slice r of the sum on copy r's device, over the GPUs' own
-links. A collective waits for every member, so a copy that failed before it would leave the
+starts, where every worker gets to at the same point) and each copy's `reduce_scatter` leaves
+slice r of the sum on copy r's device, over the GPUs' own links. A collective waits for every member, so a copy that failed before it would leave the
 others waiting for ever: each copy first does what can fail (the group made, its buffers
 allocated), then tells the others its gradient keys (a "replica" message between workers) and
 joins the collective once every copy has said so. It stops instead when a copy that has not
 said so failed (the "fail" message names the worker): that copy never will. A copy that failed
 after saying so (in a later job) is no reason to stop, since every other copy may have joined
 the collective already. The accumulators are padded to a multiple of the copies (the
-collective's slices are equal) and never the host piece (each copy writes only its slice of it). The workers run their jobs in the chain's order and the runs in the
-order sent, so every member calls the collectives in the same order.
+collective's slices are equal) and never the host piece (each copy writes only its slice of
+it). The workers run their jobs in the chain's order and the runs in the order sent, so every
+member calls the collectives in the same order.
 """
 from __future__ import annotations
 
