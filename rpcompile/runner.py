@@ -63,7 +63,7 @@ class GraphRunner:
 
     def prestart(self, modules=()) -> None:
         """Start what the first run needs while the call is captured and planned (worker
-        processes, which import `modules` meanwhile: Note [early workers] in runtime/processes.py)."""
+        processes, told the model's `modules`: Note [early workers] in runtime/processes.py)."""
         start = getattr(self.executor, "prestart", None)
         if start is not None:
             start(modules)

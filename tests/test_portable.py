@@ -2,6 +2,7 @@
 whole Stages round-trip through dumps/loads without re-tracing, keep the node meta the runtime
 reads, run the same step, and name what does not pickle."""
 import dataclasses
+import importlib
 import pickle
 import threading
 
@@ -40,7 +41,12 @@ def _graph_modules(gm, path="self"):
 
 
 def _kept(meta):
-    return {k: v for k, v in meta.items() if k in ("nn_module_stack", "is_wrapped") or k.startswith("rp_")}
+    """The meta a node keeps: rp_* facts, is_wrapped, and nn_module_stack with its classes named."""
+    kept = {k: v for k, v in meta.items() if k in ("nn_module_stack", "is_wrapped") or k.startswith("rp_")}
+    if "nn_module_stack" in kept:
+        kept["nn_module_stack"] = {k: (path, f"{cls.__module__}.{cls.__qualname__}")
+                                   for k, (path, cls) in kept["nn_module_stack"].items()}
+    return kept
 
 
 def test_programs_round_trip(trained):
@@ -67,8 +73,10 @@ def test_programs_round_trip(trained):
             assert all(n.meta.get("nn_module_stack") for n in body)
             assert all("rp_cost" in n.meta for n in body) and not any("example_value" in n.meta for n in body)
             stack = next(iter(body)).meta["nn_module_stack"]
-            path, cls = list(stack.values())[-1]   # dynamo's form: (module path, module class)
-            assert path.startswith("L['model']") and isinstance(cls, type)
+            # dynamo's (module path, module class), the class by name: a worker imports no transformers
+            path, cls = list(stack.values())[-1]
+            module, name = cls.rsplit(".", 1)
+            assert path.startswith("L['model']") and isinstance(getattr(importlib.import_module(module), name), type)
 
 
 def test_ops_by_name():

@@ -41,8 +41,8 @@ def test_exact_mode_in_worker_processes_matches_eager():
         whats = [r["what"] for r in timeline if r["where"] == w]
         first_job = next(i for i, what in enumerate(whats) if what.startswith("job "))
         assert whats.index("imported") < whats.index("set up") < whats.index("plan loaded") < first_job
-        # the model's modules were imported before the worker was given its part (Note [early workers])
-        assert whats.index("model's modules imported") < whats.index("given its part")
+        # the plan loaded without the model's modules: no transformers in a worker (Note [early workers])
+        assert "model's modules imported" not in whats
     main = [r["what"] for r in timeline if r["where"] == "main"]
     assert main.index("first call") < main.index("captured") < main.index("workers ready") < \
         main.index("train_step returned")
@@ -208,21 +208,50 @@ def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing(delayed_r
         close(b, a, 1e-6, 1e-7, "parameter after 3 delayed steps")
 
 
+def _backward(loss):
+    loss.backward()
+    return loss
+
+
+def test_an_operator_of_the_models_module_loads_in_a_worker_after_importing_it():
+    """Note [early workers]: a worker imports the model's modules only for a plan that names
+    what they define, here an operator the model's module registers (tests/custom_op_model.py):
+    the workers import it, load the plan again, and train as eager."""
+    from custom_op_model import ScaledMLP
+    from rpcompile.runtime import timeline
+    timeline.reset()     # marks are the process's; this test reads its own model's
+    batches = [{"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(s))} for s in range(2)]
+    cm = train_both(ScaledMLP(), batches, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                           workers="processes", memory_budget=3000),
+                    eager_step=lambda m, b: _backward(m(**b)), steps=2)
+    for w in ("worker 0", "worker 1"):
+        whats = [r["what"] for r in cm.setup_timeline if r["where"] == w]
+        assert whats.index("model's modules imported") < whats.index("plan loaded")
+
+
 def test_a_plan_a_worker_cannot_load_fails_the_step_in_the_caller(monkeypatch):
     import sys
     import types
-    # a module the main process has but a fresh interpreter cannot import
+    # a module the main process has but a fresh interpreter cannot import, registering an operator
     mod = types.ModuleType("rpcompile_ephemeral_models")
-    exec("import torch\nclass Net(torch.nn.Module):\n"
+    exec("import torch\n"
+         "@torch.library.custom_op('rpcompile_ephemeral::twice', mutates_args=())\n"
+         "def twice(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n"
+         "twice.register_fake(lambda x: torch.empty_like(x))\n"
+         "twice.register_autograd(lambda ctx, g: g * 2)\n"
+         "class Net(torch.nn.Module):\n"
          "    def __init__(self):\n        super().__init__()\n"
          "        self.a = torch.nn.Linear(8, 8)\n        self.b = torch.nn.Linear(8, 8)\n"
-         "    def forward(self, x):\n        return self.b(torch.tanh(self.a(x))).square().mean()\n", mod.__dict__)
+         "    def forward(self, x):\n        return self.b(twice(torch.tanh(self.a(x)))).square().mean()\n",
+         mod.__dict__)
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     model = mod.Net()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers="processes",
                                                    memory_budget=3000))
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(rpcompile.StageError, match="could not start the run: ModuleNotFoundError"):
+    with pytest.raises(rpcompile.StageError, match="could not start the run: UnpicklingError: no operator "
+                       r"torch.ops.rpcompile_ephemeral.twice(.|\n)*could not import rpcompile_ephemeral_models "
+                       r"\(ModuleNotFoundError"):
         cm.train_step(torch.randn(4, 8))
     assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
 
@@ -299,11 +328,10 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch)
     for the first time (Note [dry runs]): every graph compiles there, none in a job, each
     program once per worker, and the results equal eager's."""
     from rpcompile.runtime import timeline
-    from worker_aot_eager import InWorkers
-    tests = os.path.dirname(os.path.abspath(__file__))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
     timeline.reset()     # marks are the process's; this test reads its own model's
-    cm = train_both(InWorkers(qwen3(layers=1)), [lm_batch(seed=s) for s in range(2)],
+    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],
                     _config(compile_stages=True, max_jobs=3), steps=2)     # fwd, fused, bwd
     marks = [(r["where"], r["what"]) for r in cm.setup_timeline]
     dry = [(w, what.split()[3]) for w, what in marks if what.startswith("dry run of ")]

@@ -135,11 +135,11 @@ class ProcessExecutor:
         connects (2.5 s on a 2-core sandbox, four at once on a GPU host). So the first call
         starts them before it captures; they connect and wait for their part, which the first
         run sends (`_start`). Processes never given a part are killed with this executor.
-        Loading the plan imports the model's modules (its classes are named in the graphs' node
-        meta): transformers, 2.9 s on the sandbox and 4.5 s a worker on an H200 host, after the
-        capture. So the workers import `modules` (the model's, by name) before they connect too;
-        one that fails to import there (a script's folder, known only from the main process's
-        path, which the workers get later) is imported with the plan, as before."""
+        A plan names none of the model's classes (runtime/portable.py), so a worker imports
+        none of the model's modules (transformers: 4.5 s a worker on an H200 host). It is told
+        `modules` (the model's, by name) for a plan that does not load without them: one whose
+        graphs call an operator a model's module registers (torch.library); then it imports
+        them and loads the plan again."""
         if self.hub is None and self._early is None:
             self._early = self._spawn(modules)
 

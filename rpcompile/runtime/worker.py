@@ -431,7 +431,7 @@ class Worker:
         kind = msg[0]
         t0 = time.perf_counter()
         if kind == "plan":
-            self.plans[msg[1]] = WorkerPlan(portable.loads(msg[2]))
+            self.plans[msg[1]] = WorkerPlan(_load_plan(msg[2]))
             timeline.mark("plan loaded", time.perf_counter() - t0)
         elif kind == "table":
             self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
@@ -613,6 +613,31 @@ def describe(err: StageError) -> dict:
             "traceback": "".join(traceback.format_exception(cause)) if cause is not None else ""}
 
 
+def _load_plan(data: bytes):
+    """The plan's bytes loaded; where they name an operator this process lacks, after importing
+    the model's modules, one of which may register it (Note [early workers])."""
+    try:
+        return portable.loads(data)
+    except (pickle.UnpicklingError, ImportError, AttributeError):
+        modules = list(filter(None, os.environ.get("RPCOMPILE_WORKER_IMPORTS", "").split(",")))
+        if not modules or set(modules) <= set(sys.modules):
+            raise
+    failed = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:   # noqa: BLE001 - said with the error of the load below
+            failed.append(f"{name} ({type(e).__name__}: {e})")
+    timeline.mark("model's modules imported")
+    try:
+        return portable.loads(data)
+    except Exception as e:
+        if not failed:
+            raise
+        raise pickle.UnpicklingError(f"{e}; of the model's modules, this process could not import "
+                                     f"{'; '.join(failed)}") from e
+
+
 def main():
     # Ctrl-C reaches the whole process group: the main process decides, then stops its workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -620,12 +645,6 @@ def main():
         bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
     timeline.set_where(f"worker {index}")
     timeline.mark("imported")
-    for name in filter(None, os.environ.get("RPCOMPILE_WORKER_IMPORTS", "").split(",")):
-        try:        # the model's modules, before the plan names them (Note [early workers])
-            importlib.import_module(name)
-        except Exception:   # noqa: BLE001 - loading the plan imports it again, and says what failed
-            pass
-    timeline.mark("model's modules imported")
     server = serve_socket(os.path.join(directory, f"w{index}.sock"))
     main_conn = connect(os.path.join(directory, "main.sock"), token)
     send(main_conn, threading.Lock(), ("hello", index))
