@@ -459,10 +459,8 @@ def test_a_capture_keeps_its_node_measurements_for_graphs_its_key_misses(monkeyp
     ids = torch.zeros(4, 16, dtype=torch.long)
     cap = capture_call(model, (), {"input_ids": ids, "labels": ids}, dtype=None, device=torch.device("cpu"),
                        dynamic_lengths=True)
-    measured = []
-    measure = cost._Annotator._measure
-    monkeypatch.setattr(cost._Annotator, "_measure", lambda self, node, *a: measured.append(node.name) or
-                        measure(self, node, *a))
+    monkeypatch.setattr(cost, "_MEASURED", {})    # none kept from other captures of this process
+    measured = _count_measurements(monkeypatch)
 
     def plan(shards):
         config = rpcompile.Config(devices=["cpu"], num_microbatches=2, lm_head_shards=shards)
@@ -474,5 +472,45 @@ def test_a_capture_keeps_its_node_measurements_for_graphs_its_key_misses(monkeyp
     again = len(measured) - first
     assert 0 < again < first / 2, (first, again)        # the layers were measured once
     kept = cost.graph_costs(p3.gm)[0]
+    monkeypatch.setattr(cost, "_MEASURED", {})
     fresh = cost.graph_costs(cost.annotate_costs(p3.gm))[0]   # the same graph, measured afresh
     assert kept and kept == fresh
+
+
+def _count_measurements(monkeypatch) -> list:
+    """The names of the nodes annotate_costs measures from here on."""
+    from rpcompile.passes import cost
+    measured = []
+    measure = cost._Annotator._measure
+    monkeypatch.setattr(cost._Annotator, "_measure", lambda self, node, *a: measured.append(node.name) or
+                        measure(self, node, *a))
+    return measured
+
+
+def test_another_capture_of_the_same_layers_measures_nothing_again(monkeypatch):
+    """Note [measurements across captures]: a second model of the same layers, captured on its
+    own, takes every measurement kept from the first capture and gets the costs a fresh
+    annotation gives; at another batch size (other size hints) it measures again."""
+    from rpcompile.capture import capture_call
+    from rpcompile.passes import cost
+
+    from models import qwen3
+
+    monkeypatch.setattr(cost, "_MEASURED", {})
+    measured = _count_measurements(monkeypatch)
+
+    def annotated(seed, batch):
+        ids = torch.zeros(batch, 16, dtype=torch.long)
+        cap = capture_call(qwen3(layers=1, seed=seed), (), {"input_ids": ids, "labels": ids}, dtype=None,
+                           device=torch.device("cpu"))
+        return cost.annotate_costs(cap.gm)
+
+    first = cost.graph_costs(annotated(0, 4))[0]
+    n = len(measured)
+    second = annotated(1, 4)
+    assert n > 0 and len(measured) == n and cost.graph_costs(second)[0] == first
+    other = annotated(2, 6)
+    assert len(measured) > n
+    kept = cost.graph_costs(other)[0]
+    monkeypatch.setattr(cost, "_MEASURED", {})
+    assert kept == cost.graph_costs(cost.annotate_costs(other))[0] == first
