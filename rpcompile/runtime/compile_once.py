@@ -63,14 +63,14 @@ class CompileLocks:
         until one of them has made such a call (then from the caches it filled). What
         Inductor's caches served, and the seconds of the wait and the call, go into the setup
         timeline, named `what`."""
-        path = self._path(code, signature)
-        done = path + ".done"
+        lock = self(code, signature)
+        done = lock.lock_file + ".done"
         t0 = time.perf_counter()
         before = _cache_counts()
         if os.path.exists(done):
             out = call()
         else:
-            with FileLock(path):
+            with lock:
                 first = not os.path.exists(done)
                 if first:
                     out = call()
@@ -80,7 +80,7 @@ class CompileLocks:
         counts = [b - a for a, b in zip(before, _cache_counts())]
         took = time.perf_counter() - t0
         if any(counts) or took > 0.1:
-            timeline.mark(f"{what} {os.path.basename(path)[8:16]} first called: FX graph cache {counts[0]} hit(s) "
+            timeline.mark(f"{what} {os.path.basename(lock.lock_file)[8:16]} first called: FX graph cache {counts[0]} hit(s) "
                           f"{counts[1]} miss(es), AOTAutograd cache {counts[2]} hit(s) {counts[3]} miss(es)", took)
         return out
 
