@@ -596,10 +596,13 @@ class _Annotator:
                 exprs += [s.node.expr for s in sizes if isinstance(s, _SYMBOLIC)]
         symbols = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
         env = self.shape_env
-        if symbols and env is None:
+        if not symbols:
+            return key, (), self.formulas
+        if env is None:
             return None
         hints = getattr(env, "backed_var_to_val", None)
-        hints = env.var_to_val if hints is None and env is not None else hints
+        if hints is None:      # older torch: var_to_val
+            hints = env.var_to_val
         facts = tuple(sorted((str(u), str(hints.get(u)), str(env.var_to_range.get(u))) for u in symbols))
         return key, facts, self.formulas
 
