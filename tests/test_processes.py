@@ -43,6 +43,7 @@ def test_exact_mode_in_worker_processes_matches_eager():
         assert whats.index("imported") < whats.index("set up") < whats.index("plan loaded") < first_job
         # the plan loaded without the model's modules: no transformers in a worker (Note [early workers])
         assert "model's modules imported" not in whats
+        assert "compile stack imported" not in whats      # nothing compiles here (CPU, eager)
     main = [r["what"] for r in timeline if r["where"] == "main"]
     assert main.index("first call") < main.index("captured") < main.index("workers ready") < \
         main.index("train_step returned")
@@ -337,3 +338,6 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch)
     dry = [(w, what.split()[3]) for w, what in marks if what.startswith("dry run of ")]
     assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
     assert not [m for m in marks if "failed" in m[1] or (m[1].startswith("job ") and "compiled" in m[1])]
+    for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
+        whats = [what for where, what in marks if where == w]
+        assert whats.index("compile stack imported") < whats.index("set up")
