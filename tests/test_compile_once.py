@@ -4,6 +4,7 @@ process has made that call, so worker processes that ask for the same piece at o
 one after the other (the later ones from Inductor's caches), and different pieces compile side
 by side. Each LengthDynamic below stands for one process's copy of a piece; each lock is its own
 file descriptor, as in two processes."""
+import os
 import threading
 import time
 
@@ -13,7 +14,8 @@ import torch.fx as fx
 import pytest
 
 from rpcompile.runtime import programs
-from rpcompile.runtime.compile_once import CompileLocks
+from rpcompile.runtime import compile_once
+from rpcompile.runtime.compile_once import CompileLocks, sharing_pass
 from rpcompile.runtime.programs import LengthDynamic
 from rpcompile.runtime.warmup import WarmupGuard, _signature
 
@@ -155,3 +157,92 @@ def test_a_piece_takes_its_lock_only_inside_its_programs_first_call(tmp_path):
     program(x)                                # (known now: waits for that first call to end)
     with locks(gm.code, _signature((y,))):
         assert not _blocks(piece, y)          # called outside one: no lock
+
+
+def _in_thread(fn):
+    """fn() in another thread (another process's sharing pass: its state is per thread)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(timeout=10)
+    assert out, "the call did not return"
+    return out[0]
+
+
+def test_a_sharing_pass_compiles_the_pieces_no_other_process_compiles(tmp_path, in_first_call):
+    """Note [pieces compiled side by side]: in a sharing pass (a dry run's first), a piece
+    whose lock another process holds runs uncompiled and is left to it; a free one is this
+    process's to compile, and its lock is held until the pass settles, then marked done: the
+    next call elsewhere takes no lock and compiles from the caches."""
+    one, two, log = CompileLocks(str(tmp_path)), CompileLocks(str(tmp_path)), []
+    g2, g3 = _piece(2.0), _piece(3.0)
+    a1 = LengthDynamic(g2, _SlowFirstCalls(g2, log, "a1", seconds=0), one)
+    a2, b2 = (LengthDynamic(g, _SlowFirstCalls(g, log, name, seconds=0), two) for g, name in ((g2, "a2"), (g3, "b2")))
+    x = torch.ones(3)
+    with sharing_pass() as first:
+        assert torch.equal(a1(x), 2 * x)
+
+        def process_two():
+            with sharing_pass() as second:
+                out = (a2(x), b2(x))
+            two.settle(True)
+            return out, second.skipped
+        (a, b), skipped = _in_thread(process_two)
+    assert torch.equal(a, 2 * x) and torch.equal(b, 3 * x)      # a2 ran uncompiled: the same values
+    assert skipped == 1 and first.skipped == 0
+    assert [n for kind, n, _ in log if kind == "start"] == ["a1", "b2"]
+    lock_a = one(g2.code, _signature((x,)))
+    assert not os.path.exists(lock_a.lock_file + ".done")       # held until the pass settles
+    assert _blocks(a2, x)                                       # two's next call waits for one
+    one.settle(True)
+    assert os.path.exists(lock_a.lock_file + ".done")
+    time.sleep(0.5)
+    assert [n for kind, n, _ in log if kind == "start"] == ["a1", "b2", "a2"]   # a2 from the caches
+    with lock_a:                                                # done: later calls take no lock
+        assert not _blocks(LengthDynamic(g2, _SlowFirstCalls(g2, [], "a3", seconds=0), two), x)
+
+
+def test_a_sharing_pass_that_failed_marks_nothing_done(tmp_path, in_first_call):
+    locks, gm = CompileLocks(str(tmp_path)), _piece(2.0)
+    a = LengthDynamic(gm, _SlowFirstCalls(gm, [], "a", seconds=0), locks)
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError):
+        with sharing_pass():
+            a(x)
+            raise RuntimeError("the dry run failed after the piece compiled")
+    locks.settle(False)
+    lock = locks(gm.code, _signature((x,)))
+    assert not os.path.exists(lock.lock_file + ".done")
+    lock.acquire(timeout=0)                 # released
+    lock.release()
+
+
+def test_a_program_whose_sharing_pass_left_pieces_runs_them_next_without_its_own_lock(tmp_path):
+    """The program's first call was a sharing pass that left a piece to another process: that
+    call does not count as made, so the next is alone again (its pieces wait for their
+    compilers), but without the program's lock (the pieces' compilers hold their locks through
+    their backward: nothing of the program is left to autotune outside a piece)."""
+    one, two = CompileLocks(str(tmp_path)), CompileLocks(str(tmp_path))
+    gm = _piece(2.0)
+
+    class Program(torch.nn.Module):
+        code = "program"
+
+        def __init__(self):
+            super().__init__()
+            self.piece = LengthDynamic(gm, _SlowFirstCalls(gm, [], "a", seconds=0), two)
+
+        def forward(self, x):
+            return self.piece(x)
+    program = WarmupGuard(Program(), two)
+    x = torch.ones(3)
+    piece_lock, program_lock = one(gm.code, _signature((x,))), one("program", _signature((x,)))
+    with piece_lock:                        # another process compiles the piece
+        with sharing_pass() as shared:
+            assert torch.equal(program(x), 2 * x)
+        assert shared.skipped == 1 and not program._seen
+        with program_lock:
+            assert _blocks(program, x)      # waits for the piece's compiler ...
+    time.sleep(0.5)
+    assert program._seen                    # ... then makes its first call, not for the program's lock
+    assert compile_once.skipped() == 0 and not compile_once.in_sharing_pass()

@@ -37,7 +37,7 @@ import traceback
 
 import torch
 
-from . import ops, timeline
+from . import compile_once, ops, timeline
 from .job import JobContext
 from .weights import working_dtype
 
@@ -112,10 +112,26 @@ class DryRunJob:
         pass
 
 
-def dry_run(step, stage, role: str, dev, program) -> None:
-    """Run `program` (a stage job in `role`) on stand-in values (Note [dry runs]): one
-    microbatch of each shape the step's microbatches have (a batch that does not split evenly
-    has two)."""
+def dry_run(step, stage, role: str, dev, program, locks=None) -> None:
+    """Run `program` (a stage job in `role`) on stand-in values (Note [dry runs]). Given worker
+    processes' CompileLocks, first as a sharing pass, then, if it left pieces to other processes,
+    again to load those from the caches (Note [pieces compiled side by side], compile_once.py)."""
+    if locks is None:
+        return _run(step, stage, role, dev, program)
+    ok = False
+    try:
+        with compile_once.sharing_pass() as shared:
+            _run(step, stage, role, dev, program)
+        ok = True
+    finally:
+        locks.settle(ok)
+    if shared.skipped:
+        _run(step, stage, role, dev, program)
+
+
+def _run(step, stage, role: str, dev, program) -> None:
+    """One microbatch of each shape the step's microbatches have (a batch that does not split
+    evenly has two)."""
     ctx = DryRunJob(step, stage, role, dev)
     shapes = set()
     try:
@@ -156,7 +172,7 @@ class DryRuns:
         t0 = time.perf_counter()
         try:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, role, self.dev.device)
-            dry_run(step, stage, role, self.dev, program)
+            dry_run(step, stage, role, self.dev, program, self.programs.locks)
         except Exception:   # noqa: BLE001 - the real first call compiles, and reports what fails
             last = traceback.format_exc().strip().splitlines()[-1]
             timeline.mark(f"dry run of {stage.index}{role} on {self.dev.label} failed: {last}",

@@ -10,6 +10,7 @@ import time
 import torch
 
 from . import timeline
+from .compile_once import in_sharing_pass
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
 from .warmup import WarmupGuard, _signature, calling_alone
@@ -59,6 +60,7 @@ class LengthDynamic(torch.nn.Module):
         self.compiled = compiled
         self.dims, self.ints = length_inputs(gm)
         self.locks, self.code, self._seen = locks, gm.code, set()
+        self.__dict__["eager"] = gm     # the uncompiled graph (not a second submodule)
 
     def forward(self, *args):
         # Note [compile each piece once] (compile_once.py). A piece's inputs follow from its
@@ -67,8 +69,13 @@ class LengthDynamic(torch.nn.Module):
         if self.locks is not None and calling_alone():
             sig = _signature(args)
             if sig not in self._seen:
-                out = self.locks.first_call("piece", self.code, sig, lambda: self._call(args))
-                self._seen.add(sig)
+                if in_sharing_pass():    # Note [pieces compiled side by side] (compile_once.py)
+                    out, called = self.locks.share("piece", self.code, sig, lambda: self._call(args),
+                                                   lambda: self.eager(*args))
+                else:
+                    out, called = self.locks.first_call("piece", self.code, sig, lambda: self._call(args)), True
+                if called:
+                    self._seen.add(sig)
                 return out
         return self._call(args)
 

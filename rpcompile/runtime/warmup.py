@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from . import timeline
+from . import compile_once, timeline
 
 # (device, seconds) of every call that ran alone (first calls: they compile): what a model's
 # first steps spend compiling, per device (benchmarks/diagnose.py prints it).
@@ -129,6 +129,7 @@ class WarmupGuard(torch.nn.Module):
         self.inner = inner
         self.locks = locks
         self._seen: set = set()
+        self._shared: set = set()      # signatures a sharing pass made, leaving pieces to others
 
     def forward(self, *args):
         sig = _signature(args)
@@ -143,11 +144,18 @@ class WarmupGuard(torch.nn.Module):
         t0 = time.perf_counter()
         try:
             pinned = pinned_bytes(device)
-            if self.locks is None:
+            skipped, whole = compile_once.skipped(), True
+            if self.locks is None or sig in self._shared:
+                out = self.inner(*args)    # (after a sharing pass: its pieces wait for their compilers)
+            elif compile_once.in_sharing_pass():     # Note [pieces compiled side by side]
                 out = self.inner(*args)
+                whole = compile_once.skipped() == skipped
+                if not whole:
+                    self._shared.add(sig)
             else:
                 out = self.locks.first_call("program", self.inner.code, sig, lambda: self.inner(*args))
-            self._seen.add(sig)
+            if whole:
+                self._seen.add(sig)
             release_autotune_copies(device, pinned)
             return out
         finally:
