@@ -352,6 +352,13 @@ def test_trace_summary_per_device():
     assert d0["weights_in_exposed_s"] == pytest.approx(1.0)
     assert d0["bytes"] == {"weights_in": 150, "acts_in": 7}
     assert d1["compute_busy_frac"] == pytest.approx(0.4) and d1["weights_in_s"] == 0 and d1["bytes"] == {"out": 3}
+    assert "compute_lag_s" not in d0          # no issue times recorded
+    # Note [issue lag]: issued at 0.5 s for 0.2 s: queued 0.5 s, the device 3.3 s behind the host at the end;
+    # issued at 3.4 s for 2.5 s: queued 0.1 s, the device 0.1 s behind
+    lagged = [span("cuda:0", "compute", 1.0, 4.0, issued_s=0.5, issue_s=0.2),
+              span("cuda:0", "compute", 3.5, 6.0, issued_s=3.4, issue_s=2.5), span("cuda:0", "out", 0.0, 1.0)]
+    lag = rpcompile_runner.trace_summary(lagged)["devices"]["cuda:0"]["compute_lag_s"]
+    assert lag == {"start": pytest.approx(0.3), "end": pytest.approx(1.7)}
     # CPU "devices" share the name "cpu": told apart by worker
     cpu = rpcompile_runner.trace_summary([span("cpu", "compute", 0, 1, worker=0), span("cpu", "compute", 0, 2, worker=1)])
     assert set(cpu["devices"]) == {"0:cpu", "1:cpu"}

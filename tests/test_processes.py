@@ -52,6 +52,8 @@ def test_exact_mode_in_worker_processes_matches_eager():
     spans = cm.last_trace
     assert {s["worker"] for s in spans if s["stream"] == "compute"} == {0, 1}
     assert all(s["end_s"] >= s["start_s"] >= -1.0 for s in spans)
+    # when each compute span was issued, on the spans' clock (Note [issue lag]): on CPU devices, its start
+    assert all(s["issued_s"] == pytest.approx(s["start_s"], abs=1e-9) for s in spans if s["stream"] == "compute")
     # each worker reports its caching host allocator's bytes (none pinned on CPU)
     assert cm.runner.executor.worker_pinned() == {"0:cpu": 0, "1:cpu": 0}
     # every hand-over went out at once, stamped with its worker's counter (Note [hand-over flags])

@@ -311,6 +311,10 @@ def trace_summary(spans) -> dict:
           split into the part that ran while compute was busy and the part it did not (exposed);
       bytes: total bytes per stream (weights_in, acts_in, out); the per-name totals above tell
           host uploads ("acts_in/fetch") from device-to-device copies ("acts_in/fetch_peer");
+      compute_lag_s: over its compute spans on a GPU, the median seconds each start queued behind
+          the device's earlier work ("start") and the device ran behind the host once the host
+          had issued the span ("end"); both near zero: the launches set the pace (Note [issue
+          lag] in rpcompile/runtime/trace.py);
 
 and under "job_compute_s" each stage job's compute seconds (its microbatches summed).
 
@@ -346,6 +350,12 @@ and under "job_compute_s" each stage job's compute seconds (its microbatches sum
         devices[dev] = {"compute_busy_s": comp_s, "compute_busy_frac": comp_s / step if step > 0 else None,
                         "weights_in_s": w_s, "weights_in_overlapped_s": overlap,
                         "weights_in_exposed_s": max(0.0, w_s - overlap), "bytes": dev_bytes.get(dev, {})}
+        lags = [(float(sp["start_s"]) - sp["issued_s"], float(sp["end_s"]) - sp["issued_s"] - sp["issue_s"])
+                for sp in spans if sp.get("stream") == "compute" and keys[(sp.get("worker"), str(sp.get("device")))] == dev
+                and sp.get("issued_s") is not None and sp.get("issue_s") is not None]
+        if lags:
+            devices[dev]["compute_lag_s"] = {"start": statistics.median(a for a, _ in lags),
+                                             "end": statistics.median(b for _, b in lags)}
     out["devices"] = devices
     jobs: dict = {}                    # job index -> compute seconds (all its microbatches)
     for sp in spans:

@@ -136,16 +136,17 @@ class JobContext:
         if self.dev.is_cpu or stream_name == "host":
             t0 = tracer.now()
             out = fn()
-            tracer.add(self.dev.label, stream_name, name, t0, tracer.now(), **attrs)
+            tracer.add(self.dev.label, stream_name, name, t0, tracer.now(),
+                       **({} if stream_name == "host" else {"issued": t0}), **attrs)
             return out
         stream = self.dev.stream_named(stream_name)
         start = tracer.cuda_mark(stream)
         t0 = time.perf_counter()
         out = fn()
         # issue_s: host seconds spent enqueueing the work (kernel launches under the
-        # interpreter lock), beside the device seconds the events measure
+        # interpreter lock), beside the device seconds the events measure (Note [issue lag])
         tracer.add(self.dev.label, stream_name, name, start, tracer.cuda_mark(stream),
-                   issue_s=time.perf_counter() - t0, **attrs)
+                   issue_s=time.perf_counter() - t0, issued=t0, **attrs)
         return out
 
     # --- synchronisation -------------------------------------------------------------------

@@ -3,6 +3,13 @@
 On CPU devices a span is wall-clock time in the worker thread. On GPUs a span is a pair of
 CUDA events recorded on the stream that did the work, turned into times after the step
 against a start event of that device.
+
+Note [issue lag]: a span of a job's work also says when its host thread began to enqueue it
+("issued_s", on the host clock the GPU times are read against: the device's start event is
+recorded on an idle stream as the tracer starts) and for how long ("issue_s"). Its start less
+issued_s is how long the work queued behind the device's earlier work; its end less the issue's
+end is how far the device ran behind the host when the host had enqueued it all. Both near zero:
+the device waited for the host (launches set the pace), not the other way round.
 """
 from __future__ import annotations
 
@@ -52,8 +59,9 @@ class Tracer:
             raw, self._raw = self._raw, []
         out = self._resolve(raw)
         for s in out:
-            s["start_s"] += shift
-            s["end_s"] += shift
+            for k in ("start_s", "end_s", "issued_s"):
+                if k in s:
+                    s[k] += shift
         return out
 
     def spans(self) -> list:
@@ -71,6 +79,9 @@ class Tracer:
                 s, e = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
             else:
                 s, e = start - self.t0, end - self.t0
+            attrs = dict(attrs)
+            if attrs.get("issued") is not None:   # Note [issue lag]
+                attrs["issued_s"] = attrs.pop("issued") - self.t0
             out.append({"device": str(device), "stream": stream, "name": name, "start_s": s, "end_s": e, **attrs})
         return out
 
