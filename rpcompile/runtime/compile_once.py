@@ -50,9 +50,10 @@ the next ones. A pass never waits for a lock, so no two processes wait for each 
 Measured (2 H200s, Qwen3-1.7B, replicas in processes, cold caches, two runs each side against
 the program lock alone): from "ready for the first step" to the first job's end 42 and 40 s ->
 25 and 27 s (the three pieces: one process compiled two, the other one; 3.5 s of it the
-compile stack imported while the workers wait, Note [compile stack imported early]); setup 84.5 and 71.7
--> 57.6 and 68.4 s (the capture alone varied 10.5-15.4 s between runs); host memory peak 25.5
--> 27.1 GiB (two processes autotune at once). The pipeline's (4 jobs) setup 63.7 -> 57.2 s.
+compile stack imported while the workers wait, Note [compile stack imported early]); setup
+84.5 and 71.7 -> 57.6 and 68.4 s (the capture alone varied 10.5-15.4 s between runs); host
+memory peak 25.5 -> 27.1 GiB (two processes autotune at once). The pipeline's (4 jobs) setup
+63.7 -> 57.2 s.
 """
 from __future__ import annotations
 

@@ -144,18 +144,17 @@ class WarmupGuard(torch.nn.Module):
         t0 = time.perf_counter()
         try:
             pinned = pinned_bytes(device)
-            skipped, whole = compile_once.skipped(), True
-            if self.locks is None or sig in self._shared:
-                out = self.inner(*args)    # (after a sharing pass: its pieces wait for their compilers)
-            elif compile_once.in_sharing_pass():     # Note [pieces compiled side by side]
+            skipped = compile_once.skipped()
+            # Note [pieces compiled side by side]: neither a sharing pass nor the call after one
+            # that left pieces to others (they wait for their compilers) takes the program's lock
+            if self.locks is None or sig in self._shared or compile_once.in_sharing_pass():
                 out = self.inner(*args)
-                whole = compile_once.skipped() == skipped
-                if not whole:
-                    self._shared.add(sig)
             else:
                 out = self.locks.first_call("program", self.inner.code, sig, lambda: self.inner(*args))
-            if whole:
+            if compile_once.skipped() == skipped:
                 self._seen.add(sig)
+            else:                          # made in part: the next call is alone again
+                self._shared.add(sig)
             release_autotune_copies(device, pinned)
             return out
         finally:
