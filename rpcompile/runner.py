@@ -299,6 +299,7 @@ class GraphRunner:
         saved = {i: plan.captured.buffers[i].clone() for i in plan.mutated_buffers}
         try:
             run = self.issue_jobs(plan, step, jobs)
+            self.mode.issued(self, plan)
             run.wait()
         except BaseException:
             with torch.no_grad():
@@ -315,6 +316,7 @@ class GraphRunner:
         beside this step's first jobs), then wait for this step's forward jobs (the loss)."""
         try:
             run = self.issue_jobs(plan, step, jobs)
+            self.mode.issued(self, plan)
         except BaseException:
             self.mode.abandon(step)
             self.settle()

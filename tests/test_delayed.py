@@ -1,6 +1,7 @@
 """Delayed optimizer mode: step t's gradients are taken at the parameters after optimizer
 steps 0..t-2 (Note [delayed optimizer]); checked against that recurrence written in eager."""
 import copy
+import threading
 import time
 
 import pytest
@@ -216,6 +217,61 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
     assert len(devices) > 1
     for (t, dev, _, future), (first_dev, taken) in zip(uploads, firsts[2:]):
         assert first_dev is dev and taken is future, f"step {t}'s first job did not get its upload"
+    ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
+    for t, (a, b) in enumerate(zip(losses, ref_losses)):
+        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
+
+
+def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monkeypatch):
+    """Note [next weights during the step]: with one job a device (here replicas of the fused
+    job on two devices), the upload of step t + 1's weights is asked for as step t's jobs are
+    issued, on every device, from copy t + 1 % 2, after the optimizer has stepped step t - 1's
+    gradients; step t + 1's job on each device uses it, and the results are delayed mode's."""
+    from concurrent.futures import Future
+
+    from rpcompile.runtime.device import DeviceRuntime
+    from rpcompile.runtime.job import JobContext
+
+    uploads, firsts = [], []
+
+    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
+        if isinstance(key[0], str):           # CPU devices upload nothing: stand in for the uploader
+            finished = cm.runner.mode.steps   # steps whose gradients were handed on so far
+            done = Future()
+
+            def upload():
+                before()                      # (waits for the optimizer step that wrote the copy)
+                done.set_result({})
+            threading.Thread(target=upload, daemon=True).start()
+            self.prefetched[key] = done
+            uploads.append((key[1], finished, self, host_weights.slot, done))
+
+    real_init = JobContext.__init__
+
+    def init(self, step, job_index, *args, **kwargs):
+        real_init(self, step, job_index, *args, **kwargs)
+        firsts.append((self.dev, self.prefetched))
+
+    monkeypatch.setattr(DeviceRuntime, "prefetch", prefetch)
+    monkeypatch.setattr(JobContext, "__init__", init)
+    model = qwen3(tied=False, layers=2)
+    ref = copy.deepcopy(model)
+    batches = [lm_batch(seed=s) for s in range(3)]
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   optimizer_mode="delayed", data_parallel=True))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = [cm.train_step(**b) for b in batches]
+    cm.synchronize()
+    assert len(cm.plan.stages) == 1 and cm.plan.replicas == 2
+    # step t's upload, on both devices, from copy t % 2, asked for before step t - 1's gradients were handed on
+    assert sorted((t, slot) for t, _, _, slot, _ in uploads) == [(t, t % 2) for t in (1, 2, 3) for _ in range(2)]
+    assert all(finished <= t - 1 for t, finished, _, _, _ in uploads)
+    for t in (1, 2):                          # (step 3 never ran)
+        ran = firsts[2 * t:2 * t + 2]
+        asked = [(dev, future) for s, _, dev, _, future in uploads if s == t]
+        assert sorted(map(id, (dev for dev, _ in ran))) == sorted(map(id, (dev for dev, _ in asked)))
+        for dev, taken in ran:
+            assert taken is next(f for d, f in asked if d is dev), f"step {t}'s job did not get its upload"
     ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
     for t, (a, b) in enumerate(zip(losses, ref_losses)):
         close(a, b, 1e-5, 1e-6, f"loss at step {t}")
