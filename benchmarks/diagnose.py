@@ -19,8 +19,9 @@ between them (the device waiting for the host inside the job), and its kernels o
 
 and prints per variant: tokens/s, step seconds, each device's compute busy share and the hand-over
 gaps of the last step (a microbatch's compute end on one job to its start on the next). With
-`--pyspy`, py-spy samples the process during base's timed steps (threads, then --gil) into
---out. The variants are instruments, not modes: they change results and live only here.
+`--pyspy`, py-spy samples the process (and each worker process, with `--workers processes`)
+during base's timed steps (threads with --native, then --gil) into --out. The variants are
+instruments, not modes: they change results and live only here.
 """
 from __future__ import annotations
 
@@ -38,6 +39,19 @@ import torch
 from .common import adamw_kwargs, batch_ids, build_model, get_model
 from .systems.rpcompile_runner import trace_summary
 from .trace_hops import summarize
+
+
+def _sampled(cm) -> dict:
+    """The processes py-spy samples: this one ("main") and, with worker processes, each worker
+    ("worker0", ...), where the launches of its device happen."""
+    hub = getattr(cm.runner.executor, "hub", None)
+    return {"main": os.getpid(), **{f"worker{i}": p.pid for i, p in enumerate(getattr(hub, "procs", None) or [])}}
+
+
+def _spy(pid: int, path: str, *extra):
+    """py-spy sampling `pid` for 6 s (raw stacks per thread) into `path`, without pausing it."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", "6", "--threads", "--format", "raw",
+                             "--nonblocking", "-o", path, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def _hops(spans) -> list:
@@ -260,10 +274,8 @@ def main(argv=None):
         cm.synchronize()
         spy = None
         if a.pyspy and variant == "base" and shutil.which("py-spy"):
-            spy = [subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--duration", "6", "--threads",
-                                     "--format", "raw", "--nonblocking", "-o", os.path.join(a.out, "pyspy_threads.txt")]
-                                    + extra, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                   for extra in (["--native"],)]
+            spy = [_spy(pid, os.path.join(a.out, f"pyspy_threads_{name}.txt"), "--native")
+                   for name, pid in _sampled(cm).items()]
         times = []
         for _ in range(a.steps):
             s = time.perf_counter()
@@ -276,13 +288,12 @@ def main(argv=None):
             for p in spy:
                 p.wait(timeout=60)
             # a second sample, only the GIL holders, over the next steps
-            g = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--duration", "6", "--threads",
-                                  "--gil", "--format", "raw", "--nonblocking", "-o", os.path.join(a.out, "pyspy_gil.txt")],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            gil = [_spy(pid, os.path.join(a.out, f"pyspy_gil_{name}.txt"), "--gil") for name, pid in _sampled(cm).items()]
             for _ in range(a.steps):
                 step()
             cm.synchronize()
-            g.wait(timeout=60)
+            for p in gil:
+                p.wait(timeout=60)
         spans = cm.last_trace or []
         summ = trace_summary(spans) if spans else {"devices": {}}
         hops = _hops(spans)

@@ -1,6 +1,8 @@
 """benchmarks.diagnose runs its variants on CPU devices (a smoke test of the instrument: each
 variant times its steps and puts the switch it made back)."""
 import json
+import os
+from types import SimpleNamespace
 
 import torch
 
@@ -20,3 +22,12 @@ def test_diagnose_variants_run_and_undo(tmp_path):
         assert r["tokens_per_s"] > 0 and len(r["step_s"]) == 2
     assert results["6:base"]["optimizer_s"]["step_s"] > 0     # the optimizer steps again after no_optimizer
     assert torch.get_num_threads() == threads and FlatStepper.WIDEN == widen
+
+
+def test_pyspy_samples_the_main_process_and_each_worker_process():
+    """--pyspy: with worker processes the launches happen in the workers, so each is sampled."""
+    procs = [SimpleNamespace(pid=11), SimpleNamespace(pid=12)]
+    cm = SimpleNamespace(runner=SimpleNamespace(executor=SimpleNamespace(hub=SimpleNamespace(procs=procs))))
+    assert diagnose._sampled(cm) == {"main": os.getpid(), "worker0": 11, "worker1": 12}
+    threads = SimpleNamespace(runner=SimpleNamespace(executor=SimpleNamespace()))
+    assert diagnose._sampled(threads) == {"main": os.getpid()}
