@@ -173,70 +173,22 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     assert cm.runner.mode.copies.nbytes() == 2 * trainable + frozen_bytes
 
 
-def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
-    """Delayed mode starts the upload of the next step's first job at the end of a step, on
-    the device that will run that job, from the copy that step reads, after the optimizer step
-    that writes it; the next step's first job uses that upload."""
+def _first_uploads(monkeypatch, layers, **config):
+    """Three delayed AdamW steps of an untied qwen3 on two CPU devices, the uploads of a next
+    step's first job stood in for (CPU devices upload nothing: a thread waits as the uploader
+    would, then completes the future) and recorded as (step, steps handed on when asked, device,
+    copy, future), and each first job's (device, the uploads it was given); the losses are the
+    eager delayed recurrence's. Returns (compiled, uploads, first jobs)."""
     from concurrent.futures import Future
 
     from rpcompile.runtime.device import DeviceRuntime
     from rpcompile.runtime.job import JobContext
 
-    uploads, firsts = [], []
+    uploads, firsts, compiled = [], [], []
 
     def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
-        if isinstance(key[0], str):           # CPU devices upload nothing: stand in for the upload
-            before()
-            done = Future()
-            done.set_result({})
-            self.prefetched[key] = done
-            uploads.append((key[1], self, host_weights.slot, done))
-
-    real_init = JobContext.__init__
-
-    def init(self, step, job_index, *args, **kwargs):
-        real_init(self, step, job_index, *args, **kwargs)
-        if job_index == 0:
-            firsts.append((self.dev, self.prefetched))
-
-    monkeypatch.setattr(DeviceRuntime, "prefetch", prefetch)
-    monkeypatch.setattr(JobContext, "__init__", init)
-    model = qwen3(tied=False, layers=3)
-    ref = copy.deepcopy(model)
-    batches = [lm_batch(seed=s) for s in range(3)]
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                   memory_budget="300KiB", optimizer_mode="delayed"))
-    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    losses = [cm.train_step(**b) for b in batches]
-    cm.synchronize()
-    assert len(cm.plan.stages) % 2 != 0, "pick a plan whose first job moves between devices"
-    # step t's upload starts as step t - 2 ends, while step t - 1 runs (Note [overlapped steps])
-    assert [(t, slot) for t, _, slot, _ in uploads] == [(2, 0), (3, 1)]
-    assert firsts[0][1] is None and firsts[1][1] is None
-    devices = {id(dev) for dev, _ in firsts}
-    assert len(devices) > 1
-    for (t, dev, _, future), (first_dev, taken) in zip(uploads, firsts[2:]):
-        assert first_dev is dev and taken is future, f"step {t}'s first job did not get its upload"
-    ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
-    for t, (a, b) in enumerate(zip(losses, ref_losses)):
-        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
-
-
-def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monkeypatch):
-    """Note [next weights during the step]: with one job a device (here replicas of the fused
-    job on two devices), the upload of step t + 1's weights is asked for as step t's jobs are
-    issued, on every device, from copy t + 1 % 2, after the optimizer has stepped step t - 1's
-    gradients; step t + 1's job on each device uses it, and the results are delayed mode's."""
-    from concurrent.futures import Future
-
-    from rpcompile.runtime.device import DeviceRuntime
-    from rpcompile.runtime.job import JobContext
-
-    uploads, firsts = [], []
-
-    def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
-        if isinstance(key[0], str):           # CPU devices upload nothing: stand in for the uploader
-            finished = cm.runner.mode.steps   # steps whose gradients were handed on so far
+        if isinstance(key[0], str):
+            finished = compiled[0].runner.mode.steps   # steps whose gradients were handed on so far
             done = Future()
 
             def upload():
@@ -250,18 +202,47 @@ def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monk
 
     def init(self, step, job_index, *args, **kwargs):
         real_init(self, step, job_index, *args, **kwargs)
-        firsts.append((self.dev, self.prefetched))
+        if job_index == 0:
+            firsts.append((self.dev, self.prefetched))
 
     monkeypatch.setattr(DeviceRuntime, "prefetch", prefetch)
     monkeypatch.setattr(JobContext, "__init__", init)
-    model = qwen3(tied=False, layers=2)
+    model = qwen3(tied=False, layers=layers)
     ref = copy.deepcopy(model)
     batches = [lm_batch(seed=s) for s in range(3)]
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                   optimizer_mode="delayed", data_parallel=True))
+                                                   optimizer_mode="delayed", **config))
+    compiled.append(cm)
     cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses = [cm.train_step(**b) for b in batches]
     cm.synchronize()
+    ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
+    for t, (a, b) in enumerate(zip(losses, ref_losses)):
+        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
+    return cm, uploads, firsts
+
+
+def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
+    """Delayed mode starts the upload of the next step's first job at the end of a step, on
+    the device that will run that job, from the copy that step reads, after the optimizer step
+    that writes it; the next step's first job uses that upload."""
+    cm, uploads, firsts = _first_uploads(monkeypatch, 3, memory_budget="300KiB")
+    assert len(cm.plan.stages) % 2 != 0, "pick a plan whose first job moves between devices"
+    # step t's upload starts as step t - 2 ends, while step t - 1 runs (Note [overlapped steps])
+    assert [(t, slot) for t, _, _, slot, _ in uploads] == [(2, 0), (3, 1)]
+    assert firsts[0][1] is None and firsts[1][1] is None
+    devices = {id(dev) for dev, _ in firsts}
+    assert len(devices) > 1
+    for (t, _, dev, _, future), (first_dev, taken) in zip(uploads, firsts[2:]):
+        assert first_dev is dev and taken is future, f"step {t}'s first job did not get its upload"
+
+
+def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monkeypatch):
+    """Note [next weights during the step]: with one job a device (here replicas of the fused
+    job on two devices), the upload of step t + 1's weights is asked for as step t's jobs are
+    issued, on every device, from copy t + 1 % 2, after the optimizer has stepped step t - 1's
+    gradients; step t + 1's job on each device uses it, and the results are delayed mode's."""
+    cm, uploads, firsts = _first_uploads(monkeypatch, 2, data_parallel=True)
     assert len(cm.plan.stages) == 1 and cm.plan.replicas == 2
     # step t's upload, on both devices, from copy t % 2, asked for before step t - 1's gradients were handed on
     assert sorted((t, slot) for t, _, _, slot, _ in uploads) == [(t, t % 2) for t in (1, 2, 3) for _ in range(2)]
@@ -272,9 +253,6 @@ def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monk
         assert sorted(map(id, (dev for dev, _ in ran))) == sorted(map(id, (dev for dev, _ in asked)))
         for dev, taken in ran:
             assert taken is next(f for d, f in asked if d is dev), f"step {t}'s job did not get its upload"
-    ref_losses, _ = _eager_delayed(ref, batches, 1e-3)
-    for t, (a, b) in enumerate(zip(losses, ref_losses)):
-        close(a, b, 1e-5, 1e-6, f"loss at step {t}")
 
 
 def _compiled(tied=True):
