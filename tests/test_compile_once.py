@@ -237,12 +237,12 @@ def test_a_program_whose_sharing_pass_left_pieces_runs_them_next_without_its_own
     program = WarmupGuard(Program(), two)
     x = torch.ones(3)
     piece_lock, program_lock = one(gm.code, _signature((x,))), one("program", _signature((x,)))
-    with piece_lock:                        # another process compiles the piece
-        with sharing_pass() as shared:
-            assert torch.equal(program(x), 2 * x)
-        assert shared.skipped == 1 and not program._seen
-        with program_lock:
+    with program_lock:                      # held by another process throughout
+        with piece_lock:                    # another process compiles the piece
+            with sharing_pass() as shared:
+                assert torch.equal(program(x), 2 * x)
+            assert shared.skipped == 1 and not program._seen
             assert _blocks(program, x)      # waits for the piece's compiler ...
-    time.sleep(0.5)
-    assert program._seen                    # ... then makes its first call, not for the program's lock
+        time.sleep(0.5)
+        assert program._seen                # ... then makes its first call, the program's lock still held
     assert compile_once.skipped() == 0 and not compile_once.in_sharing_pass()
