@@ -343,21 +343,3 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch)
     for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
         whats = [what for where, what in marks if where == w]
         assert whats.index("compile stack imported") < whats.index("set up")
-
-
-def test_a_jobs_outputs_are_read_at_its_end_where_their_copies_completed():
-    """Note [outputs before the landing] (worker.py): "ended" says whether every output's copy
-    has completed; outputs still in flight wait for the job's landing."""
-    from rpcompile.runtime.device import Pending
-    from rpcompile.runtime.worker import _copied
-
-    class Event:
-        def __init__(self, done):
-            self.done = done
-
-        def query(self):
-            return self.done
-    loss = torch.ones(())
-    assert _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"loss": loss}})      # (a CPU device's: no copy)
-    assert not _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"out": (loss, Pending(loss, Event(False)))}})
-    assert _copied({})
