@@ -343,3 +343,43 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch)
     for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
         whats = [what for where, what in marks if where == w]
         assert whats.index("compile stack imported") < whats.index("set up")
+
+
+def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
+    """Note [hand-overs of a run] (worker.py): a differentiable call's backward run reaches one
+    worker late (here 0.5 s after the other), so the first backward job's hand-over comes to it
+    before that run started there; it waits for the run instead of being lost (the call hung),
+    and the gradients equal eager's."""
+    import threading
+
+    from rpcompile.runtime import processes
+    real = processes._Hub.to_all
+
+    def to_all(self, msg):
+        if msg[0] != "run" or msg[2]["run"] < 1:
+            return real(self, msg)
+        first = msg[2]["actions"][0].device
+        for i, (conn, lock) in enumerate(zip(self.conns, self.locks)):
+            if i == first:
+                processes.send(conn, lock, msg)
+            else:
+                threading.Timer(0.5, processes.send, (conn, lock, msg)).start()
+    monkeypatch.setattr(processes._Hub, "to_all", to_all)
+    model = qwen3(layers=1)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, _config())
+    batch = lm_batch(seed=2)
+    done = []
+
+    def call():
+        out = cm(**batch)
+        out.loss.backward()
+        done.append(out.loss.detach())
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert done, "the backward run waited for a hand-over that had come before it started"
+    ref_out = ref(**batch)
+    ref_out.loss.backward()
+    close(done[0], ref_out.loss.detach(), 1e-5, 1e-6, "loss")
+    check_grads(model, ref)

@@ -353,7 +353,7 @@ class Worker:
 
     def publish(self, step: WorkerStep, job, mb):
         """Send the values `job` handed on for microbatch mb to the other workers."""
-        micro, owner, pos = step.micro[mb], step.owner[mb], step.position[job]
+        micro, owner, pos, run_no = step.micro[mb], step.owner[mb], step.position[job], step.run_no
         new = {}
         for kind in ("acts", "grads"):
             for name, v in getattr(micro, kind).items():
@@ -373,13 +373,14 @@ class Worker:
             try:
                 values = {k: encode(v, self.memory, pool) for k, v in new.items()}
                 number = self.flags.signal(self.dev.out if self.is_cuda else None)
-                self.to_peers(("done", step.step_id, job, mb, values, (self.index, number)))
+                self.to_peers(("done", step.step_id, run_no, job, mb, values, (self.index, number)))
             except BaseException as exc:
                 failed(exc)
             return
         events = [e for v in new.values() for e in events_of(v)]
         self.later(events, lambda: self.to_peers(
-            ("done", step.step_id, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()}, None)), failed)
+            ("done", step.step_id, run_no, job, mb, {k: encode(v, self.memory, pool) for k, v in new.items()}, None)),
+            failed)
 
     # --- messages in -------------------------------------------------------------------
     def receiver(self):
@@ -458,14 +459,15 @@ class Worker:
         elif kind in ("done", "fail", "replica"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
-                if step is None:
+                if step is None or _later_run(msg, step.run_no):
                     self.early.setdefault(msg[1], []).append(msg)
                     return
-            self.apply(step, msg)
+            if not _earlier_run(msg, step.run_no):
+                self.apply(step, msg)
 
     def apply(self, step, msg):
         if msg[0] == "done":
-            _, _, job, mb, values, stamp = msg
+            _, _, _, job, mb, values, stamp = msg
             step.receive(job, mb, values, stamp)
         elif msg[0] == "replica":     # another copy is ready to sum (Note [replicas in worker processes])
             _, _, run_no, job, r, replicas, keys = msg
@@ -505,8 +507,12 @@ class Worker:
             else:
                 step.tracer = None
             early = self.early.pop(step_id, [])
+            later = [m for m in early if _later_run(m, step.run_no)]
+            if later:
+                self.early[step_id] = later
         for m in early:
-            self.apply(step, m)
+            if not _later_run(m, step.run_no) and not _earlier_run(m, step.run_no):
+                self.apply(step, m)
         for a in desc["actions"]:
             if a.device == self.index:
                 self.jobs.put((step, a, plan))
@@ -604,6 +610,21 @@ class Worker:
                            "dropped": [self.memory.ref(c) for c in pool.dropped()]}))
         # if waiting for the copies failed, the main process hears so (it waits for "landed")
         self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
+
+
+# Note [hand-overs of a run]: a step's runs (a call's forward, then its backward) reuse its job
+# numbers, and a peer's "done" for the next run can reach this worker before the main process's
+# "run" message that starts it here (they come on different connections): applied then, it
+# marked the old run's job, and start_run's fresh events lost it, so the run's later jobs
+# waited for it forever (both workers of a differentiable call's backward, once in CI). A
+# "done" names its run: one of a run not started here waits with the step's early messages,
+# one of an ended run is dropped.
+def _later_run(msg, run_no) -> bool:
+    return msg[0] == "done" and msg[2] > run_no
+
+
+def _earlier_run(msg, run_no) -> bool:
+    return msg[0] == "done" and msg[2] < run_no
 
 
 def describe(err: StageError) -> dict:
