@@ -340,8 +340,6 @@ _DETACH = {"detach", torch.detach, torch.Tensor.detach}
 _MEASURE_DEVICE = {"meta": torch.device("cpu")}
 
 
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-
 # Note [measurements across captures]: a measurement is a function of the node's signature
 # (`_Annotator._key`: op, target, inputs' symbolic sizes, strides and dtypes, gradient and
 # parameter flags, grad mode, autocast), of the flop formulas, and of what the op's fake kernel
@@ -593,7 +591,7 @@ class _Annotator:
         for a in flat_args:
             for v in (_flat(_ev(a)) if isinstance(a, fx.Node) else [a]):
                 sizes = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
-                exprs += [s.node.expr for s in sizes if isinstance(s, _SYMBOLIC)]
+                exprs += [s.node.expr for s in sizes if isinstance(s, torch.types.py_sym_types)]
         symbols = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
         env = self.shape_env
         if not symbols:

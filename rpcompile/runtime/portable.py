@@ -38,7 +38,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from . import ops as _ops   # noqa: F401  (registers torch.ops.rpcompile.* before a program unpickles)
 
 _KEPT_META = ("nn_module_stack", "is_wrapped")   # besides every key starting with "rp_"
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class PortableError(pickle.PicklingError):
@@ -94,7 +93,7 @@ class _Pickler(pickle.Pickler):
             return _op_overload, (ns, name, None)
         if isinstance(obj, HigherOrderOperator):
             return _higher_order_op, (obj._name,)
-        if isinstance(obj, _SYMBOLIC):
+        if isinstance(obj, torch.types.py_sym_types):
             raise pickle.PicklingError(f"a symbolic value ({type(obj).__name__} {obj}) cannot be sent to another "
                                        "process; it belongs to the capture's shape environment")
         if isinstance(obj, FakeTensor):
