@@ -459,10 +459,11 @@ class Worker:
         elif kind in ("done", "fail", "replica"):
             with self.step_lock:
                 step = self.steps.get(msg[1])
-                if step is None or _later_run(msg, step.run_no):
+                order = 0 if step is None else _run_order(msg, step.run_no)
+                if step is None or order > 0:
                     self.early.setdefault(msg[1], []).append(msg)
                     return
-            if not _earlier_run(msg, step.run_no):
+            if order == 0:
                 self.apply(step, msg)
 
     def apply(self, step, msg):
@@ -506,12 +507,12 @@ class Worker:
                 step.trace_shift = step.tracer.t0 - desc["t0"]
             else:
                 step.tracer = None
-            early = self.early.pop(step_id, [])
-            later = [m for m in early if _later_run(m, step.run_no)]
+            early = [(_run_order(m, step.run_no), m) for m in self.early.pop(step_id, [])]
+            later = [m for order, m in early if order > 0]
             if later:
                 self.early[step_id] = later
-        for m in early:
-            if not _later_run(m, step.run_no) and not _earlier_run(m, step.run_no):
+        for order, m in early:
+            if order == 0:
                 self.apply(step, m)
         for a in desc["actions"]:
             if a.device == self.index:
@@ -619,12 +620,9 @@ class Worker:
 # waited for it forever (both workers of a differentiable call's backward, once in CI). A
 # "done" names its run: one of a run not started here waits with the step's early messages,
 # one of an ended run is dropped.
-def _later_run(msg, run_no) -> bool:
-    return msg[0] == "done" and msg[2] > run_no
-
-
-def _earlier_run(msg, run_no) -> bool:
-    return msg[0] == "done" and msg[2] < run_no
+def _run_order(msg, run_no) -> int:
+    """1: a hand-over of a run after `run_no`, -1: of one before it, 0: of it (or not a hand-over)."""
+    return (msg[2] > run_no) - (msg[2] < run_no) if msg[0] == "done" else 0
 
 
 def describe(err: StageError) -> dict:
