@@ -28,6 +28,7 @@ import torch
 from ..errors import RPCompileError, StageError, StepAbandoned
 from . import portable, timeline, warmup
 from .device import Pending
+from .programs import compiles_stages
 from .schedule import Schedule
 from .shared import SharedMemory, SlotSets
 from .weights import working_dtype
@@ -154,7 +155,7 @@ class ProcessExecutor:
                    "RPCOMPILE_WORKER_TOKEN": token.hex(), "RPCOMPILE_WORKER_IMPORTS": ",".join(modules)}
             if d.type == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = _visible(d.index)
-            if config.compile_stages or (config.compile_stages is None and d.type == "cuda"):
+            if compiles_stages(config.compile_stages, d.type == "cuda"):
                 env["RPCOMPILE_WORKER_COMPILES"] = d.type      # Note [compile stack imported early] (worker.py)
             # Inductor's compile pool is per process: share the cores instead of 32 pools of 32
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))

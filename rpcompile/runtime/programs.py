@@ -111,6 +111,11 @@ def length_inputs(gm) -> tuple:
     return dims, ints
 
 
+def compiles_stages(compile_stages, on_gpu: bool) -> bool:
+    """Whether stages are compiled by Inductor on a device (Config.compile_stages; None: on GPUs)."""
+    return bool(on_gpu if compile_stages is None else compile_stages)
+
+
 class ProgramCache:
     """Programs by (plan, stage, role, device), built on first use."""
 
@@ -122,8 +127,7 @@ class ProgramCache:
 
     @property
     def inductor(self) -> bool:
-        """Whether stages are compiled by Inductor here (Config.compile_stages; None: on GPUs)."""
-        return bool(self.on_gpu if self.compile_stages is None else self.compile_stages)
+        return compiles_stages(self.compile_stages, self.on_gpu)
 
     def use_inductor(self, stage) -> bool:
         # Random stages stay eager: Inductor's own RNG would not replay our reseeded streams.
