@@ -274,8 +274,9 @@ def main(argv=None):
         cm.synchronize()
         spy = None
         if a.pyspy and variant == "base" and shutil.which("py-spy"):
+            sampled = _sampled(cm)
             spy = [_spy(pid, os.path.join(a.out, f"pyspy_threads_{name}.txt"), "--native")
-                   for name, pid in _sampled(cm).items()]
+                   for name, pid in sampled.items()]
         times = []
         for _ in range(a.steps):
             s = time.perf_counter()
@@ -288,7 +289,7 @@ def main(argv=None):
             for p in spy:
                 p.wait(timeout=60)
             # a second sample, only the GIL holders, over the next steps
-            gil = [_spy(pid, os.path.join(a.out, f"pyspy_gil_{name}.txt"), "--gil") for name, pid in _sampled(cm).items()]
+            gil = [_spy(pid, os.path.join(a.out, f"pyspy_gil_{name}.txt"), "--gil") for name, pid in sampled.items()]
             for _ in range(a.steps):
                 step()
             cm.synchronize()

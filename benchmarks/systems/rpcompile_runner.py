@@ -323,6 +323,7 @@ and under "job_compute_s" each stage job's compute seconds (its microbatches sum
     first, last = float("inf"), 0.0
     per_dev: dict = {}                 # device key -> stream -> [(start, end)]
     dev_bytes: dict = {}               # device key -> stream -> bytes
+    lags: dict = {}                    # device key -> [(start lag, end lag)] of its issued compute spans
     keys = _device_keys(spans)
     for sp in spans:
         key = f"{sp.get('stream')}/{sp.get('name')}"
@@ -332,6 +333,8 @@ and under "job_compute_s" each stage job's compute seconds (its microbatches sum
         first, last = min(first, start), max(last, end)
         dev = keys[(sp.get("worker"), str(sp.get("device")))]
         per_dev.setdefault(dev, {}).setdefault(str(sp.get("stream")), []).append((start, end))
+        if sp.get("stream") == "compute" and sp.get("issued_s") is not None and sp.get("issue_s") is not None:
+            lags.setdefault(dev, []).append((start - sp["issued_s"], end - sp["issued_s"] - sp["issue_s"]))
         for k, v in sp.items():
             if "bytes" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
                 nbytes[key] = nbytes.get(key, 0) + v
@@ -350,12 +353,9 @@ and under "job_compute_s" each stage job's compute seconds (its microbatches sum
         devices[dev] = {"compute_busy_s": comp_s, "compute_busy_frac": comp_s / step if step > 0 else None,
                         "weights_in_s": w_s, "weights_in_overlapped_s": overlap,
                         "weights_in_exposed_s": max(0.0, w_s - overlap), "bytes": dev_bytes.get(dev, {})}
-        lags = [(float(sp["start_s"]) - sp["issued_s"], float(sp["end_s"]) - sp["issued_s"] - sp["issue_s"])
-                for sp in spans if sp.get("stream") == "compute" and keys[(sp.get("worker"), str(sp.get("device")))] == dev
-                and sp.get("issued_s") is not None and sp.get("issue_s") is not None]
-        if lags:
-            devices[dev]["compute_lag_s"] = {"start": statistics.median(a for a, _ in lags),
-                                             "end": statistics.median(b for _, b in lags)}
+        if dev in lags:
+            devices[dev]["compute_lag_s"] = {"start": statistics.median(a for a, _ in lags[dev]),
+                                             "end": statistics.median(b for _, b in lags[dev])}
     out["devices"] = devices
     jobs: dict = {}                    # job index -> compute seconds (all its microbatches)
     for sp in spans:
