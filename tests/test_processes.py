@@ -383,3 +383,21 @@ def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     ref_out.loss.backward()
     close(done[0], ref_out.loss.detach(), 1e-5, 1e-6, "loss")
     check_grads(model, ref)
+
+
+def test_a_jobs_outputs_are_read_at_its_end_where_their_copies_completed():
+    """Note [outputs before the landing] (worker.py): "ended" says whether every output's copy
+    has completed; outputs still in flight wait for the job's landing."""
+    from rpcompile.runtime.device import Pending
+    from rpcompile.runtime.worker import _copied
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+    loss = torch.ones(())
+    assert _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"loss": loss}})      # (a CPU device's: no copy)
+    assert not _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"out": (loss, Pending(loss, Event(False)))}})
+    assert _copied({})

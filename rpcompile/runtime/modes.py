@@ -313,7 +313,8 @@ class DelayedMode(OverlappedMode):
         they go up as soon as that optimizer step is done, during this step. With more jobs a
         device, its uploader is busy with this step's next jobs (and worker threads wait for
         the optimizer in that uploader), so they are asked for at the step's end as before.
-        (Not yet measured on a GPU: the thirty-eighth session had no device time left.)"""
+        Measured (39th session, 2 H200s, Qwen3-1.7B, 16 timed steps): the GPU's idle time between
+        the steps 93-100 -> 65-71 ms, median step 0.786 -> 0.763 s, 82,189 -> 84,805 tokens/s."""
         if len(plan.stages) == 1:
             self._upload_first_job(runner, plan, self.started)
 

@@ -357,9 +357,10 @@ class ProcessExecutor:
             # the whole run landed: no job of it still reads a working copy the optimizer rewrites
             # (the copies of a job report their keys each: Note [replicas in worker processes])
             step.param_grads.setdefault(job, {}).update({key: Pending(views[key], run_landed) for key in info["grads"]})
+        copied = _COPIED if info.get("outputs_copied") else job_landed   # Note [outputs before the landing] (worker.py)
         for mb, outs in info["outputs"].items():
             for name, v in outs.items():
-                step.micro[mb].outputs[name] = _Output(decode(v, self.memory), job_landed)
+                step.micro[mb].outputs[name] = _Output(decode(v, self.memory), copied)
         e = info["error"]
         if e is None:
             return None
@@ -631,6 +632,17 @@ class _RunLanded:
     def synchronize(self):
         for ev in self.events:
             _Landed(self.hub, ev).synchronize()
+
+
+class _Copied:
+    """The event of outputs whose copies had completed when their job ended."""
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+_COPIED = _Copied()
 
 
 class _Output(Pending):

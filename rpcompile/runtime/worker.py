@@ -589,6 +589,7 @@ class Worker:
         pool, run_no = self.pool(step, a.job), step.run_no
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
+            "outputs_copied": _copied(outputs),     # Note [outputs before the landing]
             "buffers": buffers, "error": None if err is None else describe(err), "aborted": aborted}))
         events = []
         if self.is_cuda:
@@ -623,6 +624,23 @@ class Worker:
 def _run_order(msg, run_no) -> int:
     """1: a hand-over of a run after `run_no`, -1: of one before it, 0: of it (or not a hand-over)."""
     return (msg[2] > run_no) - (msg[2] < run_no) if msg[0] == "done" else 0
+
+
+def _copied(outputs) -> bool:
+    """Note [outputs before the landing]: a job's outputs (a loss) come down as they are made,
+    long before the job's last copies (its gradients, after the backward and the replicas'
+    sum). The main process read them once the job landed, so train_step, which returns the
+    loss, returned 50 ms after the jobs had ended (2 H200s, Qwen3-1.7B, replicas), and a loop
+    that reads the loss before its next step (a progress bar, `float(loss)`) sent that step
+    late by as much. So "ended" says whether every output's copy has completed (the output
+    events of a fused job have, by the time its backward is issued); then the main process
+    reads them at once: train_step returned 9 ms after the jobs ended, and the next step's job
+    reached its worker while the GPU still ran this one's tail. (The GPU still idled 80-90 ms
+    between the steps, and tokens/s did not change: the worker issues a microbatch in about
+    the time the GPU computes it, 0.33 s.) Outputs made at a job's end (a forward-only job's)
+    still wait for the landing."""
+    leaves = pytree.tree_leaves(outputs, is_leaf=lambda v: isinstance(v, Pending))
+    return all(not isinstance(v, Pending) or v.event.query() for v in leaves)
 
 
 def describe(err: StageError) -> dict:
