@@ -102,3 +102,13 @@ def test_training_on_layers_traced_once_matches_eager(monkeypatch):
     cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT)
     train_both(qwen3(layers=3), [lm_batch(seed=s) for s in range(2)], cfg)
     assert calls and calls[0] == 3
+
+
+def test_nothing_is_marked_where_dynamo_would_trace_each_region_anew(monkeypatch):
+    """Torch 2.11's dynamo has no reuse entries: a marked capture was slower than a plain one."""
+    monkeypatch.setattr(layers_once, "MIN_REPEATS", 2)
+    monkeypatch.setattr(layers_once, "_stamps_out", lambda: False)
+    model = qwen3(layers=2)
+    with layers_once.marked(model) as any_marked:
+        assert not any_marked
+        assert not hasattr(type(model.model.layers[0]).forward, "__marked_compile_region_fn__")
