@@ -63,6 +63,7 @@ class CompiledModel(torch.nn.Module):
     def _plan(self, mode, args, kwargs, loss_fn=None):
         if self._last_plan is None:
             timeline.mark("first call")
+            timeline.mark_long_collections()
             # worker processes start beside the capture, told the model's modules (Note [early workers])
             self.runner.prestart(sorted({type(m).__module__ for m in self.model.modules()} - {"__main__"}))
         leaves, spec = flatten_call(args, kwargs)

@@ -82,3 +82,24 @@ def test_trace_counts_bytes_moved(ran):
     assert acts > 0
     # every parameter is read by at least one job of the step (no prefetch on CPU devices)
     assert weights >= sum(p.numel() * p.element_size() for p in cm.model.parameters())
+
+
+def test_a_long_garbage_collection_is_marked(monkeypatch):
+    """Note [long collections] (runtime/timeline.py): a collection at least LONG_COLLECTION_S long
+    is a mark of its process, with its generation and seconds."""
+    import gc
+
+    from rpcompile.runtime import timeline
+    timeline.reset()
+    monkeypatch.setattr(timeline, "LONG_COLLECTION_S", 0.0)
+    had = timeline._on_gc in gc.callbacks
+    timeline.mark_long_collections()
+    timeline.mark_long_collections()     # once per process
+    try:
+        assert gc.callbacks.count(timeline._on_gc) == 1
+        gc.collect()
+    finally:
+        if not had:
+            gc.callbacks.remove(timeline._on_gc)
+    full = [r for r in timeline.setup_timeline() if r["what"].startswith("garbage collection: generation 2")]
+    assert full and full[0]["where"] == "main" and full[0]["seconds"] >= 0.0

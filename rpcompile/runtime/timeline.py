@@ -12,6 +12,7 @@ first steps, since what every step repeats is marked for the first steps only (`
 """
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Optional
@@ -37,6 +38,34 @@ def mark(what: str, seconds: Optional[float] = None) -> None:
     if len(_marks) < LIMIT:
         with _lock:
             _marks.append((time.time(), _where[0], what, None if seconds is None else round(seconds, 3)))
+
+
+# Note [long collections]: one timed step in eight 2-GPU runs took 1.13 s against a median of
+# 0.74 s (Qwen3-1.7B, 39th session), the third step after the compiling first one; a full
+# collection of the cyclic garbage collector in a process that compiled walks every object the
+# compile left alive (the thirtieth session counted 5 full collections, 1.9-2.5 s, in a first
+# step). So each process marks the collections that take LONG_COLLECTION_S or more. The next run
+# (2 H200s, 40 timed steps, none slow) marked 12 full collections, all in the first step: the
+# main process 2 (0.31, 0.35 s), each worker 5 (0.11-0.30 s); none in the timed steps.
+LONG_COLLECTION_S = 0.05
+_gc_start = [0.0]
+
+
+def mark_long_collections() -> None:
+    """From now on, mark this process's garbage collections of LONG_COLLECTION_S or more."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def _on_gc(phase, info) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+        return
+    seconds = time.perf_counter() - _gc_start[0]
+    if seconds >= LONG_COLLECTION_S and len(_marks) < LIMIT:
+        # (not under _lock: a collection can start while this thread holds it)
+        _marks.append((time.time(), _where[0], f"garbage collection: generation {info['generation']}, "
+                       f"{info['collected']} collected", round(seconds, 3)))
 
 
 def mark_early(kind: str, what: str, *args, seconds: Optional[float] = None) -> None:

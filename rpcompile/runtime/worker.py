@@ -710,6 +710,7 @@ def main():
     directory, index, token = os.environ["RPCOMPILE_WORKER_DIR"], int(os.environ["RPCOMPILE_WORKER_INDEX"]), \
         bytes.fromhex(os.environ["RPCOMPILE_WORKER_TOKEN"])
     timeline.set_where(f"worker {index}")
+    timeline.mark_long_collections()
     timeline.mark("imported")
     server = serve_socket(os.path.join(directory, f"w{index}.sock"))
     main_conn = connect(os.path.join(directory, "main.sock"), token)
