@@ -326,7 +326,6 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
                     layers_once.inline_regions(got["gm"])
         except Exception as e:   # noqa: BLE001 - the plain capture below says what is wrong, if anything
             logging.getLogger(__name__).debug("layers not traced once (%s: %s): captured plain", type(e).__name__, e)
-            out = None
             got.clear()
         if "gm" not in got:
             try:

@@ -3,11 +3,10 @@
 Note [layers traced once]: TorchDynamo traces a model call bytecode by bytecode, every decoder
 layer anew: capturing Qwen3-1.7B (28 layers) took 12.9-16.3 s of its first step on the GPU host
 (2 H200s, torch 2.11; 5.0 s on a quiet CPU with torch 2.13), while the worker processes waited
-for the plan. PyTorch's
-hierarchical compilation (`torch.compiler.nested_compile_region`) has dynamo trace a marked
-function once and stamp out the traced subgraph for every later call whose inputs and guards
-agree (an `invoke_subgraph` node per call, the layer's weights as its operands). So, during
-the capture only, the forward of each module class repeated in a ModuleList or Sequential (the
+for the plan. PyTorch's hierarchical compilation (`torch.compiler.nested_compile_region`) has
+dynamo trace a marked function once and stamp out the traced subgraph for every later call
+whose inputs and guards agree (an `invoke_subgraph` node per call, the layer's weights as its
+operands). So, during the capture only, the forward of each module class repeated in a ModuleList or Sequential (the
 outermost such lists: not the experts inside a repeated layer) is marked, and afterwards each
 `invoke_subgraph` node is replaced by a copy of its subgraph's nodes, the module paths in their
 `nn_module_stack` moved from the traced layer to the called one, and the sizes the subgraph
@@ -57,7 +56,7 @@ def repeated_classes(model: torch.nn.Module) -> dict:
                 if next(child.children(), None) is not None:    # a layer, not a Linear: worth a region
                     counts[type(child)] = counts.get(type(child), 0) + 1
             for cls, n in counts.items():
-                if n >= MIN_REPEATS and isinstance(cls.__dict__.get("forward", getattr(cls, "forward", None)), types.FunctionType):
+                if n >= MIN_REPEATS and isinstance(getattr(cls, "forward", None), types.FunctionType):
                     found[cls] = max(found.get(cls, 0), n)
                     inside.append(f"{path}." if path else "")
     return found
@@ -95,6 +94,10 @@ def _stamps_out() -> bool:
     return "max_reuse_entries" in inspect.signature(torch.compiler.nested_compile_region).parameters
 
 
+class NotStamped(Exception):
+    """A region whose copies cannot be stamped out of one trace: the capture runs unmarked."""
+
+
 def inline_regions(gm: fx.GraphModule) -> int:
     """Replace every invoke_subgraph call in gm by its subgraph's nodes; the number replaced."""
     graph, done = gm.graph, 0
@@ -111,8 +114,8 @@ def inline_regions(gm: fx.GraphModule) -> int:
         env: dict = {}
         placeholders = [n for n in inner.nodes if n.op == "placeholder"]
         if len(placeholders) != len(operands):
-            raise RuntimeError(f"invoke_subgraph {node.name}: {len(operands)} operands for "
-                               f"{len(placeholders)} inputs of {body_node.target}")
+            raise NotStamped(f"invoke_subgraph {node.name}: {len(operands)} operands for "
+                             f"{len(placeholders)} inputs of {body_node.target}")
         env.update(zip(placeholders, operands))
         move = _path_move(node, inner)
         outputs = None
@@ -124,7 +127,7 @@ def inline_regions(gm: fx.GraphModule) -> int:
                     outputs = n.args[0]
                     continue
                 if n.op == "get_attr":
-                    raise RuntimeError(f"invoke_subgraph {node.name}: its subgraph reads attribute {n.target}")
+                    raise NotStamped(f"invoke_subgraph {node.name}: its subgraph reads attribute {n.target}")
                 copy = graph.node_copy(n, lambda a: env[a])
                 stack = copy.meta.get("nn_module_stack")
                 if stack and move:
@@ -137,7 +140,7 @@ def inline_regions(gm: fx.GraphModule) -> int:
                 user.replace_all_uses_with(results[user.args[1]])
                 graph.erase_node(user)
             else:
-                raise RuntimeError(f"invoke_subgraph {node.name} is used whole by {user.name}")
+                raise NotStamped(f"invoke_subgraph {node.name} is used whole by {user.name}")
         graph.erase_node(node)
         # dynamo's subgraphs keep sizes the layer's code asked for and nothing reads, which its
         # outer graph drops: dropped too (only those: an unread in-place op is not dead)
@@ -153,10 +156,6 @@ def inline_regions(gm: fx.GraphModule) -> int:
             delattr(gm, name)
     gm.recompile()
     return done
-
-
-class NotStamped(Exception):
-    """A region whose copies cannot be stamped out of one trace: the capture runs unmarked."""
 
 
 def _data_dependent(graph: fx.Graph) -> bool:
@@ -177,16 +176,13 @@ def _path_move(call: fx.Node, inner: fx.Graph):
     """(path traced, path called): the module path the subgraph's nodes were traced under (the
     first call's layer) and the one this call runs, from the call node's own module stack."""
     called = _last_path(call.meta.get("nn_module_stack"))
+    depth = len(call.meta.get("nn_module_stack") or {})     # the called layer's place in a stack
     traced = None
     for n in inner.nodes:
-        stack = n.meta.get("nn_module_stack")
-        if stack:
-            paths = [_path(v) for v in stack.values()]
-            # the shortest path of the subgraph's stacks at the depth of the call's own module
-            depth = len(call.meta.get("nn_module_stack") or {})
-            if len(paths) >= depth > 0:
-                traced = paths[depth - 1]
-                break
+        stack = list((n.meta.get("nn_module_stack") or {}).values())
+        if len(stack) >= depth > 0:     # (the subgraph's stacks run from the model's root)
+            traced = _path(stack[depth - 1])
+            break
     if called is None or traced is None or called == traced:
         return None
     return traced, called

@@ -314,7 +314,7 @@ class DelayedMode(OverlappedMode):
         device, its uploader is busy with this step's next jobs (and worker threads wait for
         the optimizer in that uploader), so they are asked for at the step's end as before.
         Measured (39th session, 2 H200s, Qwen3-1.7B, 16 timed steps): the GPU's idle time between
-        the steps 93-100 -> 65-71 ms, median step 0.786 -> 0.763 s, 82,189 -> 84,805 tokens/s."""
+        the steps 93-100 -> 65-71 ms, median step 0.786 -> 0.762 s, 82,189 -> 84,805 tokens/s."""
         if len(plan.stages) == 1:
             self._upload_first_job(runner, plan, self.started)
 

@@ -638,7 +638,7 @@ def _copied(outputs) -> bool:
     this one's tail (the gradients' download). Outputs made at a job's end (a forward-only
     job's) still wait for the landing. Measured (39th session, 2 H200s, Qwen3-1.7B, delayed,
     with Note [next weights during the step] in modes.py): the GPU's idle time between the
-    steps 66-71 -> 19-37 ms, median step 0.777 -> 0.752 s, 83,233 -> 85,745 tokens/s. (Alone,
+    steps 66-71 -> 19-37 ms, median step 0.778 -> 0.752 s, 83,233 -> 85,745 tokens/s. (Alone,
     before the next weights went up during the step, it gained nothing: the next step then
     waited for its weights' upload instead.)"""
     leaves = pytree.tree_leaves(outputs, is_leaf=lambda v: isinstance(v, Pending))
