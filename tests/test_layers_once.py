@@ -112,3 +112,19 @@ def test_nothing_is_marked_where_dynamo_would_trace_each_region_anew(monkeypatch
     with layers_once.marked(model) as any_marked:
         assert not any_marked
         assert not hasattr(type(model.model.layers[0]).forward, "__marked_compile_region_fn__")
+
+
+def test_moe_layers_of_grouped_matmuls_are_traced_once_and_train_like_eager(monkeypatch):
+    """transformers' Qwen3-MoE experts sort tokens and run grouped matmuls (no sizes from the
+    data): their layers are stamped out, and training equals eager's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    monkeypatch.setattr(layers_once, "MIN_REPEATS", 2)
+    calls = _counting(monkeypatch)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32))
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT)
+    train_both(model, [zoo_batch(s) for s in range(2)], cfg)
+    assert calls and calls[0] == 3
