@@ -13,8 +13,10 @@ outermost such lists: not the experts inside a repeated layer) is marked, and af
 asked for that nothing reads dropped (dynamo's outer graph drops them too). For Qwen3 and Llama
 layers the passes then see the graph a plain capture gives: the same calls in the same order,
 each node in its own layer (the test compares the two); elsewhere a layer's calls on its weights
-alone can come first in it (Falcon's `weight.T`), still within the layer. Where a call's
-guards differ (a layer reads its own index), dynamo traces it again, up to one entry per layer.
+alone can come first in it (Falcon's `weight.T`), still within the layer, and a size product
+the plain capture computed once for all layers is computed in each (Qwen3-MoE's `8 * s0`).
+Where a call's guards differ (a layer reads its own index), dynamo traces it again, up to one
+entry per layer.
 A layer whose sizes depend on the data (an MoE layer's torch.where) is not stamped out: its
 copies would share the first layer's unbacked symbols where a plain capture gives each its own;
 then, as wherever marking fails, the capture runs again unmarked (the marked capture, which
