@@ -31,7 +31,6 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from . import layers_once
 from .errors import CaptureError, InputError
 
 _capture_ids = itertools.count()
@@ -308,32 +307,18 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     def traced(*a, **k):
         return call(model, *a, **k)
 
-    def trace():
-        # A fresh code object per capture: dynamo caches compiled frames per code object, and a
-        # hit would skip our backend.
-        n = next(_capture_ids)
-        fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
-                                f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
-        got.clear()
-        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
-
+    # A fresh code object per capture: dynamo caches compiled frames per code object, and a
+    # hit would skip our backend.
+    n = next(_capture_ids)
+    fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
+                            f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
     with _SwapToCopies(model, copies) as swap, _capture_config():
-        out = None
-        try:     # Note [layers traced once] (layers_once.py); unmarked where that fails
-            with layers_once.marked(model) as any_marked:
-                if any_marked:
-                    out = trace()
-                    layers_once.inline_regions(got["gm"])
-        except Exception as e:   # noqa: BLE001 - the plain capture below says what is wrong, if anything
-            logging.getLogger(__name__).debug("layers not traced once (%s: %s): captured plain", type(e).__name__, e)
-            got.clear()
-        if "gm" not in got:
-            try:
-                out = trace()
-            except torch._dynamo.exc.TorchDynamoException as e:
-                raise _explain_dynamo_error(e) from None
-            except Exception as e:  # errors raised by model code while tracing
-                raise _explain_dynamo_error(e) from e
+        try:
+            out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise _explain_dynamo_error(e) from None
+        except Exception as e:  # errors raised by model code while tracing
+            raise _explain_dynamo_error(e) from e
     if "gm" not in got:
         raise CaptureError("dynamo returned without calling the rpcompile backend (the model produced no graph)")
     gm, example_inputs = got["gm"], got["inputs"]
