@@ -524,6 +524,11 @@ class Harness:
                 r["compute_busy_frac"] = busy
                 r["notes"].append(f"compute busy ({'last period' if steady else 'last step'}) "
                                   + ", ".join(f"{d} {100 * f:.0f}%" for d, f in busy.items()))
+            idle = {d: v for d, v in ((steady or {}).get("idle_between_steps_s") or {}).items() if v}
+            if idle:     # each device's wait between two of the last steps
+                r["idle_between_steps_s"] = idle
+                r["notes"].append("idle between steps " + ", ".join(
+                    f"{d} {1e3 * min(v):.0f}-{1e3 * max(v):.0f} ms" for d, v in idle.items()))
         r["setup_s"] = (raw.get("build_s") or 0) + (raw.get("warmup_s") or 0) or None
         return r
 

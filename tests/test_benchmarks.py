@@ -168,6 +168,8 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     assert all(0 < f <= 1 for f in steady["compute_busy_frac"].values())
     assert res["rpcompile"]["compute_busy_frac"] == steady["compute_busy_frac"]
     assert "compute busy (last period) 0:cpu" in md
+    # and each device's wait between two of the last steps
+    assert set(res["rpcompile"]["idle_between_steps_s"]) <= {"0:cpu", "1:cpu"} and "idle between steps" in md
     assert res["rpcompile"]["warmup_steps"] == 1 and meta["settings"]["warmup_by_system"]["rpcompile"] == 1
     # same weights, same batches: the first loss agrees (bf16 compute both ways)
     assert res["rpcompile"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=0.05)
@@ -362,6 +364,19 @@ def test_trace_summary_per_device():
     # CPU "devices" share the name "cpu": told apart by worker
     cpu = rpcompile_runner.trace_summary([span("cpu", "compute", 0, 1, worker=0), span("cpu", "compute", 0, 2, worker=1)])
     assert set(cpu["devices"]) == {"0:cpu", "1:cpu"}
+
+
+def test_steady_busy_and_the_idle_time_between_steps():
+    def span(dev, start, end, step, stream="compute"):
+        return {"device": dev, "stream": stream, "name": "x", "start_s": start, "end_s": end, "worker": 0, "step": step}
+
+    recent = [span("cuda:0", 0.0, 0.7, 0), span("cuda:0", 0.75, 1.45, 1), span("cuda:0", 1.5, 2.2, 2),
+              span("cuda:0", 1.46, 1.5, 1, stream="out")]        # a download between steps: not compute
+    steady = rpcompile_runner.steady_busy(recent)
+    assert steady["period_s"] == pytest.approx(0.75)
+    assert steady["compute_busy_frac"]["cuda:0"] == pytest.approx(0.7 / 0.75)
+    assert steady["idle_between_steps_s"]["cuda:0"] == [pytest.approx(0.05), pytest.approx(0.05)]
+    assert rpcompile_runner.steady_busy(recent[:1]) is None
 
 
 # --- loss parity --------------------------------------------------------------------------------

@@ -277,7 +277,8 @@ def steady_busy(spans) -> dict:
     """Busy share of each device over the last whole period of overlapped steps: from the start
     of the second-to-last step's first compute span to the start of the last step's (spans of
     runner.recent_traces(), which carry their "step"), counting every step's compute spans in
-    that window. None with fewer than two steps."""
+    that window; and each device's idle seconds between consecutive steps (what the 39th
+    session's gaps.py printed). None with fewer than two steps."""
     starts: dict = {}
     for sp in spans:
         if sp.get("stream") == "compute":
@@ -297,7 +298,20 @@ def steady_busy(spans) -> dict:
             if e > s:
                 per_dev.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], []).append((s, e))
     return {"period_s": hi - lo,
-            "compute_busy_frac": {d: _length(_union(iv)) / (hi - lo) for d, iv in sorted(per_dev.items())}}
+            "compute_busy_frac": {d: _length(_union(iv)) / (hi - lo) for d, iv in sorted(per_dev.items())},
+            "idle_between_steps_s": _idle_between_steps(spans, keys)}
+
+
+def _idle_between_steps(spans, keys) -> dict:
+    """Per device, the seconds from a step's last compute span on it to the next step's first,
+    for each pair of consecutive steps of the spans (the GPU's wait between two steps)."""
+    ends: dict = {}                    # device -> step -> (first compute start, last compute end)
+    for sp in spans:
+        if sp.get("stream") == "compute":
+            per = ends.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], {})
+            a, b = per.get(sp.get("step", 0), (float("inf"), float("-inf")))
+            per[sp.get("step", 0)] = (min(a, float(sp["start_s"])), max(b, float(sp["end_s"])))
+    return {d: [per[k + 1][0] - per[k][1] for k in sorted(per) if k + 1 in per] for d, per in sorted(ends.items())}
 
 
 def trace_summary(spans) -> dict:
