@@ -279,18 +279,18 @@ def steady_busy(spans) -> dict:
     runner.recent_traces(), which carry their "step"), counting every step's compute spans in
     that window; and each device's idle seconds between consecutive steps (what the 39th
     session's gaps.py printed). None with fewer than two steps."""
-    starts: dict = {}
-    for sp in spans:
-        if sp.get("stream") == "compute":
-            k = sp.get("step", 0)
-            starts[k] = min(starts.get(k, float("inf")), float(sp["start_s"]))
+    keys = _device_keys(spans)
+    extents = _step_extents(spans, keys)
+    starts: dict = {}                  # step -> its first compute start on any device
+    for per in extents.values():
+        for k, (a, _) in per.items():
+            starts[k] = min(starts.get(k, float("inf")), a)
     if len(starts) < 2:
         return None
     last = max(starts)
     lo, hi = starts[last - 1] if last - 1 in starts else None, starts[last]
     if lo is None or hi <= lo:
         return None
-    keys = _device_keys(spans)
     per_dev: dict = {}
     for sp in spans:
         if sp.get("stream") == "compute":
@@ -299,19 +299,20 @@ def steady_busy(spans) -> dict:
                 per_dev.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], []).append((s, e))
     return {"period_s": hi - lo,
             "compute_busy_frac": {d: _length(_union(iv)) / (hi - lo) for d, iv in sorted(per_dev.items())},
-            "idle_between_steps_s": _idle_between_steps(spans, keys)}
+            # per device, from a step's last compute span on it to the next step's first
+            "idle_between_steps_s": {d: [per[k + 1][0] - per[k][1] for k in sorted(per) if k + 1 in per]
+                                     for d, per in sorted(extents.items())}}
 
 
-def _idle_between_steps(spans, keys) -> dict:
-    """Per device, the seconds from a step's last compute span on it to the next step's first,
-    for each pair of consecutive steps of the spans (the GPU's wait between two steps)."""
-    ends: dict = {}                    # device -> step -> (first compute start, last compute end)
+def _step_extents(spans, keys) -> dict:
+    """device -> step -> (its first compute start, its last compute end) on that device."""
+    extents: dict = {}
     for sp in spans:
         if sp.get("stream") == "compute":
-            per = ends.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], {})
+            per = extents.setdefault(keys[(sp.get("worker"), str(sp.get("device")))], {})
             a, b = per.get(sp.get("step", 0), (float("inf"), float("-inf")))
             per[sp.get("step", 0)] = (min(a, float(sp["start_s"])), max(b, float(sp["end_s"])))
-    return {d: [per[k + 1][0] - per[k][1] for k in sorted(per) if k + 1 in per] for d, per in sorted(ends.items())}
+    return extents
 
 
 def trace_summary(spans) -> dict:
