@@ -240,7 +240,7 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
 def test_with_one_job_a_device_the_next_steps_weights_go_up_during_the_step(monkeypatch):
     """Note [next weights during the step]: with one job a device (here replicas of the fused
     job on two devices), the upload of step t + 1's weights is asked for as step t's jobs are
-    issued, on every device, from copy t + 1 % 2, after the optimizer has stepped step t - 1's
+    issued, on every device, from copy (t + 1) % 2, after the optimizer has stepped step t - 1's
     gradients; step t + 1's job on each device uses it, and the results are delayed mode's."""
     cm, uploads, firsts = _first_uploads(monkeypatch, 2, data_parallel=True)
     assert len(cm.plan.stages) == 1 and cm.plan.replicas == 2

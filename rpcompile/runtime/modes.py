@@ -305,7 +305,7 @@ class DelayedMode(OverlappedMode):
     def issued(self, runner, plan) -> None:
         """Note [next weights during the step]: where each device runs one job a step (the
         fused job, replicated or not), the next step's first job is this step's job on every
-        device, and its weights (copy t + 1 % 2) are final once the optimizer has stepped the
+        device, and its weights (copy (t + 1) % 2) are final once the optimizer has stepped the
         gradients of step t - 1, which it does while step t runs. Asked for at the step's end,
         as with more jobs, their upload (3.2 GiB for Qwen3-1.7B: about 60 ms at the 55 GB/s
         measured from shared host memory) starts between the steps, where two H200s (replicas)
