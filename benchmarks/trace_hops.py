@@ -20,8 +20,9 @@ def summarize(spans: list) -> str:
         if s["stream"] == "compute" and s.get("job") is not None:
             issue[s["job"]] += s.get("issue_s") or 0.0
     for s in spans:
-        if s["stream"] == "compute" and s.get("job") is not None:
-            job, mb = s["job"], s.get("microbatch")
+        # (a replicated job's sum of the copies' gradients is the job's, of no microbatch)
+        if s["stream"] == "compute" and s.get("job") is not None and s.get("microbatch") is not None:
+            job, mb = s["job"], s["microbatch"]
             prev = compute[job].get(mb)
             start = s["start_s"] if prev is None else min(prev[0], s["start_s"])
             end = s["end_s"] if prev is None else max(prev[1], s["end_s"])

@@ -31,3 +31,15 @@ def test_pyspy_samples_the_main_process_and_each_worker_process():
     assert diagnose._sampled(cm) == {"main": os.getpid(), "worker0": 11, "worker1": 12}
     threads = SimpleNamespace(runner=SimpleNamespace(executor=SimpleNamespace()))
     assert diagnose._sampled(threads) == {"main": os.getpid()}
+
+
+def test_hops_summary_of_replicas_leaves_the_sum_out():
+    """A replicated job's trace has a compute span of no microbatch (the copies' gradient sum):
+    the per-microbatch table leaves it out instead of failing to sort it."""
+    from benchmarks.trace_hops import summarize
+    spans = [{"device": f"cuda:{r}", "stream": "compute", "name": "forward+backward", "job": 0, "microbatch": r,
+              "worker": r, "start_s": 0.01, "end_s": 0.35, "issue_s": 0.2} for r in range(2)]
+    spans += [{"device": f"cuda:{r}", "stream": "compute", "name": "sum_replicas", "job": 0, "microbatch": None,
+               "worker": r, "start_s": 0.36, "end_s": 0.37, "issue_s": 0.001} for r in range(2)]
+    text = summarize(spans)
+    assert "0.350" in text and "0.370" not in text.splitlines()[1]
