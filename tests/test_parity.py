@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import rpcompile
 
@@ -189,3 +190,42 @@ def test_freezing_parameters_replans():
     cm.train_step(**lm_batch())
     assert all(p.grad is None for p in model.model.layers[0].parameters())
     assert all(p.grad is not None for p in model.model.layers[1].parameters())
+
+
+class ViewTally(nn.Module):
+    """A buffer updated in place through a view of it (`tally[1:].add_`), beside one only read."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("tally", torch.zeros(2))
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, x):
+        self.tally[1:].add_(x.detach().sum())
+        return self.out(torch.tanh(self.inp(x)) * self.scale)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_buffer_updated_through_a_view_is_written_back(workers):
+    """A buffer written through a view of it is found updated in place (its storage is the
+    view's), so its updates reach the host: the tally after the steps is eager's (it was not:
+    the plan looked only at the buffer's own users), and the buffer only read is not in the plan."""
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, loss_fn=F.mse_loss, memory_budget=TIGHT,
+                           workers=workers)
+
+    def eager(m, b):
+        total = 0.0
+        for x, y in zip(torch.tensor_split(b["x"], 3), torch.tensor_split(b["target"], 3)):
+            loss = F.mse_loss(m(x), y) * (x.shape[0] / b["x"].shape[0])
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    model = ViewTally()
+    cm = train_both(model, mse_batches(n=9), cfg, eager_step=eager, min_stages=0,
+                    call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+    assert model.tally[1] != 0
+    names = [n for n, _ in model.named_buffers()]
+    assert [names[i] for i in cm.plan.mutated_buffers] == ["tally"]
+

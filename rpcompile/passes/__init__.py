@@ -63,7 +63,7 @@ from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
-from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, set_costs
+from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import device_optimizer_bytes, host_memory, share_by_room
@@ -344,10 +344,22 @@ def _share_by_room_applies(st: CompileState) -> bool:
 
 
 def _mutated_buffers(gm) -> list:
-    """Indices of the buffers the graph updates in place (running statistics)."""
-    return sorted({n.meta["rp_index"] for n in gm.graph.nodes
-                   if n.op == "placeholder" and n.meta.get("rp_kind") == "buffer"
-                   and any(is_impure(u) for u in n.users)})
+    """Indices of the buffers the graph updates in place (running statistics): a buffer, or a
+    view of it (a value of the graph sharing its storage), that an in-place node takes."""
+    by_storage, mutated = {}, set()
+    for n in gm.graph.find_nodes(op="placeholder"):
+        if n.meta.get("rp_kind") == "buffer":
+            v = n.meta.get("example_value", n.meta.get("val"))
+            if isinstance(v, torch.Tensor):
+                by_storage[storage_key(v)] = n.meta["rp_index"]
+            if any(is_impure(u) for u in n.users):
+                mutated.add(n.meta["rp_index"])
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value", n.meta.get("val"))
+        index = by_storage.get(storage_key(v)) if isinstance(v, torch.Tensor) else None
+        if index is not None and any(is_impure(u) for u in n.users):
+            mutated.add(index)
+    return sorted(mutated)
 
 
 def _steps_overlap(st: CompileState) -> bool:

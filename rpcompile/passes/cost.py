@@ -295,7 +295,7 @@ def _floating(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
-def _storage_key(t: torch.Tensor):
+def storage_key(t: torch.Tensor):
     try:
         return t.untyped_storage()._cdata
     except Exception:  # tensors without storage (sparse, some subclasses)
@@ -539,9 +539,9 @@ class _Annotator:
             return NodeCost(**base, requires_grad=any_rg, is_view=True)
 
         # views and no-op conversions: every output aliases an input; no FLOPs, nothing saved
-        in_storages = {_storage_key(t) for t in in_tensors}
+        in_storages = {storage_key(t) for t in in_tensors}
         if (out_tensors and not _in_place(node)
-                and all(_storage_key(t) in in_storages for t in out_tensors)):
+                and all(storage_key(t) in in_storages for t in out_tensors)):
             flows = any_rg and node.target not in _DETACH
             self.rg[node] = [isinstance(v, torch.Tensor) and _floating(v) and flows for v in flat_out]
             return NodeCost(**base, requires_grad=flows, is_view=True)
@@ -628,7 +628,7 @@ class _Annotator:
         inputs: dict = {}      # storage -> the flat position of the input leaf that owns it
 
         def pack(t):
-            k = _storage_key(t)
+            k = storage_key(t)
             if k not in excluded and k not in saved:
                 try:
                     saved[k] = _expr(t.untyped_storage().nbytes())
@@ -666,9 +666,9 @@ class _Annotator:
                         if t.requires_grad:
                             leaves[id(t)] = t
                         if in_param[i]:
-                            excluded.add(_storage_key(t))
+                            excluded.add(storage_key(t))
                         elif not clone:
-                            inputs.setdefault(_storage_key(t), i)
+                            inputs.setdefault(storage_key(t), i)
                         v = t.clone() if clone else t
                     new.append(v)
                     i += 1
@@ -702,7 +702,7 @@ class _Annotator:
             outputs = {}
             for j, v in enumerate(flat_out):
                 if isinstance(v, torch.Tensor):
-                    outputs.setdefault(_storage_key(v), j)
+                    outputs.setdefault(storage_key(v), j)
             for k, b in saved.items():
                 if k in inputs:
                     saved_in.append((inputs[k], b))
