@@ -208,9 +208,9 @@ class ViewTally(nn.Module):
 
 @pytest.mark.parametrize("workers", ["threads", "processes"])
 def test_buffer_updated_through_a_view_is_written_back(workers):
-    """A buffer written through a view of it is found updated in place (its storage is the
-    view's), so its updates reach the host: the tally after the steps is eager's (it was not:
-    the plan looked only at the buffer's own users), and the buffer only read is not in the plan."""
+    """Note [buffers written back]: the runtime copies back only the buffers the plan finds
+    updated in place, so a buffer written through a view of it must be found (its storage is
+    the view's): the tally after the steps is eager's, and the buffer only read is not in the plan."""
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, loss_fn=F.mse_loss, memory_budget=TIGHT,
                            workers=workers)
 
@@ -229,3 +229,20 @@ def test_buffer_updated_through_a_view_is_written_back(workers):
     names = [n for n, _ in model.named_buffers()]
     assert [names[i] for i in cm.plan.mutated_buffers] == ["tally"]
 
+
+def test_buffers_only_read_are_not_written_back(monkeypatch):
+    """A decoder's rotary inv_freq is read by its job, never written: the job copies nothing back
+    at its end (that copy waited for the device: Note [buffers written back])."""
+    from rpcompile.runtime.job import JobContext
+    written, real = [], JobContext.finish
+
+    def finish(job):
+        written.append(len(job.write_back))
+        return real(job)
+    monkeypatch.setattr(JobContext, "finish", finish)
+    model = qwen3()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, dtype=torch.bfloat16,
+                                                   memory_budget="300KiB"))
+    cm.train_step(**lm_batch(seed=0))
+    assert "model.rotary_emb.inv_freq" in [n for n, _ in model.named_buffers()] and not cm.plan.mutated_buffers
+    assert written and not any(written)

@@ -385,11 +385,12 @@ def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     check_grads(model, ref)
 
 
-def test_a_jobs_outputs_are_read_at_its_end_where_their_copies_completed():
-    """Note [outputs before the landing] (worker.py): "ended" says whether every output's copy
-    has completed; outputs still in flight wait for the job's landing."""
+def test_a_jobs_outputs_are_read_once_their_copies_completed():
+    """Note [outputs before the landing] (worker.py): "ended" names the output copies still in
+    flight; the worker's "outputs" message, ahead of the job's landing, wakes their readers."""
     from rpcompile.runtime.device import Pending
-    from rpcompile.runtime.worker import _copied
+    from rpcompile.runtime.processes import _Hub
+    from rpcompile.runtime.worker import _pending_events
 
     class Event:
         def __init__(self, done):
@@ -397,7 +398,15 @@ def test_a_jobs_outputs_are_read_at_its_end_where_their_copies_completed():
 
         def query(self):
             return self.done
-    loss = torch.ones(())
-    assert _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"loss": loss}})      # (a CPU device's: no copy)
-    assert not _copied({0: {"loss": Pending(loss, Event(True))}, 1: {"out": (loss, Pending(loss, Event(False)))}})
-    assert _copied({})
+    loss, done, running = torch.ones(()), Event(True), Event(False)
+    assert _pending_events({0: {"loss": Pending(loss, done)}, 1: {"loss": loss}}) == []    # (a CPU device's: no copy)
+    assert _pending_events({0: {"loss": Pending(loss, done)}, 1: {"out": (loss, Pending(loss, running))}}) == [running]
+    assert _pending_events({}) == []
+    hub = _Hub([], [], [], None, None)
+    record = hub.record(7, {})
+    run = record.new_run([0, 0], None)           # job 0 in two copies
+    readers = record.outputs_landed(run, 0, 1)
+    hub.outputs_landed(7, run, 0, 1)
+    assert readers.is_set() and not record.outputs_landed(run, 0, 0).is_set() and not record.landed[(run, 0)].is_set()
+    hub.die("gone")          # a worker's death wakes every reader too
+    assert record.outputs_landed(run, 0, 0).is_set()

@@ -345,7 +345,8 @@ def _share_by_room_applies(st: CompileState) -> bool:
 
 def _mutated_buffers(gm) -> list:
     """Indices of the buffers the graph updates in place (running statistics): a buffer, or a
-    view of it (a value of the graph sharing its storage), that an in-place node takes."""
+    view of it (a value of the graph sharing its storage), that an in-place node takes. The
+    runtime writes back only these (Note [buffers written back] in runtime/job.py)."""
     by_storage, mutated = {}, set()
     for n in gm.graph.find_nodes(op="placeholder"):
         if n.meta.get("rp_kind") == "buffer":

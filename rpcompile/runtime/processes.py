@@ -348,7 +348,7 @@ class ProcessExecutor:
             raise WorkerDied(self.broken or f"a worker process is gone ({exc}); {RESTART}") from None
         return run
 
-    def _take(self, step, schedule, job, info, job_landed, run_landed):
+    def _take(self, step, schedule, job, info, outputs_landed, run_landed):
         """A job's results into the step, as worker threads leave them: gradients and outputs
         as Pending values, complete once their copies landed (updated buffers: _collect)."""
         stage = schedule.stage(job)
@@ -357,7 +357,7 @@ class ProcessExecutor:
             # the whole run landed: no job of it still reads a working copy the optimizer rewrites
             # (the copies of a job report their keys each: Note [replicas in worker processes])
             step.param_grads.setdefault(job, {}).update({key: Pending(views[key], run_landed) for key in info["grads"]})
-        copied = _COPIED if info.get("outputs_copied") else job_landed   # Note [outputs before the landing] (worker.py)
+        copied = _COPIED if info.get("outputs_copied") else outputs_landed   # Note [outputs before the landing] (worker.py)
         for mb, outs in info["outputs"].items():
             for name, v in outs.items():
                 step.micro[mb].outputs[name] = _Output(decode(v, self.memory), copied)
@@ -423,8 +423,9 @@ class _ProcessRun:
         if not self.waiting[job]:
             del self.waiting[job]
         self.aborted = self.aborted or info.get("aborted", False)
-        err = self.executor._take(self.step, self.schedule, job, info,
-                                  _Landed(self.executor.hub, self.record.landed[(self.run_no, job)]), self.run_landed)
+        outputs = self.record.outputs_landed(self.run_no, job, info.get("replica", 0))
+        err = self.executor._take(self.step, self.schedule, job, info, _Landed(self.executor.hub, outputs),
+                                  self.run_landed)
         if err is not None and self.first_error is None:
             self.first_error = err
         self.updated.append((job, info["buffers"]))
@@ -510,6 +511,8 @@ class _Hub:
                     self.ended.put(msg)
                 elif msg[0] == "landed":
                     self.landed(*msg[1:])
+                elif msg[0] == "outputs":      # Note [outputs before the landing] (worker.py)
+                    self.outputs_landed(*msg[1:])
 
     def die(self, why):
         self.broken = why
@@ -517,8 +520,14 @@ class _Hub:
         with self.lock:
             records = list(self.records.values())
         for r in records:
-            for ev in list(r.landed.values()):
+            for ev in list(r.landed.values()) + list(r.outputs.values()):
                 ev.set()
+
+    def outputs_landed(self, step_id, run_no, job, replica):
+        with self.lock:
+            record = self.records.get(step_id)
+        if record is not None:
+            record.outputs_landed(run_no, job, replica).set()
 
     def landed(self, step_id, run_no, job, info):
         warmup.first_calls.extend(info["first_calls"])
@@ -556,6 +565,7 @@ class _Hub:
         # released before waking the waiter too: a next step issued once this landing was seen
         # (delayed mode: after the optimizer step that waited for it) finds the slot set free
         self.maybe_release(record)
+        record.outputs_landed(run_no, job, info.get("replica", 0)).set()     # (if no "outputs" came first)
         if wake:
             ev.set()
 
@@ -586,6 +596,7 @@ class _StepRecord:
         self.runs = 0
         self.landed: dict = {}       # (run, job) -> threading.Event (set once every copy landed)
         self.copies: dict = {}       # (run, job) -> copies not landed (Note [replicas])
+        self.outputs: dict = {}      # (run, job, copy) -> threading.Event (set once its outputs landed)
         self.tracers: dict = {}      # run -> Tracer
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
@@ -600,6 +611,11 @@ class _StepRecord:
         if tracer is not None:
             self.tracers[self.runs] = tracer
         return self.runs
+
+    def outputs_landed(self, run_no, job, replica) -> threading.Event:
+        """Set once copy `replica` of `job` has its outputs down (Note [outputs before the
+        landing], worker.py), at the latest when it landed; asked for by either side first."""
+        return self.outputs.setdefault((run_no, job, replica), threading.Event())
 
     def copy_landed(self, run_no, job) -> bool:
         """A copy of `job` landed: whether it was the last."""

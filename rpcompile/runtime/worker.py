@@ -587,10 +587,15 @@ class Worker:
         buffers = {} if a.role == "bwd" else {i: step.buffers[i].clone() for i in stage.buffers
                                                if i in step.plan.mutated_buffers}
         pool, run_no = self.pool(step, a.job), step.run_no
+        pending = _pending_events(outputs)
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
-            "outputs_copied": _copied(outputs),     # Note [outputs before the landing]
+            "outputs_copied": not pending, "replica": a.replica,    # Note [outputs before the landing]
             "buffers": buffers, "error": None if err is None else describe(err), "aborted": aborted}))
+        if pending:      # (the notifier takes them in order: these before the job's landing)
+            def outputs_landed(*_):
+                self.to_main(("outputs", step.step_id, run_no, a.job, a.replica))
+            self.later(pending, outputs_landed, outputs_landed)
         events = []
         if self.is_cuda:
             for s in (self.dev.compute, self.dev.weights_in, self.dev.acts_in, self.dev.out):
@@ -626,23 +631,22 @@ def _run_order(msg, run_no) -> int:
     return (msg[2] > run_no) - (msg[2] < run_no) if msg[0] == "done" else 0
 
 
-def _copied(outputs) -> bool:
-    """Note [outputs before the landing]: a job's outputs (a loss) come down as they are made,
-    long before the job's last copies (its gradients, after the backward and the replicas'
-    sum). The main process read them once the job landed, so train_step, which returns the
-    loss, returned 50 ms after the jobs had ended (2 H200s, Qwen3-1.7B, replicas), and a loop
-    that reads the loss before its next step (a progress bar, `float(loss)`) sent that step
-    late by as much. So "ended" says whether every output's copy has completed (the output
-    events of a fused job have, by the time its backward is issued); then the main process
-    reads them at once and the next step's job reaches its worker while the GPU still runs
-    this one's tail (the gradients' download). Outputs made at a job's end (a forward-only
-    job's) still wait for the landing. Measured (39th session, 2 H200s, Qwen3-1.7B, delayed,
-    with Note [next weights during the step] in modes.py): the GPU's idle time between the
-    steps 66-71 -> 19-37 ms, median step 0.778 -> 0.752 s, 83,233 -> 85,745 tokens/s. (Alone,
-    before the next weights went up during the step, it gained nothing: the next step then
-    waited for its weights' upload instead.)"""
+def _pending_events(outputs) -> list:
+    """Note [outputs before the landing]: a job's outputs (a loss) come down before the job's
+    last copies (its gradients, after the replicas' sum). The main process read them once the
+    job landed, so train_step, which returns the loss, returned 50 ms after the jobs had ended
+    (2 H200s, Qwen3-1.7B, replicas), and a loop that reads the loss before its next step (a
+    progress bar, `float(loss)`) sent that step late by as much. So "ended" says whether every
+    output's copy has completed: then the main process reads them at once, and the next step's
+    job reaches its worker while the GPU still runs this one's tail. Otherwise the notifier
+    says so ("outputs") as their copies complete, ahead of the landing: a job that ends while
+    its GPU still computes (Note [buffers written back], job.py) ends before its loss is down.
+    Measured (39th session, 2 H200s, Qwen3-1.7B, delayed, with Note [next weights during the
+    step] in modes.py), read at "ended" against the landing: the GPU's idle time between the
+    steps 66-71 -> 19-37 ms, median step 0.778 -> 0.752 s, 83,233 -> 85,745 tokens/s. Returns
+    the events of the copies not complete yet."""
     leaves = pytree.tree_leaves(outputs, is_leaf=lambda v: isinstance(v, Pending))
-    return all(not isinstance(v, Pending) or v.event.query() for v in leaves)
+    return [v.event for v in leaves if isinstance(v, Pending) and not v.event.query()]
 
 
 def describe(err: StageError) -> dict:
