@@ -349,12 +349,13 @@ def _mutated_buffers(gm) -> list:
     runtime writes back only these (Note [buffers written back] in runtime/job.py)."""
     by_storage, mutated = {}, set()
     for n in gm.graph.find_nodes(op="placeholder"):
-        if n.meta.get("rp_kind") == "buffer":
-            v = n.meta.get("example_value", n.meta.get("val"))
-            if isinstance(v, torch.Tensor):
-                by_storage[storage_key(v)] = n.meta["rp_index"]
-            if any(is_impure(u) for u in n.users):
-                mutated.add(n.meta["rp_index"])
+        if n.meta.get("rp_kind") != "buffer":
+            continue
+        v = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(v, torch.Tensor):
+            by_storage[storage_key(v)] = n.meta["rp_index"]     # (the loop below reads its users)
+        elif any(is_impure(u) for u in n.users):
+            mutated.add(n.meta["rp_index"])
     for n in gm.graph.nodes:
         v = n.meta.get("example_value", n.meta.get("val"))
         index = by_storage.get(storage_key(v)) if isinstance(v, torch.Tensor) else None

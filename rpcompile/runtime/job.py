@@ -191,13 +191,12 @@ class JobContext:
         if b is None:
             host = self.step.buffers[index]
             b = self.dev.upload(host, self.step.dtype)
-            if index not in self.step.plan.mutated_buffers:
-                pass            # Note [buffers written back]
-            elif self.role == "bwd":
-                # A recompute must not update running statistics a second time.
-                b = b.clone() if b is host else b
-            elif b is not host:
-                self.write_back.append((host, b))
+            if index in self.step.plan.mutated_buffers:   # (no other goes back: Note [buffers written back])
+                if self.role == "bwd":
+                    # A recompute must not update running statistics a second time.
+                    b = b.clone() if b is host else b
+                elif b is not host:
+                    self.write_back.append((host, b))
             self.buffers[index] = b
         return b
 
@@ -331,13 +330,13 @@ class JobContext:
 
     # Note [buffers written back]: a job copies back to the host only the buffers the plan
     # found updated in place (running statistics: Plan.mutated_buffers). The copy into the
-    # user's (pageable) buffer waits for the device, so every job that read one (the rotary
-    # inv_freq of Qwen3 and Llama, in the job computing their rotary embedding) held its worker thread
-    # there until the GPU had run all it issued, and only then issued its tail (the replicas'
-    # sum, the gradients' download) and told the main process it had ended: the next step's
-    # work was queued after the GPU went idle instead of behind the running step (py-spy, 2
-    # H200s, Qwen3-1.7B, replicas: a worker's job thread sat in that copy for 315 of 1,176
-    # samples). Without it a job ends while its GPU still computes, before its loss is down, so
+    # user's (pageable) buffer waits for the device, so the job that read one (the rotary
+    # inv_freq of Qwen3 and Llama, in the job computing the rotary embedding) held its worker
+    # thread there until the GPU had run all it issued, and only then issued its tail (the
+    # replicas' sum, the gradients' download) and told the main process it had ended: the
+    # next step's work was queued after the GPU went idle instead of behind the running step
+    # (py-spy, 2 H200s, Qwen3-1.7B, replicas: a worker's job thread sat in that copy for 315
+    # of 1,176 samples). Without it a job ends while its GPU still computes, before its loss is down, so
     # the loss must not wait for the job's landing (Note [outputs before the landing],
     # worker.py). Measured, both together against neither, one run each side (40th session,
     # delayed): 32,768 tokens/step at M=2 (one microbatch a copy: a 4-GPU run's load per GPU)
