@@ -336,9 +336,9 @@ class JobContext:
     # replicas' sum, the gradients' download) and told the main process it had ended: the
     # next step's work was queued after the GPU went idle instead of behind the running step
     # (py-spy, 2 H200s, Qwen3-1.7B, replicas: a worker's job thread sat in that copy for 315
-    # of 1,176 samples). Without it a job ends while its GPU still computes, before its loss is down, so
-    # the loss must not wait for the job's landing (Note [outputs before the landing],
-    # worker.py). Measured, both together against neither, one run each side (40th session,
+    # of 1,176 samples). Without it a job ends while its GPU still computes, before its loss
+    # is down, so the loss must not wait for the job's landing (Note [outputs before the
+    # landing], worker.py). Measured, both together against neither, one run each side (40th session,
     # delayed): 32,768 tokens/step at M=2 (one microbatch a copy: a 4-GPU run's load per GPU)
     # steady step 0.397 -> 0.378 s, 81,825 -> 83,485 tokens/s, busy 92% -> 97%; the 2-GPU bar's
     # 65,536 at M=4 0.735 -> 0.714 s, 88,040 -> 89,479 tokens/s, idle between steps 12-25 ->
