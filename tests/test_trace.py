@@ -103,3 +103,24 @@ def test_a_long_garbage_collection_is_marked(monkeypatch):
             gc.callbacks.remove(timeline._on_gc)
     full = [r for r in timeline.setup_timeline() if r["what"].startswith("garbage collection: generation 2")]
     assert full and full[0]["where"] == "main" and full[0]["seconds"] >= 0.0
+
+
+def test_survivors_of_a_compile_are_frozen_and_garbage_is_not():
+    """Note [frozen after compiling]: a collection first (cyclic garbage is freed, not frozen), then
+    what survives leaves the collector's generations."""
+    import gc
+    import weakref
+    from rpcompile.runtime import timeline
+
+    class Node:
+        pass
+    alive, dead = Node(), Node()
+    dead.me = dead                 # a cycle nobody reaches
+    gone = weakref.ref(dead)
+    del dead
+    before = gc.get_freeze_count()
+    try:
+        timeline.freeze_survivors()
+        assert gone() is None and gc.get_freeze_count() > before and alive is not None
+    finally:
+        gc.unfreeze()

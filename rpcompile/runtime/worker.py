@@ -539,9 +539,12 @@ class Worker:
             step, a, plan = item
             # outputs too: the main process copies them out (_Output.resolve)
             self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
+            compiled = len(warmup.first_calls)
             self.dry_runs.before_job(step, plan, plan.stages[a.stage], a.role)   # Note [dry runs]
             self.run_one(step, a, plan)
             item = step = None
+            if len(warmup.first_calls) > compiled:
+                timeline.freeze_survivors()     # Note [frozen after compiling] (timeline.py)
 
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]
