@@ -246,3 +246,52 @@ def test_buffers_only_read_are_not_written_back(monkeypatch):
     cm.train_step(**lm_batch(seed=0))
     assert "model.rotary_emb.inv_freq" in [n for n, _ in model.named_buffers()] and not cm.plan.mutated_buffers
     assert written and not any(written)
+
+
+class Gated(nn.Module):
+    """`gate` takes part in the graph but no gradient reaches it (a comparison)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.gate = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return self.b(self.a(x) * (self.gate > 0))
+
+
+@pytest.mark.parametrize("data_parallel", [False, True])
+def test_host_gradients_no_gradient_reached_are_never_read(monkeypatch, data_parallel):
+    """Note [first gradients copied]: a job writes only the keys a gradient reached. With the
+    host gradient set filled with NaN when it is made, overlapped steps with a clipped norm
+    (SGD with momentum) equal eager ones and leave `gate` unchanged, as eager does."""
+    from rpcompile.runtime import grads
+
+    made = grads.GradSet.flat
+
+    def nan_filled(self):
+        fresh = self._flat is None
+        flat = made(self)
+        if fresh:
+            flat.fill_(float("nan"))
+        return flat
+
+    monkeypatch.setattr(grads.GradSet, "flat", nan_filled)
+    torch.manual_seed(0)
+    model = Gated()
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, loss_fn=F.mse_loss,
+                                                   optimizer_mode="overlapped", data_parallel=data_parallel))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=0.5)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for b in mse_batches():
+        cm.train_step(b["x"], target=b["target"])
+        mse_eager(ref, b)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step(), opt.zero_grad()
+    cm.synchronize()
+    gate = cm.plan.captured.param_names.index("gate")
+    assert any(gate in st.grad_params for st in cm.plan.stages) and (cm.plan.replicas > 1) == data_parallel
+    assert model.gate.grad is None
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"{name}: max abs error {(p - q).abs().max():.3g}"

@@ -175,9 +175,10 @@ def test_a_copy_joins_the_sum_unless_a_copy_not_ready_failed():
     from rpcompile.runtime.replicas import PeerExchange
     from rpcompile.runtime.worker import RemoteFailure
 
-    class Step:
+    class Step:      # (two microbatches of a bf16 set over three copies: Note [one microbatch a copy])
         def __init__(self):
             self.error, self.failed_copies = None, set()
+            self.micro, self.grads = [None, None], SimpleNamespace(dtype=torch.bfloat16)
 
         def error_is_remote(self):
             return isinstance(self.error, RemoteFailure)
@@ -191,12 +192,44 @@ def test_a_copy_joins_the_sum_unless_a_copy_not_ready_failed():
     threading.Timer(0.2, ex.arrive, (2, [7])).start()
     assert ex.share(0, None, {3}, dev, step, 10) == {3, 5, 7} and said == [[3]]
     assert ex.padded.shape == (12,) and ex.out.shape == (4,) and not ex.padded.any()   # (no microbatch: zeros)
+    assert ex.padded.dtype == ex.out.dtype == torch.bfloat16        # (the dtype the other copies take)
     # copy 2 failed before saying so: copy 0 stops
     ex, step = PeerExchange(3, said.append, lambda: None), Step()
     ex.arrive(1, [5])
     step.error, step.failed_copies = RemoteFailure(), {2}
     assert ex.share(0, None, {3}, dev, step, 10) is None
     assert [PeerExchange(3, None, None).bounds(r, 10) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_copies_of_one_microbatch_accumulate_in_bf16_and_bring_down_the_same_values(monkeypatch, workers):
+    """Note [one microbatch a copy]: bf16 working copies in delayed mode (a bf16 host set) and
+    one microbatch a copy: the accumulators are bf16, and the steps' losses and parameters
+    equal, bit for bit, those of fp32 accumulators in worker threads (two copies: their sum is
+    rounded once either way), the copies in worker processes summing in the collective (gloo
+    here) too."""
+    from rpcompile.runtime import grads, job
+
+    def run(workers, rule):
+        monkeypatch.setattr(job, "accumulator_dtype", rule)
+        return delayed_run(workers, data_parallel=True, dtype=torch.bfloat16)
+
+    made = []
+
+    def spy(step, copies):
+        made.append((len(step.micro), copies, grads.accumulator_dtype(step, copies)))
+        return made[-1][2]
+
+    wide = run("threads", lambda step, copies: torch.float32)
+    narrow = run(workers, spy)
+    if workers == "threads":     # (worker processes take the rule themselves)
+        assert made and set(made) == {(2, 2, torch.bfloat16)}
+    for t, (a, b) in enumerate(zip(narrow[0], wide[0], strict=True)):
+        assert torch.equal(a, b), f"loss at step {t}: {a.item()} against {b.item()}"
+    for a, b in zip(narrow[1], wide[1], strict=True):
+        assert torch.equal(a, b), f"a parameter after three delayed steps: max abs error {(a - b).abs().max():.3g}"
+    step = SimpleNamespace(micro=[None] * 3, grads=SimpleNamespace(dtype=torch.bfloat16))
+    assert [grads.accumulator_dtype(step, n) for n in (1, 2, 3)] == [torch.float32, torch.float32, torch.bfloat16]
 
 
 def test_a_failing_copy_raises_and_changes_nothing(monkeypatch):

@@ -276,15 +276,16 @@ class DeviceRuntime:
             return self.download_into(t, host)
         return _map(move, value)
 
-    def grad_accumulator(self, host_piece, own: bool = False):
-        """The flat fp32 tensor a job accumulates its parameter gradients in (Note [host
-        gradient buffers]), zeroed: on a CPU "device" the host piece itself where it is fp32, so
-        nothing is copied; else (or `own`: a copy of a job other than the first, Note [replicas])
-        a twin (on the device) that `download_into` brings down in one copy, rounded to the
-        piece's dtype there (Note [working-dtype gradients])."""
-        if self.is_cpu and host_piece.dtype == torch.float32 and not own:
-            return host_piece.zero_()
-        return torch.zeros(host_piece.shape, dtype=torch.float32, device=self.device)
+    def grad_accumulator(self, host_piece, own: bool = False, dtype=torch.float32):
+        """The flat tensor (fp32, or `dtype`: Note [one microbatch a copy], grads.py) a job
+        accumulates its parameter gradients in (Note [host gradient buffers]), uninitialised
+        (Note [first gradients copied], job.py): on a CPU "device" the host piece itself where it
+        has that dtype, so nothing is copied; else (or `own`: a copy of a job other than the
+        first, Note [replicas]) a twin (on the device) that `download_into` brings down in one
+        copy, rounded to the piece's dtype there (Note [working-dtype gradients])."""
+        if self.is_cpu and host_piece.dtype == dtype and not own:
+            return host_piece
+        return torch.empty(host_piece.shape, dtype=dtype, device=self.device)
 
     def download_into(self, t, host):
         """Device tensor t into the host tensor `host` (same shape) with one copy; on a GPU a

@@ -10,7 +10,9 @@ So the planner also costs the one-device plan over a device's share of the micro
 then runs every job of the step over its microbatches (the schedule's actions name them,
 `0FB@0[0:2] 0FB@1[2:4]`), and the devices meet only where a job's gradients come down.
 
-There each copy of a job holds its gradients in an fp32 accumulator on its device. The copies
+There each copy of a job holds its gradients in an fp32 accumulator on its device (in the
+gradients' own dtype where each copy runs one microbatch: Note [one microbatch a copy], grads.py).
+The copies
 wait for one another (`GradExchange.share`); then copy r sums slice r of every copy's
 accumulator on its own device (reading the others device to device, each read holding the
 source until it completed: DeviceRuntime.hold) and downloads that slice into slice r of the
@@ -47,6 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from .device import Pending
+from .grads import accumulator_dtype
 
 
 class GradExchange:
@@ -54,7 +57,7 @@ class GradExchange:
 
     def __init__(self, replicas: int):
         self.n = replicas
-        self.accs: list = [None] * replicas       # each copy's fp32 accumulator (None: no gradients)
+        self.accs: list = [None] * replicas       # each copy's accumulator (None: no gradients)
         self.ready: list = [None] * replicas      # GPU: event after the copy's last accumulation
         self.devs: list = [None] * replicas       # each copy's DeviceRuntime
         self.got: set = set()                     # gradient keys any copy made
@@ -85,18 +88,21 @@ class GradExchange:
         return r * numel // self.n, (r + 1) * numel // self.n
 
     @staticmethod
-    def accumulator(r: int, dev, piece, wait_piece_free):
-        """Copy r's zeroed fp32 accumulator for the host piece: copy 0's on a CPU device is the
-        piece itself (the others add into it), once the optimizer is done with it."""
+    def accumulator(r: int, dev, piece, wait_piece_free, dtype=torch.float32):
+        """Copy r's accumulator for the host piece: copy 0's on a CPU device is the piece itself
+        where it has that dtype (the others add into it), once the optimizer is done with it."""
         if r == 0 and dev.is_cpu:
             wait_piece_free()
-        return dev.grad_accumulator(piece, own=r > 0)
+        return dev.grad_accumulator(piece, own=r > 0, dtype=dtype)
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
         """Slice r summed over the copies, on copy r's device (in its own accumulator)."""
         lo, hi = self.bounds(r, numel)
         own = self.accs[r]
-        total = own[lo:hi] if own is not None else torch.zeros(hi - lo, dtype=torch.float32, device=dev.device)
+        if own is None:
+            total = torch.zeros(hi - lo, dtype=torch.float32, device=dev.device)
+        else:     # (a narrow accumulator's slice is summed in fp32 and rounded once, on its way down)
+            total = own[lo:hi] if own.dtype == torch.float32 else own[lo:hi].float()
         for q, acc in enumerate(self.accs):
             if q == r or acc is None:
                 continue
@@ -153,9 +159,9 @@ class PeerExchange:
         not ready failed, or this worker did)."""
         self._group()
         c = self._chunk(numel)
-        if self.padded is None:     # (a copy with no microbatch takes part with zeros)
-            self.padded = torch.zeros(self.n * c, dtype=torch.float32, device=dev.device)
-        self.out = torch.empty(c, dtype=torch.float32, device=dev.device)
+        if self.padded is None:     # (a copy with no microbatch takes part with zeros, of the others' dtype)
+            self.padded = torch.zeros(self.n * c, dtype=accumulator_dtype(step, self.n), device=dev.device)
+        self.out = torch.empty(c, dtype=self.padded.dtype, device=dev.device)
         self._announce(list(got))
         self.arrive(r, got)
         with self._cond:
@@ -174,9 +180,10 @@ class PeerExchange:
         c = self._chunk(numel)
         return min(numel, r * c), min(numel, (r + 1) * c)
 
-    def accumulator(self, r: int, dev, piece, wait_piece_free):
-        """This copy's zeroed fp32 accumulator for the host piece, padded for the collective."""
-        self.padded = torch.zeros(self.n * self._chunk(piece.numel()), dtype=torch.float32, device=dev.device)
+    def accumulator(self, r: int, dev, piece, wait_piece_free, dtype=torch.float32):
+        """This copy's accumulator for the host piece, padded for the collective (the padding
+        is summed too and never read)."""
+        self.padded = torch.empty(self.n * self._chunk(piece.numel()), dtype=dtype, device=dev.device)
         return self.padded[:piece.numel()]
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
