@@ -267,6 +267,7 @@ class FlatStepper:
         self._device_synced: dict = {}
         self.master_uploads = 0         # elements of masters copied up to the devices so far
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
+        self._down_streams: dict = {}   # device -> the stream its stepped masters come down on
         # page_lock(t): page-lock the shared file t lies in, in this process (worker processes' gradients)
         self.page_lock = None
         sig = inspect.signature(type(optimizer).__init__).parameters
@@ -603,12 +604,13 @@ class FlatStepper:
         i = where[1] - r[0]
         return None if dm is None else dm[i:i + p.numel()].view(p.shape)
 
-    def _stream(self, device):
+    def _stream(self, device, streams=None):
         if device.type != "cuda":
             return None
-        s = self._streams.get(device)
+        streams = self._streams if streams is None else streams
+        s = streams.get(device)
         if s is None:
-            s = self._streams[device] = torch.cuda.Stream(device=device)
+            s = streams[device] = torch.cuda.Stream(device=device)
         return s
 
     def _step_run(self, k, gi, group, run) -> bool:
@@ -657,7 +659,21 @@ class FlatStepper:
                             opt.step()
                         finally:
                             flat.grad = None
-                        master[a:b].copy_(flat, non_blocking=True)
+                    # Note [masters down beside the next slice]: on the step's stream the fp32
+                    # masters' copy down (twice the bytes of the bf16 gradient that went up)
+                    # held the next slice's upload: the link's two directions took turns. On
+                    # their own stream they overlap it: the optimizer's step_s 0.211 -> 0.107 s
+                    # (2 H200s, Qwen3-1.7B replicas, one microbatch a copy), where its step had
+                    # set the pace (jobs waited 64-75 ms a step to write their gradient piece;
+                    # 85,868 -> 86,790 tokens/s, GPU-bound since)
+                    down = self._stream(device, self._down_streams)
+                    if down is None:
+                        master[a:b].copy_(flat)
+                    else:
+                        down.wait_stream(stream)
+                        used[(device, "down")] = down
+                        with torch.cuda.stream(down):
+                            master[a:b].copy_(flat, non_blocking=True)
                     continue
                 for name in scalars:
                     twin_state[name].copy_(state0[name])
