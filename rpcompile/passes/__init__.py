@@ -63,7 +63,7 @@ from ..plan import Plan
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
-from .cost import Hardware, _ev, annotate_costs, exchange_seconds, graph_costs, graph_key, set_costs, storage_key
+from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import device_optimizer_bytes, host_memory, share_by_room
@@ -351,13 +351,13 @@ def _mutated_buffers(gm) -> list:
     for n in gm.graph.find_nodes(op="placeholder"):
         if n.meta.get("rp_kind") != "buffer":
             continue
-        v = _ev(n)
+        v = node_value(n)
         if isinstance(v, torch.Tensor):
             by_storage[storage_key(v)] = n.meta["rp_index"]     # (the loop below reads its users)
         elif any(is_impure(u) for u in n.users):
             mutated.add(n.meta["rp_index"])
     for n in gm.graph.nodes:
-        v = _ev(n)
+        v = node_value(n)
         index = by_storage.get(storage_key(v)) if isinstance(v, torch.Tensor) else None
         if index is not None and any(is_impure(u) for u in n.users):
             mutated.add(index)

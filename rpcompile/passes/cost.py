@@ -218,7 +218,7 @@ def graph_symbols(gm: fx.GraphModule) -> dict[str, sympy.Symbol]:
     """The free symbols of the placeholders' sizes (and SymInt placeholders), by name."""
     syms: dict[str, sympy.Symbol] = {}
     for node in gm.graph.find_nodes(op="placeholder"):
-        for v in tree_flatten(_ev(node))[0]:
+        for v in tree_flatten(node_value(node))[0]:
             vals = list(v.shape) if isinstance(v, torch.Tensor) else [v]
             for s in vals:
                 if isinstance(s, torch.SymInt):
@@ -252,8 +252,11 @@ def node_seconds(cost: NodeCost, bindings: dict, *, peak_flops: float, mem_bw: f
 # the pass
 
 
-def _ev(node: fx.Node):
-    """The node's fake value: dynamo's ``example_value`` (``val`` in AOT/export graphs)."""
+def node_value(node):
+    """The node's fake value: dynamo's ``example_value`` (``val`` in AOT/export graphs); what is
+    not a node (a constant argument) is its own value."""
+    if not isinstance(node, fx.Node):
+        return node
     return node.meta.get("example_value", node.meta.get("val"))
 
 
@@ -261,7 +264,7 @@ def _kind(node: fx.Node) -> str:
     kind = node.meta.get("rp_kind")
     if kind is not None:
         return kind
-    ev = _ev(node)
+    ev = node_value(node)
     if isinstance(ev, torch.Tensor):
         if ev.requires_grad and "parameters" in node.name:
             return "param"
@@ -279,10 +282,10 @@ def _param_bytes(node: fx.Node) -> sympy.Expr:
     for a in node.all_input_nodes:
         if a.op != "placeholder" or _kind(a) != "param":
             continue
-        nbytes = _tensor_bytes(_ev(a))
+        nbytes = _tensor_bytes(node_value(a))
         if sl is not None and sl[0] == a.name:
             _, dim, start, stop = sl
-            nbytes = nbytes / _expr(_ev(a).shape[dim]) * (_expr(stop) - _expr(start))
+            nbytes = nbytes / _expr(node_value(a).shape[dim]) * (_expr(stop) - _expr(start))
         total = total + nbytes
     return total
 
@@ -307,7 +310,7 @@ def _fake_mode(gm: fx.GraphModule):
 
     vals = []
     for node in gm.graph.nodes:
-        vals.extend(v for v in _flat(_ev(node))
+        vals.extend(v for v in _flat(node_value(node))
                     if isinstance(v, (torch.Tensor, torch.SymInt)))
     try:
         mode = detect_fake_mode(vals)
@@ -395,8 +398,8 @@ def _nonzero_source(node: fx.Node):
             return node.args[1]
         if node.target in (operator.getitem, torch.Tensor.__getitem__):
             idx = node.args[1] if isinstance(node.args[1], (tuple, list)) else (node.args[1],)
-            masks = [i for i in idx if isinstance(i, fx.Node) and isinstance(_ev(i), torch.Tensor)
-                     and _ev(i).dtype == torch.bool]
+            masks = [i for i in idx if isinstance(i, fx.Node) and isinstance(node_value(i), torch.Tensor)
+                     and node_value(i).dtype == torch.bool]
             return masks[0] if masks else None
     if node.op == "call_method" and node.target in ("nonzero", "argwhere"):
         return node.args[0]
@@ -442,7 +445,7 @@ class _Annotator:
     # -- per node ---------------------------------------------------------------------------
     def run(self) -> None:
         for node in self.gm.graph.nodes:
-            ev = _ev(node)
+            ev = node_value(node)
             flat_out = _flat(ev)
             if node.op == "placeholder":
                 kind = _kind(node)
@@ -480,24 +483,24 @@ class _Annotator:
         if source is not None:
             est = self._nnz(source, 0)
         else:
-            sizes = [_numel(_ev(a)) for a in node.all_input_nodes if isinstance(_ev(a), torch.Tensor)]
+            sizes = [_numel(node_value(a)) for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
             est = max(sizes, key=lambda e: _rough_size(e), default=sympy.Integer(1)) / 2
         for u in new:
             self.estimates[u] = sympy.sympify(est)
 
     def _nnz(self, node: fx.Node, depth: int) -> sympy.Expr:
         """Expected count of nonzero elements of `node`'s value."""
-        ev = _ev(node)
+        ev = node_value(node)
         numel = _numel(ev)
         if depth > 16 or not isinstance(ev, torch.Tensor):
             return numel / 2
         if node.op == "call_function" and node.target in _ONE_HOT:
-            return _numel(_ev(node.args[0]))           # one 1 per index
+            return _numel(node_value(node.args[0]))           # one 1 per index
         cost = node.meta.get("rp_cost")
-        srcs = [a for a in node.all_input_nodes if isinstance(_ev(a), torch.Tensor)]
+        srcs = [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
         keeps = cost is not None and cost.is_view or (node.op == "call_method" and node.target in _CASTS)
         if keeps and srcs:   # a view or a cast: the same density as its source
-            return self._nnz(srcs[0], depth + 1) * numel / _numel(_ev(srcs[0]))
+            return self._nnz(srcs[0], depth + 1) * numel / _numel(node_value(srcs[0]))
         return numel / 2
 
     def _substitute(self, cost: NodeCost) -> NodeCost:
@@ -520,7 +523,7 @@ class _Annotator:
         in_vals, in_rg, in_param, in_names = [], [], [], []
         for a in flat_args:
             if isinstance(a, fx.Node):
-                vals = _flat(_ev(a))
+                vals = _flat(node_value(a))
                 flags = self.rg.get(a, [False] * len(vals))
                 kind = _kind(a) if a.op == "placeholder" else "act"
                 for j, (v, f) in enumerate(zip(vals, flags)):
@@ -574,7 +577,7 @@ class _Annotator:
             sig = []
             for a in flat_args:
                 if isinstance(a, fx.Node):
-                    sig.append(tuple(_sig(v) for v in _flat(_ev(a))))
+                    sig.append(tuple(_sig(v) for v in _flat(node_value(a))))
                 else:
                     sig.append(_sig(a))
             key = (node.op, node.target, str(spec), tuple(sig), tuple(in_rg), tuple(in_param),
@@ -589,7 +592,7 @@ class _Annotator:
         captures]): each size symbol's hint and range, and the FLOP formulas."""
         exprs = []
         for a in flat_args:
-            for v in (_flat(_ev(a)) if isinstance(a, fx.Node) else [a]):
+            for v in (_flat(node_value(a)) if isinstance(a, fx.Node) else [a]):
                 sizes = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
                 exprs += [s.node.expr for s in sizes if isinstance(s, torch.types.py_sym_types)]
         symbols = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
@@ -615,7 +618,7 @@ class _Annotator:
                 # a node reading only 0-dim tensors (a module's scalar attribute, `.item()`) is
                 # cheap whatever it does: costing it as 0 loses nothing worth a warning
                 scalar = all(v.dim() == 0 for a in flat_args if isinstance(a, fx.Node)
-                             for v in _flat(_ev(a)) if isinstance(v, torch.Tensor))
+                             for v in _flat(node_value(a)) if isinstance(v, torch.Tensor))
                 if node.target not in self.warned and not scalar:
                     self.warned.add(node.target)
                     warnings.warn(f"annotate_costs: could not measure {node.format_node()} "
@@ -650,7 +653,7 @@ class _Annotator:
                 if not isinstance(a, fx.Node):
                     call_args.append(a)
                     continue
-                ev = _ev(a)
+                ev = node_value(a)
                 vals, vspec = tree_flatten(ev)
                 new = []
                 for j, v in enumerate(vals):

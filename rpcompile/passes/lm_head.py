@@ -97,6 +97,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .cost import node_value
 from .graph_utils import bind_cross_entropy
 
 __all__ = [
@@ -174,12 +175,6 @@ class LMHead:
 # --------------------------------------------------------------------------- helpers
 
 
-def _ev(node: Any) -> Any:
-    if not isinstance(node, fx.Node):
-        return node
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
 def _hint(x: Any, at: dict | None = None) -> int:
     """x's size at the capture's size hints; at: {symbol name: size} overriding some of them."""
     if isinstance(x, torch.SymInt):
@@ -214,7 +209,7 @@ def _placeholder_kind(node: fx.Node) -> str | None:
         return None
     kind = node.meta.get("rp_kind")
     if kind is None:
-        ev = _ev(node)
+        ev = node_value(node)
         kind = "param" if isinstance(ev, torch.nn.Parameter) else "input"
     return kind
 
@@ -231,7 +226,7 @@ def _index_keeps_last_dim(index: Any, ndim: int) -> bool:
             continue
         if isinstance(e, int) and not isinstance(e, bool):
             continue
-        if isinstance(e, fx.Node) and isinstance(_ev(e), (int, torch.SymInt)):
+        if isinstance(e, fx.Node) and isinstance(node_value(e), (int, torch.SymInt)):
             continue
         return False  # None (new axis), tensors, lists, bools
     if Ellipsis in idx:
@@ -244,7 +239,7 @@ def _index_keeps_last_dim(index: Any, ndim: int) -> bool:
 
 def _chain_op(node: fx.Node, vocab: int) -> tuple[str | None, str | None]:
     """Classify a logit-side op: (kind, reason-if-unsupported)."""
-    src, out = _ev(node.args[0]) if node.args else None, _ev(node)
+    src, out = node_value(node.args[0]) if node.args else None, node_value(node)
     if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
         return None, f"no example value on {node.name}"
     if out.dim() == 0 or out.shape[-1] != vocab or src.shape[-1] != vocab:
@@ -305,7 +300,7 @@ def _match(ce: fx.Node) -> LMHead | None:
     hidden = linear.kwargs.get("input", largs[0])
     weight = linear.kwargs.get("weight", largs[1])
     bias = linear.kwargs.get("bias", largs[2])
-    w, x, logits_in = _ev(weight), _ev(hidden), _ev(args["input"])
+    w, x, logits_in = node_value(weight), node_value(hidden), node_value(args["input"])
     if not (isinstance(weight, fx.Node) and isinstance(hidden, fx.Node)):
         return None
     if not (isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor)) or w.dim() != 2:
@@ -315,7 +310,7 @@ def _match(ce: fx.Node) -> LMHead | None:
         return None  # a linear, but not the one whose outputs are the classes
 
     target = args["target"]
-    y = _ev(target)
+    y = node_value(target)
     ignore_index = args["ignore_index"]
     head = LMHead(
         linear=linear, hidden=hidden, weight=weight, bias=bias, chain=tuple(chain),
@@ -381,18 +376,18 @@ def _module_path_segments(path: str) -> tuple:
 def _node_flops(node: fx.Node, at: dict | None = None) -> int:
     """Rough forward FLOPs of the matmul-like ops (2 * out elements * reduced dim); 0 otherwise."""
     try:
-        out = _ev(node)
+        out = node_value(node)
         t, name = node.target, node.target if node.op == "call_method" else None
         if node.op == "call_function" and t in _LINEAR_TARGETS:
-            w = _ev(node.args[1] if len(node.args) > 1 else node.kwargs["weight"])
+            w = node_value(node.args[1] if len(node.args) > 1 else node.kwargs["weight"])
             return 2 * _numel(out, at) * _hint(w.shape[-1], at)
         if (node.op == "call_function" and t in (torch.matmul, operator.matmul, torch.bmm, torch.mm)) or (
             name in ("matmul", "bmm", "mm", "__matmul__")
         ):
-            a = _ev(node.args[0])
+            a = node_value(node.args[0])
             return 2 * _numel(out, at) * _hint(a.shape[-1], at)
         if node.op == "call_function" and t is F.scaled_dot_product_attention:
-            q, k, v = (_ev(a) for a in node.args[:3])
+            q, k, v = (node_value(a) for a in node.args[:3])
             rows = _numel(q, at) // _hint(q.shape[-1], at)
             return 2 * rows * _hint(k.shape[-2], at) * (_hint(q.shape[-1], at) + _hint(v.shape[-1], at))
     except Exception:
@@ -532,7 +527,7 @@ class _Builder:
 
     def _fake(self, node: fx.Node) -> Any:
         try:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), _ev)
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), node_value)
             with self.fake_mode if self.fake_mode is not None else nullcontext():
                 if node.op == "call_method":
                     return getattr(args[0], node.target)(*args[1:], **kwargs)
@@ -545,7 +540,7 @@ def _fake_mode_of(*nodes: fx.Node) -> Any:
     from torch._guards import detect_fake_mode
 
     try:
-        return detect_fake_mode([_ev(n) for n in nodes if isinstance(_ev(n), torch.Tensor)])
+        return detect_fake_mode([node_value(n) for n in nodes if isinstance(node_value(n), torch.Tensor)])
     except Exception:
         return None
 
@@ -590,7 +585,7 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
             if bkind in ("param", "buffer"):
                 b_k.meta["rp_param_slice"] = (head.bias.name, 0, a, b)
         l_k = fn(F.linear, h, w_k, b_k, _name=f"lm_head_logits_{k}")
-        lv = _ev(l_k)
+        lv = node_value(l_k)
         if isinstance(lv, torch.Tensor) and lv.dtype in (torch.float16, torch.bfloat16):
             l_k = meth("float", l_k, _name=f"lm_head_logits_{k}_f32")
         m_k = fn(torch.amax, fn(torch.detach, l_k), -1, _name=None if k else "lm_head_max_0")
@@ -630,7 +625,7 @@ def _rewrite(gm: fx.GraphModule, head: LMHead, num_shards: int, apart: bool = Fa
         out = fn(torch.sum, nll, _name="lm_head_loss")
     else:  # mean over the counted tokens (nan when none is counted, like F.cross_entropy)
         out = fn(torch.div, fn(torch.sum, nll), fn(torch.sum, valid), _name="lm_head_loss")
-    want, got = _ev(head.loss), _ev(out)
+    want, got = node_value(head.loss), node_value(out)
     if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.dtype != got.dtype:
         out = meth("to", out, want.dtype)
 

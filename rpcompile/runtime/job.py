@@ -301,7 +301,7 @@ class JobContext:
             return
         if self.grad_flat is None:
             self._start_grads()
-        # Note [first gradients copied]: a key's first gradient is copied in, the next ones added
+        # a key's first gradient is copied in, the next ones added (Note [first gradients copied])
         first = [(key, g) for key, g in got if key not in self.grad_got]
         more = [(key, g) for key, g in got if key in self.grad_got] if first else got
         if first:

@@ -10,10 +10,9 @@ So the planner also costs the one-device plan over a device's share of the micro
 then runs every job of the step over its microbatches (the schedule's actions name them,
 `0FB@0[0:2] 0FB@1[2:4]`), and the devices meet only where a job's gradients come down.
 
-There each copy of a job holds its gradients in an fp32 accumulator on its device (in the
-gradients' own dtype where each copy runs one microbatch: Note [one microbatch a copy], grads.py).
-The copies
-wait for one another (`GradExchange.share`); then copy r sums slice r of every copy's
+There each copy of a job holds its gradients in an fp32 accumulator on its device (in the host
+set's dtype where each copy runs one microbatch: Note [one microbatch a copy], grads.py). The
+copies wait for one another (`GradExchange.share`); then copy r sums slice r of every copy's
 accumulator on its own device (reading the others device to device, each read holding the
 source until it completed: DeviceRuntime.hold) and downloads that slice into slice r of the
 job's host piece, so the host receives one gradient set, as from the pipeline, with each
@@ -96,7 +95,8 @@ class GradExchange:
         return dev.grad_accumulator(piece, own=r > 0, dtype=dtype)
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
-        """Slice r summed over the copies, on copy r's device (in its own accumulator)."""
+        """Slice r summed over the copies, on copy r's device (in its own accumulator where it
+        is fp32)."""
         lo, hi = self.bounds(r, numel)
         own = self.accs[r]
         if own is None:
