@@ -48,10 +48,17 @@ def _sampled(cm) -> dict:
     return {"main": os.getpid(), **{f"worker{i}": p.pid for i, p in enumerate(getattr(hub, "procs", None) or [])}}
 
 
+def _spy_command(pid: int, path: str, *extra) -> list:
+    """py-spy sampling `pid` for 6 s (raw stacks per thread) into `path`, without pausing it, but
+    for native stacks: py-spy refuses `--native` with `--nonblocking` ("Can't get native stack
+    traces with the --nonblocking option": no file, 41st session), so those pause it per sample."""
+    pause = [] if "--native" in extra else ["--nonblocking"]
+    return ["py-spy", "record", "--pid", str(pid), "--duration", "6", "--threads", "--format", "raw", *pause,
+            "-o", path, *extra]
+
+
 def _spy(pid: int, path: str, *extra):
-    """py-spy sampling `pid` for 6 s (raw stacks per thread) into `path`, without pausing it."""
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", "6", "--threads", "--format", "raw",
-                             "--nonblocking", "-o", path, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return subprocess.Popen(_spy_command(pid, path, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def _hops(spans) -> list:

@@ -33,6 +33,14 @@ def test_pyspy_samples_the_main_process_and_each_worker_process():
     assert diagnose._sampled(threads) == {"main": os.getpid()}
 
 
+def test_pyspy_samples_native_stacks_pausing_the_process():
+    """py-spy refuses --native with --nonblocking (and writes nothing): the native sample pauses,
+    the others do not."""
+    native, gil = diagnose._spy_command(7, "n.txt", "--native"), diagnose._spy_command(7, "g.txt", "--gil")
+    assert "--native" in native and "--nonblocking" not in native
+    assert "--gil" in gil and "--nonblocking" in gil and gil[gil.index("--pid") + 1] == "7"
+
+
 def test_hops_summary_of_replicas_leaves_the_sum_out():
     """A replicated job's trace has a compute span of no microbatch (the copies' gradient sum):
     the per-microbatch table leaves it out instead of failing to sort it."""
