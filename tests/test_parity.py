@@ -24,6 +24,17 @@ def mse_eager(m, b):
     return loss
 
 
+def mse_eager_microbatched(m, b, microbatches):
+    """mse_eager over the batch's microbatches one at a time (gradient accumulation), as a model
+    whose buffers each forward updates sees them."""
+    total = 0.0
+    for x, y in zip(torch.tensor_split(b["x"], microbatches), torch.tensor_split(b["target"], microbatches)):
+        loss = F.mse_loss(m(x), y) * (x.shape[0] / b["x"].shape[0])
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
 @pytest.mark.parametrize("devices", [1, 2, 3])
 @pytest.mark.parametrize("microbatches", [1, 3, 4])
 def test_mlp_parity(devices, microbatches):
@@ -89,16 +100,7 @@ def test_batchnorm_buffers(workers):
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=M, loss_fn=F.mse_loss, memory_budget=TIGHT,
                            workers=workers)
     batches = mse_batches(n=9)
-
-    def eager(m, b):
-        total = 0.0
-        for x, y in zip(torch.tensor_split(b["x"], M), torch.tensor_split(b["target"], M)):
-            loss = F.mse_loss(m(x), y) * (x.shape[0] / b["x"].shape[0])
-            loss.backward()
-            total = total + loss.detach()
-        return total
-
-    train_both(WithBatchNorm(), batches, cfg, eager_step=eager,
+    train_both(WithBatchNorm(), batches, cfg, eager_step=lambda m, b: mse_eager_microbatched(m, b, M),
                call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
 
 
@@ -213,17 +215,8 @@ def test_buffer_updated_through_a_view_is_written_back(workers):
     the view's): the tally after the steps is eager's, and the buffer only read is not in the plan."""
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, loss_fn=F.mse_loss, memory_budget=TIGHT,
                            workers=workers)
-
-    def eager(m, b):
-        total = 0.0
-        for x, y in zip(torch.tensor_split(b["x"], 3), torch.tensor_split(b["target"], 3)):
-            loss = F.mse_loss(m(x), y) * (x.shape[0] / b["x"].shape[0])
-            loss.backward()
-            total = total + loss.detach()
-        return total
-
     model = ViewTally()
-    cm = train_both(model, mse_batches(n=9), cfg, eager_step=eager, min_stages=0,
+    cm = train_both(model, mse_batches(n=9), cfg, eager_step=lambda m, b: mse_eager_microbatched(m, b, 3), min_stages=0,
                     call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
     assert model.tally[1] != 0
     names = [n for n, _ in model.named_buffers()]
