@@ -195,10 +195,10 @@ class HostGrads:
 # tokens at M=4 makes four replicas of one microbatch each) there is no sum: the fp32 accumulator
 # held the bf16 gradients widened, exactly, and was rounded back to bf16 on the way down. Its fp32
 # cost every step a pass twice as wide as needed to fill it and twice the bytes in the copies'
-# reduce-scatter over the GPUs' links. So there the accumulator takes the host set's dtype: the
-# values that come down are the same, for a plan without replicas and for two copies (their one
-# sum is rounded once either way); with more, the collective rounds each partial sum (as eager
-# PyTorch does, summing microbatches into a bf16 `.grad`). The rule reads only the step and the
+# reduce-scatter over the GPUs' links. So there the accumulator takes the host set's dtype, and
+# the values that come down are the same: each copy's bf16 gradient is exact, and the copies' sum is
+# made in fp32 and rounded once (by worker threads, and by worker processes after an all-to-all:
+# Note [narrow slices summed by their copy], replicas.py). The rule reads only the step and the
 # number of copies, so every copy (one without a microbatch too) takes the same dtype, as the
 # collective needs. Measured (2 H200s, Qwen3-1.7B, 32,768 tokens at M=2, with Note [first
 # gradients copied], job.py): the copies' sum 12.7 and 19.6 -> 6.3 and 9.9 ms a step, the

@@ -28,16 +28,33 @@ Note [replicas in worker processes]: with one worker process per device (Config(
 "processes")) the copies cannot read one another's accumulators; the workers form a process
 group (torch.distributed: NCCL on GPUs, gloo on CPU devices; made as the first replicated job
 starts, where every worker gets to at the same point) and each copy's `reduce_scatter` leaves
-slice r of the sum on copy r's device, over the GPUs' own links. A collective waits for every member, so a copy that failed before it would leave the
-others waiting for ever: each copy first does what can fail (the group made, its buffers
-allocated), then tells the others its gradient keys (a "replica" message between workers) and
-joins the collective once every copy has said so. It stops instead when a copy that has not
-said so failed (the "fail" message names the worker): that copy never will. A copy that failed
-after saying so (in a later job) is no reason to stop, since every other copy may have joined
-the collective already. The accumulators are padded to a multiple of the copies (the
+slice r of the sum on copy r's device, over the GPUs' own links (an all-to-all where the
+accumulators are narrower: Note [narrow slices summed by their copy]). A collective waits for
+every member, so a copy that failed before it would leave the others waiting for ever: each
+copy first does what can fail (the group made, its buffers allocated), then tells the others
+its gradient keys (a "replica" message between workers) and joins the collective once every
+copy has said so. It stops instead when a copy that has not said so failed (the "fail"
+message names the worker): that copy never will. A copy that failed after saying so (in a
+later job) is no reason to stop, since every other copy may have joined the collective
+already. The accumulators are padded to a multiple of the copies (the
 collective's slices are equal) and never the host piece (each copy writes only its slice of
 it). The workers run their jobs in the chain's order and the runs in the order sent, so every
 member calls the collectives in the same order.
+
+Note [narrow slices summed by their copy]: bf16 accumulators (Note [one microbatch a copy],
+grads.py) summed by a bf16 reduce-scatter are rounded at every partial sum of the ring: with
+four copies on CPU devices (gloo) every parameter differed from fp32 accumulators after three
+AdamW steps (up to 1e-3), where worker threads, which sum a narrow slice in fp32
+(`GradExchange.reduce`), were equal bit for bit. So there the collective only moves the values:
+an all-to-all gives copy r every copy's slice r (the same bytes over the links as the
+reduce-scatter, which moves (n-1)/n of the piece from each copy as well), and copy r sums them
+in fp32, SUM_SLICE elements at a time, each part rounded once into its own slice of what it
+received. So the device holds what the plan counts for an fp32 accumulator (the bf16 one and
+what it received, 2 + 2 B an element) and a 64 MiB part, all made before the copy says it is
+ready, as the collective's output was. Measured on 2 H200s (where the one sum was exact
+before too): equal bit for bit to fp32 accumulators (tiny Qwen3, NCCL); Qwen3-1.7B at 32,768
+tokens and M=2, one run each side, 86,842 -> 87,393 tokens/s, the copies' sum 6.5 and 16.4 ->
+10.8 and 12.5 ms, their downloads 41 and 50 -> 45 and 46 ms. Not measured at 4 GPUs.
 """
 from __future__ import annotations
 
@@ -137,6 +154,8 @@ class PeerExchange:
     """Where the copy of a job in this worker process meets the copies in the others (Note
     [replicas in worker processes]): one per run and job in each worker."""
 
+    SUM_SLICE = 1 << 24     # elements of a narrow sum made in fp32 at once (Note [narrow slices summed by their copy])
+
     def __init__(self, replicas: int, announce: Callable, group: Callable):
         self.n = replicas
         self._announce = announce          # announce(keys): tell the other copies this one is here
@@ -144,7 +163,8 @@ class PeerExchange:
         self.got: set = set()
         self.arrived: set = set()
         self.padded: Optional[torch.Tensor] = None      # this copy's accumulator, padded
-        self.out: Optional[torch.Tensor] = None         # its slice of the sum
+        self.out: Optional[torch.Tensor] = None         # what the collective writes here
+        self.wide: Optional[torch.Tensor] = None        # a narrow sum's fp32 part (Note [narrow slices ...])
         self._cond = threading.Condition()
 
     def arrive(self, r: int, keys) -> None:
@@ -161,7 +181,11 @@ class PeerExchange:
         c = self._chunk(numel)
         if self.padded is None:     # (a copy with no microbatch takes part with zeros, of the others' dtype)
             self.padded = torch.zeros(self.n * c, dtype=accumulator_dtype(step, self.n), device=dev.device)
-        self.out = torch.empty(c, dtype=self.padded.dtype, device=dev.device)
+        if self.padded.dtype == torch.float32:
+            self.out, self.wide = torch.empty(c, dtype=torch.float32, device=dev.device), None
+        else:      # (Note [narrow slices summed by their copy]: every copy's slice r, then their sum)
+            self.out = torch.empty(self.n * c, dtype=self.padded.dtype, device=dev.device)
+            self.wide = torch.empty(min(c, self.SUM_SLICE), dtype=torch.float32, device=dev.device)
         self._announce(list(got))
         self.arrive(r, got)
         with self._cond:
@@ -187,16 +211,27 @@ class PeerExchange:
         return self.padded[:piece.numel()]
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
-        """Slice r summed over the copies, on this copy's device."""
+        """Slice r summed over the copies, on this copy's device (summed in fp32 where the
+        accumulators are narrower: Note [narrow slices summed by their copy])."""
         import torch.distributed as dist
-        full, out = self.padded, self.out     # (made by share)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        full, out, wide = self.padded, self.out, self.wide     # (made by share)
         # (on a GPU in its compute stream, which then waits for the collective)
         with contextlib.nullcontext() if dev.is_cpu else torch.cuda.stream(dev.compute):
-            scatter(out, full, group=self._group())
-        self.padded = self.out = None
+            if wide is None:
+                scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+                scatter(out, full, group=self._group())
+                total = out
+            else:
+                dist.all_to_all_single(out, full, group=self._group())
+                rows = out.view(self.n, -1)
+                total = rows[r]       # (each part read before it is written: stream order)
+                for a in range(0, total.numel(), wide.numel()):
+                    b = min(total.numel(), a + wide.numel())
+                    torch.sum(rows[:, a:b], 0, dtype=torch.float32, out=wide[:b - a])
+                    total[a:b].copy_(wide[:b - a])
+        self.padded = self.out = self.wide = None
         lo, hi = self.bounds(r, numel)
-        return out[:hi - lo]
+        return total[:hi - lo]
 
     def landed(self, down, dev):
         """This copy's slice is on its way: its own download's event (None on CPU devices)."""
