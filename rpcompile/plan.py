@@ -173,6 +173,7 @@ class Plan:
     early_first_upload: bool = True                      # the next step's first job may go up at the loss (Note [resident weights])
     prefetch_bytes: tuple = ()                           # per job, the most bytes of the next job's weights it prefetches; () no limit
     optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
+    optimizer_est_s: Optional[float] = None              # the update's estimated seconds a step, where the plan chose the share (Note [optimizer share by pace])
     replicas: int = 1                                    # copies of the stage jobs, one per device (Note [replicas])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
@@ -286,7 +287,7 @@ class Plan:
                    f"device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job")
         head = [
             f"rpcompile plan ({self.mode}): {how}" + (f" (costed at {at})" if at else ""),
-            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model); device memory budget "
+            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model{self._optimizer_beside()}); device memory budget "
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
             f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "
@@ -330,6 +331,13 @@ class Plan:
     def _grad_itemsize(self) -> int:
         return self.host_memory.grad_itemsize if self.host_memory is not None else 4
 
+    def _optimizer_beside(self) -> str:
+        """The optimizer's estimated update beside the step, where the plan chose its share."""
+        if self.optimizer_est_s is None:
+            return ""
+        return (f"; the optimizer's update {_fmt_seconds(self.optimizer_est_s)} beside it, a share of "
+                f"{self.optimizer_share:g} on the devices")
+
     def _master_dtype(self) -> str:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in self.captured.params})
         return ", ".join(dtypes) or "none"
@@ -337,7 +345,8 @@ class Plan:
     def to_json(self) -> dict:
         rows = self.stage_rows()
         return {"mode": self.mode, "num_devices": self.num_devices, "num_microbatches": self.num_microbatches,
-                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share, "replicas": self.replicas,
+                "memory_budget": self.memory_budget, "optimizer_share": self.optimizer_share,
+                "optimizer_est_s": self.optimizer_est_s, "replicas": self.replicas,
                 "bindings": {k: int(v) for k, v in self.bindings.items()},
                 "symbols": {s: {"value": v, "meaning": what} for s, v, what in self.symbol_legend()},
                 "est_step_time_s": self.est_step_time, "cuts": list(self.cuts),

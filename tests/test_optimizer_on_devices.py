@@ -474,6 +474,50 @@ def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monke
     assert short_plan in cm._plans.plans() and len(cm._plans.plans()) == 2
 
 
+def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_the_jobs(monkeypatch):
+    """Note [optimizer share by pace]: a budget the jobs fill, leaving no room for a share; where
+    the host's update keeps up with the jobs the plan keeps it there; where it would set the pace
+    (a host made slow here) the plan puts all of it on the devices and cuts the jobs again beside
+    what it reserves, and says so. Losses and parameters equal those of every update on the host."""
+    import importlib
+    import rpcompile
+    from models import lm_batch
+    from rpcompile import passes
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    host_memory = importlib.import_module("rpcompile.passes.host_memory")
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
+
+    def run(budget, share=None, steps=3):
+        model = _qwen(layers=2)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       memory_budget=budget, optimizer_on_devices=share))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        losses = [float(cm.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=t))) for t in range(steps)]
+        cm.synchronize()
+        return cm, losses, [p.detach().clone() for p in model.parameters()]
+
+    with pytest.raises(rpcompile.PlanningError) as e:
+        run(1, share=0.0, steps=1)
+    kept = device_optimizer_bytes(list(_qwen(layers=2).parameters()), 1.0, 2)
+    budget = e.value.min_budget + kept        # (the jobs planned alone take more than half of the rest)
+    fast, _, _ = run(budget)
+    assert fast.plan.optimizer_share == 0.0 and fast.plan.memory_budget == budget
+    assert 0 < fast.plan.optimizer_est_s < fast.plan.est_step_time
+    monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 1.0)      # a second an element: the host sets the pace
+    cm, losses, params = run(budget)
+    plan = cm.plan
+    assert plan.optimizer_share == 1.0 == cm.runner.optimizer_share and plan.memory_budget == budget - kept
+    assert max(plan.stage_plan.job_memory) <= plan.memory_budget < max(fast.plan.stage_plan.job_memory)
+    assert plan.optimizer_est_s == pytest.approx(sum(p.numel() for p in params if p.numel() > 1)
+                                                 * host_memory.DEVICE_UPDATE_S)
+    assert "the optimizer's update" in str(plan) and "a share of 1 on the devices" in str(plan)
+    assert cm.runner.overlapped.masters.on_devices
+    _, host_losses, host_params = run(budget, share=0.0)
+    assert losses == pytest.approx(host_losses, rel=1e-6)
+    for a, b in zip(params, host_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_a_forward_calls_plan_chooses_the_share_when_it_comes_first(monkeypatch):
     """The model's first plan chooses the share, a forward call's too; the train plan after it
     reserves the same, and the optimizer is placed so."""

@@ -66,7 +66,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import device_optimizer_bytes, host_memory, share_by_room
+from .host_memory import device_optimizer_bytes, host_memory, optimizer_seconds, pace_shares, share_by_room
 from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
@@ -102,6 +102,7 @@ class CompileState:
     # chose; None: solve_stages chooses it (Note [optimizer share by room] in passes/host_memory.py)
     on_devices: Optional[float] = None
     reserved: int = 0                  # bytes of each device the optimizer keeps (that share)
+    optimizer_s: Optional[float] = None  # the update's estimated seconds a step, where the plan chose the share
     mutated_buffers: list = field(default_factory=list)   # buffer indices the graph updates in place
     steps_overlap: bool = False        # the runtime lets train steps overlap (Plan.steps_overlap)
     early_first_upload: bool = False   # delayed mode uploads the next step's first job at the loss (Plan.early_first_upload)
@@ -245,23 +246,45 @@ def _stages_compiled(config) -> bool:
 
 
 def solve_stages_pass(st: CompileState) -> CompileState:
-    config, hw = st.config, st.hardware
+    config = st.config
     # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
     budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params, st.on_devices)
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
+    N = len(config.devices)
+    cut = (st.cuts, st.segments, st.cut_bytes)
+    (st.stage_plan, st.cuts, st.segments, st.cut_bytes), st.replicas = _stage_plan(st, budget_set)
+    if st.on_devices is None:
+        st.on_devices = 0.0
+        if _share_by_room_applies(st) and st.budget is not None:
+            _choose_share(st, budget_set, cut)
+    # what is resident beside each job (Note [resident weights]); a replica's jobs all run on its device
+    st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
+        st.stage_plan, st.segments, st.budget, 1 if st.replicas > 1 else N,
+        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
+    return st
+
+
+def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
+    """((stage plan, cuts, segments, cut bytes), replicas): the faster of the pipeline over the
+    devices and a copy of the one-device plan on each (Note [replicas]), under st.budget. Where
+    nothing fits, the PlanningError says the longest length that does (`explain`; a search)."""
+    config, hw = st.config, st.hardware
     N, M = len(config.devices), config.num_microbatches
     replicas = _replicas(st, N, M)
+
+    def failed(e):   # with the longest length that fits (Note [longest length])
+        return planning_error(st, e, rows=_rows_per_microbatch(st)) if explain else e
     try:   # (Config.data_parallel=True: only the replicas)
         pipeline = None if config.data_parallel and replicas > 1 else _best_stage_plan(st, N, M, budget_set)
-    except PlanningError as e:   # with the longest length that fits (Note [longest length])
-        raise planning_error(st, e, rows=_rows_per_microbatch(st)) from None
+    except PlanningError as e:
+        raise failed(e) from None
     if replicas > 1:   # Note [replicas]: each device runs the one-device plan over its share of the microbatches
         try:
             copy = _best_stage_plan(st, 1, math.ceil(M / replicas), budget_set)
         except PlanningError as e:
             if pipeline is None:
-                raise planning_error(st, e, rows=_rows_per_microbatch(st)) from None
+                raise failed(e) from None
             copy = None
         if copy is not None:
             copy_plan = copy[0]
@@ -270,20 +293,37 @@ def solve_stages_pass(st: CompileState) -> CompileState:
                 pipeline = (dataclasses.replace(copy_plan, est_time=est), *copy[1:])
             else:
                 replicas = 1
-    st.stage_plan, st.cuts, st.segments, st.cut_bytes = pipeline
-    st.replicas = replicas
-    if st.on_devices is None:   # Note [optimizer share by room] (passes/host_memory.py)
-        st.on_devices = 0.0
-        if _share_by_room_applies(st) and st.budget is not None:
-            room = st.budget - max(st.stage_plan.job_memory)
-            st.on_devices = share_by_room(st.captured.params, len(config.devices), room)
-            st.reserved = device_optimizer_bytes(st.captured.params, st.on_devices, len(config.devices))
-            st.budget -= st.reserved
-    # what is resident beside each job (Note [resident weights]); a replica's jobs all run on its device
-    st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
-        st.stage_plan, st.segments, st.budget, 1 if replicas > 1 else N,
-        may_upload_early=config.optimizer_mode == "delayed" and st.mode == "train")
-    return st
+    return pipeline, replicas
+
+
+def _choose_share(st: CompileState, budget_set, cut) -> None:
+    """The optimizer's share on the devices, for a plan that chooses it: what fits in the room
+    the jobs leave (Note [optimizer share by room] in passes/host_memory.py) or, where the host's
+    update would then set the pace, a larger share with the jobs re-cut beside it, whichever
+    step is shorter (Note [optimizer share by pace]). Sets st.on_devices, st.reserved, st.budget
+    and, for a re-cut, the plan; `cut` is the capture's (cuts, segments, cut bytes)."""
+    params, N = st.captured.params, len(st.config.devices)
+    share = share_by_room(params, N, st.budget - max(st.stage_plan.job_memory))
+    reserved = device_optimizer_bytes(params, share, N)
+    best = (max(st.stage_plan.est_time, optimizer_seconds(params, share)), share, reserved,
+            (st.stage_plan, st.cuts, st.segments, st.cut_bytes), st.replicas)
+    for s in pace_shares(params, N, st.stage_plan.est_time, share):
+        st.reserved = device_optimizer_bytes(params, s, N)
+        st.budget = budget_set - st.reserved
+        if st.budget <= 0:
+            continue
+        st.cuts, st.segments, st.cut_bytes = cut
+        try:
+            planned, replicas = _stage_plan(st, budget_set, explain=False)
+        except PlanningError:      # (the jobs do not fit beside it)
+            continue
+        pace = max(planned[0].est_time, optimizer_seconds(params, s))
+        if pace < best[0]:
+            best = (pace, s, st.reserved, planned, replicas)
+    _, st.on_devices, st.reserved, planned, st.replicas = best
+    st.stage_plan, st.cuts, st.segments, st.cut_bytes = planned
+    st.budget = budget_set - st.reserved
+    st.optimizer_s = optimizer_seconds(params, st.on_devices)
 
 
 def _best_stage_plan(st: CompileState, num_devices: int, num_microbatches: int, budget_set) -> tuple:
@@ -395,7 +435,7 @@ def describe_io(st: CompileState) -> CompileState:
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
-    plan.optimizer_share = st.on_devices or 0.0
+    plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
     plan.replicas = st.replicas
     st.plan = plan
     return st
