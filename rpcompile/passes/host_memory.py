@@ -184,22 +184,29 @@ def share_by_room(params, num_devices: int, room: int) -> float:
 
 
 # Note [optimizer share by pace]: in delayed mode the optimizer steps beside the next train step,
-# so a step takes the longer of the two: where the jobs fill the devices, the room leaves no
-# share, and a host update slower than the jobs sets the pace. Measured (2 H200s, 32 cores,
+# so a step takes the longer of the two. Where the jobs fill the devices the room leaves no share,
+# and a host update slower than the jobs sets the pace. Measured (2 H200s, 32 cores,
 # Llama-3.1-8B at a 4-GPU run's load per GPU: 32,768 tokens, M=2, replicas): with no share (the
-# room's) the optimizer took 2.95 s a step against the jobs' 1.44 s (estimated; busy 48%),
-# 10,828 tokens/s; with a share of 0.5 and the jobs re-cut beside it (estimated 1.51 s) 1.90 s,
-# 16,284 tokens/s, busy 96-99%. So where the host would set the pace the plan also weighs a share
-# large enough for the update to keep up with the jobs it planned (PACE_SHARES), and all of it
-# on the devices, each with the jobs re-cut beside what it reserves, and keeps the one whose
-# step, the longer of its jobs and its update (optimizer_seconds), is shortest. The seconds an
-# element costs, from those two runs: on the host 2.95 s / 8.03e9 elements (widening its bf16
-# gradient, the fused AdamW, the working copy's refresh: ~40 B of memory traffic); stepped on a
-# device, as the optimizer's thread sees it (its gradient up, its masters and working copy down),
-# (1.90 - 2.95 / 2) / (8.03e9 / 2). A host of more or faster memory channels does better than
-# these; the choice only needs which of the two sets the pace.
+# room's) the optimizer took 2.95 s a step beside 1.44 s of jobs (estimated; busy 48%), 10,828
+# tokens/s; with a share of 0.5 set, the jobs re-cut beside it (estimated 1.51 s), 1.90 s and
+# 16,284 tokens/s, busy 96-99%. So where the host's update would be clearly the longer (more
+# than PACE_MARGIN times the jobs) the plan also weighs the smallest share whose update keeps up
+# with the jobs and the whole of it on the devices (`pace_shares`), each with the jobs re-cut
+# beside what it reserves, and keeps the one whose step, the longer of its jobs and its update
+# (`optimizer_seconds`), is shortest. The margin: the 2-GPU bar's workload of that model (65,536
+# tokens, M=4) is estimated at 2.74 s of jobs and 2.97 s of update and measured at 2.85 s of
+# each (busy 98%, 21,566 tokens/s): too close for these figures to re-cut by. The seconds an
+# element costs, from the two runs above: on the host 2.95 s / 8.03e9 elements (widening its
+# bf16 gradient, the fused AdamW, the working copy's refresh: ~40 B of memory traffic); stepped
+# on a device, as the optimizer's thread sees it (the gradient up, the masters and working copy
+# down), (1.90 - 2.95 / 2) / (8.03e9 / 2). A host with more memory bandwidth does better; the
+# choice only needs which of the two sets the pace. Planned here for 125.3 GiB H200s (CPU-made
+# plans: benchmarks/runs/share_by_pace/h200_plans.py), Llama-3.1-8B at 4 GPUs (65,536 tokens,
+# M=4) takes a share of 0.72 beside 4 replicas (jobs 1.55 s, update 1.47 s), where the room gave
+# none (update 2.97 s); Qwen3-1.7B's plans and the other Llama ones are unchanged.
 HOST_UPDATE_S = 0.37e-9
 DEVICE_UPDATE_S = 0.11e-9
+PACE_MARGIN = 1.25
 
 
 def optimizer_seconds(params, share: float) -> float:
@@ -209,13 +216,13 @@ def optimizer_seconds(params, share: float) -> float:
 
 
 def pace_shares(params, num_devices: int, jobs_s: float, least: float) -> list:
-    """Shares (in 64ths, above `least`) to weigh where the host's update would set the pace: the
-    smallest whose update takes at most `jobs_s`, and all of it (Note [optimizer share by
-    pace]); none where `least` keeps up already, or a share's part of a device would be smaller
-    than what a device may hold beyond it (as share_by_room)."""
+    """Shares (in 64ths, above `least`) to weigh where the host's update would set the pace (take
+    more than PACE_MARGIN times `jobs_s`): the smallest whose update takes at most `jobs_s`, and
+    all of it (Note [optimizer share by pace]); none where a share's part of a device would be
+    smaller than what a device may hold beyond it (as share_by_room)."""
     from ..runtime.flat import FlatMasters
     flat = _flat_numels(params)
-    if not flat or optimizer_seconds(params, least) <= jobs_s:
+    if not flat or optimizer_seconds(params, least) <= PACE_MARGIN * jobs_s:
         return []
     beyond = FlatMasters.BLOCK + max(flat)
     keeps_up = next((n / 64 for n in range(1, 65) if optimizer_seconds(params, n / 64) <= jobs_s), 1.0)
