@@ -521,6 +521,20 @@ def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_th
     assert losses == pytest.approx(host_losses, rel=1e-6)
     for a, b in zip(params, host_params):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # a forward call's plan, first, costs no train step: the room's share, which later plans keep
+    # (room for the whole share beside the call's jobs, which the pace would take)
+    def call_first(budget, share=None):
+        model = _qwen(layers=2)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       memory_budget=budget, optimizer_on_devices=share))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        with torch.no_grad():
+            cm(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
+        return cm
+    with pytest.raises(rpcompile.PlanningError) as e:
+        call_first(1, share=0.0)
+    first = call_first(e.value.min_budget + kept + 20_000)
+    assert first.plan.mode == "call" and first.plan.optimizer_share == first.runner.optimizer_share < 1.0
 
 
 def test_a_forward_calls_plan_chooses_the_share_when_it_comes_first(monkeypatch):

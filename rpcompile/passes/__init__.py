@@ -299,15 +299,16 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 def _choose_share(st: CompileState, budget_set, cut) -> None:
     """The optimizer's share on the devices, for a plan that chooses it: what fits in the room
     the jobs leave (Note [optimizer share by room] in passes/host_memory.py) or, where the host's
-    update would then set the pace, a larger share with the jobs re-cut beside it, whichever
-    step is shorter (Note [optimizer share by pace]). Sets st.on_devices, st.reserved, st.budget
+    update would then set the pace (a train plan), a larger share with the jobs re-cut beside
+    it, whichever step is shorter (Note [optimizer share by pace]). Sets st.on_devices, st.reserved, st.budget
     and, for a re-cut, the plan; `cut` is the capture's (cuts, segments, cut bytes)."""
     params, N = st.captured.params, len(st.config.devices)
     share = share_by_room(params, N, st.budget - max(st.stage_plan.job_memory))
     reserved = device_optimizer_bytes(params, share, N)
     best = (max(st.stage_plan.est_time, optimizer_seconds(params, share)), share, reserved,
             (st.stage_plan, st.cuts, st.segments, st.cut_bytes), st.replicas)
-    for s in pace_shares(params, N, st.stage_plan.est_time, share):
+    # (a forward call's plan, which may choose first, costs no step the update runs beside)
+    for s in pace_shares(params, N, st.stage_plan.est_time, share) if st.mode == "train" else ():
         st.reserved = device_optimizer_bytes(params, s, N)
         st.budget = budget_set - st.reserved
         if st.budget <= 0:
