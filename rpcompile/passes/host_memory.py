@@ -173,14 +173,20 @@ def share_by_room(params, num_devices: int, room: int) -> float:
     ROOM_SHARE of `room`, the bytes each device has beside its largest job; 0 if none. A share
     whose part of a device is smaller than the block and parameter a device may hold beyond it
     (what device_optimizer_bytes adds) is not taken: it would reserve more than it moves."""
-    from ..runtime.flat import FlatMasters
     flat = _flat_numels(params)
     if not flat:
         return 0.0
-    beyond = FlatMasters.BLOCK + max(flat)
-    fits = [n for n in range(1, 65) if n / 64 * sum(flat) / num_devices >= beyond
+    fits = [n for n in range(1, 65) if _outweighs_the_block(flat, n / 64, num_devices)
             and device_optimizer_bytes(params, n / 64, num_devices) <= ROOM_SHARE * room]
     return fits[-1] / 64 if fits else 0.0
+
+
+def _outweighs_the_block(flat: list, share: float, num_devices: int) -> bool:
+    """Whether a share's part of a device (of the flat sizes `flat`) is at least the block and
+    parameter a device may hold beyond it (what device_optimizer_bytes adds): a smaller one
+    would reserve more than it moves."""
+    from ..runtime.flat import FlatMasters
+    return share * sum(flat) / num_devices >= FlatMasters.BLOCK + max(flat)
 
 
 # Note [optimizer share by pace]: in delayed mode the optimizer steps beside the next train step,
@@ -220,13 +226,11 @@ def pace_shares(params, num_devices: int, jobs_s: float, least: float) -> list:
     more than PACE_MARGIN times `jobs_s`): the smallest whose update takes at most `jobs_s`, and
     all of it (Note [optimizer share by pace]); none where a share's part of a device would be
     smaller than what a device may hold beyond it (as share_by_room)."""
-    from ..runtime.flat import FlatMasters
     flat = _flat_numels(params)
     if not flat or optimizer_seconds(params, least) <= PACE_MARGIN * jobs_s:
         return []
-    beyond = FlatMasters.BLOCK + max(flat)
     keeps_up = next((n / 64 for n in range(1, 65) if optimizer_seconds(params, n / 64) <= jobs_s), 1.0)
-    return [s for s in sorted({keeps_up, 1.0}) if s > least and s * sum(flat) / num_devices >= beyond]
+    return [s for s in sorted({keeps_up, 1.0}) if s > least and _outweighs_the_block(flat, s, num_devices)]
 
 
 @dataclass
