@@ -477,8 +477,8 @@ def test_the_plan_chooses_the_share_and_a_plan_without_room_brings_it_home(monke
 def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_the_jobs(monkeypatch):
     """Note [optimizer share by pace]: a budget the jobs fill, leaving no room for a share; where
     the host's update keeps up with the jobs the plan keeps it there; where it would set the pace
-    (a host made slow here) the plan puts all of it on the devices and cuts the jobs again beside
-    what it reserves, and says so. Losses and parameters equal those of every update on the host."""
+    (a host made slow here) the plan puts all of it on the devices (where that does not fit, the
+    share that keeps up) and cuts the jobs again beside what it reserves, and says so. Losses and parameters equal those of every update on the host."""
     import importlib
     import rpcompile
     from models import lm_batch
@@ -508,6 +508,18 @@ def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_th
     monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 1.1 * fast.plan.est_step_time / numel)
     close, _, _ = run(budget, steps=1)
     assert close.plan.optimizer_share == 0.0 and close.plan.optimizer_est_s > close.plan.est_step_time
+    # a host four times as slow as the jobs, which a share of about three quarters would keep up
+    # with: the plan takes the whole (measured the faster: Note [optimizer share by pace]) where it
+    # fits, and the share that keeps up where the whole does not fit beside the jobs
+    monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 4 * fast.plan.est_step_time / numel)
+    shares = host_memory.pace_shares(list(_qwen(layers=2).parameters()), 2, fast.plan.est_step_time, 0.0)
+    assert shares[0] == 1.0 and 0.75 < shares[1] < 0.85
+    whole, _, _ = run(budget, steps=1)
+    assert whole.plan.optimizer_share == 1.0 and whole.plan.memory_budget == budget - kept
+    tight = e.value.min_budget + device_optimizer_bytes(list(_qwen(layers=2).parameters()), 0.9, 2)
+    part, _, _ = run(tight, steps=1)
+    assert part.plan.optimizer_share == shares[1] == part.runner.optimizer_share
+    assert part.plan.memory_budget == tight - device_optimizer_bytes(list(_qwen(layers=2).parameters()), shares[1], 2)
     monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 1.0)      # a second an element: the host sets the pace
     cm, losses, params = run(budget)
     plan = cm.plan

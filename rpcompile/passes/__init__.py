@@ -299,9 +299,10 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 def _choose_share(st: CompileState, budget_set, cut) -> None:
     """The optimizer's share on the devices, for a plan that chooses it: what fits in the room
     the jobs leave (Note [optimizer share by room] in passes/host_memory.py) or, where the host's
-    update would then set the pace (a train plan), a larger share with the jobs re-cut beside
-    it, whichever step is shorter (Note [optimizer share by pace]). Sets st.on_devices, st.reserved, st.budget
-    and, for a re-cut, the plan; `cut` is the capture's (cuts, segments, cut bytes)."""
+    update would then set the pace (a train plan), the first of the larger shares pace_shares
+    names whose jobs, re-cut beside it, fit and make the shorter step (Note [optimizer share by
+    pace]). Sets st.on_devices, st.reserved, st.budget and, for a re-cut, the plan; `cut` is the
+    capture's (cuts, segments, cut bytes)."""
     params, N = st.captured.params, len(st.config.devices)
     share = share_by_room(params, N, st.budget - max(st.stage_plan.job_memory))
     reserved = device_optimizer_bytes(params, share, N)
@@ -321,6 +322,7 @@ def _choose_share(st: CompileState, budget_set, cut) -> None:
         pace = max(planned[0].est_time, optimizer_seconds(params, s))
         if pace < best[0]:
             best = (pace, s, st.reserved, planned, replicas)
+            break
     _, st.on_devices, st.reserved, planned, st.replicas = best
     st.stage_plan, st.cuts, st.segments, st.cut_bytes = planned
     st.budget = budget_set - st.reserved

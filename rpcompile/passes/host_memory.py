@@ -196,20 +196,26 @@ def _outweighs_the_block(flat: list, share: float, num_devices: int) -> bool:
 # room's) the optimizer took 2.95 s a step beside 1.44 s of jobs (estimated; busy 48%), 10,828
 # tokens/s; with a share of 0.5 set, the jobs re-cut beside it (estimated 1.51 s), 1.90 s and
 # 16,284 tokens/s, busy 96-99%. So where the host's update would be clearly the longer (more
-# than PACE_MARGIN times the jobs) the plan also weighs the smallest share whose update keeps up
-# with the jobs and the whole of it on the devices (`pace_shares`), each with the jobs re-cut
-# beside what it reserves, and keeps the one whose step, the longer of its jobs and its update
-# (`optimizer_seconds`), is shortest. The margin: the 2-GPU bar's workload of that model (65,536
-# tokens, M=4) is estimated at 2.74 s of jobs and 2.97 s of update and measured at 2.85 s of
-# each (busy 98%, 21,566 tokens/s): too close for these figures to re-cut by. The seconds an
-# element costs, from the two runs above: on the host 2.95 s / 8.03e9 elements (widening its
-# bf16 gradient, the fused AdamW, the working copy's refresh: ~40 B of memory traffic); stepped
-# on a device, as the optimizer's thread sees it (the gradient up, the masters and working copy
-# down), (1.90 - 2.95 / 2) / (8.03e9 / 2). A host with more memory bandwidth does better; the
-# choice only needs which of the two sets the pace. Planned here for 125.3 GiB H200s (CPU-made
-# plans: benchmarks/runs/share_by_pace/h200_plans.py), Llama-3.1-8B at 4 GPUs (65,536 tokens,
-# M=4) takes a share of 0.72 beside 4 replicas (jobs 1.55 s, update 1.47 s), where the room gave
-# none (update 2.97 s); Qwen3-1.7B's plans and the other Llama ones are unchanged.
+# than PACE_MARGIN times the jobs) the plan puts the whole update on the devices, the jobs re-cut
+# beside what it reserves, where that step, the longer of its jobs and its update
+# (`optimizer_seconds`), is the shorter; only where the whole does not fit beside the jobs does
+# it weigh the smallest share whose update keeps up with the jobs (`pace_shares`). A share
+# between leaves a part of every chunk to the host and measured slower than the whole though
+# its jobs are estimated as fast (same workload, one run each, 43rd session): the share of 0.73
+# that this rule first chose (jobs 1.54 s, update 1.44 s estimated) 14,811 and 14,790 tokens/s,
+# steps 2.16 s, busy 74-76%; 0.5 15,652; the whole (jobs 1.57 s) 18,073 and 18,185, steps
+# 1.73-1.75 s, busy 94-97%, host peak 87.3 against 104.3 GiB. The margin: the 2-GPU bar's
+# workload of that model (65,536 tokens, M=4) is estimated at 2.74 s of jobs and 2.97 s of
+# update and measured at 2.85 s of each (busy 98%, 21,566 tokens/s): too close for these figures
+# to re-cut by. The seconds an element costs, from the runs above: on the host 2.95 s / 8.03e9
+# elements (widening its bf16 gradient, the fused AdamW, the working copy's refresh: ~40 B of
+# memory traffic); stepped on a device, as the optimizer's thread sees it (the gradient up, the
+# masters and working copy down), (1.90 - 2.95 / 2) / (8.03e9 / 2), as the whole's 0.88 s a step
+# (its thread's stepping and refreshing) gives too. A host with more memory bandwidth does
+# better; the choice only needs which of the two sets the pace. Planned here for 125.3 GiB H200s
+# (CPU-made plans: benchmarks/runs/share_by_pace/h200_plans.py), Llama-3.1-8B at 4 GPUs (65,536
+# tokens, M=4) takes the whole beside 4 replicas, where the room gave none (update 2.97 s);
+# Qwen3-1.7B's plans and the other Llama ones are unchanged.
 HOST_UPDATE_S = 0.37e-9
 DEVICE_UPDATE_S = 0.11e-9
 PACE_MARGIN = 1.25
@@ -222,15 +228,15 @@ def optimizer_seconds(params, share: float) -> float:
 
 
 def pace_shares(params, num_devices: int, jobs_s: float, least: float) -> list:
-    """Shares (in 64ths, above `least`) to weigh where the host's update would set the pace (take
-    more than PACE_MARGIN times `jobs_s`): the smallest whose update takes at most `jobs_s`, and
-    all of it (Note [optimizer share by pace]); none where a share's part of a device would be
-    smaller than what a device may hold beyond it (as share_by_room)."""
+    """Shares (in 64ths, above `least`) to weigh, in this order, where the host's update would set
+    the pace (take more than PACE_MARGIN times `jobs_s`): all of it, then the smallest whose update
+    takes at most `jobs_s` (Note [optimizer share by pace]); none where a share's part of a device
+    would be smaller than what a device may hold beyond it (as share_by_room)."""
     flat = _flat_numels(params)
     if not flat or optimizer_seconds(params, least) <= PACE_MARGIN * jobs_s:
         return []
     keeps_up = next((n / 64 for n in range(1, 65) if optimizer_seconds(params, n / 64) <= jobs_s), 1.0)
-    return [s for s in sorted({keeps_up, 1.0}) if s > least and _outweighs_the_block(flat, s, num_devices)]
+    return [s for s in sorted({keeps_up, 1.0}, reverse=True) if s > least and _outweighs_the_block(flat, s, num_devices)]
 
 
 @dataclass
