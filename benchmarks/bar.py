@@ -45,6 +45,9 @@ SLOWEST_BAR = 1.25         # slowest timed step over the median
 HOST_BYTES_BAR = 20        # host memory peak per parameter, delayed mode
 SETUP_BAR_S = 60           # capture, plan and compile at 4 GPUs, Qwen3-1.7B
 TIMED_STEPS_BAR = 8
+# harness options that only observe a run; any other (a share of the optimizer set, a switch
+# interval) makes it an experiment, not the system a user gets
+OBSERVING_OPTIONS = {"rpcompile_trace_dir", "profile_probes"}
 
 # The issue's reference figures for the exact modes, {(model, system, gpus): tokens/s}. RESULTS.md
 # records none, so those rows say "no reference" rather than invent one; evaluate() takes them.
@@ -92,12 +95,14 @@ def sort_key(run: dict) -> tuple:
 
 
 def counts(run: dict, model: str) -> bool:
-    """A run the bar reads: throughput, the model, seq 2048, 4 microbatches, on GPUs."""
+    """A run the bar reads: throughput, the model, seq 2048, 4 microbatches, on GPUs, with the
+    systems as a user gets them (no --option but those that only observe)."""
     meta = run["meta"]
     settings = meta.get("settings") or {}
     return (meta.get("mode", "throughput") == "throughput" and model_of(run) == model
             and settings.get("seq_len") == SEQ_LEN and settings.get("microbatches", MICROBATCHES) == MICROBATCHES
-            and card_of(run) not in ("CPU", "no GPU", "?"))
+            and card_of(run) not in ("CPU", "no GPU", "?")
+            and set(settings.get("options") or {}) <= OBSERVING_OPTIONS)
 
 
 def finished(run: dict, system: str) -> Optional[dict]:

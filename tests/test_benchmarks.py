@@ -620,6 +620,21 @@ def test_bar_rows_that_miss(tmp_path, capsys):
     assert bar.main(["--runs", str(tmp_path), "--results", "", "--strict"]) == 1   # ... unless --strict
 
 
+def test_bar_reads_no_run_with_an_option_that_changes_the_system():
+    """A run with a share of the optimizer set (an experiment) is not the system a user gets: the
+    rows read the newest run without one; a trace directory only observes, so such a run counts."""
+    from benchmarks import bar
+
+    runs = _passing_runs("qwen3-1.7b")
+    newer = _bar_run("2026-12-02 00:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2, host_mem_peak_bytes=9e9)})
+    newer["meta"]["settings"]["options"] = {"rpcompile_optimizer_on_devices": "1.0"}
+    rows = bar.evaluate(runs + [newer], reference=REFERENCE)
+    assert _bar_row(rows, "host memory", "2").figure.startswith("18.0 B/param")
+    newer["meta"]["settings"]["options"] = {"rpcompile_trace_dir": "trace"}
+    rows = bar.evaluate(runs + [newer], reference=REFERENCE)
+    assert _bar_row(rows, "host memory", "2").figure.startswith("9.0 B/param")
+
+
 def test_bar_says_not_measured_where_data_is_missing():
     from benchmarks import bar
 
