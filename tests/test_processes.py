@@ -410,3 +410,30 @@ def test_a_jobs_outputs_are_read_once_their_copies_completed():
     assert readers.is_set() and not record.outputs_landed(run, 0, 0).is_set() and not record.landed[(run, 0)].is_set()
     hub.die("gone")          # a worker's death wakes every reader too
     assert record.outputs_landed(run, 0, 0).is_set()
+
+
+def test_a_landing_carries_the_spans_of_its_own_job_not_the_next_ones():
+    """Note [spans of a landing]: the spans a job's "landed" message carries are those recorded up
+    to its end; a span the next job records before the notifier sends the landing waits for the
+    next landing (on GPUs, resolving it waited for the next job's work)."""
+    from types import SimpleNamespace
+
+    from rpcompile.runtime.trace import Tracer
+    from rpcompile.runtime.worker import Worker
+
+    tracer = Tracer([])
+    tracer.add("cpu", "compute", "forward", tracer.now(), tracer.now(), job=0)
+    sent, notices = [], []
+    plan = SimpleNamespace(stages=[SimpleNamespace(buffers=[])], mutated_buffers=set())
+    step = SimpleNamespace(param_grads={}, micro=[], error=None, plan=plan, buffers={}, run_no=0, step_id=1,
+                           tracer=tracer, trace_shift=0.0)
+    pool = SimpleNamespace(created=[], dropped=lambda: [])
+    worker = SimpleNamespace(to_main=sent.append, later=lambda events, fn, on_error=None: notices.append(fn),
+                             pool=lambda step, job: pool, memory=None, is_cuda=False, first_calls_sent=0,
+                             index=0, label="cpu", device=torch.device("cpu"))
+    Worker.finished(worker, step, SimpleNamespace(job=0, stage=0, role="fwd", replica=0))
+    tracer.add("cpu", "compute", "forward", tracer.now(), tracer.now(), job=1)     # the next job, meanwhile
+    notices[-1]()           # the notifier: the job's events have completed
+    landed = [m for m in sent if m[0] == "landed"]
+    assert [m[0] for m in sent] == ["ended", "landed"] and [s["job"] for s in landed[0][4]["spans"]] == [0]
+    assert [s["job"] for s in tracer.resolve(tracer.detach())] == [1]

@@ -53,10 +53,14 @@ class Tracer:
         with self._lock:
             self._resolved.extend(spans)
 
-    def take(self, shift: float = 0.0) -> list:
-        """The spans recorded so far as dicts, times moved by `shift` seconds, and forget them."""
+    def detach(self) -> list:
+        """The spans recorded so far, as recorded (resolve them with `resolve`), forgotten here."""
         with self._lock:
             raw, self._raw = self._raw, []
+        return raw
+
+    def resolve(self, raw: list, shift: float = 0.0) -> list:
+        """Detached spans as dicts, times moved by `shift` seconds (waits for their GPU events)."""
         out = self._resolve(raw)
         for s in out:
             for k in ("start_s", "end_s", "issued_s"):

@@ -572,6 +572,16 @@ class Worker:
                 timeline.mark(f"job {a.job} ({a.role}) on {self.label} compiled {compiled} graph(s)")
         self.finished(step, a)
 
+    # Note [spans of a landing]: every step is traced, and a job's "landed" message carries its
+    # spans, turned into times in the notifier thread (Tracer.resolve waits for each span's end
+    # event). It took every span recorded until then, the next job's too, which this thread has
+    # issued meanwhile: each landing waited for the next job's work on the device. Measured (2
+    # H200s, Llama-3.1-8B, 32,768 tokens, M=2, delayed, the whole update on the devices; host clock
+    # probes in both processes, benchmarks/runs/whole_share/): the forward job's landing was sent
+    # as the fused job's compute ended, the fused job's as the next backward job's compute ended
+    # (0.45 s after its gradients were down), and the optimizer's chunks waited so. So finished()
+    # detaches the spans recorded up to this job's end, which are all done once the landing's events
+    # (recorded after them on every stream) are; the next job's go with its own landing.
     def finished(self, step: WorkerStep, a):
         """Tell the main process the job has ended ("ended": issued; its gradient keys, outputs
         and error), then, in the notifier thread once all its copies completed, "landed" (Note
@@ -599,6 +609,8 @@ class Worker:
             def outputs_landed(*_):
                 self.to_main(("outputs", step.step_id, run_no, a.job, a.replica))
             self.later(pending, outputs_landed, outputs_landed)
+        # Note [spans of a landing]: this job's spans, not those the next job records meanwhile
+        raw = step.tracer.detach() if step.tracer is not None else []
         events = []
         if self.is_cuda:
             for s in (self.dev.compute, self.dev.weights_in, self.dev.acts_in, self.dev.out):
@@ -609,7 +621,7 @@ class Worker:
         self.first_calls_sent += len(calls)
 
         def landed(error=None):
-            spans = step.tracer.take(step.trace_shift) if error is None and step.tracer is not None else []
+            spans = step.tracer.resolve(raw, step.trace_shift) if error is None and step.tracer is not None else []
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"replica": a.replica, "spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
                            "marks": timeline.take_new(),
