@@ -171,7 +171,9 @@ def test_ctrl_c_with_save_finishes_the_step_saves_and_resumes(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "rpcompile.finetune", "--steps", "1000", "--save", str(out),
                              "--engine", ENGINE, *SMALL], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # as from a terminal (run in the background, pytest's children ignore SIGINT)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:          # the first step (capture and plan) is done
             if line.startswith("step 1 took"):
@@ -211,12 +213,33 @@ def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path, monkeypatch, capsy
         return cm
 
     monkeypatch.setattr(train, "compile_model", interrupted_at_step_2)
-    before = signal.getsignal(signal.SIGINT)     # (SIG_IGN where pytest runs in the background: nohup)
-    assert run("--steps", 50, *SMALL) == 130
-    err = capsys.readouterr().err
-    assert "finishing step 2" in err and "stopped after step 2 of 50" in err
-    assert "nothing was saved" in err and "--save" in err
-    assert signal.getsignal(signal.SIGINT) is before   # handler put back
+    # as in a terminal (pytest run in the background ignores SIGINT: the command then keeps ignoring it)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert run("--steps", 50, *SMALL) == 130
+        err = capsys.readouterr().err
+        assert "finishing step 2" in err and "stopped after step 2 of 50" in err
+        assert "nothing was saved" in err and "--save" in err
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler put back
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it():
+    from rpcompile.finetune.report import StopRequest
+
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest(lambda: "stopping") as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+        assert not stop.requested and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with StopRequest(lambda: "stopping") as stop:
+            assert signal.getsignal(signal.SIGINT) == stop._handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_rpcompile_losses_match_eager(tmp_path, exact_run):

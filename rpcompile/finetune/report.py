@@ -137,7 +137,8 @@ class StopRequest:
             self._installed = False
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
+        # (a process started with Ctrl-C ignored, as a shell's background job is, keeps ignoring it)
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             self._previous = signal.signal(signal.SIGINT, self._handler)
             self._installed = True
         return self
