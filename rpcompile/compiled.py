@@ -96,17 +96,31 @@ class CompiledModel(torch.nn.Module):
         self._last_plan = plan
         return plan, leaves
 
+    # Note [a call's share chosen again]: the model's first plan chooses the optimizer's share on
+    # the devices (Note [optimizer share by room] in passes/host_memory.py), and a forward call's
+    # plan chooses by its room only: it costs no train step that the update could slow (Note
+    # [optimizer share by pace]). Where a user's first call is a forward one (a loss before
+    # training, a sanity check), training kept that share: planned here for four 125.3 GiB H200s,
+    # Llama-3.1-8B's forward call (65,536 tokens, M=4) leaves no room, so its train plan got none
+    # beside 4 replicas, where it takes the whole update when it comes first (at that load per GPU
+    # on 2 H200s, 10,828 against 18,391 tokens/s). Nothing places the share before the first train
+    # step (the modes flatten the masters at its start), so the first train plan chooses again; a
+    # larger share than the call's makes the plans made beside less plan again at their next use
+    # (PlanCache.reserve), since their jobs may not fit beside it.
     def _compile(self, cap, mode, loss_output, at):
         """compile_graph beside the optimizer's share on the devices that the plans reserve; a
         share the plan chose itself (Config.optimizer_on_devices=None) that leaves a new plan no
-        room comes back to the host first (Note [optimizer share by room] in passes/host_memory.py)."""
+        room comes back to the host first (Note [optimizer share by room] in passes/host_memory.py);
+        one a forward call's plan chose, the first train plan chooses again (Note [a call's share
+        chosen again])."""
         runner = self.runner
         opt = runner.overlapped
         if runner.optimizer_share is None and opt is not None and not opt.stepper.elementwise:
             runner.optimizer_share = 0.0   # stepped per parameter, on the host: nothing to place on the devices
+        again = mode == "train" and runner.share_of_a_call
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
-                                 on_devices=runner.optimizer_share)
+                                 on_devices=None if again else runner.optimizer_share)
         except PlanningError:
             if self.config.optimizer_on_devices is not None or not runner.optimizer_share:
                 raise
@@ -115,8 +129,11 @@ class CompiledModel(torch.nn.Module):
                 self.synchronize()
                 opt.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
-        if runner.optimizer_share is None:     # the first plan chose it: every later one reserves it
+        if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
+            if again and plan.optimizer_share > runner.optimizer_share:
+                self._plans.reserve(plan.optimizer_share)
             runner.optimizer_share = plan.optimizer_share
+            runner.share_of_a_call = mode != "train"
         return plan
 
     @property

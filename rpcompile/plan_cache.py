@@ -36,6 +36,15 @@ class PlanCache:
     def __init__(self, config):
         self.config = config
         self._groups: dict = {}      # key -> [_Capture]
+        self.least_share = 0.0       # a plan made beside a smaller share of the optimizer no longer serves
+
+    def reserve(self, share: float) -> None:
+        """From now on the plans reserve `share` of the optimizer on the devices: those made beside
+        less are planned again at their next use (Note [a call's share chosen again], compiled.py)."""
+        self.least_share = share
+        for caps in self._groups.values():
+            for c in caps:
+                c.chosen.clear()
 
     def plans(self) -> list:
         return [p for caps in self._groups.values() for c in caps for p in c.plans]
@@ -81,6 +90,8 @@ class PlanCache:
         return out
 
     def _fits(self, plan, at: dict) -> bool:
+        if plan.optimizer_share < self.least_share:
+            return False
         if plan.memory_budget is None or all(plan.bindings.get(s) == v for s, v in at.items()):
             return True
         memory = job_memory_at(plan, self.config, {**plan.bindings, **at})

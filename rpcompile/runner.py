@@ -60,6 +60,7 @@ class GraphRunner:
         # None until the model's first plan chooses it (CompiledModel._compile; Note [optimizer
         # share by room] in passes/host_memory.py)
         self.optimizer_share = config.optimizer_on_devices
+        self.share_of_a_call = False     # chosen by a forward call's plan: the first train plan chooses again
 
     def prestart(self, modules=()) -> None:
         """Start what the first run needs while the call is captured and planned (worker

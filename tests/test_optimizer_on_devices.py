@@ -545,8 +545,23 @@ def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_th
         return cm
     with pytest.raises(rpcompile.PlanningError) as e:
         call_first(1, share=0.0)
-    first = call_first(e.value.min_budget + kept + 20_000)
+    first_budget = e.value.min_budget + kept + 20_000
+    first = call_first(first_budget)
     assert first.plan.mode == "call" and first.plan.optimizer_share == first.runner.optimizer_share < 1.0
+    # Note [a call's share chosen again]: the first train plan chooses by the pace (the whole), and
+    # the call's plan, made beside less, is planned again beside it at the next call
+    losses = [float(first.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=t))) for t in range(3)]
+    first.synchronize()
+    assert first.plan.mode == "train" and first.plan.optimizer_share == 1.0 == first.runner.optimizer_share
+    assert first.plan.memory_budget == first_budget - kept and first.runner.overlapped.masters.on_devices
+    with torch.no_grad():
+        first(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
+    assert first.plan.mode == "call" and first.plan.optimizer_share == 1.0
+    assert first.plan.memory_budget == first_budget - kept
+    _, set_losses, set_params = run(first_budget, share=1.0)
+    assert losses == pytest.approx(set_losses, rel=1e-6)
+    for a, b in zip(first.model.parameters(), set_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_a_forward_calls_plan_chooses_the_share_when_it_comes_first(monkeypatch):
