@@ -498,13 +498,14 @@ def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_th
 
     with pytest.raises(rpcompile.PlanningError) as e:
         run(1, share=0.0, steps=1)
-    kept = device_optimizer_bytes(list(_qwen(layers=2).parameters()), 1.0, 2)
+    shape = list(_qwen(layers=2).parameters())      # (the parameters every run's model has)
+    kept = device_optimizer_bytes(shape, 1.0, 2)
     budget = e.value.min_budget + kept        # (the jobs planned alone take more than half of the rest)
     fast, _, _ = run(budget)
     assert fast.plan.optimizer_share == 0.0 and fast.plan.memory_budget == budget
     assert 0 < fast.plan.optimizer_est_s < fast.plan.est_step_time
     # slower than the jobs, within the margin: the figures are too rough to re-cut by
-    numel = sum(p.numel() for p in _qwen(layers=2).parameters() if p.numel() > 1)
+    numel = sum(p.numel() for p in shape if p.numel() > 1)
     monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 1.1 * fast.plan.est_step_time / numel)
     close, _, _ = run(budget, steps=1)
     assert close.plan.optimizer_share == 0.0 and close.plan.optimizer_est_s > close.plan.est_step_time
@@ -512,14 +513,14 @@ def test_where_the_host_would_set_the_pace_the_plan_takes_a_share_and_re_cuts_th
     # with: the plan takes the whole (measured the faster: Note [optimizer share by pace]) where it
     # fits, and the share that keeps up where the whole does not fit beside the jobs
     monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 4 * fast.plan.est_step_time / numel)
-    shares = host_memory.pace_shares(list(_qwen(layers=2).parameters()), 2, fast.plan.est_step_time, 0.0)
+    shares = host_memory.pace_shares(shape, 2, fast.plan.est_step_time, 0.0)
     assert shares[0] == 1.0 and 0.75 < shares[1] < 0.85
     whole, _, _ = run(budget, steps=1)
     assert whole.plan.optimizer_share == 1.0 and whole.plan.memory_budget == budget - kept
-    tight = e.value.min_budget + device_optimizer_bytes(list(_qwen(layers=2).parameters()), 0.9, 2)
+    tight = e.value.min_budget + device_optimizer_bytes(shape, 0.9, 2)
     part, _, _ = run(tight, steps=1)
     assert part.plan.optimizer_share == shares[1] == part.runner.optimizer_share
-    assert part.plan.memory_budget == tight - device_optimizer_bytes(list(_qwen(layers=2).parameters()), shares[1], 2)
+    assert part.plan.memory_budget == tight - device_optimizer_bytes(shape, shares[1], 2)
     monkeypatch.setattr(host_memory, "HOST_UPDATE_S", 1.0)      # a second an element: the host sets the pace
     cm, losses, params = run(budget)
     plan = cm.plan

@@ -202,6 +202,14 @@ def test_a_copy_joins_the_sum_unless_a_copy_not_ready_failed():
     assert [PeerExchange(3, None, None).bounds(r, 10) for r in range(3)] == [(0, 4), (4, 8), (8, 10)]
 
 
+def _bit_equal(narrow, wide):
+    """Two delayed_run results (losses, parameters) equal bit for bit."""
+    for t, (a, b) in enumerate(zip(narrow[0], wide[0], strict=True)):
+        assert torch.equal(a, b), f"loss at step {t}: {a.item()} against {b.item()}"
+    for a, b in zip(narrow[1], wide[1], strict=True):
+        assert torch.equal(a, b), f"a parameter after three delayed steps: max abs error {(a - b).abs().max():.3g}"
+
+
 def test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time(monkeypatch):
     """Note [narrow slices summed by their copy]: what the all-to-all brought (every copy's bf16
     slice r) is summed in fp32 and rounded once, SUM_SLICE elements at a time, into copy r's
@@ -261,10 +269,7 @@ def test_copies_of_one_microbatch_accumulate_in_bf16_and_bring_down_the_same_val
     narrow = run(workers, spy)
     if workers == "threads":     # (worker processes take the rule themselves)
         assert made and set(made) == {(2, 2, torch.bfloat16)}
-    for t, (a, b) in enumerate(zip(narrow[0], wide[0], strict=True)):
-        assert torch.equal(a, b), f"loss at step {t}: {a.item()} against {b.item()}"
-    for a, b in zip(narrow[1], wide[1], strict=True):
-        assert torch.equal(a, b), f"a parameter after three delayed steps: max abs error {(a - b).abs().max():.3g}"
+    _bit_equal(narrow, wide)
     step = SimpleNamespace(micro=[None] * 3, grads=SimpleNamespace(dtype=torch.bfloat16))
     assert [grads.accumulator_dtype(step, n) for n in (1, 2, 3)] == [torch.float32, torch.float32, torch.bfloat16]
 
@@ -280,10 +285,7 @@ def test_four_copies_in_processes_sum_their_bf16_slices_in_fp32(monkeypatch):
     wide = delayed_run("threads", devices=4, data_parallel=True, dtype=torch.bfloat16)
     monkeypatch.undo()      # (worker processes take the rule themselves: bf16, one microbatch a copy)
     narrow = delayed_run("processes", devices=4, data_parallel=True, dtype=torch.bfloat16)
-    for t, (a, b) in enumerate(zip(narrow[0], wide[0], strict=True)):
-        assert torch.equal(a, b), f"loss at step {t}: {a.item()} against {b.item()}"
-    for a, b in zip(narrow[1], wide[1], strict=True):
-        assert torch.equal(a, b), f"a parameter after three delayed steps: max abs error {(a - b).abs().max():.3g}"
+    _bit_equal(narrow, wide)
 
 
 def test_a_failing_copy_raises_and_changes_nothing(monkeypatch):
