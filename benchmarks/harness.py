@@ -107,10 +107,10 @@ def parse_args(argv=None):
     p.add_argument("--maxseq-limit", type=int, default=262144)
     p.add_argument("--maxseq-step", type=int, default=1024, help="the bisection's resolution in tokens")
     p.add_argument("--probe-timeout", type=float, default=150, help="seconds one max-seq probe may take")
-    p.add_argument("--pss-interval", type=float, default=5.0,
-                   help="seconds between readings of the run's proportional set size (/proc/PID/smaps_rollup "
-                        "walks the child's page tables under its mmap lock: read every 0.5 s it slowed "
-                        "rpcompile's Llama-3.1-8B steps; /proc/meminfo is read every 0.5 s regardless)")
+    p.add_argument("--pss-interval", type=float, default=0,
+                   help="seconds between readings of the run's proportional set size, reported beside the "
+                        "resident bytes (0: never; /proc/PID/smaps_rollup walks the child's page tables under "
+                        "its mmap lock, which slows the run: Note [host memory without a walk])")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runners in RunSpec.options (e.g. roundpipe_strict_adam=1)")
     p.add_argument("--render", default="", help="only append the runs of this JSON file to --out")
@@ -184,7 +184,7 @@ def host_used() -> int:
 
 def _pss(pid: str):
     """Proportional set size of a process (shared pages divided among the processes mapping
-    them), or None where the kernel does not say."""
+    them), or None where the kernel does not say. Walks its page tables: see group_rss."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -195,11 +195,23 @@ def _pss(pid: str):
     return None
 
 
-def group_rss(pgid: int) -> int:
-    """Resident bytes of every process in process group `pgid` (a child and what it spawned):
-    their proportional set sizes, so that memory they share (worker processes' shared host
-    buffers) counts once, not once per process; resident set sizes where PSS is unknown."""
-    total = 0
+def _resident(pid: str):
+    """(anonymous, file, shared-memory) resident bytes of a process from the kernel's counters
+    (/proc/PID/status: no page-table walk), or None where the kernel does not say."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    out[line.split(":", 1)[0]] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return (out["RssAnon"], out["RssFile"], out["RssShmem"]) if len(out) == 3 else None
+
+
+def group_pids(pgid: int) -> list:
+    """The processes of process group `pgid` (a child and what it spawned), as /proc names."""
+    pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -209,8 +221,47 @@ def group_rss(pgid: int) -> int:
         except (OSError, IndexError):
             continue
         if int(rest[2]) == pgid:
-            pss = _pss(name)
-            total += pss if pss is not None else int(rest[21]) * PAGE
+            pids.append(name)
+    return pids
+
+
+# Note [host memory without a walk]: the run's resident memory is read from the kernel's
+# counters, every poll. Its proportional set size (/proc/PID/smaps_rollup) walks each process's
+# page tables under its mmap lock, which holds the process's mmap and munmap calls (a malloc
+# of a large temporary, a Python arena, a thread's stack) meanwhile: read every 0.5 s it slowed
+# rpcompile's Llama-3.1-8B steps by a fifth (seventeenth session), and read every 5 s the walks of
+# a 2-H200 Llama-3.1-8B run (a 136 GiB main process, two workers) still took the harness ~2 CPU-s
+# of each 5 (top, 44th session): the child's mmap lock was held 40% of the run. Here a 64 MiB
+# allocate-and-touch loop ran 9x slower beside a process's walk. The counters say, per process,
+# anonymous, file and shared-memory pages; the worker processes map the main process's shared
+# files, so the group counts each process's anonymous and file pages and the shared memory of
+# the process that maps the most of it: a CPU run in worker processes (Qwen3 shape, 166M
+# parameters, delayed AdamW) read 6.26 GiB so against 6.18 GiB of proportional set size (files
+# mapped by several processes count in each). --pss-interval still walks, to compare.
+def group_rss(pgid: int) -> int:
+    """Resident bytes of process group `pgid`, from the kernel's counters (Note [host memory
+    without a walk]): each process's anonymous and file pages, and the largest share of shared
+    memory any one of them maps (the workers map the main process's shared files)."""
+    anon_file, shmem = 0, 0
+    for name in group_pids(pgid):
+        r = _resident(name)
+        if r is not None:
+            anon_file += r[0] + r[1]
+            shmem = max(shmem, r[2])
+    return anon_file + shmem
+
+
+def group_pss(pgid: int) -> int:
+    """Proportional set size of process group `pgid`: memory its processes share counted once.
+    Walks every process's page tables (Note [host memory without a walk]); resident set sizes
+    where PSS is unknown."""
+    total = 0
+    for name in group_pids(pgid):
+        pss = _pss(name)
+        if pss is None:
+            r = _resident(name)
+            pss = sum(r) if r is not None else 0
+        total += pss
     return total
 
 
@@ -220,7 +271,7 @@ def kill_group(pgid: int, grace: float = 5.0) -> None:
     except ProcessLookupError:
         return
     t = time.time()
-    while time.time() - t < grace and group_rss(pgid) > 0:
+    while time.time() - t < grace and group_pids(pgid):
         time.sleep(0.2)
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -393,7 +444,7 @@ class Harness:
         host_limit = HOST_GUARD * (self.machine.get("host_mem_bytes") or float("inf"))
         t0 = time.time()
         killed, peak, used0, used_peak = None, 0, host_used(), 0
-        rss, rss_at = 0, float("-inf")
+        pss_peak, pss_at = None, float("-inf")
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
                                     env=self.child_env(spec.system), stdout=out, stderr=err,
@@ -401,8 +452,9 @@ class Harness:
             while True:
                 rc = proc.poll()
                 now = time.time()
-                if now - rss_at >= self.args.pss_interval or rc is not None:
-                    rss, rss_at = group_rss(proc.pid), now
+                rss = group_rss(proc.pid)
+                if self.args.pss_interval > 0 and now - pss_at >= self.args.pss_interval:
+                    pss_peak, pss_at = max(pss_peak or 0, group_pss(proc.pid)), now
                 used = host_used()
                 peak, used_peak = max(peak, rss), max(used_peak, used - used0)
                 if rc is not None:
@@ -426,6 +478,7 @@ class Harness:
         raw = read_result(spec.result_path)
         return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
                 "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
+                "host_pss_peak_bytes": pss_peak,
                 "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
 
     def run_system(self, name: str) -> dict:
@@ -460,7 +513,7 @@ class Harness:
         r = {"system": name, "label": get_system(name).label, "status": status, "reason": reason,
              "exit_code": run["rc"], "wall_s": run["wall_s"], "host_rss_peak_bytes": run["host_rss_peak_bytes"],
              "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
-             "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
+             "host_pss_peak_bytes": run["host_pss_peak_bytes"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
              "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,
