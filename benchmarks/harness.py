@@ -231,8 +231,8 @@ def group_pids(pgid: int) -> list:
 # of a large temporary, a Python arena, a thread's stack) meanwhile: read every 0.5 s it slowed
 # rpcompile's Llama-3.1-8B steps by a fifth (seventeenth session), and read every 5 s the walks of
 # a 2-H200 Llama-3.1-8B run (a 136 GiB main process, two workers) still took the harness ~2 CPU-s
-# of each 5 (top, 44th session): the child's mmap lock was held 40% of the run. Here a 64 MiB
-# allocate-and-touch loop ran 9x slower beside a process's walk. The counters say, per process,
+# of each 5 (top, 44th session): one process's page tables or another's were walked 40% of the
+# run. Here a 64 MiB allocate-and-touch loop ran 9x slower beside back-to-back walks of its process. The counters say, per process,
 # anonymous, file and shared-memory pages; the worker processes map the main process's shared
 # files, so the group counts each process's anonymous and file pages and the shared memory of
 # the process that maps the most of it: a CPU run in worker processes (Qwen3 shape, 166M

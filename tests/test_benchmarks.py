@@ -438,7 +438,7 @@ def test_loss_parity_mode_on_cpu(tmp_path):
 
 def test_harness_walks_no_page_tables_unless_asked(tmp_path, monkeypatch):
     # Note [host memory without a walk]: /proc/PID/smaps_rollup holds the child's mmap lock while
-    # it walks the page tables (read every 5 s, 40% of a 2-H200 Llama-3.1-8B run): by default the
+    # it walks the page tables (read every 5 s, walks 40% of a 2-H200 Llama-3.1-8B run): by default the
     # peak comes from the kernel's counters every poll, and --pss-interval walks only when asked
     walks = []
     real = harness._pss
