@@ -145,7 +145,8 @@ _GPU_PROBE = ("import json, torch\n"
 
 def probe_machine(device: str) -> dict:
     """GPUs (asked of torch in a throw-away process, so this one holds no CUDA context) and host."""
-    env = {"cpu_count": os.cpu_count(), "host_mem_bytes": host_mem_total(), "python": sys.version.split()[0]}
+    env = {"cpu_count": os.cpu_count(), "host_mem_bytes": host_mem_total(), "python": sys.version.split()[0],
+           "transparent_hugepage": transparent_hugepage()}
     if device != "cuda":
         import torch
         env.update(count=0, names=[], total=[], torch=torch.__version__, cuda=None)
@@ -171,14 +172,30 @@ def meminfo() -> dict:
     return out
 
 
+def transparent_hugepage() -> dict:
+    """The kernel's transparent huge page settings (enabled, defrag, shmem_enabled: the bracketed
+    choice of each), where it says (Note [a run's start])."""
+    out = {}
+    for key in ("enabled", "defrag", "shmem_enabled"):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{key}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        chosen = [w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")]
+        out[key] = chosen[0] if chosen else text.strip()
+    return out
+
+
 def host_mem_total() -> int:
     return meminfo().get("MemTotal", 0)
 
 
-def host_used() -> int:
-    """Memory in use on the host (MemTotal - MemAvailable): pinned pages included, which a
-    process's RSS may not show (cudaHostAlloc maps them through the driver)."""
-    m = meminfo()
+def host_used(m: dict = None) -> int:
+    """Memory in use on the host (MemTotal - MemAvailable; of a meminfo() reading if given):
+    pinned pages included, which a process's RSS may not show (cudaHostAlloc maps them through
+    the driver)."""
+    m = meminfo() if m is None else m
     return m.get("MemTotal", 0) - m.get("MemAvailable", 0)
 
 
@@ -444,6 +461,18 @@ class Harness:
         host_limit = HOST_GUARD * (self.machine.get("host_mem_bytes") or float("inf"))
         t0 = time.time()
         killed, peak, used0, used_peak = None, 0, host_used(), 0
+        # Note [a run's start]: one tree's run of the 2-GPU bar's workload (Llama-3.1-8B) made
+        # 20,388 tokens/s alone on a fresh machine and 16,692 as the second side of an A/B on a
+        # machine that had run four children before (44th session); the host update's seconds a
+        # step went 2.15 -> 3.02. The runs differ in what the host held: page cache, shared files
+        # and fragments that earlier runs left. So each run records what the host held as it began
+        # (free, cached, shared memory, huge pages), the most anonymous huge pages it came to, and
+        # the machine's THP settings (meta's env; on this sandbox a fused AdamW over 2^27 elements
+        # stepped in 0.053 s with and without 2 MiB pages, so those are a check, not a suspect);
+        # ab.sh drops the page cache and compacts memory before each side where it may.
+        m0 = meminfo()
+        at_launch = {k: m0.get(k) for k in ("MemFree", "Cached", "Shmem", "AnonHugePages")}
+        huge_peak = 0
         pss_peak, pss_at = None, float("-inf")
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
@@ -455,7 +484,9 @@ class Harness:
                 rss = group_rss(proc.pid)
                 if self.args.pss_interval > 0 and now - pss_at >= self.args.pss_interval:
                     pss_peak, pss_at = max(pss_peak or 0, group_pss(proc.pid)), now
-                used = host_used()
+                m = meminfo()
+                used = host_used(m)
+                huge_peak = max(huge_peak, m.get("AnonHugePages", 0) - (at_launch["AnonHugePages"] or 0))
                 peak, used_peak = max(peak, rss), max(used_peak, used - used0)
                 if rc is not None:
                     break
@@ -478,7 +509,7 @@ class Harness:
         raw = read_result(spec.result_path)
         return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
                 "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
-                "host_pss_peak_bytes": pss_peak,
+                "host_pss_peak_bytes": pss_peak, "host_at_launch_bytes": at_launch, "anon_huge_peak_bytes": huge_peak,
                 "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
 
     def run_system(self, name: str) -> dict:
@@ -513,7 +544,8 @@ class Harness:
         r = {"system": name, "label": get_system(name).label, "status": status, "reason": reason,
              "exit_code": run["rc"], "wall_s": run["wall_s"], "host_rss_peak_bytes": run["host_rss_peak_bytes"],
              "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
-             "host_pss_peak_bytes": run["host_pss_peak_bytes"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
+             "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
+             "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
              "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,

@@ -444,10 +444,13 @@ def test_harness_walks_no_page_tables_unless_asked(tmp_path, monkeypatch):
     real = harness._pss
     monkeypatch.setattr(harness, "_pss", lambda pid: walks.append(pid) or real(pid))
     args = ("--systems", "simulated", "--option", "sleep=0.25", "--steps", "6", "--warmup", "1", "--timeout", "60")
-    res, _, _ = _harness(tmp_path, *args)
+    res, _, meta = _harness(tmp_path, *args)
     r = res["simulated"]
     assert r["status"] == "ok" and r["wall_s"] > 1.5       # the loop polled the child many times
     assert walks == [] and r["host_pss_peak_bytes"] is None
+    # Note [a run's start]: what the host held as the run began, and the kernel's huge page settings
+    assert r["host_at_launch_bytes"]["MemFree"] > 0 and r["anon_huge_peak_bytes"] >= 0
+    assert set(meta["env"]["transparent_hugepage"]) <= {"enabled", "defrag", "shmem_enabled"}
     assert r["host_rss_peak_bytes"] > 20 * 2**20            # an interpreter with torch, read from the counters
     res, _, _ = _harness(tmp_path, *args, "--pss-interval", "1000")
     r = res["simulated"]
