@@ -148,6 +148,25 @@ def test_page_lock_registers_each_file_once_and_unpins_it_before_it_goes(monkeyp
     assert pinned == [a.data_ptr(), b.data_ptr()]
 
 
+def test_a_new_shared_file_is_resident_before_any_process_pins_it():
+    """Note [shared files touched before pinning]: the process that makes a file faults its pages
+    in before its registration hook runs (cudaHostRegister would make them one fault at a time),
+    and the file still reads as zeros in every mapping."""
+    def resident_shmem():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+    seen = []
+    memory = SharedMemory(register=lambda base: seen.append(resident_shmem()))
+    try:
+        before = resident_shmem()
+        t = memory.empty((16 << 20,), torch.uint8)
+        assert seen and seen[0] - before >= 15 << 20      # resident when the hook ran
+        other = SharedMemory(directory=memory.directory)  # a worker's view of the same file
+        assert int(other.tensor(memory.ref(t)).count_nonzero()) == 0
+    finally:
+        memory.close()
+
+
 def test_a_file_that_cannot_be_page_locked_is_warned_of_once_and_copied_as_pageable(monkeypatch):
     """A registration the system refuses (a locked-memory limit) does not fail the optimizer's
     step: page_lock says False (the copy is then from pageable memory), warns once, never retries."""
