@@ -249,23 +249,25 @@ def group_pids(pgid: int) -> list:
 # rpcompile's Llama-3.1-8B steps by a fifth (seventeenth session), and read every 5 s the walks of
 # a 2-H200 Llama-3.1-8B run (a 136 GiB main process, two workers) still took the harness ~2 CPU-s
 # of each 5 (top, 44th session): one process's page tables or another's were walked 40% of the
-# run. Here a 64 MiB allocate-and-touch loop ran 9x slower beside back-to-back walks of its process. The counters say, per process,
-# anonymous, file and shared-memory pages; the worker processes map the main process's shared
-# files, so the group counts each process's anonymous and file pages and the shared memory of
-# the process that maps the most of it: a CPU run in worker processes (Qwen3 shape, 166M
-# parameters, delayed AdamW) read 6.26 GiB so against 6.18 GiB of proportional set size (files
-# mapped by several processes count in each). --pss-interval still walks, to compare.
+# run. Here a 64 MiB allocate-and-touch loop ran 9x slower beside back-to-back walks of its
+# process. The counters say, per process, anonymous, file and shared-memory pages. The processes of a run map the same libraries, and
+# the workers map the main process's shared files, so the group counts each process's anonymous
+# pages and the file and shared-memory pages of the process that maps the most of each: a CPU run
+# in worker processes (Qwen3 shape, 166M parameters, delayed AdamW, three processes) read 6.08
+# GiB so against 6.18 GiB of proportional set size (6.26 GiB with every process's file pages
+# counted: on a GPU host each process also maps CUDA's libraries, which PSS shares among
+# them). --pss-interval still walks, to compare.
 def group_rss(pgid: int) -> int:
     """Resident bytes of process group `pgid`, from the kernel's counters (Note [host memory
-    without a walk]): each process's anonymous and file pages, and the largest share of shared
-    memory any one of them maps (the workers map the main process's shared files)."""
-    anon_file, shmem = 0, 0
+    without a walk]): each process's anonymous pages, and the largest file and shared-memory
+    resident sizes any one of them has (they map the same libraries and shared files)."""
+    anon, files, shmem = 0, 0, 0
     for name in group_pids(pgid):
         r = _resident(name)
         if r is not None:
-            anon_file += r[0] + r[1]
-            shmem = max(shmem, r[2])
-    return anon_file + shmem
+            anon += r[0]
+            files, shmem = max(files, r[1]), max(shmem, r[2])
+    return anon + files + shmem
 
 
 def group_pss(pgid: int) -> int:
