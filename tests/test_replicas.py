@@ -335,6 +335,24 @@ def test_the_planner_takes_the_faster_of_pipeline_and_replicas(monkeypatch):
     assert chosen.est_step_time == pytest.approx(faster.est_step_time)
 
 
+def test_copies_of_one_microbatch_each_are_costed_summing_the_host_sets_dtype(monkeypatch):
+    """Note [one microbatch a copy]: where each copy runs one microbatch its accumulator is in the
+    host gradient set's dtype (bf16 with an attached optimizer and bf16 compute), and the plan
+    costs the copies' sum at that width; with more microbatches than copies, at fp32."""
+    from rpcompile import passes
+    from rpcompile.capture import capture_call
+    cap = capture_call(qwen3(), (), {**lm_batch(batch=4), "use_cache": False}, dtype=torch.bfloat16,
+                       device=torch.device("cpu"), dynamic_lengths=True)
+    widths = []
+    real = passes.exchange_seconds
+    monkeypatch.setattr(passes, "exchange_seconds", lambda *a: widths.append(a[3]) or real(*a))
+    for mode, m in (("delayed", 2), ("delayed", 4), ("exact", 2)):
+        plan = passes.compile_graph(cap, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=m, data_parallel=True,
+                                                          dtype=torch.bfloat16, optimizer_mode=mode), "train")
+        assert plan.replicas == 2
+    assert widths == [2, 4, 4]      # (exact mode: fp32 host gradients)
+
+
 def test_what_replicas_refuse(monkeypatch):
     with pytest.raises(ValueError, match="data_parallel='yes'"):
         rpcompile.Config(data_parallel="yes")

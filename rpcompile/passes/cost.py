@@ -158,10 +158,12 @@ class Hardware:
                             dtype_bytes=dtype_bytes)
 
 
-def exchange_seconds(params, replicas: int, hw: Hardware) -> float:
+def exchange_seconds(params, replicas: int, hw: Hardware, itemsize: int = 4) -> float:
     """Seconds the replicas of a plan take to sum their gradients (Note [replicas] in
-    runtime/replicas.py): each device reads its slice of every other device's fp32 accumulators."""
-    grad_bytes = 4 * sum(p.numel() for p in params if p.requires_grad)
+    runtime/replicas.py): each device reads its slice of every other device's accumulators, fp32
+    or, where each copy runs one microbatch, the host set's dtype (`itemsize` bytes an element:
+    Note [one microbatch a copy], runtime/grads.py)."""
+    grad_bytes = itemsize * sum(p.numel() for p in params if p.requires_grad)
     return grad_bytes * (replicas - 1) / replicas / hw.peer_bw
 
 
