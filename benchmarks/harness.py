@@ -257,17 +257,25 @@ def group_pids(pgid: int) -> list:
 # GiB so against 6.18 GiB of proportional set size (6.26 GiB with every process's file pages
 # counted: on a GPU host each process also maps CUDA's libraries, which PSS shares among
 # them). --pss-interval still walks, to compare.
-def group_rss(pgid: int) -> int:
-    """Resident bytes of process group `pgid`, from the kernel's counters (Note [host memory
-    without a walk]): each process's anonymous pages, and the largest file and shared-memory
-    resident sizes any one of them has (they map the same libraries and shared files)."""
-    anon, files, shmem = 0, 0, 0
+def group_resident(pgid: int) -> dict:
+    """Resident bytes of process group `pgid` by kind, from the kernel's counters (Note [host
+    memory without a walk]): every process's anonymous pages, the largest file and shared-memory
+    resident sizes any one of them has (they map the same libraries and shared files), and how
+    many processes it has (Inductor's compile pools count while they live)."""
+    out = {"anon": 0, "files": 0, "shmem": 0, "processes": 0}
     for name in group_pids(pgid):
         r = _resident(name)
         if r is not None:
-            anon += r[0]
-            files, shmem = max(files, r[1]), max(shmem, r[2])
-    return anon + files + shmem
+            out["anon"] += r[0]
+            out["files"], out["shmem"] = max(out["files"], r[1]), max(out["shmem"], r[2])
+            out["processes"] += 1
+    return out
+
+
+def group_rss(pgid: int) -> int:
+    """Resident bytes of process group `pgid` (group_resident's anonymous, file and shared)."""
+    r = group_resident(pgid)
+    return r["anon"] + r["files"] + r["shmem"]
 
 
 def group_pss(pgid: int) -> int:
@@ -476,6 +484,7 @@ class Harness:
         at_launch = {k: m0.get(k) for k in ("MemFree", "Cached", "Shmem", "AnonHugePages")}
         huge_peak = 0
         pss_peak, pss_at = None, float("-inf")
+        peak_parts, used_peak_at = None, None
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
                                     env=self.child_env(spec.system), stdout=out, stderr=err,
@@ -483,13 +492,17 @@ class Harness:
             while True:
                 rc = proc.poll()
                 now = time.time()
-                rss = group_rss(proc.pid)
+                parts = group_resident(proc.pid)
+                rss = parts["anon"] + parts["files"] + parts["shmem"]
                 if self.args.pss_interval > 0 and now - pss_at >= self.args.pss_interval:
                     pss_peak, pss_at = max(pss_peak or 0, group_pss(proc.pid)), now
                 m = meminfo()
                 used = host_used(m)
                 huge_peak = max(huge_peak, m.get("AnonHugePages", 0) - (at_launch["AnonHugePages"] or 0))
-                peak, used_peak = max(peak, rss), max(used_peak, used - used0)
+                if rss > peak:     # when each peak came, and what the run's processes held then
+                    peak, peak_parts = rss, {**parts, "at_s": round(now - t0, 1)}
+                if used - used0 > used_peak:
+                    used_peak, used_peak_at = used - used0, round(now - t0, 1)
                 if rc is not None:
                     break
                 if now - t0 > timeout:
@@ -512,6 +525,7 @@ class Harness:
         return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
                 "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
                 "host_pss_peak_bytes": pss_peak, "host_at_launch_bytes": at_launch, "anon_huge_peak_bytes": huge_peak,
+                "host_rss_peak_parts": peak_parts, "host_used_peak_at_s": used_peak_at,
                 "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
 
     def run_system(self, name: str) -> dict:
@@ -547,7 +561,8 @@ class Harness:
              "exit_code": run["rc"], "wall_s": run["wall_s"], "host_rss_peak_bytes": run["host_rss_peak_bytes"],
              "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
              "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
-             "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
+             "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
+             "host_used_peak_at_s": run["host_used_peak_at_s"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
              "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,

@@ -452,6 +452,9 @@ def test_harness_walks_no_page_tables_unless_asked(tmp_path, monkeypatch):
     assert r["host_at_launch_bytes"]["MemFree"] > 0 and r["anon_huge_peak_bytes"] >= 0
     assert set(meta["env"]["transparent_hugepage"]) <= {"enabled", "defrag", "shmem_enabled"}
     assert r["host_rss_peak_bytes"] > 20 * 2**20            # an interpreter with torch, read from the counters
+    parts = r["host_rss_peak_parts"]                         # what made the peak, and when it came
+    assert parts["anon"] + parts["files"] + parts["shmem"] == r["host_rss_peak_bytes"]
+    assert parts["processes"] >= 1 and 0 <= parts["at_s"] <= r["wall_s"]
     res, _, _ = _harness(tmp_path, *args, "--pss-interval", "1000")
     r = res["simulated"]
     assert len(walks) == 1 and r["host_pss_peak_bytes"] > 0   # the first poll's walk (the child just started)
