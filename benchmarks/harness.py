@@ -39,7 +39,6 @@ from .systems import get_system
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_RP_SITE = os.path.expanduser("~/.cache/rpcompile-bench/rp_site")   # setup_device.sh's default
-PAGE = os.sysconf("SC_PAGE_SIZE")
 BASE_PROCESS_BYTES = 3 * GiB        # CUDA context, libraries, allocator slack per process
 HOST_GUARD = 0.93                   # kill a child whose process group passes this share of RAM
 DEFAULT_WARMUP = 2
@@ -250,13 +249,13 @@ def group_pids(pgid: int) -> list:
 # a 2-H200 Llama-3.1-8B run (a 136 GiB main process, two workers) still took the harness ~2 CPU-s
 # of each 5 (top, 44th session): one process's page tables or another's were walked 40% of the
 # run. Here a 64 MiB allocate-and-touch loop ran 9x slower beside back-to-back walks of its
-# process. The counters say, per process, anonymous, file and shared-memory pages. The processes of a run map the same libraries, and
-# the workers map the main process's shared files, so the group counts each process's anonymous
-# pages and the file and shared-memory pages of the process that maps the most of each: a CPU run
-# in worker processes (Qwen3 shape, 166M parameters, delayed AdamW, three processes) read 6.08
-# GiB so against 6.18 GiB of proportional set size (6.26 GiB with every process's file pages
-# counted: on a GPU host each process also maps CUDA's libraries, which PSS shares among
-# them). --pss-interval still walks, to compare.
+# process. The counters say, per process, anonymous, file and shared-memory pages. The
+# processes of a run map the same libraries, and the workers map the main process's shared
+# files, so the group counts each process's anonymous pages and the file and shared-memory pages
+# of the process that maps the most of each: a CPU run in worker processes (Qwen3 shape, 166M
+# parameters, delayed AdamW, three processes) read 6.08 GiB so against 6.18 GiB of proportional
+# set size (6.26 GiB with every process's file pages counted: on a GPU host each process also
+# maps CUDA's libraries, which PSS shares among them). --pss-interval still walks, to compare.
 def group_resident(pgid: int) -> dict:
     """Resident bytes of process group `pgid` by kind, from the kernel's counters (Note [host
     memory without a walk]): every process's anonymous pages, the largest file and shared-memory
@@ -562,7 +561,8 @@ class Harness:
              "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
              "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
              "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
-             "host_used_peak_at_s": run["host_used_peak_at_s"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"), "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
+             "host_used_peak_at_s": run["host_used_peak_at_s"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
+             "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
              "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,
