@@ -235,27 +235,41 @@ def test_a_failed_prepare_is_raised_once_by_the_next_call_and_changes_nothing(mo
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
-def test_working_copies_come_down_from_the_devices_where_their_masters_are_current():
+def test_working_copies_come_down_from_the_devices_where_their_masters_are_current(monkeypatch):
     """Note [working copies from the devices]: copy_down copies (cast) the parameters stepped on
     a device from there and leaves the host's, and one written in place since, to the host."""
     model, ref = _model(), _model()
     params, ref_params = list(model.parameters()), list(ref.parameters())
     opt, ref_opt = torch.optim.AdamW(params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
-    stepper = _stepper(params, opt, 0.5)
+    monkeypatch.setattr(FlatMasters, "BLOCK", 10)     # a block a parameter: two of the four on the devices
+    stepper = _stepper(params, opt, 0.8)
     dev = [i for i, p in enumerate(params) if stepper.masters.device_range(0, stepper.masters.where[id(p)][1])]
-    assert 0 < len(dev) < len(params)
+    assert len(dev) == 2 and len(params) == 4
     dsts = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
     rest, wait = stepper.copy_down(dsts, params)
     assert rest == list(range(len(params)))           # never stepped there: the host copies all
     _step_both(stepper, params, ref_opt, ref_params, range(2))
     with torch.no_grad():
         params[dev[0]].mul_(0.5)                      # the user's write: the device's copy is stale
-    rest, wait = stepper.copy_down(dsts, params)
-    wait()
+    # the casts go a slice of at most WIDEN elements at a time (a temporary of that size on the
+    # device, which the plan counts): one flat working copy, so that the runs join
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16)
+    dsts, off = [], 0
+    for p in params:
+        dsts.append(flat[off:off + p.numel()].view(p.shape))
+        off += p.numel()
+    casts, real = [], torch.Tensor.copy_
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "copy_", lambda d, s, **kw: (casts.append(s.numel()) if s.dtype != d.dtype
+                                                             else None) or real(d, s, **kw))
+        m.setattr(type(stepper), "WIDEN", 50)
+        rest, wait = stepper.copy_down(dsts, params)
+        wait()
     assert rest == [i for i in range(len(params)) if i not in dev[1:]]
     for i in dev[1:]:
         assert torch.equal(dsts[i], params[i].detach().to(torch.bfloat16))
     assert all(not dsts[i].any() for i in rest)
+    assert max(casts) == 50 and sum(casts) == sum(params[i].numel() for i in dev[1:])
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -148,6 +148,14 @@ def merge_adjacent(dsts: list, srcs: list) -> tuple:
     return out_d, out_s
 
 
+def _pieces(d, s, n: int) -> list:
+    """A copy from s into d with a cast, as pairs of at most n elements (1-D views); a copy
+    without a cast, or of other views, whole."""
+    if d.dim() != 1 or s.dim() != 1 or d.dtype == s.dtype or d.numel() <= n:
+        return [(d, s)]
+    return [(d[a:a + n], s[a:a + n]) for a in range(0, d.numel(), n)]
+
+
 class FlatMasters:
     """The flat buffers the trainable host parameters were moved into: param id -> (buffer
     index, offset); and the ranges of each buffer whose optimizer steps on a device (Note
@@ -585,7 +593,12 @@ class FlatStepper:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for d, src in zip(*merge_adjacent(ds, ss)):
                     self._lock_pages(d, device)
-                    d.copy_(src, non_blocking=True)    # (the cast runs on the device: Note)
+                    # the cast runs on the device (Note), into a temporary as large as the copy: at
+                    # most WIDEN elements, within the room the plan keeps there for a widened
+                    # gradient slice (device_optimizer_bytes); a whole run (Llama-3.1-8B's
+                    # embedding: 1 GiB in bf16) was a temporary the plan did not count
+                    for dp, sp in _pieces(d, src, self.WIDEN):
+                        dp.copy_(sp, non_blocking=True)
             streams.append(stream)
 
         def wait():
