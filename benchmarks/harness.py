@@ -213,16 +213,19 @@ def _pss(pid: str):
 
 def _resident(pid: str):
     """(anonymous, file, shared-memory) resident bytes of a process from the kernel's counters
-    (/proc/PID/status: no page-table walk), or None where the kernel does not say."""
+    (/proc/PID/status: no page-table walk); all of VmRSS as anonymous where the kernel does not
+    split it (before Linux 4.5); None where it says nothing."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:", "VmRSS:")):
                     out[line.split(":", 1)[0]] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    return (out["RssAnon"], out["RssFile"], out["RssShmem"]) if len(out) == 3 else None
+    if all(k in out for k in ("RssAnon", "RssFile", "RssShmem")):
+        return out["RssAnon"], out["RssFile"], out["RssShmem"]
+    return (out["VmRSS"], 0, 0) if "VmRSS" in out else None
 
 
 def group_pids(pgid: int) -> list:

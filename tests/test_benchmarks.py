@@ -460,6 +460,15 @@ def test_harness_walks_no_page_tables_unless_asked(tmp_path, monkeypatch):
     assert len(walks) == 1 and r["host_pss_peak_bytes"] > 0   # the first poll's walk (the child just started)
 
 
+def test_resident_bytes_from_a_kernel_that_does_not_split_them(monkeypatch):
+    """Before Linux 4.5 /proc/PID/status has VmRSS but not RssAnon/RssFile/RssShmem: all of it
+    counts as the process's own; a process the kernel says nothing of counts as none."""
+    import io
+    texts = {"1": "Name:\tpython\nVmRSS:\t  2048 kB\n", "2": "Name:\tpython\n"}
+    monkeypatch.setattr(harness, "open", lambda path, *a, **k: io.StringIO(texts[path.split("/")[2]]), raising=False)
+    assert harness._resident("1") == (2048 * 1024, 0, 0) and harness._resident("2") is None
+
+
 _SHARING_GROUP = """
 import mmap, os, subprocess, sys, time
 size = 96 << 20
