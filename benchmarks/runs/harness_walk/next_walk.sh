@@ -4,7 +4,7 @@
 # proportional set size every 5 s (its old default: smaps_rollup walks the page tables of the child and its
 # workers) and then from the kernel's counters only (Note [host memory without a walk], benchmarks/harness.py).
 # Each run from a host with its page cache dropped and memory compacted, as ab.sh now does. ~470 s.
-#   OUT=$OUT bash benchmarks/runs/harness_walk/next_walk.sh
+#   OUT=$OUT bash benchmarks/runs/harness_walk/next_walk.sh [walk-first|counters-first]
 # Then python benchmarks/runs/whole_share/show_share.py $OUT/walk.json $OUT/counters.json
 set -euo pipefail
 export PYTHONPATH=$PWD
@@ -15,7 +15,11 @@ fresh() {
 }
 args=(--model llama3.1-8b --gpus 2 --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
       --systems rpcompile-delayed --record "$OUT/runs" --timeout 225 --budget 230 --out '' --log-dir /tmp/hw-logs)
-fresh walk
-python -m benchmarks.harness "${args[@]}" --pss-interval 5 --json "$OUT/walk.json" 2>&1 | grep '\[harness\]' | sed 's/^/walk: /'
-fresh counters
-python -m benchmarks.harness "${args[@]}" --json "$OUT/counters.json" 2>&1 | grep '\[harness\]' | sed 's/^/counters: /'
+side() {   # walk: the old default (a PSS reading every 5 s); counters: no walk
+  fresh "$1"
+  local extra=(); [ "$1" = walk ] && extra=(--pss-interval 5)
+  python -m benchmarks.harness "${args[@]}" "${extra[@]}" --json "$OUT/$1.json" 2>&1 | grep '\[harness\]' | sed "s/^/$1: /"
+}
+# the order (an A/B's second side ran 16% slower on 2026-11-30): walk first unless told otherwise;
+# a second call with `counters-first` tells order from walks
+if [ "${1:-walk-first}" = counters-first ]; then side counters; side walk; else side walk; side counters; fi
