@@ -282,8 +282,12 @@ class GraphRunner:
         overlap = self.mode.overlaps(plan)
         if self.pending is not None and not (overlap and self.pending.plan is plan):
             self.settle()
-        step = self.mode.start(self, plan, micro)
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
+        warm = getattr(self.executor, "warm", None)
+        if warm is not None:    # Note [first programs compiled beside the setup] (runtime/dry_run.py)
+            warm(plan, build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
+                                      len(micro)), micro, self.working_dtype(plan))
+        step = self.mode.start(self, plan, micro)
         if overlap:
             self._overlapped_step(plan, step, jobs)
         else:

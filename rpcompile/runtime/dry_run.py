@@ -23,6 +23,20 @@ against 99 in one run, and real jobs compiled again, 1-4 graphs each; not kept.)
 run eagerly (no Inductor: CPU devices by default, random stages) have nothing to compile and
 are not dry-run.
 
+Note [first programs compiled beside the setup]: a train step's first run came to the workers
+only once the main process had made the optimizer's flat masters and delayed mode's working
+copies (and the workers had mapped them), so their first dry runs began after all of that: on 2
+H200s Llama-3.1-8B's workers had imported the compile stack at 12-13 s and built their first
+programs at 43.6 s, the main process having planned at 18.4 s (then masters 3.4 s, working copies
+8.6 s, and the workers pinned the gradient file for 10.3 s); Qwen3-1.7B's at 17.8 s, planned at
+12.0 s (setup timelines of the 2026-11-30 runs, benchmarks/runs/). A dry run needs none of
+those: only the plan, the run's microbatches (sizes and inputs), its dtype and buffers, and the
+parameters' shapes. So the first train step starts the workers and sends them that ("warm",
+ProcessExecutor.warm) before the mode makes its host copies, and each worker dry-runs the program
+of the first job the step's schedule gives it (`StandInStep` stands for the step), in its job
+thread, ahead of any run; the real job then finds it dry-run (DryRuns.seen). The other jobs'
+programs are dry-run as before, when their jobs come up. Not yet measured on a GPU.
+
 A dry run changes nothing a step reads: it writes no slot, gradient or buffer (buffers and
 inputs are cloned, so in-place updates stay in the clones), draws no random numbers, and
 its failure only leaves the program to compile at its real first call. On the device it holds
@@ -40,6 +54,16 @@ import torch
 from . import compile_once, ops, timeline
 from .job import JobContext
 from .weights import working_dtype
+
+
+class StandInStep:
+    """What a dry run reads of a step, before the step exists (Note [first programs compiled
+    beside the setup]): the parameters as meta tensors of their shapes and dtypes."""
+
+    def __init__(self, params, buffers, micro, dtype, param_index, buffer_index):
+        self.params = [torch.empty(shape, dtype=dt, device="meta") for shape, dt in params]
+        self.buffers, self.micro, self.dtype = buffers, micro, dtype
+        self.param_index, self.buffer_index = param_index, buffer_index
 
 
 class DryRunJob:

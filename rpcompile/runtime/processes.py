@@ -227,6 +227,21 @@ class ProcessExecutor:
     def _to_all(self, msg):
         self.hub.to_all(msg)
 
+    def warm(self, plan, schedule, micro, dtype) -> None:
+        """Before the first run (Note [first programs compiled beside the setup], dry_run.py):
+        start the workers, send the plan, and have each dry-run the program of its first job in
+        `schedule`, the run's, while this process makes its host copies."""
+        if self.hub is not None:
+            return
+        self._start()
+        firsts: dict = {}
+        for a in schedule.actions:
+            firsts.setdefault(a.device, (a.stage, a.role))
+        cap = plan.captured
+        self._to_all(("warm", self._plan_key(plan), {
+            "firsts": firsts, "micro": [(m.leaves, m.syms, m.rows, m.seed) for m in micro], "dtype": dtype,
+            "buffers": list(cap.buffers), "params": [(tuple(p.shape), p.dtype) for p in cap.params]}))
+
     def next_device(self):
         """The device the next run's first job goes to."""
         return self.workers[self.offset % len(self.workers)].dev

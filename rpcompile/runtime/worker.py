@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from . import portable
 from .compile_once import compile_locks
 from .device import DeviceRuntime, Pending, _map
-from .dry_run import DryRuns
+from .dry_run import DryRuns, StandInStep
 from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
@@ -161,6 +161,13 @@ class _Snapshot:
     @staticmethod
     def mark_upload(entry, event, stream=None) -> None:
         pass
+
+
+class _Warm:
+    """A job-queue item: dry-run this worker's first program of a step to come (Worker.warm)."""
+
+    def __init__(self, plan_key, desc):
+        self.plan_key, self.desc = plan_key, desc
 
 
 class WorkerPlan:
@@ -444,6 +451,8 @@ class Worker:
             gs._flat = flat
             self.grad_sets[key] = gs
             timeline.mark("gradients mapped", time.perf_counter() - t0)
+        elif kind == "warm":           # Note [first programs compiled beside the setup] (dry_run.py)
+            self.jobs.put(_Warm(msg[1], msg[2]))
         elif kind == "prefetch":       # the next step's first job's weights (delayed mode)
             _, token, refs, dtype = msg
             self.dev.prefetch(("first", token), [(i, self.memory.tensor(r)) for i, r in refs], dtype, _Snapshot())
@@ -536,6 +545,9 @@ class Worker:
             item = self.jobs.get()
             if item is None:
                 return
+            if isinstance(item, _Warm):
+                self.warm(item)
+                continue
             step, a, plan = item
             # outputs too: the main process copies them out (_Output.resolve)
             self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
@@ -545,6 +557,19 @@ class Worker:
             item = step = None
             if len(warmup.first_calls) > compiled:
                 timeline.freeze_survivors()     # Note [frozen after compiling] (timeline.py)
+
+    def warm(self, item) -> None:
+        """Dry-run the program of this worker's first job of a step to come (Note [first programs
+        compiled beside the setup], dry_run.py); nothing where it has none, or the plan did not
+        load (the run says so)."""
+        plan, desc = self.plans.get(item.plan_key), item.desc
+        first = desc["firsts"].get(self.index)
+        if first is None or not isinstance(plan, WorkerPlan):
+            return
+        micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
+        step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
+                           plan.buffer_index)
+        self.dry_runs.before_job(step, plan, plan.stages[first[0]], first[1])
 
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]

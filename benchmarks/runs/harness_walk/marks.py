@@ -3,7 +3,7 @@ system used) and the seconds of the setup marks the shared-file fill should chan
 import json
 import sys
 
-MARKS = ("captured", "planned", "flat masters made", "working copies made", "working copies mapped",
+MARKS = ("captured", "planned", "workers ready", "flat masters made", "working copies made", "working copies mapped",
          "gradients mapped", "train_step returned")
 G = 2 ** 30
 
@@ -20,7 +20,7 @@ for path in sys.argv[1:]:
             first = {}
             for e in (r.get("info") or {}).get("setup_timeline") or []:
                 key = (e["where"], e["what"])
-                if e["what"] in MARKS and key not in first:
+                if (e["what"] in MARKS or e["what"].startswith("dry run of ")) and key not in first:
                     first[key] = e
             for (where, what), e in first.items():
                 print(f"    {e['t']:7.2f}  {where:9s} {what:24s} {e.get('seconds') or 0:6.2f} s")
