@@ -34,8 +34,13 @@ those: only the plan, the run's microbatches (sizes and inputs), its dtype and b
 parameters' shapes. So the first train step starts the workers and sends them that ("warm",
 ProcessExecutor.warm) before the mode makes its host copies, and each worker dry-runs the program
 of the first job the step's schedule gives it (`StandInStep` stands for the step), in its job
-thread, ahead of any run; the real job then finds it dry-run (DryRuns.seen). The other jobs'
-programs are dry-run as before, when their jobs come up. Not yet measured on a GPU.
+thread, ahead of any run; the real job then finds it dry-run (DryRuns.seen). Where each worker
+runs a copy of the whole chain (replicas), it dry-runs every job's program so, in the order it
+runs them: it would dry-run each right before its job anyway (the copies meet only where a job's
+gradients are summed, and each dry-runs the same programs). In a
+pipeline the other jobs' programs are dry-run as before, when their jobs come up (then a dry run
+overlaps the wait for the chain; done first it would hold the chain's start). Not yet measured
+on a GPU.
 
 A dry run changes nothing a step reads: it writes no slot, gradient or buffer (buffers and
 inputs are cloned, so in-place updates stay in the clones), draws no random numbers, and

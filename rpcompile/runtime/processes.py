@@ -229,17 +229,20 @@ class ProcessExecutor:
 
     def warm(self, plan, schedule, micro, dtype) -> None:
         """Before the first run (Note [first programs compiled beside the setup], dry_run.py):
-        start the workers, send the plan, and have each dry-run the program of its first job in
-        `schedule`, the run's, while this process makes its host copies."""
+        start the workers, send the plan, and have each dry-run the programs of its first job in
+        `schedule`, the run's (of every job it runs, in order, where it runs a copy of the whole
+        chain: replicas), while this process makes its host copies."""
         if self.hub is not None:
             return
         self._start()
-        firsts: dict = {}
+        programs: dict = {}       # worker -> [(stage, role)] to dry-run, in the order it runs them
         for a in schedule.actions:
-            firsts.setdefault(a.device, (a.stage, a.role))
+            mine = programs.setdefault(a.device, [])
+            if (a.stage, a.role) not in mine and (schedule.replicas > 1 or not mine):
+                mine.append((a.stage, a.role))
         cap = plan.captured
         self._to_all(("warm", self._plan_key(plan), {
-            "firsts": firsts, "micro": [(m.leaves, m.syms, m.rows, m.seed) for m in micro], "dtype": dtype,
+            "programs": programs, "micro": [(m.leaves, m.syms, m.rows, m.seed) for m in micro], "dtype": dtype,
             "buffers": list(cap.buffers), "params": [(tuple(p.shape), p.dtype) for p in cap.params]}))
 
     def next_device(self):

@@ -559,17 +559,18 @@ class Worker:
                 timeline.freeze_survivors()     # Note [frozen after compiling] (timeline.py)
 
     def warm(self, item) -> None:
-        """Dry-run the program of this worker's first job of a step to come (Note [first programs
-        compiled beside the setup], dry_run.py); nothing where it has none, or the plan did not
-        load (the run says so)."""
+        """Dry-run the programs the main process names of this worker's jobs of a step to come
+        (Note [first programs compiled beside the setup], dry_run.py); nothing where the plan did
+        not load (the run says so)."""
         plan, desc = self.plans.get(item.plan_key), item.desc
-        first = desc["firsts"].get(self.index)
-        if first is None or not isinstance(plan, WorkerPlan):
+        programs = desc["programs"].get(self.index, [])
+        if not programs or not isinstance(plan, WorkerPlan):
             return
         micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
         step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
                            plan.buffer_index)
-        self.dry_runs.before_job(step, plan, plan.stages[first[0]], first[1])
+        for stage, role in programs:
+            self.dry_runs.before_job(step, plan, plan.stages[stage], role)
 
     def run_one(self, step: WorkerStep, a, plan: WorkerPlan):
         stage = plan.stages[a.stage]
