@@ -383,6 +383,26 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch,
         assert whats.index("compile stack imported") < whats.index("set up")
 
 
+def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch):
+    """Note [first programs compiled beside the setup]: a warm-up the worker cannot read (here its
+    parameters are missing) is marked failed; each job's program is then dry-run before the job,
+    as without a warm-up, and the results equal eager's."""
+    from rpcompile.runtime import processes, timeline
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    timeline.reset()
+    real = processes._Hub.to_all
+    monkeypatch.setattr(processes._Hub, "to_all", lambda self, msg: real(self, msg if msg[0] != "warm" else (
+        msg[0], msg[1], {k: v for k, v in msg[2].items() if k != "params"})))
+    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],
+                    _config(compile_stages=True, max_jobs=3), steps=2)
+    whats = [(r["where"], r["what"]) for r in cm.setup_timeline]
+    assert sorted(w for w, what in whats if what.startswith("warm-up on ")) == ["worker 0", "worker 1"]
+    assert all("failed: KeyError: 'params'" in what for _, what in whats if what.startswith("warm-up on "))
+    dry = [(w, what.split()[3]) for w, what in whats if what.startswith("dry run of ")]
+    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
+
+
 def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     """Note [hand-overs of a run] (worker.py): a differentiable call's backward run reaches one
     worker late (here 0.5 s after the other), so the first backward job's hand-over comes to it

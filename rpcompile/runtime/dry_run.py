@@ -37,10 +37,9 @@ of the first job the step's schedule gives it (`StandInStep` stands for the step
 thread, ahead of any run; the real job then finds it dry-run (DryRuns.seen). Where each worker
 runs a copy of the whole chain (replicas), it dry-runs every job's program so, in the order it
 runs them: it would dry-run each right before its job anyway (the copies meet only where a job's
-gradients are summed, and each dry-runs the same programs). In a
-pipeline the other jobs' programs are dry-run as before, when their jobs come up (then a dry run
-overlaps the wait for the chain; done first it would hold the chain's start). Not yet measured
-on a GPU.
+gradients are summed, and each dry-runs the same programs). In a pipeline the other jobs'
+programs are dry-run as before, when their jobs come up (there a dry run overlaps the wait for
+the chain; done first it would hold the chain's start). Not yet measured on a GPU.
 
 A dry run changes nothing a step reads: it writes no slot, gradient or buffer (buffers and
 inputs are cloned, so in-place updates stay in the clones), draws no random numbers, and

@@ -229,9 +229,9 @@ class ProcessExecutor:
 
     def warm(self, plan, schedule, micro, dtype) -> None:
         """Before the first run (Note [first programs compiled beside the setup], dry_run.py):
-        start the workers, send the plan, and have each dry-run the programs of its first job in
-        `schedule`, the run's (of every job it runs, in order, where it runs a copy of the whole
-        chain: replicas), while this process makes its host copies."""
+        start the workers, send the plan, and have each dry-run the program of its first job in
+        `schedule`, the run's (with replicas: of every job it runs, in order), while this process
+        makes its host copies."""
         if self.hub is not None:
             return
         self._start()

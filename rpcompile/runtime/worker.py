@@ -164,7 +164,7 @@ class _Snapshot:
 
 
 class _Warm:
-    """A job-queue item: dry-run this worker's first program of a step to come (Worker.warm)."""
+    """A job-queue item: dry-run programs of this worker's jobs of a step to come (Worker.warm)."""
 
     def __init__(self, plan_key, desc):
         self.plan_key, self.desc = plan_key, desc
@@ -546,7 +546,10 @@ class Worker:
             if item is None:
                 return
             if isinstance(item, _Warm):
+                compiled = len(warmup.first_calls)
                 self.warm(item)
+                if len(warmup.first_calls) > compiled:
+                    timeline.freeze_survivors()     # Note [frozen after compiling]: as after a job
                 continue
             step, a, plan = item
             # outputs too: the main process copies them out (_Output.resolve)
@@ -561,14 +564,19 @@ class Worker:
     def warm(self, item) -> None:
         """Dry-run the programs the main process names of this worker's jobs of a step to come
         (Note [first programs compiled beside the setup], dry_run.py); nothing where the plan did
-        not load (the run says so)."""
+        not load (the run says so). A failure here only leaves them to their jobs' first calls."""
         plan, desc = self.plans.get(item.plan_key), item.desc
         programs = desc["programs"].get(self.index, [])
         if not programs or not isinstance(plan, WorkerPlan):
             return
-        micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
-        step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
-                           plan.buffer_index)
+        try:
+            micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
+            step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
+                               plan.buffer_index)
+        except Exception:   # noqa: BLE001 - as a failed dry run: the jobs compile at their first calls
+            last = traceback.format_exc().strip().splitlines()[-1]
+            timeline.mark(f"warm-up on {self.label} failed: {last}")
+            return
         for stage, role in programs:
             self.dry_runs.before_job(step, plan, plan.stages[stage], role)
 
