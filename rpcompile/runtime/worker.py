@@ -566,10 +566,10 @@ class Worker:
         (Note [first programs compiled beside the setup], dry_run.py); nothing where the plan did
         not load (the run says so). A failure here only leaves them to their jobs' first calls."""
         plan, desc = self.plans.get(item.plan_key), item.desc
-        programs = desc["programs"].get(self.index, [])
-        if not programs or not isinstance(plan, WorkerPlan):
+        if not isinstance(plan, WorkerPlan):
             return
         try:
+            programs = desc["programs"].get(self.index, [])
             micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
             step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
                                plan.buffer_index)
