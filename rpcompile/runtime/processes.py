@@ -32,7 +32,7 @@ from .programs import compiles_stages
 from .schedule import Schedule
 from .shared import SharedMemory, SlotSets
 from .weights import working_dtype
-from .worker import accept, decode, recv, send, serve_socket
+from .worker import accept, decode, micro_desc, recv, send, serve_socket
 
 START_TIMEOUT_S = 300
 RESTART = "compile the model again (rpcompile.compile) to start new worker processes"
@@ -242,7 +242,7 @@ class ProcessExecutor:
                 mine.append((a.stage, a.role))
         cap = plan.captured
         self._to_all(("warm", self._plan_key(plan), {
-            "programs": programs, "micro": [(m.leaves, m.syms, m.rows, m.seed) for m in micro], "dtype": dtype,
+            "programs": programs, "micro": micro_desc(micro), "dtype": dtype,
             "buffers": list(cap.buffers), "params": [(tuple(p.shape), p.dtype) for p in cap.params]}))
 
     def next_device(self):
@@ -335,7 +335,7 @@ class ProcessExecutor:
             record = step.remote = self.hub.record(next(self._ids), self.slot_sets.take())
             weakref.finalize(step, self.hub.step_gone, record)
             desc.update(weights=self._weights_key(step), grads=self._grads_key(step.grads),
-                        micro=[(m.leaves, m.syms, m.rows, m.seed) for m in step.micro], rng_base=step.rng_base,
+                        micro=micro_desc(step.micro), rng_base=step.rng_base,
                         dtype=step.dtype, buffers=list(step.buffers), grad_need=step.grad_need)
         running = {a.device for a in schedule.actions}     # workers with a job of this run
         uploads, step.first_upload = step.first_upload, []

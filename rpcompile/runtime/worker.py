@@ -163,6 +163,16 @@ class _Snapshot:
         pass
 
 
+def micro_desc(micro) -> list:
+    """A step's microbatches as a run (or a warm-up) sends them to the workers."""
+    return [(m.leaves, m.syms, m.rows, m.seed) for m in micro]
+
+
+def microbatches(desc) -> list:
+    """The Microbatches `micro_desc` sent."""
+    return [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc]
+
+
 class _Warm:
     """A job-queue item: dry-run programs of this worker's jobs of a step to come (Worker.warm)."""
 
@@ -495,7 +505,7 @@ class Worker:
             step = self.steps.get(step_id)
             if step is None:
                 weights = self.tables[desc["weights"]]
-                micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
+                micro = microbatches(desc["micro"])
                 step = WorkerStep(self, step_id, plan=plan, params=weights, buffers=desc["buffers"], micro=micro,
                                   rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets[desc["grads"]],
                                   grad_need=desc["grad_need"],
@@ -545,20 +555,18 @@ class Worker:
             item = self.jobs.get()
             if item is None:
                 return
-            if isinstance(item, _Warm):
-                compiled = len(warmup.first_calls)
-                self.warm(item)
-                if len(warmup.first_calls) > compiled:
-                    timeline.freeze_survivors()     # Note [frozen after compiling]: as after a job
-                continue
-            step, a, plan = item
-            # outputs too: the main process copies them out (_Output.resolve)
-            self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
             compiled = len(warmup.first_calls)
-            self.dry_runs.before_job(step, plan, plan.stages[a.stage], a.role)   # Note [dry runs]
-            self.run_one(step, a, plan)
-            item = step = None
-            if len(warmup.first_calls) > compiled:
+            if isinstance(item, _Warm):
+                self.warm(item)
+            else:
+                step, a, plan = item
+                # outputs too: the main process copies them out (_Output.resolve)
+                self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
+                self.dry_runs.before_job(step, plan, plan.stages[a.stage], a.role)   # Note [dry runs]
+                self.run_one(step, a, plan)
+                step = None
+            item = None
+            if len(warmup.first_calls) > compiled:   # (after a job or a warm-up that compiled)
                 timeline.freeze_survivors()     # Note [frozen after compiling] (timeline.py)
 
     def warm(self, item) -> None:
@@ -570,7 +578,7 @@ class Worker:
             return
         try:
             programs = desc["programs"].get(self.index, [])
-            micro = [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc["micro"]]
+            micro = microbatches(desc["micro"])
             step = StandInStep(desc["params"], desc["buffers"], micro, desc["dtype"], plan.param_index,
                                plan.buffer_index)
         except Exception:   # noqa: BLE001 - as a failed dry run: the jobs compile at their first calls
