@@ -246,9 +246,13 @@ class GraphRunner:
             step.tracer = Tracer(self.config.devices if self.config.workers == "threads" else [])
         self.last_tracer = step.tracer
         self.recent_tracers = (self.recent_tracers + [step.tracer])[-3:]
-        schedule = build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
-                                  len(step.micro))
-        return self.executor.issue(step, schedule, lambda st, role, dev: self.program_for(plan, st, role, dev))
+        return self.executor.issue(step, self._schedule(plan, jobs, len(step.micro)),
+                                   lambda st, role, dev: self.program_for(plan, st, role, dev))
+
+    def _schedule(self, plan, jobs, num_microbatches: int):
+        """The schedule the next run of `jobs` gets (its first job on the executor's offset)."""
+        return build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
+                              num_microbatches)
 
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
@@ -285,8 +289,7 @@ class GraphRunner:
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
         warm = getattr(self.executor, "warm", None)
         if warm is not None:    # Note [first programs compiled beside the setup] (runtime/dry_run.py)
-            warm(plan, build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
-                                      len(micro)), micro, self.working_dtype(plan))
+            warm(plan, self._schedule(plan, jobs, len(micro)), micro, self.working_dtype(plan))
         step = self.mode.start(self, plan, micro)
         if overlap:
             self._overlapped_step(plan, step, jobs)

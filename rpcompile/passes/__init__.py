@@ -66,7 +66,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import (device_optimizer_bytes, host_grad_dtype, host_memory, optimizer_seconds, pace_shares,
+from .host_memory import (device_optimizer_bytes, host_memory, optimizer_seconds, pace_shares, planned_grad_dtype,
                           share_by_room)
 from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
@@ -291,8 +291,7 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
             copy_plan = copy[0]
             # copies of one microbatch each sum the host set's dtype (Note [one microbatch a copy]:
             # costed at fp32, 4-GPU Qwen3-1.7B's sum took 34 ms of an estimated 408)
-            narrow = host_grad_dtype(config.compute_dtype if getattr(st.captured, "on_copies", False) else None,
-                                     config.optimizer_mode != "exact").itemsize
+            narrow = planned_grad_dtype(st.captured, config.compute_dtype, config.optimizer_mode).itemsize
             est = copy_plan.est_time + exchange_seconds(st.captured.params, replicas, hw,
                                                         narrow if M <= replicas else 4)
             if pipeline is None or est < pipeline[0].est_time:

@@ -34,6 +34,14 @@ def host_grad_dtype(working_dtype, optimizer_reads: bool) -> torch.dtype:
     return torch.bfloat16 if optimizer_reads and working_dtype == torch.bfloat16 else torch.float32
 
 
+def planned_grad_dtype(captured, compute_dtype, optimizer_mode: str) -> torch.dtype:
+    """host_grad_dtype as a plan counts it: the working dtype is the compute dtype where the graphs
+    were captured on copies in it (runner.working_dtype), and the optimizer reads the set outside
+    exact mode."""
+    return host_grad_dtype(compute_dtype if getattr(captured, "on_copies", False) else None,
+                           optimizer_mode != "exact")
+
+
 @dataclass
 class GradLayout:
     """Where the parameter gradients of a step lie in one flat fp32 host buffer.
@@ -316,8 +324,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     layout = grad_layout(plan)
     # runner.working_dtype: graphs the dynamo backend captured on real tensors run as they are
-    grad_dtype = host_grad_dtype(compute_dtype if getattr(plan.captured, "on_copies", False) else None,
-                                 optimizer_mode != "exact")
+    grad_dtype = planned_grad_dtype(plan.captured, compute_dtype, optimizer_mode)
     itemsize = grad_dtype.itemsize
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
     by_name = {n.name: n for n in plan.gm.graph.nodes}
