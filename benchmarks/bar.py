@@ -257,10 +257,16 @@ def slowest_rows(runs: list, model: str) -> list:
 
 
 def _host_bytes(run: dict) -> Optional[tuple]:
-    """(host memory peak, bytes per parameter) of the delayed system."""
+    """(host memory peak, bytes per parameter) of the delayed system; None for a run whose peak
+    came from counters that counted forked processes' shared pages once per process (harness.py
+    from its counters, 44th session, until Note [forked processes' anonymous pages]) and stood
+    above the host's used memory: a compile pool's workers could have made it."""
     r = finished(run, DELAYED)
     n_params = r.get("n_params") or run["meta"].get("n_params")
     peak = r.get("host_mem_peak_bytes")
+    if (r.get("host_rss_peak_parts") and not r.get("host_rss_forks_once")
+            and (r.get("host_rss_peak_bytes") or 0) > (r.get("host_used_peak_bytes") or 0)):
+        return None
     return (peak, peak / n_params) if peak and n_params else None
 
 

@@ -198,17 +198,25 @@ def host_used(m: dict = None) -> int:
     return m.get("MemTotal", 0) - m.get("MemAvailable", 0)
 
 
-def _pss(pid: str):
-    """Proportional set size of a process (shared pages divided among the processes mapping
-    them), or None where the kernel does not say. Walks its page tables: see group_rss."""
+def _rollup(pid: str) -> dict:
+    """A process's /proc/PID/smaps_rollup in bytes by name ("Pss", "Pss_Anon", "Anonymous", ...);
+    {} where the kernel does not say. Walks its page tables (Note [host memory without a walk])."""
+    out = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+                name, _, rest = line.partition(":")
+                if rest.strip().endswith("kB"):
+                    out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def _pss(pid: str):
+    """Proportional set size of a process (shared pages divided among the processes mapping
+    them), or None where the kernel does not say. Walks its page tables: see group_rss."""
+    return _rollup(pid).get("Pss")
 
 
 def _resident(pid: str):
@@ -259,16 +267,48 @@ def group_pids(pgid: int) -> list:
 # parameters, delayed AdamW, three processes) read 6.08 GiB so against 6.18 GiB of proportional
 # set size (6.26 GiB with every process's file pages counted: on a GPU host each process also
 # maps CUDA's libraries, which PSS shares among them). --pss-interval still walks, to compare.
+#
+# Note [forked processes' anonymous pages]: a forked process shares its parent's anonymous
+# pages until either writes them, and its counters count them all as its own. Inductor's
+# compile pools are forked (a sidecar per compiling process, and its workers forked from it):
+# on 2 H200s with Qwen3-1.7B (45th session) the counters read 36.5 GiB as 37 processes lived,
+# where the host's used memory had grown 27.2 GiB. So a process with less than SMALL_ANON of
+# anonymous pages is walked too, at most every SHARE_EVERY_S, for the part of them its
+# proportional set size holds (Pss_Anon / Anonymous): its page tables are small (~5 ms a walk
+# for a 0.5 GiB interpreter here), and the large processes (the run's main process and
+# workers, whose walks the note above is about) are never walked.
+SMALL_ANON = 2 * GiB
+SHARE_EVERY_S = 2.0
+_anon_share: dict = {}          # pid -> (when walked, its Pss_Anon / Anonymous then)
+
+
+def _own_anon_share(pid: str, now: float) -> float:
+    """The part of process `pid`'s anonymous pages that is its own (shared ones divided among
+    the processes mapping them), walked at most every SHARE_EVERY_S; 1 where the kernel does not
+    say (Note [forked processes' anonymous pages])."""
+    seen = _anon_share.get(pid)
+    if seen is not None and now - seen[0] < SHARE_EVERY_S:
+        return seen[1]
+    rollup = _rollup(pid)
+    share = rollup["Pss_Anon"] / rollup["Anonymous"] if rollup.get("Anonymous") and "Pss_Anon" in rollup else 1.0
+    _anon_share[pid] = (now, min(1.0, share))
+    return _anon_share[pid][1]
+
+
 def group_resident(pgid: int) -> dict:
     """Resident bytes of process group `pgid` by kind, from the kernel's counters (Note [host
-    memory without a walk]): every process's anonymous pages, the largest file and shared-memory
-    resident sizes any one of them has (they map the same libraries and shared files), and how
-    many processes it has (Inductor's compile pools count while they live)."""
+    memory without a walk]): every process's anonymous pages (a small process's own part only:
+    Note [forked processes' anonymous pages]), the largest file and shared-memory resident sizes
+    any one of them has (they map the same libraries and shared files), and how many processes
+    it has (Inductor's compile pools count while they live)."""
     out = {"anon": 0, "files": 0, "shmem": 0, "processes": 0}
-    for name in group_pids(pgid):
+    now, names = time.monotonic(), group_pids(pgid)
+    for gone in set(_anon_share) - set(names):
+        del _anon_share[gone]
+    for name in names:
         r = _resident(name)
         if r is not None:
-            out["anon"] += r[0]
+            out["anon"] += r[0] if r[0] >= SMALL_ANON else int(r[0] * _own_anon_share(name, now))
             out["files"], out["shmem"] = max(out["files"], r[1]), max(out["shmem"], r[2])
             out["processes"] += 1
     return out
@@ -564,7 +604,8 @@ class Harness:
              "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
              "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
              "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
-             "host_used_peak_at_s": run["host_used_peak_at_s"], "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
+             "host_used_peak_at_s": run["host_used_peak_at_s"], "host_rss_forks_once": True,   # bar.py's _host_bytes
+             "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
              "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
