@@ -106,6 +106,7 @@ def _steps_free_their_state(cm, opt, mode, steps=3):
         assert len(cm.plan.stages) >= 3 and cm.runner.overlapped._completed == steps
         timings = cm.runner.overlapped.timings
         assert len(timings) == steps and all(t["total_s"] >= t["step_s"] > 0 for t in timings)
+        assert all(t["cpu_s"] > 0 and t["switched"] >= 0 for t in timings)    # the host's side of the pace
 
 
 @pytest.mark.parametrize("mode", ["exact", "delayed"])

@@ -164,7 +164,7 @@ class OverlappedOptimizer:
                 on_done()
 
     def _step(self, params, grads, refresh, chunks, stepped):
-        t0 = time.perf_counter()
+        t0, cpu0, switched0 = time.perf_counter(), time.process_time(), _switched()
         by_chunk = getattr(grads, "chunk", None) if self.max_grad_norm is None else None
         if by_chunk is None:      # (the global norm needs every gradient first)
             grads = grads()
@@ -203,9 +203,23 @@ class OverlappedOptimizer:
             refresh_s += time.perf_counter() - b
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
+        # cpu_s and switched: the process's CPU seconds and involuntary context switches over the
+        # update (all its threads, its intra-op pool's above all): a core lost to another process
+        # lowers the first and raises the second, a slower memory does neither (RESULTS.md, 45th session)
         self.timings = (self.timings + [{"grads_s": grads_s, "clip_s": t2 - t1, "step_s": step_s,
-                                         "refresh_s": refresh_s, "total_s": time.perf_counter() - t0}])[-16:]
+                                         "refresh_s": refresh_s, "total_s": time.perf_counter() - t0,
+                                         "cpu_s": time.process_time() - cpu0,
+                                         "switched": _switched() - switched0}])[-16:]
         timeline.mark_early("optimizer", "optimizer step done", seconds=self.timings[-1]["total_s"])
+
+
+def _switched() -> int:
+    """Involuntary context switches of this process's threads so far (0 where not known)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+    except (ImportError, OSError):
+        return 0
 
 
 def _stop_thread(q, thread):
