@@ -171,6 +171,21 @@ def meminfo() -> dict:
     return out
 
 
+CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_seconds() -> dict:
+    """The host's CPU seconds so far by kind, all its cores together (/proc/stat's first line;
+    steal: time a virtual machine's cores ran something else); {} where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            values = f.readline().split()[1:1 + len(CPU_KINDS)]
+        hz = os.sysconf("SC_CLK_TCK")
+        return {k: int(v) / hz for k, v in zip(CPU_KINDS, values)}
+    except (OSError, ValueError):
+        return {}
+
+
 def transparent_hugepage() -> dict:
     """The kernel's transparent huge page settings (enabled, defrag, shmem_enabled: the bracketed
     choice of each), where it says (Note [a run's start])."""
@@ -521,12 +536,16 @@ class Harness:
         # (free, cached, shared memory, huge pages), the most anonymous huge pages it came to, and
         # the machine's THP settings (meta's env; on this sandbox a fused AdamW over 2^27 elements
         # stepped in 0.053 s with and without 2 MiB pages, so those are a check, not a suspect);
-        # ab.sh drops the page cache and compacts memory before each side where it may.
+        # ab.sh drops the page cache and compacts memory before each side where it may. The host's
+        # CPU seconds by kind over the timed steps (from when the child says so to its end) tell
+        # a busy or lent-out host (45th session: the host AdamW's stepping 2.5-2.6 s a step in some
+        # runs, 2.0-2.1 s in others, on one kind of machine).
         m0 = meminfo()
         at_launch = {k: m0.get(k) for k in ("MemFree", "Cached", "Shmem", "AnonHugePages")}
         huge_peak = 0
         pss_peak, pss_at = None, float("-inf")
         peak_parts, used_peak_at = None, None
+        cpu_at_timed = None
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
                                     env=self.child_env(spec.system), stdout=out, stderr=err,
@@ -545,6 +564,8 @@ class Harness:
                     peak, peak_parts = rss, {**parts, "at_s": round(now - t0, 1)}
                 if used - used0 > used_peak:
                     used_peak, used_peak_at = used - used0, round(now - t0, 1)
+                if cpu_at_timed is None and read_result(spec.result_path).get("phase") == "timed":
+                    cpu_at_timed = host_cpu_seconds()
                 if rc is not None:
                     break
                 if now - t0 > timeout:
@@ -562,12 +583,15 @@ class Harness:
                     rc = proc.wait()
                     break
                 time.sleep(0.1 if now - t0 < 10 else 0.5)
+        cpu_end = host_cpu_seconds()
         kill_group(proc.pid, grace=1.0)           # helpers left behind (compile workers)
         raw = read_result(spec.result_path)
+        timed_cpu = ({k: round(cpu_end[k] - cpu_at_timed[k], 1) for k in cpu_end if k in cpu_at_timed}
+                     if cpu_at_timed and cpu_end else None)
         return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
                 "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
                 "host_pss_peak_bytes": pss_peak, "host_at_launch_bytes": at_launch, "anon_huge_peak_bytes": huge_peak,
-                "host_rss_peak_parts": peak_parts, "host_used_peak_at_s": used_peak_at,
+                "host_rss_peak_parts": peak_parts, "host_used_peak_at_s": used_peak_at, "host_cpu_timed_s": timed_cpu,
                 "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
 
     def run_system(self, name: str) -> dict:
@@ -605,6 +629,7 @@ class Harness:
              "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
              "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
              "host_used_peak_at_s": run["host_used_peak_at_s"], "host_rss_forks_once": True,   # bar.py's _host_bytes
+             "host_cpu_timed_s": run["host_cpu_timed_s"],
              "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
              "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),

@@ -453,6 +453,9 @@ def test_harness_walks_no_large_process_unless_asked(tmp_path, monkeypatch):
     # Note [a run's start]: what the host held as the run began, and the kernel's huge page settings
     assert r["host_at_launch_bytes"]["MemFree"] > 0 and r["anon_huge_peak_bytes"] >= 0
     assert set(meta["env"]["transparent_hugepage"]) <= {"enabled", "defrag", "shmem_enabled"}
+    cpu = r["host_cpu_timed_s"]                              # the host's CPU seconds over the timed steps
+    assert set(cpu) == set(harness.CPU_KINDS) and cpu["idle"] > 0 and all(v >= 0 for v in cpu.values())
+    assert sum(cpu.values()) < (os.cpu_count() or 1) * (r["wall_s"] + 1)
     assert r["host_rss_peak_bytes"] > 20 * 2**20            # an interpreter with torch, read from the counters
     parts = r["host_rss_peak_parts"]                         # what made the peak, and when it came
     assert parts["anon"] + parts["files"] + parts["shmem"] == r["host_rss_peak_bytes"]
