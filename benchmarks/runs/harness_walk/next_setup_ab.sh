@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the 45th session (not run yet), 2 H200s, from the repository root after `bash benchmarks/ab.sh prepare 6f8bec3`
+# Written for the 45th session, which ran it as its call 2 (RESULTS.md), 2 H200s, from the repository root after `bash benchmarks/ab.sh prepare 6f8bec3`
 # here; carry [".carry", ".ab"]. 6f8bec3 against the tree on the 2-GPU bar's workload: the tree's shared files are
 # touched before the workers pin them (Note [shared files touched before pinning], runtime/shared.py; the workers'
 # "gradients mapped" took 10.3 s and the main process's "working copies made" 8.6 s on 2026-11-30), each worker

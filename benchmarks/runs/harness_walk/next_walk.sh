@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the 45th session (not run yet), 2 H200s (nvidia-h200-x2), from the repository root, carry [".ab"]:
+# Written for the 45th session, which ran it as its call 1 (RESULTS.md), 2 H200s (nvidia-h200-x2), from the repository root, carry [".ab"]:
 # the 2-GPU bar's workload (Llama-3.1-8B, 65,536 tokens, M=4) from one tree twice, the harness reading the run's
 # proportional set size every 5 s (its old default: smaps_rollup walks the page tables of the child and its
 # workers) and then from the kernel's counters only (Note [host memory without a walk], benchmarks/harness.py).
