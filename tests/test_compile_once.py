@@ -20,11 +20,29 @@ from rpcompile.runtime.programs import LengthDynamic
 from rpcompile.runtime.warmup import WarmupGuard, _signature
 
 
+_helpers: list = []         # _blocks' threads: each ends within the test that started it
+
+
+def _join_helpers():
+    while _helpers:
+        _helpers.pop().join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _helpers_joined():
+    """A call _blocks left waiting goes on once its lock is released; it ends before the next test
+    (left running, it compiled beside that test, whose fx tracing it then broke)."""
+    yield
+    _join_helpers()
+
+
 @pytest.fixture
 def in_first_call(monkeypatch):
     """Pieces called as if inside their program's first call, where the runtime calls a piece
-    with a new signature (each thread here stands for a process)."""
+    with a new signature (each thread here stands for a process); _blocks' calls end inside it."""
     monkeypatch.setattr(programs, "calling_alone", lambda: True)
+    yield
+    _join_helpers()
 
 
 def _piece(scale: float) -> fx.GraphModule:
@@ -88,6 +106,7 @@ def _blocks(fn, *args) -> bool:
     """Whether fn(*args) is still running after 0.3 s (it then finishes within 5 s)."""
     t = threading.Thread(target=fn, args=args)
     t.start()
+    _helpers.append(t)
     t.join(timeout=0.3)
     return t.is_alive()
 
