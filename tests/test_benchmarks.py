@@ -959,3 +959,21 @@ def test_setup_timeline_reads_a_run_file(tmp_path, capsys):
     assert "captured" in out and "13.50" in out and "19.00 s  worker 0" in out and "14.00 s" not in out
     with pytest.raises(SystemExit):
         setup_timeline.load(str(path), "eager")
+
+
+def test_widen_probe_steps_each_slice_size_in_turn(monkeypatch, capsys):
+    """benchmarks/widen_probe.py: the real FlatStepper over bf16 gradients, every WIDEN asked for
+    stepped `reps` times (its rows printed), and FlatStepper.WIDEN as it was afterwards."""
+    from benchmarks import widen_probe
+    from rpcompile.runtime.flat import FlatStepper
+
+    monkeypatch.setattr(widen_probe, "_shapes", lambda n: [(64, 32), (32,), (128, 16)])
+    seen = []
+    real = FlatStepper.step
+    monkeypatch.setattr(FlatStepper, "step", lambda self, ps, gs: seen.append(FlatStepper.WIDEN) or real(self, ps, gs))
+    default = FlatStepper.WIDEN
+    assert widen_probe.main(["--params", "1", "--widen", "10,6", "--reps", "2"]) == 0
+    assert seen == [default, 1 << 10, 1 << 6, 1 << 10, 1 << 6]          # the first step, then sizes in turn
+    assert FlatStepper.WIDEN == default
+    out = capsys.readouterr().out
+    assert "WIDEN 2^10" in out and "WIDEN 2^6 " in out and "0.00B elements" in out
