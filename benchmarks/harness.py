@@ -158,17 +158,23 @@ def probe_machine(device: str) -> dict:
     return env
 
 
-def meminfo() -> dict:
-    """/proc/meminfo in bytes (empty where there is none)."""
+def _kb_fields(path: str) -> dict:
+    """The "Name: N kB" lines of a /proc file, in bytes by name; {} where it cannot be read."""
     out = {}
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                key, value = line.split(":", 1)
-                out[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+                name, _, rest = line.partition(":")
+                if rest.strip().endswith("kB"):
+                    out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        return {}
     return out
+
+
+def meminfo() -> dict:
+    """/proc/meminfo's sizes in bytes (empty where there is none)."""
+    return _kb_fields("/proc/meminfo")
 
 
 CPU_KINDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -216,16 +222,7 @@ def host_used(m: dict = None) -> int:
 def _rollup(pid: str) -> dict:
     """A process's /proc/PID/smaps_rollup in bytes by name ("Pss", "Pss_Anon", "Anonymous", ...);
     {} where the kernel does not say. Walks its page tables (Note [host memory without a walk])."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if rest.strip().endswith("kB"):
-                    out[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError):
-        return {}
-    return out
+    return _kb_fields(f"/proc/{pid}/smaps_rollup")
 
 
 def _pss(pid: str):
@@ -238,14 +235,7 @@ def _resident(pid: str):
     """(anonymous, file, shared-memory) resident bytes of a process from the kernel's counters
     (/proc/PID/status: no page-table walk); all of VmRSS as anonymous where the kernel does not
     split it (before Linux 4.5); None where it says nothing."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:", "VmRSS:")):
-                    out[line.split(":", 1)[0]] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    out = _kb_fields(f"/proc/{pid}/status")
     if all(k in out for k in ("RssAnon", "RssFile", "RssShmem")):
         return out["RssAnon"], out["RssFile"], out["RssShmem"]
     return (out["VmRSS"], 0, 0) if "VmRSS" in out else None
