@@ -23,6 +23,11 @@ import threading
 import time
 import weakref
 
+try:
+    import resource
+except ImportError:             # not a Unix: _switched says 0
+    resource = None
+
 import torch
 
 from ..errors import StepAbandoned
@@ -216,9 +221,8 @@ class OverlappedOptimizer:
 def _switched() -> int:
     """Involuntary context switches of this process's threads so far (0 where not known)."""
     try:
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
-    except (ImportError, OSError):
+    except (AttributeError, OSError):     # (no resource module: not a Unix)
         return 0
 
 
