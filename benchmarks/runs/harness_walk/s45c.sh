@@ -7,19 +7,18 @@
 #           call 3 ran this script's first form, which wrote $OUT/tree.json and $OUT/6f8bec3.json)
 #   call 4: OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh qwen3-1.7b tree 6f8bec3 tree   (the setup on the
 #           bar's setup model: the warm-up's dry runs of every replica program beside the main process's copies)
+# Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
 sides=("$@"); [ ${#sides[@]} -gt 0 ] || sides=(tree 6f8bec3)
 limit=225; [ "$model" = llama3.1-8b ] || limit=125
 bash benchmarks/setup_device.sh > /dev/null 2>&1 || true
+source benchmarks/side_reset.sh
 args=(--model "$model" --gpus 2 --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
       --systems rpcompile-delayed --record "$OUT/runs" --timeout $limit --budget $((limit + 5)) --out '' --log-dir /tmp/hw-logs)
 n=0
 for name in "${sides[@]}"; do
   n=$((n + 1)); dir=$PWD; [ "$name" = tree ] || dir=$PWD/.ab/$name
-  export TORCHINDUCTOR_CACHE_DIR=/tmp/c-inductor-$n TRITON_CACHE_DIR=/tmp/c-triton-$n
-  rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$TRITON_CACHE_DIR"; sync
-  { echo 3 > /proc/sys/vm/drop_caches && echo 1 > /proc/sys/vm/compact_memory && echo "$name: caches dropped"; } 2>/dev/null || echo "$name: caches kept"
-  python -c "import torch, transformers, triton, torch._dynamo, torch._inductor.compile_fx" > /dev/null 2>&1 || true
+  side_reset "$n-$name"
   (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness "${args[@]}" --json "$OUT/$n-$name.json" 2>&1 | grep '\[harness\]' | sed "s/^/$n $name: /")
 done
