@@ -11,15 +11,5 @@ for share in default 0.5; do
   python -m benchmarks.harness --model llama3.1-8b --gpus 2 --seq-len 2048 --tokens-per-step 32768 --microbatches 2 \
       --steps 10 --out '' --systems rpcompile-delayed "${opt[@]}" --json $O/share_$share.json --record $O/runs \
       --log-dir /tmp/logs-$share --timeout 250 --budget 255 2>&1 | grep "\[harness\]"
-  python - $O/share_$share.json <<'PY'
-import json, sys
-for run in json.load(open(sys.argv[1])):
-    for r in run["results"]:
-        i = r.get("info") or {}
-        print(r["system"], r["status"], round(r.get("tokens_per_s") or 0), [round(s, 3) for s in r.get("timed_step_s") or []],
-              "setup", round(r.get("setup_s") or 0, 1), "host GiB", round((r.get("host_mem_peak_bytes") or 0) / 2**30, 1))
-        print("  share", i.get("optimizer_share"), "opt", {k: round(v, 3) for k, v in (i.get("optimizer_s") or {}).items()})
-        print("  busy", r.get("compute_busy_frac"), "| reason", (r.get("reason") or "")[:300])
-        print("  " + "\n  ".join((i.get("plan") or "").splitlines()[:10]))
-PY
+  python benchmarks/runs/whole_share/show_share.py $O/share_$share.json   # (its printer, written here first)
 done
