@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Optional
 
-from . import report, run_files
+from . import bar, report, run_files
 from .common import (LR, GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
                      utilisation)
 from .systems import get_system
@@ -753,6 +753,8 @@ class Harness:
             print(f"[harness] {name}: {r['status']}"
                   + (f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "")
                   + (f", max seq {r['max_seq']:,}" if r.get("max_seq") is not None and "max_seq" in r else "")
+                  + (f", steal took {bar.stolen(r):.1%} of the host's CPU over the timed steps (the bar leaves it out:"
+                     " Note [stolen host] in benchmarks/bar.py)" if (bar.stolen(r) or 0) > bar.STEAL_BAR else "")
                   + (f" ({_short(r.get('reason'))})" if r.get("reason") else ""), flush=True)
             self.write()
         return self.results

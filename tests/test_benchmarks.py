@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # `pytest` as well as `python -m pytest`
-from benchmarks import common, harness, report, run_files  # noqa: E402
+from benchmarks import bar, common, harness, report, run_files  # noqa: E402
 from benchmarks.systems import SYSTEMS, get_system  # noqa: E402
 from benchmarks.systems import rpcompile_runner  # noqa: E402
 
@@ -190,6 +190,22 @@ def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):
                          "--warmup", "1", "--timeout", "10")
     r = res["simulated"]
     assert r["status"] == "timeout" and r.get("partial") and r["tokens_per_s"] > 0   # what it measured is kept
+
+
+def test_harness_says_when_steal_took_the_hosts_cpu(tmp_path, monkeypatch, capsys):
+    """Note [stolen host] (bar.py): the harness's line for a result names the steal that took more
+    than the bar's share of the host's CPU over the timed steps."""
+    real, reads = harness.host_cpu_seconds, []
+
+    def stolen_more():      # 10 CPU-s of steal more at every read: far above 2% of a short run's
+        reads.append(1)
+        return {**real(), "steal": 10.0 * len(reads)}
+    monkeypatch.setattr(harness, "host_cpu_seconds", stolen_more)
+    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.05", "--steps", "2",
+                         "--warmup", "1", "--timeout", "60")
+    r = res["simulated"]
+    assert r["status"] == "ok" and r["host_cpu_timed_s"]["steal"] >= 10
+    assert "steal took" in capsys.readouterr().out and bar.stolen(r) > bar.STEAL_BAR
 
 
 def test_harness_records_each_run_as_a_file(tmp_path):
@@ -671,7 +687,6 @@ def _bar_row(rows, key, gpus="1", model="qwen3-1.7b"):
 
 
 def test_bar_holds_when_every_row_does(tmp_path):
-    from benchmarks import bar
 
     runs = _passing_runs("qwen3-1.7b") + _passing_runs("llama3.1-8b")
     rows = bar.evaluate(runs, reference=REFERENCE)
@@ -692,7 +707,6 @@ def test_bar_holds_when_every_row_does(tmp_path):
 
 
 def test_bar_rows_that_miss(tmp_path, capsys):
-    from benchmarks import bar
 
     runs = _passing_runs("qwen3-1.7b")
     slow = _delayed(25_000, 4, compute_busy_frac={"cuda:0": 0.9, "cuda:1": 0.6, "cuda:2": 0.9, "cuda:3": 0.9},
@@ -728,7 +742,6 @@ def test_bar_rows_that_miss(tmp_path, capsys):
 def test_bar_reads_no_run_with_an_option_that_changes_the_system():
     """A run with a share of the optimizer set (an experiment) is not the system a user gets: the
     rows read the newest run without one; a trace directory only observes, so such a run counts."""
-    from benchmarks import bar
 
     runs = _passing_runs("qwen3-1.7b")
     newer = _bar_run("2026-12-02 00:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2, host_mem_peak_bytes=9e9)})
@@ -745,7 +758,6 @@ def test_bar_reads_no_host_peak_the_counters_may_have_overcounted():
     a compile pool's forked workers' shared pages per process, above the host's used memory, is not
     read; the same counters' peak below the used memory is (the used memory set the figure), and so
     is a peak from counters that count such pages once."""
-    from benchmarks import bar
 
     runs = _passing_runs("qwen3-1.7b")
     over = dict(host_mem_peak_bytes=36e9, host_rss_peak_bytes=36e9, host_used_peak_bytes=27e9,
@@ -760,8 +772,29 @@ def test_bar_reads_no_host_peak_the_counters_may_have_overcounted():
         assert _bar_row(rows, "host memory", "2").figure.startswith(f"{newer['results'][0]['host_mem_peak_bytes'] / 1e9:.1f} B/param")
 
 
+def test_bar_reads_no_result_whose_host_lost_its_cpu_to_steal(tmp_path, capsys):
+    """Note [stolen host] (bar.py): a result whose host gave more than 2% of its CPU seconds over
+    the timed steps to steal is not read, and the printout names it; 0.1% is read."""
+
+    runs = _passing_runs("llama3.1-8b")
+    cpu = {"user": 439.0, "nice": 0.0, "system": 48.9, "idle": 983.8, "iowait": 0.0, "irq": 0.0, "softirq": 2.3}
+    newer = _bar_run("2026-12-02 00:00 UTC", 2, {"rpcompile-delayed": _delayed(18_193, 2, host_cpu_timed_s={
+        **cpu, "steal": 105.7}, host_mem_peak_bytes=9e9), "roundpipe": _fast(10_000)}, model="llama3.1-8b")
+    rows = bar.evaluate(runs + [newer], reference=REFERENCE)
+    for key in ("host memory", "÷ RoundPipe", "host optimizer"):    # the older run's, not the stolen one
+        assert [r for r, _ in _bar_row(rows, key, "2", "llama3.1-8b").sources] == [runs[1]]
+    assert _bar_row(rows, "÷ RoundPipe", "2", "llama3.1-8b").figure.startswith("1.67×")
+    run_files.write_run(str(tmp_path), newer)
+    bar.main(["--runs", str(tmp_path), "--results", ""])
+    assert "left out, steal took 6.7% of the host's CPU over the timed steps (> 2%): rpcompile-delayed, " \
+           "2026-12-02 00:00 UTC, NVIDIA H100 80GB HBM3 × 2" in capsys.readouterr().out
+    newer["results"][0]["host_cpu_timed_s"]["steal"] = 1.5
+    rows = bar.evaluate(runs + [newer], reference=REFERENCE)
+    assert _bar_row(rows, "host memory", "2", "llama3.1-8b").figure.startswith("9.0 B/param")
+    assert bar.stolen({}) is None and bar.stolen({"host_cpu_timed_s": {"idle": 0.0}}) is None
+
+
 def test_bar_says_not_measured_where_data_is_missing():
-    from benchmarks import bar
 
     one = _delayed(10_000, 1)
     del one["timed_step_s"], one["compute_busy_frac"]
@@ -795,7 +828,6 @@ def test_bar_says_not_measured_where_data_is_missing():
 
 
 def test_bar_never_forms_a_ratio_across_two_runs():
-    from benchmarks import bar
 
     newer = _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
     older = _bar_run("2026-12-01 04:00 UTC", 4, {"roundpipe": _fast(10_000)})
@@ -812,7 +844,6 @@ def test_bar_never_forms_a_ratio_across_two_runs():
 
 
 def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
-    from benchmarks import bar
 
     recorded = _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
     table = json.loads(json.dumps(recorded))
@@ -825,7 +856,6 @@ def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
 def test_bar_keeps_the_ends_drain_out_of_the_slowest_step():
     """The last timed step includes the wait at the end for the asynchronous optimizer's last
     step (drain_s): the slowest / median row compares the steps without it and prints it."""
-    from benchmarks import bar
 
     steps = [1.0] * 7 + [1.8]
     drained = _bar_run("2026-12-01 02:00 UTC", 2, {"rpcompile-delayed": _delayed(19_000, 2, timed_step_s=steps,
@@ -904,7 +934,6 @@ def test_oom_detail_keeps_what_was_asked_and_the_allocators_figures():
 def test_exact_mode_rows_read_the_issues_tree_in_the_same_run():
     """A run that also ran a mode at the issue's tree (system@ISSUE_TREE) is the row's reference,
     before any reference figure; the newest such run counts."""
-    from benchmarks import bar
 
     ref = f"rpcompile@{bar.ISSUE_TREE}"
     runs = [_bar_run("2026-12-02 01:00 UTC", 1, {"rpcompile": _fast(10_000), ref: _fast(12_000),
