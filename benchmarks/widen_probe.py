@@ -11,6 +11,12 @@ a 2-GPU Llama-3.1-8B run the host update (2.0-2.6 s a step) sets the pace whenev
 devices' 2.9 s (RESULTS.md, 45th session). This steps the real FlatStepper over Llama-shaped
 parameters on the host alone, the slice sizes taken in turn each round (so a drift of the host
 touches every size alike), and prints each size's median and best seconds a step.
+
+On the 2-H200 host (46th session) 2^24 stepped 2.18B elements in 0.458 s against 2^26's 0.551 s,
+yet in Llama-3.1-8B runs beside the devices' copies its update was no faster (2.26 against 1.98 s
+a step at 1 GPU, 2.11 against 1.99-2.05 s at 2): rpcompile keeps 2^26. Run with OMP_NUM_THREADS
+set, it also shows what fewer cores cost the update (32 threads 0.51-0.54 s, 24 0.54-0.56 s, 16
+0.62-0.70 s, 8 0.84 s on that host).
 """
 from __future__ import annotations
 

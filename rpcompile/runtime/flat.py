@@ -259,7 +259,10 @@ class FlatStepper:
     # the state is moved (384 MiB; at 1 << 27, 1.5 GiB on top of a 4-GPU run's host memory)
     PIECE = 1 << 25
     # elements of a narrower gradient widened at once: a 256 MiB fp32 buffer, and 120 steps of
-    # Llama-3.1-8B a submission (each call may wait for the interpreter lock: Note [few calls per step])
+    # Llama-3.1-8B a submission (each call may wait for the interpreter lock: Note [few calls per step]).
+    # 2^24 (a buffer the host's 300 MiB last-level cache keeps) stepped 17% faster on the host alone
+    # (benchmarks/widen_probe.py, 2 H200s' host), but not in a run beside the devices' copies: Llama-3.1-8B's
+    # update 2.26 against 1.98 s a step at 1 GPU, 2.11 against 1.99-2.05 s at 2 (RESULTS.md, 46th session)
     WIDEN = 1 << 26
 
     def __init__(self, optimizer, masters: FlatMasters):
