@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the 46th session (not run yet), 2 H200s (nvidia-h200-x2), from the repository root, carry [".carry"]; ~500 s.
+# The 46th session's call 1 (ran 2026-11-30 15:41 UTC: RESULTS.md), 2 H200s (nvidia-h200-x2), from the repository root, carry [".carry"]; ~500 s.
 # 1. benchmarks/widen_probe.py on the host alone (~60 s, CPU only): the host AdamW over 2.1B Llama-shaped elements
 #    with bf16 gradients at each widening slice, 2^26 (rpcompile's) down to 2^21, in turn (on the 2-core sandbox
 #    2^22 stepped 15% faster than 2^26: 0.372 against 0.436 s for 1.31B elements; that host's figures are not a

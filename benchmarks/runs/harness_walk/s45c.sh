@@ -7,14 +7,17 @@
 #           call 3 ran this script's first form, which wrote $OUT/tree.json and $OUT/6f8bec3.json)
 #   call 4: OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh qwen3-1.7b tree 6f8bec3 tree   (the setup on the
 #           bar's setup model: the warm-up's dry runs of every replica program beside the main process's copies)
+# 46th session: GPUS=1 OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh llama3.1-8b 0880001 tree (call 2), then
+#   OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh llama3.1-8b tree 0880001 (call 3), the tree with WIDEN 2^24.
 # Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
 sides=("$@"); [ ${#sides[@]} -gt 0 ] || sides=(tree 6f8bec3)
-limit=225; [ "$model" = llama3.1-8b ] || limit=125
+gpus=${GPUS:-2}     # (46th session: GPUS=1 for the 1-GPU rows, the workers threads there)
+limit=225; [ "$model" = llama3.1-8b ] || limit=125; [ "$gpus" = 2 ] || limit=$((limit + 60))
 bash benchmarks/setup_device.sh > /dev/null 2>&1 || true
 source benchmarks/side_reset.sh
-args=(--model "$model" --gpus 2 --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
+args=(--model "$model" --gpus $gpus --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
       --systems rpcompile-delayed --record "$OUT/runs" --timeout $limit --budget $((limit + 5)) --out '' --log-dir /tmp/hw-logs)
 n=0
 for name in "${sides[@]}"; do
