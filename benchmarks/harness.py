@@ -192,6 +192,11 @@ def host_cpu_seconds() -> dict:
         return {}
 
 
+def _cpu_between(a: dict, b: dict):
+    """The host's CPU seconds by kind from reading a to reading b; None where either is missing."""
+    return {k: round(b[k] - a[k], 1) for k in b if k in a} if a and b else None
+
+
 def transparent_hugepage() -> dict:
     """The kernel's transparent huge page settings (enabled, defrag, shmem_enabled: the bracketed
     choice of each), where it says (Note [a run's start])."""
@@ -527,15 +532,16 @@ class Harness:
         # the machine's THP settings (meta's env; on this sandbox a fused AdamW over 2^27 elements
         # stepped in 0.053 s with and without 2 MiB pages, so those are a check, not a suspect);
         # ab.sh drops the page cache and compacts memory before each side where it may. The host's
-        # CPU seconds by kind over the timed steps (from when the child says so to its end) tell
-        # a busy or lent-out host (45th session: the host AdamW's stepping 2.5-2.6 s a step in some
-        # runs, 2.0-2.1 s in others, on one kind of machine).
+        # CPU seconds by kind over the setup (from the launch to the timed steps) and over the timed
+        # steps (from when the child says so to its end) tell a busy or lent-out host (45th session:
+        # the host AdamW's stepping 2.5-2.6 s a step in some runs, 2.0-2.1 s in others, on one kind
+        # of machine; 46th: steal, Note [stolen host] in bar.py).
         m0 = meminfo()
         at_launch = {k: m0.get(k) for k in ("MemFree", "Cached", "Shmem", "AnonHugePages")}
         huge_peak = 0
         pss_peak, pss_at = None, float("-inf")
         peak_parts, used_peak_at = None, None
-        cpu_at_timed = None
+        cpu_at_launch, cpu_at_timed = host_cpu_seconds(), None
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.child", spec_path], cwd=REPO,
                                     env=self.child_env(spec.system), stdout=out, stderr=err,
@@ -576,12 +582,12 @@ class Harness:
         cpu_end = host_cpu_seconds()
         kill_group(proc.pid, grace=1.0)           # helpers left behind (compile workers)
         raw = read_result(spec.result_path)
-        timed_cpu = ({k: round(cpu_end[k] - cpu_at_timed[k], 1) for k in cpu_end if k in cpu_at_timed}
-                     if cpu_at_timed and cpu_end else None)
+        timed_cpu, setup_cpu = _cpu_between(cpu_at_timed, cpu_end), _cpu_between(cpu_at_launch, cpu_at_timed)
         return {"raw": raw, "rc": rc, "killed": killed, "wall_s": time.time() - t0, "host_rss_peak_bytes": peak,
                 "host_used_peak_bytes": used_peak, "host_mem_peak_bytes": max(peak, used_peak),
                 "host_pss_peak_bytes": pss_peak, "host_at_launch_bytes": at_launch, "anon_huge_peak_bytes": huge_peak,
                 "host_rss_peak_parts": peak_parts, "host_used_peak_at_s": used_peak_at, "host_cpu_timed_s": timed_cpu,
+                "host_cpu_setup_s": setup_cpu,
                 "stderr_tail": tail(err_path), "logs": [out_path, err_path]}
 
     def run_system(self, name: str) -> dict:
@@ -619,7 +625,7 @@ class Harness:
              "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
              "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
              "host_used_peak_at_s": run["host_used_peak_at_s"], "host_rss_forks_once": True,   # bar.py's _host_bytes
-             "host_cpu_timed_s": run["host_cpu_timed_s"],
+             "host_cpu_timed_s": run["host_cpu_timed_s"], "host_cpu_setup_s": run["host_cpu_setup_s"],
              "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
              "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
@@ -753,8 +759,8 @@ class Harness:
             print(f"[harness] {name}: {r['status']}"
                   + (f", {r['tokens_per_s']:,.0f} tokens/s" if r.get("tokens_per_s") else "")
                   + (f", max seq {r['max_seq']:,}" if r.get("max_seq") is not None and "max_seq" in r else "")
-                  + (f", steal took {bar.stolen(r):.1%} of the host's CPU over the timed steps (the bar leaves it out:"
-                     " Note [stolen host] in benchmarks/bar.py)" if (bar.stolen(r) or 0) > bar.STEAL_BAR else "")
+                  + (f", {bar.stolen_text(r)} (the bar leaves it out: Note [stolen host] in benchmarks/bar.py)"
+                     if (bar.stolen(r) or 0) > bar.STEAL_BAR else "")
                   + (f" ({_short(r.get('reason'))})" if r.get("reason") else ""), flush=True)
             self.write()
         return self.results

@@ -204,7 +204,7 @@ def test_harness_says_when_steal_took_the_hosts_cpu(tmp_path, monkeypatch, capsy
     res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.05", "--steps", "2",
                          "--warmup", "1", "--timeout", "60")
     r = res["simulated"]
-    assert r["status"] == "ok" and r["host_cpu_timed_s"]["steal"] >= 10
+    assert r["status"] == "ok" and r["host_cpu_timed_s"]["steal"] >= 10 and r["host_cpu_setup_s"]["steal"] >= 10
     assert "steal took" in capsys.readouterr().out and bar.stolen(r) > bar.STEAL_BAR
 
 
@@ -469,9 +469,10 @@ def test_harness_walks_no_large_process_unless_asked(tmp_path, monkeypatch):
     # Note [a run's start]: what the host held as the run began, and the kernel's huge page settings
     assert r["host_at_launch_bytes"]["MemFree"] > 0 and r["anon_huge_peak_bytes"] >= 0
     assert set(meta["env"]["transparent_hugepage"]) <= {"enabled", "defrag", "shmem_enabled"}
-    cpu = r["host_cpu_timed_s"]                              # the host's CPU seconds over the timed steps
-    assert set(cpu) == set(harness.CPU_KINDS) and cpu["idle"] > 0 and all(v >= 0 for v in cpu.values())
-    assert sum(cpu.values()) < (os.cpu_count() or 1) * (r["wall_s"] + 1)
+    for key in ("host_cpu_timed_s", "host_cpu_setup_s"):     # the host's CPU seconds over the timed steps, the setup
+        cpu = r[key]
+        assert set(cpu) == set(harness.CPU_KINDS) and cpu["idle"] > 0 and all(v >= 0 for v in cpu.values())
+        assert sum(cpu.values()) < (os.cpu_count() or 1) * (r["wall_s"] + 1)
     assert r["host_rss_peak_bytes"] > 20 * 2**20            # an interpreter with torch, read from the counters
     parts = r["host_rss_peak_parts"]                         # what made the peak, and when it came
     assert parts["anon"] + parts["files"] + parts["shmem"] == r["host_rss_peak_bytes"]
@@ -791,6 +792,11 @@ def test_bar_reads_no_result_whose_host_lost_its_cpu_to_steal(tmp_path, capsys):
     newer["results"][0]["host_cpu_timed_s"]["steal"] = 1.5
     rows = bar.evaluate(runs + [newer], reference=REFERENCE)
     assert _bar_row(rows, "host memory", "2", "llama3.1-8b").figure.startswith("9.0 B/param")
+    # steal over the setup (it sets the setup row's figure) leaves the result out as well
+    newer["results"][0]["host_cpu_setup_s"] = {"user": 900.0, "idle": 2000.0, "steal": 100.0}
+    rows = bar.evaluate(runs + [newer], reference=REFERENCE)
+    assert _bar_row(rows, "host memory", "2", "llama3.1-8b").figure.startswith("18.0 B/param")
+    assert bar.stolen_lines(runs + [newer])[0].startswith("left out, steal took 3.3% of the host's CPU over the setup")
     assert bar.stolen({}) is None and bar.stolen({"host_cpu_timed_s": {"idle": 0.0}}) is None
 
 

@@ -16,7 +16,8 @@ for path in sys.argv[1:]:
                   f"PSS {'-' if pss is None else f'{pss / G:.1f}'}, used {r['host_used_peak_bytes'] / G:.1f}), "
                   f"at launch {r.get('host_at_launch_bytes')}, huge {r.get('anon_huge_peak_bytes')}")
             print("   ", run["meta"]["env"].get("transparent_hugepage"), "peak parts", r.get("host_rss_peak_parts"),
-                  "used peak at", r.get("host_used_peak_at_s"), "s; host CPU s over the timed steps", r.get("host_cpu_timed_s"))
+                  "used peak at", r.get("host_used_peak_at_s"), "s; host CPU s over the timed steps", r.get("host_cpu_timed_s"),
+                  "over the setup", r.get("host_cpu_setup_s"))
             first = {}
             for e in (r.get("info") or {}).get("setup_timeline") or []:
                 key = (e["where"], e["what"])
