@@ -289,7 +289,8 @@ class GraphRunner:
         jobs = [(k, st, st.kind) for k, st in enumerate(plan.stages)]
         warm = getattr(self.executor, "warm", None)
         if warm is not None:    # Note [first programs compiled beside the setup] (runtime/dry_run.py)
-            warm(plan, self._schedule(plan, jobs, len(micro)), micro, self.working_dtype(plan))
+            # (the schedule and dtype made only where the workers start: warm does nothing after)
+            warm(plan, lambda: (self._schedule(plan, jobs, len(micro)), self.working_dtype(plan)), micro)
         step = self.mode.start(self, plan, micro)
         if overlap:
             self._overlapped_step(plan, step, jobs)

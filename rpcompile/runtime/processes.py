@@ -227,13 +227,15 @@ class ProcessExecutor:
     def _to_all(self, msg):
         self.hub.to_all(msg)
 
-    def warm(self, plan, schedule, micro, dtype) -> None:
+    def warm(self, plan, run, micro) -> None:
         """Before the first run (Note [first programs compiled beside the setup], dry_run.py):
         start the workers, send the plan, and have each dry-run the program of its first job in
-        `schedule`, the run's (with replicas: of every job it runs, in order), while this process
-        makes its host copies."""
+        the run's schedule (with replicas: of every job it runs, in order), while this process
+        makes its host copies. run() gives (the schedule, the working dtype); nothing is done,
+        and run() not called, once the workers have started."""
         if self.hub is not None:
             return
+        schedule, dtype = run()
         self._start()
         programs: dict = {}       # worker -> [(stage, role)] to dry-run, in the order it runs them
         for a in schedule.actions:
