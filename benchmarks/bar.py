@@ -48,11 +48,10 @@ SETUP_BAR_S = 60           # capture, plan and compile at 4 GPUs, Qwen3-1.7B
 TIMED_STEPS_BAR = 8
 # Note [stolen host]: a result whose host gave more than this share of its CPU seconds over the
 # timed steps or over the setup to steal (its virtual cores ran something else) measures the
-# host, not rpcompile:
-# an A/B's second side (46th session, 2 H200s, Llama-3.1-8B) lost 105.7 of 1,580 CPU-s (6.7%) to
-# steal; its host AdamW stepped 2.79 s a step against 1.99-2.11 s, and it made 18,193 tokens/s
-# against 20,869-21,060 in the day's three other 2-GPU runs (steal 0.7-2.4 CPU-s in every other
-# run, at most 0.2%). No row reads such a result; the printout names it.
+# host, not rpcompile: an A/B's second side (46th session, 2 H200s, Llama-3.1-8B) lost 105.7 of
+# 1,580 CPU-s (6.7%) to steal; its host AdamW stepped 2.79 s a step against 1.99-2.11 s, and it
+# made 18,193 tokens/s against 20,869-21,060 in the day's three other 2-GPU runs (steal 0.7-2.4
+# CPU-s in every other run, at most 0.2%). No row reads such a result; the printout names it.
 STEAL_BAR = 0.02
 # harness options that only observe a run; any other (a share of the optimizer set, a switch
 # interval) makes it an experiment, not the system a user gets

@@ -620,12 +620,10 @@ class Harness:
         status, reason = self._status(run)
         info = raw.get("info") or {}
         r = {"system": name, "label": get_system(name).label, "status": status, "reason": reason,
-             "exit_code": run["rc"], "wall_s": run["wall_s"], "host_rss_peak_bytes": run["host_rss_peak_bytes"],
-             "host_used_peak_bytes": run["host_used_peak_bytes"], "host_mem_peak_bytes": run["host_mem_peak_bytes"],
-             "host_pss_peak_bytes": run["host_pss_peak_bytes"], "host_at_launch_bytes": run["host_at_launch_bytes"],
-             "anon_huge_peak_bytes": run["anon_huge_peak_bytes"], "host_rss_peak_parts": run["host_rss_peak_parts"],
-             "host_used_peak_at_s": run["host_used_peak_at_s"], "host_rss_forks_once": True,   # bar.py's _host_bytes
-             "host_cpu_timed_s": run["host_cpu_timed_s"], "host_cpu_setup_s": run["host_cpu_setup_s"],
+             "exit_code": run["rc"], "wall_s": run["wall_s"],
+             # what launch() read of the host (memory, huge pages, CPU seconds)
+             **{k: v for k, v in run.items() if k.startswith(("host_", "anon_huge_"))},
+             "host_rss_forks_once": True,   # bar.py's _host_bytes
              "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
              "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
              "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
