@@ -346,8 +346,18 @@ def test_workers_are_told_the_models_modules(monkeypatch):
     assert "transformers.models.qwen3.modeling_qwen3" in seen[0] and "__main__" not in seen[0]
 
 
+@pytest.fixture
+def aot_eager_workers(monkeypatch):
+    """Worker processes that compile stage programs with aot_eager (tests/aot_eager_workers), and
+    the process's setup timeline emptied (its marks are the process's; a test reads its own model's)."""
+    from rpcompile.runtime import timeline
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    timeline.reset()
+
+
 @pytest.mark.parametrize("replicas", [False, True])
-def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, replicas):
+def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, aot_eager_workers, replicas):
     """With compiled stages, a worker process dry-runs a stage program when a job of it comes up
     for the first time (Note [dry runs]): every graph compiles there, none in a job, each
     program once per worker, and the results equal eager's. Note [first programs compiled beside
@@ -356,9 +366,6 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch,
     after it."""
     from rpcompile.runner import GraphRunner
     from rpcompile.runtime import timeline
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
-    timeline.reset()     # marks are the process's; this test reads its own model's
     real_new_step, slowed = GraphRunner.new_step, []
 
     def new_step(self, *a, **k):      # the main process's own part of the first step, made slow
@@ -383,14 +390,11 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch,
         assert whats.index("compile stack imported") < whats.index("set up")
 
 
-def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch):
+def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch, aot_eager_workers):
     """Note [first programs compiled beside the setup]: a warm-up the worker cannot read (here its
     parameters are missing) is marked failed; each job's program is then dry-run before the job,
     as without a warm-up, and the results equal eager's."""
-    from rpcompile.runtime import processes, timeline
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
-    timeline.reset()
+    from rpcompile.runtime import processes
     real = processes._Hub.to_all
     monkeypatch.setattr(processes._Hub, "to_all", lambda self, msg: real(self, msg if msg[0] != "warm" else (
         msg[0], msg[1], {k: v for k, v in msg[2].items() if k != "params"})))
