@@ -80,6 +80,7 @@ class CompiledModel(torch.nn.Module):
                                dynamic_lengths=config.dynamic_lengths)
             captured_s.append(time.perf_counter() - t0)
             timeline.mark("captured", captured_s[-1])
+            timeline.mark_compile_seconds()     # (the capture's TorchDynamo trace, by phase)
             return cap
 
         def compile(cap, at):

@@ -388,6 +388,11 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch,
     for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
         whats = [what for where, what in marks if where == w]
         assert whats.index("compile stack imported") < whats.index("set up")
+        # Note [compile seconds by phase] (timeline.py): TorchDynamo's frame compiles, after the first dry run
+        first = next(i for i, what in enumerate(whats) if what.startswith("dry run of "))
+        phases = [r for r in cm.setup_timeline if r["where"] == w and r["what"].startswith("compile seconds so far: ")]
+        assert any("compile_inner" in r["what"] and r["seconds"] > 0 for r in phases), phases
+        assert whats.index(phases[0]["what"]) > first
 
 
 def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch, aot_eager_workers):

@@ -124,3 +124,17 @@ def test_survivors_of_a_compile_are_frozen_and_garbage_is_not():
         assert gone() is None and gc.get_freeze_count() > before and alive is not None
     finally:
         gc.unfreeze()
+
+
+def test_a_capture_marks_its_compile_seconds_by_phase():
+    """Note [compile seconds by phase] (runtime/timeline.py): after the capture the main process
+    marks TorchDynamo's totals by phase, the trace of the model's frame among them."""
+    from rpcompile.runtime import timeline
+    timeline.reset()
+    cm = rpcompile.compile(qwen3(layers=1), rpcompile.Config(devices=["cpu"]))
+    cm.train_step(**lm_batch(seed=0))
+    marks = timeline.setup_timeline()
+    whats = [r["what"] for r in marks]
+    phases = [r for r in marks if r["what"].startswith("compile seconds so far: ")]
+    assert any("compile_inner" in r["what"] and r["seconds"] > 0 for r in phases), whats
+    assert all(r["where"] == "main" for r in phases) and whats.index(phases[0]["what"]) > whats.index("captured")

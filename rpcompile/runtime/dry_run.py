@@ -211,3 +211,4 @@ class DryRuns:
                           time.perf_counter() - t0)
             return
         timeline.mark(f"dry run of {stage.index}{role} on {self.dev.label}", time.perf_counter() - t0)
+        timeline.mark_compile_seconds()

@@ -13,6 +13,7 @@ first steps, since what every step repeats is marked for the first steps only (`
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from typing import Optional
@@ -83,6 +84,29 @@ def _on_gc(phase, info) -> None:
         # (not under _lock: a collection can start while this thread holds it)
         _marks.append((time.time(), _where[0], f"garbage collection: generation {info['generation']}, "
                        f"{info['collected']} collected", round(seconds, 3)))
+
+
+# Note [compile seconds by phase]: a dry run's mark (Note [dry runs], dry_run.py) says how long
+# a program took to compile, not where: Qwen3-1.7B's first program took 36 s on 2 H200s (45th
+# session), its three pieces' forwards 7-14 s each, and nothing said how much of that was
+# TorchDynamo's tracing, AOTAutograd, Inductor's lowering and code generation, the Triton compiles
+# it waits for, or the autotuning at a kernel's first launch. TorchDynamo times each of those
+# (`dynamo_timed`: torch._dynamo.utils.compilation_time_metrics, which compile_times() prints), so
+# after each dry run a worker marks those totals so far of at least COMPILE_PHASE_S, named
+# "compile seconds so far: <what> (<calls> calls)", and so does the main process after a capture
+# (its TorchDynamo trace). The phases nest: a frame's compile holds its AOTAutograd's, which holds
+# Inductor's.
+COMPILE_PHASE_S = 0.1
+
+
+def mark_compile_seconds() -> None:
+    """Mark this process's compile seconds so far by phase (Note [compile seconds by phase])."""
+    utils = sys.modules.get("torch._dynamo.utils")          # not imported: nothing compiled
+    metrics = dict(getattr(utils, "compilation_time_metrics", None) or {})
+    for what, values in sorted(metrics.items(), key=lambda kv: -sum(kv[1])):
+        total = sum(values)
+        if total >= COMPILE_PHASE_S:
+            mark(f"compile seconds so far: {what} ({len(values)} calls)", total)
 
 
 def mark_early(kind: str, what: str, *args, seconds: Optional[float] = None) -> None:
