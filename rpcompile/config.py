@@ -77,7 +77,9 @@ class Config:
         [replicas in worker processes]); False: never.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
-        less host time per launch where many devices share one Python thread of control.
+        less host time per launch where many devices share one Python thread of control. On
+        GPUs they go over rpcompile's own, {"triton.autotune_pointwise": False} (Note [pointwise
+        kernels not autotuned], runtime/programs.py): give True to autotune pointwise kernels.
     """
 
     devices: Sequence[str] = ("cpu",)
