@@ -125,10 +125,13 @@ def compiles_stages(compile_stages, on_gpu: bool) -> bool:
 # candidates each: in Qwen3-1.7B's first program on 2 H200s (47th session, cold caches; Note
 # [compile seconds by phase] in timeline.py) 33 kernels autotuned for 7.1-7.4 s in the worker that
 # compiled the decoder layer. With the option off Inductor launches each pointwise kernel with the
-# config its heuristics choose (reductions are still autotuned): each worker's dry run took 19.0
-# and 19.3 s against 28.2-28.7 s, the setup 50.5 s against 62.4 and 64.0 s, the host peak 22.9 GiB
-# against 27.2 and 27.4, and the steps ran as fast (88,825 tokens/s against 88,936 and 88,769). So
-# stage programs on GPUs compile with it off, unless Config.inductor_options says otherwise.
+# config its heuristics choose (reductions are still autotuned): the workers' dry runs took
+# 15.8-19.3 s against 26.3-28.7 s, the setup 43.5-50.5 s against 54.2-64.0 s, the host peak 22.9
+# GiB against 27.2-27.4, and the steps ran as fast (medians 0.718-0.721 s against 0.714-0.722 s,
+# three pairs; Llama-3.1-8B 2.827 against 2.831 s, its first step 8.9 s sooner). One 1-GPU pair
+# stepped 2.3% slower with it off, within the spread of 1-GPU runs across machines (RESULTS.md,
+# 47th session: unresolved). So stage programs on GPUs compile with it off, unless
+# Config.inductor_options says otherwise.
 GPU_INDUCTOR_DEFAULTS = {"triton.autotune_pointwise": False}
 
 
