@@ -9,6 +9,9 @@
 #           bar's setup model: the warm-up's dry runs of every replica program beside the main process's copies)
 # 46th session: GPUS=1 OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh llama3.1-8b 0880001 tree (call 2), then
 #   OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh llama3.1-8b tree 0880001 (call 3), the tree with WIDEN 2^24.
+# 47th session (benchmarks/runs/compile_phases/): call 1 ran this loop's NAME=JSON form from a copy of it,
+#   OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh qwen3-1.7b tree 'tree={"triton.autotune_pointwise": false}' tree
+#   (at 372d768); calls 2, 3, 5 and 6 `s45c.sh MODEL 372d768 tree` and the like, GPUS=1 for calls 5-6.
 # Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
@@ -20,8 +23,12 @@ source benchmarks/side_reset.sh
 args=(--model "$model" --gpus $gpus --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
       --systems rpcompile-delayed --record "$OUT/runs" --timeout $limit --budget $((limit + 5)) --out '' --log-dir /tmp/hw-logs)
 n=0
-for name in "${sides[@]}"; do
-  n=$((n + 1)); dir=$PWD; [ "$name" = tree ] || dir=$PWD/.ab/$name
+for side in "${sides[@]}"; do
+  # (47th session) a side NAME=JSON: the tree or .ab/NAME with those Inductor options (--option rpcompile_inductor)
+  n=$((n + 1)); name=${side%%=*}; opts=()
+  [ "$name" = "$side" ] || { opts=(--option "rpcompile_inductor=${side#*=}"); name=$name-options; }
+  dir=$PWD; [ "${side%%=*}" = tree ] || dir=$PWD/.ab/${side%%=*}
   side_reset "$n-$name"
-  (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness "${args[@]}" --json "$OUT/$n-$name.json" 2>&1 | grep '\[harness\]' | sed "s/^/$n $name: /")
+  (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness "${args[@]}" "${opts[@]}" --json "$OUT/$n-$name.json" 2>&1 \
+     | grep '\[harness\]' | sed "s/^/$n $name: /")
 done
