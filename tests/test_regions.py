@@ -156,13 +156,6 @@ def test_stage_programs_of_a_device_share_compiled_pieces(monkeypatch):
     assert seen and all(o == {"cpp_wrapper": True} for o in seen)
     with pytest.raises(ValueError, match="inductor_options"):
         rpcompile.Config(inductor_options="cpp_wrapper")
-    # on GPUs the options go over rpcompile's (Note [pointwise kernels not autotuned], runtime/programs.py)
-    from rpcompile.runtime.programs import ProgramCache
-    assert ProgramCache(True, False, {"cpp_wrapper": True}).inductor_options == {"cpp_wrapper": True}
-    assert ProgramCache(None, False).inductor_options is None
-    assert ProgramCache(None, True).inductor_options == {"triton.autotune_pointwise": False}
-    assert ProgramCache(None, True, {"cpp_wrapper": True, "triton.autotune_pointwise": True}).inductor_options == \
-        {"triton.autotune_pointwise": True, "cpp_wrapper": True}
     by_program = [{piece_key(p._orig_mod): p for split in _split_graphs(cm, prog) for p in _pieces(split)
                    if hasattr(p, "_orig_mod") and piece_key(p._orig_mod) is not None}
                   for prog in cm.runner._programs.values()]

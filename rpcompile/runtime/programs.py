@@ -6,7 +6,6 @@ One cache per process: the runner's (worker threads) or a worker process's own
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 import torch
 
@@ -117,36 +116,11 @@ def compiles_stages(compile_stages, on_gpu: bool) -> bool:
     return bool(on_gpu if compile_stages is None else compile_stages)
 
 
-# Note [pointwise kernels not autotuned]: Inductor autotunes a pointwise Triton kernel at its first
-# launch (triton.autotune_pointwise, on by default): it compiles each of the kernel's candidate
-# configs and times them on the device, keeping a pinned host copy of each argument the kernel
-# writes meanwhile (Note [autotune's pinned copies], warmup.py). Stage pieces are symbolic in the
-# sequence length (Note [length-dynamic pieces]), so their pointwise kernels have several
-# candidates each: in Qwen3-1.7B's first program on 2 H200s (47th session, cold caches; Note
-# [compile seconds by phase] in timeline.py) 33 kernels autotuned for 7.1-7.4 s in the worker that
-# compiled the decoder layer. With the option off Inductor launches each pointwise kernel with the
-# config its heuristics choose (reductions are still autotuned): the workers' dry runs took
-# 15.8-19.3 s against 26.3-28.7 s, the setup 43.5-50.5 s against 54.2-64.0 s, the host peak 22.9
-# GiB against 27.2-27.4, and the steps ran as fast (medians 0.718-0.721 s against 0.714-0.722 s,
-# three pairs; Llama-3.1-8B 2.827 against 2.831 s, its first step 8.9 s sooner). One 1-GPU pair
-# stepped 2.3% slower with it off, within the spread of 1-GPU runs across machines (RESULTS.md,
-# 47th session: unresolved). So stage programs on GPUs compile with it off, unless
-# Config.inductor_options says otherwise.
-GPU_INDUCTOR_DEFAULTS = {"triton.autotune_pointwise": False}
-
-
-def stage_inductor_options(options: Optional[dict], on_gpu: bool) -> Optional[dict]:
-    """The Inductor options stage programs compile with: Config.inductor_options over, on GPUs,
-    GPU_INDUCTOR_DEFAULTS (Note [pointwise kernels not autotuned])."""
-    return {**GPU_INDUCTOR_DEFAULTS, **(options or {})} if on_gpu else options
-
-
 class ProgramCache:
     """Programs by (plan, stage, role, device), built on first use."""
 
     def __init__(self, compile_stages, on_gpu: bool, inductor_options=None):
-        self.compile_stages, self.on_gpu = compile_stages, on_gpu
-        self.inductor_options = stage_inductor_options(inductor_options, on_gpu)
+        self.compile_stages, self.on_gpu, self.inductor_options = compile_stages, on_gpu, inductor_options
         self.locks = None               # a worker process's CompileLocks (compile_once.py)
         self._programs: dict = {}
         self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)
