@@ -79,9 +79,9 @@ class Config:
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
         {"triton.autotune_pointwise": False} shortens a first step with cold compile caches
-        (Qwen3-1.7B, 2 H200s: setup 43.5-50.5 s against 54.2-64.0 s, host peak 4.4 GiB lower)
-        but ran steps 1.4-2.6% slower on one H200 (4 sides, 48th session, RESULTS.md), so
-        rpcompile leaves Inductor's default, autotuning, which a warm cache does not repeat.
+        (Qwen3-1.7B, 2 H200s: setup 43.5-50.5 s against 56.0-60.4 s) but ran steps 1.4-2.6%
+        slower on one H200 (48th session, RESULTS.md), so rpcompile leaves Inductor's default,
+        autotuning, which a warm cache does not repeat.
     """
 
     devices: Sequence[str] = ("cpu",)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import timeline
+from . import autotune, timeline
 from .compile_once import in_sharing_pass
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
@@ -121,6 +121,8 @@ class ProgramCache:
 
     def __init__(self, compile_stages, on_gpu: bool, inductor_options=None):
         self.compile_stages, self.on_gpu, self.inductor_options = compile_stages, on_gpu, inductor_options
+        if on_gpu and self.inductor:
+            autotune.clones_on_device()     # Note [autotune's clones on the device] (autotune.py)
         self.locks = None               # a worker process's CompileLocks (compile_once.py)
         self._programs: dict = {}
         self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)

@@ -185,7 +185,9 @@ def release_autotune_copies(device, before: int) -> bool:
     blocks stay cached by torch's caching host allocator, rounded up to powers of two, for the rest
     of the run: on Qwen3-1.7B's one-job plan 10 GiB (the device-side gradient buffers), only when
     the Inductor cache is cold (a warm cache skips the autotuning). So a first call that grew the
-    cache (`before` -> now) gives the free blocks back once its copies are done. True if it did."""
+    cache (`before` -> now) gives the free blocks back once its copies are done. True if it did.
+    (Where the device has room the copies are clones on it: Note [autotune's clones on the
+    device], autotune.py; this is for the devices without.)"""
     if pinned_bytes(device) <= before:
         return False
     torch.cuda.synchronize(device)
