@@ -12,6 +12,8 @@
 # 47th session (benchmarks/runs/compile_phases/): call 1 ran this loop's NAME=JSON form from a copy of it,
 #   OUT=$OUT bash benchmarks/runs/harness_walk/s45c.sh qwen3-1.7b tree 'tree={"triton.autotune_pointwise": false}' tree
 #   (at 372d768); calls 2, 3, 5 and 6 `s45c.sh MODEL 372d768 tree` and the like, GPUS=1 for calls 5-6.
+# 48th session (../autotune_clones/): GPUS=1 ... s45c.sh qwen3-1.7b 'tree={"triton.autotune_pointwise": true}' tree
+#   (twice, at 4dfccea), s45c.sh qwen3-1.7b 6ca0b48 tree 6ca0b48 tree, GPUS=1 ... 6ca0b48 tree, s45c.sh llama3.1-8b tree.
 # Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
