@@ -471,7 +471,8 @@ def test_harness_walks_no_large_process_unless_asked(tmp_path, monkeypatch):
     assert set(meta["env"]["transparent_hugepage"]) <= {"enabled", "defrag", "shmem_enabled"}
     for key in ("host_cpu_timed_s", "host_cpu_setup_s"):     # the host's CPU seconds over the timed steps, the setup
         cpu = r[key]
-        assert set(cpu) == set(harness.CPU_KINDS) and cpu["idle"] > 0 and all(v >= 0 for v in cpu.values())
+        # (not idle > 0: a 2-core host busy with other work can leave none over a short window)
+        assert set(cpu) == set(harness.CPU_KINDS) and sum(cpu.values()) > 0 and all(v >= 0 for v in cpu.values())
         assert sum(cpu.values()) < (os.cpu_count() or 1) * (r["wall_s"] + 1)
     assert r["host_rss_peak_bytes"] > 20 * 2**20            # an interpreter with torch, read from the counters
     parts = r["host_rss_peak_parts"]                         # what made the peak, and when it came
