@@ -150,6 +150,7 @@ def test_the_busiest_devices_bound_skips_replays_not_plans(monkeypatch):
     for bound in (load_bound, lambda times, N: 0.0):
         monkeypatch.setattr(partition, "load_bound", bound)
         replays.clear()
+        partition._replayed.cache_clear()
         got = []
         for seed in range(60):
             segs, cut_bytes, kw = random_case(seed)
@@ -158,6 +159,33 @@ def test_the_busiest_devices_bound_skips_replays_not_plans(monkeypatch):
             got.append(None if plan is None else (plan.fwd_cuts, plan.split, plan.bwd_cuts, plan.est_time))
         plans[bound is load_bound], counts[bound is load_bound] = got, len(replays)
     assert plans[True] == plans[False] and counts[True] < counts[False]
+
+
+def test_each_plan_is_replayed_once(monkeypatch):
+    """The descents from the search's starts, and a search again (beside another budget of the
+    optimizer's share), meet plans replayed already: those are not replayed again (Note [overlapped
+    step search]), and the plans are those a search from nothing finds."""
+    replays = []
+
+    def counted(*a):
+        replays.append(a)
+        return overlapped_step_time(*a)
+    monkeypatch.setattr(partition, "overlapped_step_time", counted)
+    partition._replayed.cache_clear()
+    segs, cut_bytes = _llama_like()
+    kw = dict(num_devices=4, num_microbatches=4, upload_bw=50e9, job_overhead_s=0.005, overlapped_steps=True)
+    plan = solve_stages(segs, cut_bytes, memory_budget=125 * GiB, **kw)
+    first = len(replays)
+    assert first > 0 and len(set(replays)) == first
+    again = solve_stages(segs, cut_bytes, memory_budget=125 * GiB, **kw)
+    assert len(replays) == first
+    assert (again.fwd_cuts, again.split, again.bwd_cuts, again.est_time) == \
+        (plan.fwd_cuts, plan.split, plan.bwd_cuts, plan.est_time)
+    solve_stages(segs, cut_bytes, memory_budget=60 * GiB, **kw)       # other jobs fit: some replays new
+    assert len(replays) > first and len(set(replays)) == len(replays)
+    partition._replayed.cache_clear()
+    assert solve_stages(segs, cut_bytes, memory_budget=125 * GiB, **kw).est_time == plan.est_time
+    assert len(replays) > len(set(replays))                            # (replayed anew once cleared)
 
 
 @pytest.mark.parametrize("mode", ["delayed", "exact"])
