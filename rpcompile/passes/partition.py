@@ -655,13 +655,14 @@ def _solve_chain(costs: _Costs) -> StagePlan:
 # search 10-20% faster on the sandbox, same plans).
 # Not exact: on small random tables it finds the brute force's optimum in about 97% of cases
 # (tests/test_step_model.py). Llama-3.1-8B-shaped tables (67 segments) take 0.1-0.2 s at 2 and
-# 4 devices, a Qwen3-1.7B-shaped one (119) 0.3-0.4 s. The descents from the several starts meet
-# the same plans, and so do the searches beside the optimizer's shares (the same job times where
-# the jobs fit both): of the 37,573 replays Qwen3-1.7B's plan for 4 H200s asked for, 10,659 were
-# distinct, of Llama-3.1-8B's 43,551 21,744. So the replays are kept, by job times (_replayed):
-# the whole plan (compile_graph, three in a row) took 2.01 / 1.81 / 1.49 -> 1.46 / 1.24 / 0.94 s
-# and 2.44 / 2.38 / 2.03 -> 1.90 / 1.74 / 1.45 s on the 2-core sandbox, the same plans. At 2 devices it shares the work out
+# 4 devices, a Qwen3-1.7B-shaped one (119) 0.3-0.4 s. At 2 devices it shares the work out
 # (step 3.18 -> 2.88 s replayed); at 4 the chain plan is already within 3% of total/N.
+# The descents from the several starts meet the same plans, and so do the searches beside the
+# optimizer's shares (the same job times where the jobs fit both): of the 37,573 replays
+# Qwen3-1.7B's plan for 4 H200s asked for, 10,659 were distinct, of Llama-3.1-8B's 43,551 21,744.
+# So the replays are kept by their arguments (_replayed): the whole plan (compile_graph, three in
+# a row on the 2-core sandbox) took 2.01 / 1.81 / 1.49 -> 1.46 / 1.24 / 0.94 s (Qwen3-1.7B) and
+# 2.44 / 2.38 / 2.03 -> 1.90 / 1.74 / 1.45 s (Llama-3.1-8B), the same plans.
 
 
 def _solve_overlapped(costs: _Costs) -> StagePlan:
@@ -688,6 +689,7 @@ def _solve_overlapped(costs: _Costs) -> StagePlan:
 
 
 _SEEDS = 8
+_PAIR_GRID = 16
 
 
 @functools.lru_cache(maxsize=1 << 15)     # (about 100-200 bytes a key)
@@ -695,7 +697,6 @@ def _replayed(times: tuple, fused: int, num_devices: int, num_microbatches: int)
     """overlapped_step_time, kept by its arguments: a replay is a pure function of them (Note
     [overlapped step search])."""
     return overlapped_step_time(times, fused, num_devices, num_microbatches)
-_PAIR_GRID = 16
 
 
 def _key(plan: StagePlan) -> tuple:
