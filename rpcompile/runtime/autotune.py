@@ -19,6 +19,8 @@ H200s, the autotuning 7.2 / 7.6 -> 2.2 / 2.2 s, setup 62.0 / 64.9 -> 60.4 / 56.0
 27.2 / 27.4 -> 22.7 / 22.7 GiB, medians 0.732 s both; on 1 H200 setup 71.0 -> 60.6 s, host peak
 26.5 -> 20.6 GiB, the device peak unchanged (78.7 GiB: the clones fit under the step's own).
 Llama-3.1-8B on 2 H200s, whose jobs fill the devices, trained as before (21,561 tokens/s).
+The wrap is process-wide (Inductor offers no option for it): code the user compiles in the same
+process autotunes so too, with the same results; only where the trial copies live changes.
 """
 from __future__ import annotations
 
