@@ -689,7 +689,6 @@ def _bar_row(rows, key, gpus="1", model="qwen3-1.7b"):
 
 
 def test_bar_holds_when_every_row_does(tmp_path):
-
     runs = _passing_runs("qwen3-1.7b") + _passing_runs("llama3.1-8b")
     rows = bar.evaluate(runs, reference=REFERENCE)
     assert {r.verdict for r in rows} == {"holds"}, [(r.item, r.gpus, r.figure) for r in rows if r.verdict != "holds"]
@@ -709,7 +708,6 @@ def test_bar_holds_when_every_row_does(tmp_path):
 
 
 def test_bar_rows_that_miss(tmp_path, capsys):
-
     runs = _passing_runs("qwen3-1.7b")
     slow = _delayed(25_000, 4, compute_busy_frac={"cuda:0": 0.9, "cuda:1": 0.6, "cuda:2": 0.9, "cuda:3": 0.9},
                     timed_step_s=[1.0, 1.0, 1.0, 1.5], timed_steps_done=4, host_mem_peak_bytes=40e9, setup_s=90.0,
@@ -802,7 +800,6 @@ def test_bar_reads_no_result_whose_host_lost_its_cpu_to_steal(tmp_path, capsys):
 
 
 def test_bar_says_not_measured_where_data_is_missing():
-
     one = _delayed(10_000, 1)
     del one["timed_step_s"], one["compute_busy_frac"]
     four = _delayed(30_000, 4, compute_busy_frac={"cuda:0": 0.95, "cuda:1": 0.95, "cuda:2": 0.95})   # a GPU idle
@@ -835,7 +832,6 @@ def test_bar_says_not_measured_where_data_is_missing():
 
 
 def test_bar_never_forms_a_ratio_across_two_runs():
-
     newer = _bar_run("2026-12-01 05:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
     older = _bar_run("2026-12-01 04:00 UTC", 4, {"roundpipe": _fast(10_000)})
     rows = bar.evaluate([newer, older])
@@ -851,7 +847,6 @@ def test_bar_never_forms_a_ratio_across_two_runs():
 
 
 def test_bar_reads_a_run_once_when_its_file_and_its_table_both_exist():
-
     recorded = _bar_run("2026-12-01 04:00 UTC", 4, {"rpcompile-delayed": _delayed(40_000, 4)})
     table = json.loads(json.dumps(recorded))
     table["meta"]["source"] = "benchmarks/RESULTS.md"

@@ -283,4 +283,3 @@ def test_shards_the_flops_rule_made_stay_in_one_graph(qwen3_3_layers):
     pieces = _pieces(split_regions(cm.plan.gm))
     holding = [p for p in pieces if any(n.meta.get("rp_lm_head") for n in p.graph.nodes)]
     assert len(holding) == 1
-

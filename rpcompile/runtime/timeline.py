@@ -95,9 +95,9 @@ def _on_gc(phase, info) -> None:
 # after each dry run a worker marks those totals so far of at least COMPILE_PHASE_S, named
 # "compile seconds so far: <what> (<calls> calls)", and so does the main process after a capture
 # (its TorchDynamo trace). The phases nest: a frame's compile holds its AOTAutograd's, which holds
-# Inductor's. (The first reading found 7 s of pointwise autotuning in that program: Note [pointwise
-# kernels not autotuned], programs.py.) Worker threads compile in their first calls (warmup.py),
-# unmarked so.
+# Inductor's. (The first reading found 7 s of autotuning at first launches in that program, most
+# of it written arguments copied to the host and back: Note [autotune's clones on the device],
+# autotune.py.) Worker threads compile in their first calls (warmup.py), unmarked so.
 COMPILE_PHASE_S = 0.1
 
 
