@@ -30,7 +30,8 @@ for path in sys.argv[1:]:
                 if key not in last:
                     order.append(key)
                 last[key] = (e["seconds"], int(m.group(2)))
-            elif (what.startswith(("dry run of ", "piece ", "call alone", "captured", "planned", "train_step returned"))
+            elif (what.startswith(("dry run of ", "piece ", "call alone", "captured", "planned", "train_step returned",
+                                  "compile pool", "compile stack", "program "))
                   and (e["where"], what) not in last):
                 last[(e["where"], what)] = None
                 print(f"    {e['t']:7.2f}  {e['where']:9s} {what[:70]:70s} {e.get('seconds') or 0:6.2f} s")
