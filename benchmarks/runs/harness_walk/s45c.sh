@@ -14,7 +14,8 @@
 #   (at 372d768); calls 2, 3, 5 and 6 `s45c.sh MODEL 372d768 tree` and the like, GPUS=1 for calls 5-6.
 # 48th session (../autotune_clones/): GPUS=1 ... s45c.sh qwen3-1.7b 'tree={"triton.autotune_pointwise": true}' tree
 #   (twice, at 4dfccea), s45c.sh qwen3-1.7b 6ca0b48 tree 6ca0b48 tree, GPUS=1 ... 6ca0b48 tree, s45c.sh llama3.1-8b tree.
-# 49th session (../first_compile/): s45c.sh qwen3-1.7b 05cf505 tree 05cf505 tree, and with GPUS=1.
+# 49th session (../first_compile/): s45c.sh qwen3-1.7b 05cf505 tree 05cf505 tree, and with GPUS=1; call 4
+#   s45c.sh qwen3-1.7b tree 05cf505 tree, then GPUS=1 ... tree (the tree: branch glue-pieces-eager's first form).
 # Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
