@@ -119,9 +119,11 @@ class CompiledModel(torch.nn.Module):
         if runner.optimizer_share is None and opt is not None and not opt.stepper.elementwise:
             runner.optimizer_share = 0.0   # stepped per parameter, on the host: nothing to place on the devices
         again = mode == "train" and runner.share_of_a_call
+        # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
+        split = dict(num_microbatches=runner.num_microbatches, split_finer=mode == "train" and runner.num_microbatches is None)
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
-                                 on_devices=None if again else runner.optimizer_share)
+                                 on_devices=None if again else runner.optimizer_share, **split)
         except PlanningError:
             if self.config.optimizer_on_devices is not None or not runner.optimizer_share:
                 raise
@@ -129,7 +131,9 @@ class CompiledModel(torch.nn.Module):
             if opt is not None:
                 self.synchronize()
                 opt.bring_home()
-            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0)
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **split)
+        if mode == "train" and runner.num_microbatches is None:
+            runner.num_microbatches = plan.num_microbatches
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:
                 self._plans.reserve(plan.optimizer_share)

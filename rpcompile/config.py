@@ -75,6 +75,11 @@ class Config:
         replicas wherever there is a microbatch for every device (workers default to threads;
         with workers="processes" the copies sum in a process group of the workers: Note
         [replicas in worker processes]); False: never.
+    split_microbatches: whether the model's first train plan may split each of the
+        num_microbatches further (2, 4, ... parts) where that makes the stage jobs recompute
+        nothing and is estimated clearly faster (Note [finer microbatches] in passes/__init__.py);
+        the plan then splits every batch into that many (`cm.plan` says). None (the default): on
+        GPUs; True: on CPU devices too; False: never, a batch is split into num_microbatches.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -101,6 +106,7 @@ class Config:
     dynamic_lengths: bool = True
     workers: Optional[str] = None
     data_parallel: Optional[bool] = None
+    split_microbatches: Optional[bool] = None
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -129,6 +135,9 @@ class Config:
         if self.inductor_options is not None and not isinstance(self.inductor_options, dict):
             raise ValueError(f"Config.inductor_options={self.inductor_options!r}: give a dict of Inductor options, "
                              "e.g. {'cpp_wrapper': True}")
+        if self.split_microbatches not in (None, True, False):
+            raise ValueError(f"Config.split_microbatches={self.split_microbatches!r}: give True, False or None (the "
+                             "planner splits finer on GPUs where that is faster)")
         if self.data_parallel not in (None, True, False):
             raise ValueError(f"Config.data_parallel={self.data_parallel!r}: give True, False or None (the planner "
                              "chooses)")

@@ -175,6 +175,7 @@ class Plan:
     optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
     optimizer_est_s: Optional[float] = None              # the update's estimated seconds a step, where the plan chose the share (Note [optimizer share by pace])
     replicas: int = 1                                    # copies of the stage jobs, one per device (Note [replicas])
+    finer: list = field(default_factory=list)            # (microbatches, est. step s, recomputes) weighed by the first train plan (Note [finer microbatches])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
@@ -188,6 +189,15 @@ class Plan:
     def param_numel(self, key) -> int:
         """Elements of parameter `key`, or of its rows when key is (index, start, stop)."""
         return key_numel(self.captured.params[key[0] if isinstance(key, tuple) else key].shape, key)
+
+    def _finer_line(self) -> list:
+        """Where the first train plan split the batch finer than asked: a line saying so."""
+        if not self.finer or self.finer[0][0] == self.num_microbatches:
+            return []
+        weighed = ", ".join(f"{m}: {_fmt_seconds(s)}" for m, s, _ in self.finer)
+        return [f"  {self.num_microbatches} microbatches: Config.num_microbatches={self.finer[0][0]} split finer, where "
+                f"the jobs recompute nothing (estimated steps by microbatches {weighed}; "
+                "Config(split_microbatches=False) keeps the count)"]
 
     def stage_rows(self):
         """One dict per stage job: what `print(plan)` shows and `plan.json` holds."""
@@ -287,6 +297,7 @@ class Plan:
                    f"device{'s' * (n_dev != 1)}; {M} microbatch{'es' * (M != 1)} per job")
         head = [
             f"rpcompile plan ({self.mode}): {how}" + (f" (costed at {at})" if at else ""),
+            *self._finer_line(),
             f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model{self._optimizer_beside()}); device memory budget "
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "

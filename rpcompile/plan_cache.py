@@ -85,7 +85,7 @@ class PlanCache:
         out = {}
         for name, v in sizes.items():
             if name in _batch_names(plan):
-                v = math.ceil(v / max(1, min(self.config.num_microbatches, v)))
+                v = math.ceil(v / max(1, min(plan.num_microbatches, v)))
             out[name] = v
         return out
 

@@ -61,6 +61,7 @@ class GraphRunner:
         # share by room] in passes/host_memory.py)
         self.optimizer_share = config.optimizer_on_devices
         self.share_of_a_call = False     # chosen by a forward call's plan: the first train plan chooses again
+        self.num_microbatches = None     # what the first train plan splits a batch into (Note [finer microbatches])
 
     def prestart(self, modules=()) -> None:
         """Start what the first run needs while the call is captured and planned (worker
@@ -95,7 +96,7 @@ class GraphRunner:
     def split(self, plan, leaves) -> list:
         """Per microbatch: the leaves (batched ones sliced on dim 0, every tensor contiguous) and
         the size symbols (Note [batched inputs])."""
-        M = self.config.num_microbatches
+        M = plan.num_microbatches
         batched = [i for i in sorted(plan.split_leaves) if isinstance(leaves[i], torch.Tensor)]
         leaves = [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if not batched:

@@ -17,6 +17,8 @@ text on demand]).
     solve_stages         exact DP over forward / fused / backward stages (passes/partition.py),
                          a search under the replayed schedule where steps overlap (passes/step_model.py);
                          when none fits, the longest length that does (passes/longest.py)
+    split_finer          the model's first train plan: more, smaller microbatches where the jobs then
+                         recompute nothing (Note [finer microbatches])
     build_stages         forward and recompute+backward graphs per stage job (passes/codegen.py)
     build_programs       per-job programs of transfer, event and compute ops, transfers ordered
                          (activations, then weights, then the next job's prefetch) (passes/codegen.py)
@@ -86,6 +88,8 @@ class CompileState:
     mode: str                          # "train" (loss only) or "call" (all outputs)
     loss_output: Optional[int] = None  # index of the loss among the graph outputs (None: no loss)
     at: Optional[dict] = None          # symbol name -> size to plan at (None: the capture's sizes)
+    num_microbatches: Optional[int] = None   # the batch is split into this many (None: the config's)
+    split_finer: bool = False          # this plan may split finer (Note [finer microbatches])
     loss_output_arg: Optional[int] = None   # loss_output as compile_graph was given it (passes/longest.py re-runs passes)
     gm: Optional[fx.GraphModule] = None
     loss_scale: Any = None             # normalize_loss.LossScale
@@ -112,6 +116,12 @@ class CompileState:
     replicas: int = 1                  # copies of the stage plan, one per device (Note [replicas])
     stages: list = field(default_factory=list)
     plan: Optional[Plan] = None
+    on_devices_arg: Optional[float] = None   # on_devices as compile_graph was given it (split_finer solves again)
+    finer: list = field(default_factory=list)   # (microbatches, estimated pace, recomputes) of each count weighed
+
+    def __post_init__(self):
+        if self.num_microbatches is None:
+            self.num_microbatches = self.config.num_microbatches
 
 
 # Note [cuts between blocks]: Inductor compiles a stage's compute one repeated block (decoder
@@ -222,8 +232,8 @@ def annotate_costs_pass(st: CompileState) -> CompileState:
 
 def find_batch_pass(st: CompileState) -> CompileState:
     st.batch = find_batch(st.gm, st.captured.batch_size, st.config.unbatched_inputs)
-    check_splittable(st.batch, st.config.num_microbatches)
-    st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.config))
+    check_splittable(st.batch, st.num_microbatches)
+    st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.num_microbatches))
     if st.at:   # re-planned for another size of the same capture (Note [plans per length])
         st.bindings.update({name: v for name, v in st.at.items() if name in st.bindings})
     return st
@@ -271,7 +281,7 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
     devices and a copy of the one-device plan on each (Note [replicas]), under st.budget. Where
     nothing fits, the PlanningError says the longest length that does (`explain`; a search)."""
     config, hw = st.config, st.hardware
-    N, M = len(config.devices), config.num_microbatches
+    N, M = len(config.devices), st.num_microbatches
     replicas = _replicas(st, N, M)
 
     def failed(e):   # with the longest length that fits (Note [longest length])
@@ -299,6 +309,71 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
             else:
                 replicas = 1
     return pipeline, replicas
+
+
+# Note [finer microbatches]: a copy of the one-device plan runs its share of the microbatches
+# (Note [replicas]); at 4 GPUs and M=4 that is one microbatch of 8 rows of Llama-3.1-8B, whose
+# activations, beside the 29.4 GiB of optimizer state each device keeps, leave room for a fused
+# job of layers 17-31 only: the embedding and layers 0-16 run forward, are kept at their inputs
+# and recomputed (measured 4x H200: 1.671 s a step, 3.40x one GPU's; the 1-GPU plan recomputes
+# layers 0-10). With more, smaller microbatches the activations a job holds shrink and the whole
+# model fits one fused job: nothing recomputed, each weight uploaded once a step. Planned on the
+# CPU for 125.3 GiB H200s: 1.353 s at M=16 against 1.481 s at M=4 (4 GPUs), 4.732 against 5.242
+# s at M=8 (1 GPU); Qwen3-1.7B's plans, one fused job already, are unchanged
+# (benchmarks/runs/microbatches/). So the model's first train plan, where it recomputes, weighs
+# FINER_SPLITS times as many microbatches (rows allowing), up to the first count that recomputes
+# nothing, and takes the shortest step (the longer of the jobs and the optimizer's update) where
+# it is FINER_MARGIN shorter than the plan's own; the plans after it split as it does
+# (CompiledModel._compile), and `cm.plan` names both counts. The cost model does not price a
+# smaller matrix product's lower efficiency, hence the margin.
+FINER_SPLITS = (2, 4, 8)
+FINER_MARGIN = 0.03
+
+
+def split_finer_pass(st: CompileState) -> CompileState:
+    """Where the plan may split finer and recomputes: the state solved at the microbatch count
+    whose step is shortest, if clearly shorter (Note [finer microbatches]); st.finer says what was
+    weighed."""
+    if not _splits_finer(st):
+        return st
+    M, B = st.num_microbatches, st.batch.size
+    best, best_pace = st, _pace(st)
+    st.finer = [(M, best_pace, True)]
+    for k in FINER_SPLITS:
+        if M * k > B:
+            break
+        cand = dataclasses.replace(st, num_microbatches=M * k, on_devices=st.on_devices_arg, reserved=0,
+                                   optimizer_s=None, block_cuts=None, finer=[])
+        try:
+            cand = solve_stages_pass(cut_points(find_batch_pass(cand)))
+        except PlanningError:
+            continue
+        again = cand.stage_plan.fused[0] > 0
+        st.finer.append((M * k, _pace(cand), again))
+        if _pace(cand) < (1 - FINER_MARGIN) * best_pace:
+            best, best_pace = cand, _pace(cand)
+        if not again:
+            break
+    best.finer = st.finer
+    return best
+
+
+def _splits_finer(st: CompileState) -> bool:
+    """Whether this plan weighs more microbatches: the model's first train plan (compile_graph's
+    split_finer), where Config.split_microbatches allows (None: on GPUs), at the capture's sizes,
+    with a batch to split and jobs that recompute (a fused job that does not start the model)."""
+    allowed = st.config.split_microbatches
+    if not st.split_finer or st.mode != "train" or st.at is not None or allowed is False:
+        return False
+    if not (allowed or st.config.on_gpu):
+        return False
+    return bool(st.batch.leaves and st.batch.size and st.stage_plan.fused[0] > 0)
+
+
+def _pace(st: CompileState) -> float:
+    """A solved state's step: its jobs or, beside them, the optimizer's update where the plan chose
+    its share."""
+    return max(st.stage_plan.est_time, st.optimizer_s or 0.0)
 
 
 def _choose_share(st: CompileState, budget_set, cut) -> None:
@@ -437,14 +512,14 @@ def describe_io(st: CompileState) -> CompileState:
     config, gm = st.config, st.gm
     plan = Plan(mode=st.mode, gm=gm, captured=st.captured, stages=st.stages, stage_plan=st.stage_plan,
                 cuts=st.cuts, bindings=st.bindings, num_devices=len(config.devices),
-                num_microbatches=config.num_microbatches, memory_budget=st.budget, loss_scale=st.loss_scale,
+                num_microbatches=st.num_microbatches, memory_budget=st.budget, loss_scale=st.loss_scale,
                 lm_head=st.lm_head, batch=st.batch)
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
-    plan.replicas = st.replicas
+    plan.replicas, plan.finer = st.replicas, list(st.finer)
     st.plan = plan
     return st
 
@@ -467,6 +542,7 @@ PASSES = [
     ("find_batch", find_batch_pass, "batch"),
     ("cut_points", cut_points, "cuts"),
     ("solve_stages", solve_stages_pass, "stage_plan"),
+    ("split_finer", split_finer_pass, "finer"),
     ("build_stages", build_stages_pass, "stages"),
     ("build_programs", build_programs, "programs"),
     ("describe_io", describe_io, "io"),
@@ -523,13 +599,17 @@ class PassTexts(Sequence):
         return f"PassTexts({[name for name, _, _ in self._items]})"
 
 
-def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config") -> Plan:
+def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
+                  num_microbatches=None, split_finer=False) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
-    share on the devices to plan with (None: the plan chooses it; default: the config's)."""
+    share on the devices to plan with (None: the plan chooses it; default: the config's).
+    num_microbatches: what the batch is split into (None: the config's; a count an earlier plan
+    chose); split_finer: the plan may split finer (Note [finer microbatches])."""
+    on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
     st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
-                      loss_output_arg=loss_output,
-                      on_devices=config.optimizer_on_devices if on_devices == "config" else on_devices)
+                      loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
+                      num_microbatches=num_microbatches, split_finer=split_finer)
     names = [name for name, _, _ in PASSES]
     last_rewrite = max(names.index(name) for name in GRAPH_REWRITES)
     printed, seconds = PassTexts(), {}
@@ -566,6 +646,10 @@ def _printer(st: CompileState, show: str):
     if show == "stage_plan":
         stage_plan = st.stage_plan
         return lambda: f"# {stage_plan}\n"
+    if show == "finer":
+        finer, stage_plan, M = list(st.finer), st.stage_plan, st.num_microbatches
+        weighed = "; ".join(f"{m} microbatches: {pace:.4g} s{', recomputes' if again else ''}" for m, pace, again in finer)
+        return lambda: (f"# {M} microbatches" + (f" (weighed {weighed})" if finer else "") + f"\n# {stage_plan}\n")
     stages = list(st.stages)
     if show == "stages":
         return lambda: "\n\n".join(s.forward.print_readable(print_output=False) for s in stages)
@@ -610,13 +694,13 @@ def _single_scalar_output(gm: fx.GraphModule) -> int:
 def _rows_per_microbatch(st: CompileState) -> int:
     """The rows of a microbatch the plan is costed at (the batch symbols' planning binding)."""
     rows = [st.bindings[s.name] for s in st.batch.symbols if s.name in st.bindings]
-    return int(max(rows)) if rows else _planned_microbatch(st.batch, st.config)
+    return int(max(rows)) if rows else _planned_microbatch(st.batch, st.num_microbatches)
 
 
-def _planned_microbatch(batch, config) -> int:
+def _planned_microbatch(batch, num_microbatches: int) -> int:
     if not batch.size or not batch.leaves:
         return batch.size or 1
-    return max(1, math.ceil(batch.size / config.num_microbatches))
+    return max(1, math.ceil(batch.size / num_microbatches))
 
 
 def _memory_budget(config):

@@ -75,7 +75,7 @@ def min_budget_at(st, bindings: dict) -> int:
     cuts = legal_cuts(st.gm, st.liveness, bindings)
     segments, cut_bytes = segment_table(st.gm, st.liveness, cuts, bindings, st.hardware)
     config = st.config
-    costs = _Costs(segments, cut_bytes, num_devices=len(config.devices), num_microbatches=config.num_microbatches,
+    costs = _Costs(segments, cut_bytes, num_devices=len(config.devices), num_microbatches=st.num_microbatches,
                    memory_budget=None, upload_bw=math.inf, job_overhead_s=0.0, max_jobs=config.max_jobs)
     return _min_budget(costs, config.max_jobs)
 
@@ -96,7 +96,7 @@ def _capture_shards(st, names):
     def run(config, stop):
         """The state the pass named `stop` would see."""
         s = CompileState(captured=st.captured, config=config, mode=st.mode, loss_output=st.loss_output_arg,
-                         on_devices=st.on_devices)
+                         on_devices=st.on_devices, num_microbatches=st.num_microbatches)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for _, fn, _ in PASSES[:order.index(stop)]:
