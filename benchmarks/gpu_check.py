@@ -137,7 +137,8 @@ def parity(args):
                    f"{'_peer' if peer else ''}{'' if mode == 'exact' else '_' + mode}"
                    f"{'_processes' if workers == 'processes' else ''}{'_replicas' if cm.plan.replicas > 1 else ''}"
                    f"{f'_ondev{ondev:g}' if ondev else ''}")
-            res[key] = {"stages": len(cm.plan.stages), "losses": losses, "eager_losses": ref_losses,
+            res[key] = {"stages": len(cm.plan.stages), "microbatches": cm.plan.num_microbatches,   # (Note [finer microbatches])
+                        "losses": losses, "eager_losses": ref_losses,
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
                         "peer_fetches": peer_fetches}
             print(key, json.dumps(res[key]), flush=True)
