@@ -1,6 +1,6 @@
-"""Print, for each harness JSON given (a list of runs, as ../harness_walk/s45c.sh writes) or run file, each side's tokens/s, setup,
-host peak, the workers' dry runs and first calls, and each worker's compile seconds by phase at its last dry run
-(Note [compile seconds by phase], rpcompile/runtime/timeline.py)."""
+"""Print, for each harness JSON given (a list of runs, as ../harness_walk/s45c.sh writes) or run file, each
+side's tokens/s, setup, host peak, the workers' dry runs and first calls, and each worker's compile seconds by
+phase at its last dry run (Note [compile seconds by phase], rpcompile/runtime/timeline.py)."""
 import json
 import re
 import sys

@@ -16,6 +16,8 @@
 #   (twice, at 4dfccea), s45c.sh qwen3-1.7b 6ca0b48 tree 6ca0b48 tree, GPUS=1 ... 6ca0b48 tree, s45c.sh llama3.1-8b tree.
 # 49th session (../first_compile/): s45c.sh qwen3-1.7b 05cf505 tree 05cf505 tree, and with GPUS=1; call 4
 #   s45c.sh qwen3-1.7b tree 05cf505 tree, then GPUS=1 ... tree (the tree: branch glue-pieces-eager's first form).
+# 50th session (../microbatches/README.md): a side NAME:M runs with --microbatches M (4 otherwise) and TOKENS sets the
+#   tokens a step (65,536 otherwise), e.g. GPUS=4 ... s45c.sh llama3.1-8b tree:4 tree:16 tree:4 tree:16.
 # Calls 3 and 4 ran the side's reset inline (the same steps; caches /tmp/c-*-N); it now sources benchmarks/side_reset.sh.
 set -euo pipefail
 model=${1:-llama3.1-8b}; shift || true
@@ -24,15 +26,17 @@ gpus=${GPUS:-2}     # (46th session: GPUS=1 for the 1-GPU rows, the workers thre
 limit=225; [ "$model" = llama3.1-8b ] || limit=125; [ "$gpus" = 2 ] || limit=$((limit + 60))
 bash benchmarks/setup_device.sh > /dev/null 2>&1 || true
 source benchmarks/side_reset.sh
-args=(--model "$model" --gpus $gpus --seq-len 2048 --tokens-per-step 65536 --microbatches 4 --steps 8
+args=(--model "$model" --gpus $gpus --seq-len 2048 --tokens-per-step "${TOKENS:-65536}" --steps 8
       --systems rpcompile-delayed --record "$OUT/runs" --timeout $limit --budget $((limit + 5)) --out '' --log-dir /tmp/hw-logs)
 n=0
 for side in "${sides[@]}"; do
-  # (47th session) a side NAME=JSON: the tree or .ab/NAME with those Inductor options (--option rpcompile_inductor)
-  n=$((n + 1)); name=${side%%=*}; opts=()
-  [ "$name" = "$side" ] || { opts=(--option "rpcompile_inductor=${side#*=}"); name=$name-options; }
-  dir=$PWD; [ "${side%%=*}" = tree ] || dir=$PWD/.ab/${side%%=*}
+  # (47th session) a side NAME=JSON: the tree or .ab/NAME with those Inductor options (--option rpcompile_inductor);
+  # (50th) NAME:M: with M microbatches
+  n=$((n + 1)); spec=${side%%=*}; tree=${spec%%:*}; m=4; name=$tree; opts=()
+  [ "$spec" = "$side" ] || { opts=(--option "rpcompile_inductor=${side#*=}"); name=$name-options; }
+  [ "$spec" = "$tree" ] || { m=${spec#*:}; name=$name-m$m; }
+  dir=$PWD; [ "$tree" = tree ] || dir=$PWD/.ab/$tree
   side_reset "$n-$name"
-  (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness "${args[@]}" "${opts[@]}" --json "$OUT/$n-$name.json" 2>&1 \
-     | grep '\[harness\]' | sed "s/^/$n $name: /")
+  (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness "${args[@]}" --microbatches "$m" "${opts[@]}" \
+     --json "$OUT/$n-$name.json" 2>&1 | grep '\[harness\]' | sed "s/^/$n $name: /")
 done

@@ -13,7 +13,7 @@ cap = cpu_plans.capture(name)
 for shape in shapes:
     n, M = map(int, shape.split("x"))
     plan = compile_graph(cap, cpu_plans.config(n, M), "train")
-    jobs = [line.split()[1] + ":" + line.split()[2].rstrip(",") for line in str(plan).splitlines() if line[:1].isdigit()]
+    jobs = [f"{r['kind']}:{r['modules'].split(',')[0]}" for r in plan.stage_rows()]
     print(f"{name} {n} GPUs M={M}: replicas {plan.replicas}, jobs {len(plan.stages)} {jobs}, "
           f"share {plan.optimizer_share}, est {plan.est_step_time:.3f} s", flush=True)
     if full:
