@@ -79,7 +79,9 @@ class Config:
         num_microbatches further (2, 4, ... parts) where that makes the stage jobs recompute
         nothing and is estimated clearly faster (Note [finer microbatches] in passes/__init__.py);
         the plan then splits every batch into that many (`cm.plan` says). None (the default): on
-        GPUs; True: on CPU devices too; False: never, a batch is split into num_microbatches.
+        one GPU, where it was measured faster (with copies on several GPUs it was slower: their
+        weights' uploads are not hidden); True: on any devices, CPU devices too; False: never, a
+        batch is split into num_microbatches.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -137,7 +139,7 @@ class Config:
                              "e.g. {'cpp_wrapper': True}")
         if self.split_microbatches not in (None, True, False):
             raise ValueError(f"Config.split_microbatches={self.split_microbatches!r}: give True, False or None (the "
-                             "planner splits finer on GPUs where that is faster)")
+                             "planner splits finer on one GPU where that is faster)")
         if self.data_parallel not in (None, True, False):
             raise ValueError(f"Config.data_parallel={self.data_parallel!r}: give True, False or None (the planner "
                              "chooses)")

@@ -48,13 +48,26 @@ def test_the_first_train_plan_takes_the_shortest_count_it_weighs():
 
 def test_no_finer_split_where_not_allowed_or_nothing_recomputes():
     cap = _capture()
-    for cfg in (_config(split_microbatches=False), _config(split_microbatches=None),   # (None: GPUs only)
+    for cfg in (_config(split_microbatches=False), _config(split_microbatches=None),   # (None: one GPU only)
                 _config(memory_budget=None)):                                         # one fused job
         plan = passes.compile_graph(cap, cfg, "train", split_finer=True)
         assert plan.num_microbatches == 2 and plan.finer == []
         assert "split finer" not in str(plan)
     with pytest.raises(ValueError, match="split_microbatches"):
         rpcompile.Config(split_microbatches="yes")
+
+
+def test_by_default_only_a_plan_for_one_gpu_splits_finer():
+    """Config.split_microbatches=None: one GPU (measured faster), not copies on several GPUs
+    (measured slower) nor CPU devices; True: any devices; False: none."""
+    from types import SimpleNamespace as NS
+    one_gpu, two_gpus, cpu = (NS(split_microbatches=None, on_gpu=g, devices=d) for g, d in
+                              ((True, ["cuda:0"]), (True, ["cuda:0", "cuda:1"]), (False, ["cpu"])))
+    assert passes.finer_allowed(one_gpu)
+    assert not passes.finer_allowed(two_gpus) and not passes.finer_allowed(cpu)
+    for cfg in (one_gpu, two_gpus, cpu):
+        assert passes.finer_allowed(NS(**{**vars(cfg), "split_microbatches": True}))
+        assert not passes.finer_allowed(NS(**{**vars(cfg), "split_microbatches": False}))
 
 
 def _delayed(config, steps=3):

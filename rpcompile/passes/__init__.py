@@ -316,16 +316,25 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # activations, beside the 29.4 GiB of optimizer state each device keeps, leave room for a fused
 # job of layers 17-31 only: the embedding and layers 0-16 run forward, are kept at their inputs
 # and recomputed (measured 4x H200: 1.671 s a step, 3.40x one GPU's; the 1-GPU plan recomputes
-# layers 0-10). With more, smaller microbatches the activations a job holds shrink and the whole
-# model fits one fused job: nothing recomputed, each weight uploaded once a step. Planned on the
-# CPU for 125.3 GiB H200s: 1.353 s at M=16 against 1.481 s at M=4 (4 GPUs), 4.732 against 5.242
-# s at M=8 (1 GPU); Qwen3-1.7B's plans, one fused job already, are unchanged
-# (benchmarks/runs/microbatches/). So the model's first train plan, where it recomputes, weighs
-# FINER_SPLITS times as many microbatches (rows allowing), up to the first count that recomputes
-# nothing, and takes the shortest step (the longer of the jobs and the optimizer's update) where
-# it is FINER_MARGIN shorter than the plan's own; the plans after it split as it does
-# (CompiledModel._compile), and `cm.plan` names both counts. The cost model does not price a
-# smaller matrix product's lower efficiency, hence the margin.
+# layers 0-10). With more, smaller microbatches the activations a job holds shrink and more of
+# the model fits one fused job. Planned on the CPU for 125.3 GiB H200s: 1.353 s at M=16 against
+# 1.481 s at M=4 (4 GPUs), 4.732 against 5.242 s at M=8 (1 GPU); Qwen3-1.7B's plans, one fused
+# job already, are unchanged (benchmarks/runs/microbatches/). So the model's first train plan,
+# where it recomputes, weighs FINER_SPLITS times as many microbatches (rows allowing), up to the
+# first count that recomputes nothing, and takes the shortest step (the longer of the jobs and
+# the optimizer's update) where it is FINER_MARGIN shorter than the plan's own; the plans after
+# it split as it does (CompiledModel._compile), and `cm.plan` names both counts. The cost model
+# does not price a smaller matrix product's lower efficiency, hence the margin.
+# Measured (51st session, H200s, Llama-3.1-8B, seq 2048, one run a side from empty caches): on
+# one GPU (65,536 tokens, M=4 -> 8, one fused job whose weights stay on the device) the steady
+# step 5.609 -> 5.203 s, 11,437 -> 11,738 tokens/s over the timed steps, compute 5.49 -> 4.96 s,
+# losses alike; with copies on 2 GPUs at a 4-GPU run's load a GPU (32,768 tokens, M=2 -> 8,
+# jobs embedding-5 forward, 6-31 fused, 0-5 backward) slower, 18,631 -> 16,934 tokens/s (steps
+# 1.71 -> 1.86 s): the compute fell 1.70 -> 1.57 s a GPU, but the fused job's 12 GiB of weights
+# go up every step behind a 0.08 s job (exposed uploads 0.36 -> 0.49 s a GPU, busy 80 -> 69%),
+# which the cost model, pricing a job as the longer of its compute and its own upload, does not
+# see. So by default (Config.split_microbatches=None) only a plan for one GPU weighs finer
+# counts; True weighs them on any devices (CPU devices too), False never.
 FINER_SPLITS = (2, 4, 8)
 FINER_MARGIN = 0.03
 
@@ -360,14 +369,18 @@ def split_finer_pass(st: CompileState) -> CompileState:
 
 def _splits_finer(st: CompileState) -> bool:
     """Whether this plan weighs more microbatches: the model's first train plan (compile_graph's
-    split_finer), where Config.split_microbatches allows (None: on GPUs), at the capture's sizes,
+    split_finer), where Config.split_microbatches allows (finer_allowed), at the capture's sizes,
     with a batch to split and jobs that recompute (a fused job that does not start the model)."""
-    allowed = st.config.split_microbatches
-    if not st.split_finer or st.mode != "train" or st.at is not None or allowed is False:
-        return False
-    if not (allowed or st.config.on_gpu):
+    if not st.split_finer or st.mode != "train" or st.at is not None or not finer_allowed(st.config):
         return False
     return bool(st.batch.leaves and st.batch.size and st.stage_plan.fused[0] > 0)
+
+
+def finer_allowed(config) -> bool:
+    """Config.split_microbatches: None (the default) on one GPU only, where a finer split was
+    measured faster (Note [finer microbatches]); True on any devices; False never."""
+    allowed = config.split_microbatches
+    return allowed if allowed is not None else config.on_gpu and len(config.devices) == 1
 
 
 def _pace(st: CompileState) -> float:
