@@ -334,7 +334,10 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # go up every step behind a 0.08 s job (exposed uploads 0.36 -> 0.49 s a GPU, busy 80 -> 69%),
 # which the cost model, pricing a job as the longer of its compute and its own upload, does not
 # see. So by default (Config.split_microbatches=None) only a plan for one GPU weighs finer
-# counts; True weighs them on any devices (CPU devices too), False never.
+# counts; True weighs them on any devices (CPU devices too), False never. Not measured: the
+# 4-GPU plan at M=16, the plan this Note set out to make, is one fused job a copy whose next
+# weights go up during the step (Note [next weights during the step] in runtime/modes.py), not
+# behind a 0.08 s job as in the 2-GPU plan (benchmarks/runs/microbatches/README.md).
 FINER_SPLITS = (2, 4, 8)
 FINER_MARGIN = 0.03
 
