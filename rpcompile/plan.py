@@ -195,8 +195,9 @@ class Plan:
         if not self.finer or self.finer[0][0] == self.num_microbatches:
             return []
         weighed = ", ".join(f"{m}: {_fmt_seconds(s)}" for m, s, _ in self.finer)
+        again = next((a for m, _, a in self.finer if m == self.num_microbatches), False)
         return [f"  {self.num_microbatches} microbatches: Config.num_microbatches={self.finer[0][0]} split finer, where "
-                f"the jobs recompute nothing (estimated steps by microbatches {weighed}; "
+                f"the jobs recompute {'less' if again else 'nothing'} (estimated steps by microbatches {weighed}; "
                 "Config(split_microbatches=False) keeps the count)"]
 
     def stage_rows(self):

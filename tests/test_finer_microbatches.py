@@ -42,7 +42,7 @@ def test_the_first_train_plan_takes_the_shortest_count_it_weighs():
     assert finer.est_step_time == pytest.approx(best[1])
     again = passes.compile_graph(cap, _config(num_microbatches=4), "train")
     assert again.est_step_time == pytest.approx(finer.est_step_time)  # the plan an M=4 config makes
-    assert "4 microbatches: Config.num_microbatches=2 split finer" in str(finer)
+    assert "4 microbatches: Config.num_microbatches=2 split finer, where the jobs recompute less" in str(finer)
     assert "# 4 microbatches (weighed 2 microbatches: " in dict((n, t) for n, _, t in finer.passes)["split_finer"]
 
 
