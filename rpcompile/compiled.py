@@ -120,7 +120,8 @@ class CompiledModel(torch.nn.Module):
             runner.optimizer_share = 0.0   # stepped per parameter, on the host: nothing to place on the devices
         again = mode == "train" and runner.share_of_a_call
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
-        split = dict(num_microbatches=runner.num_microbatches, split_finer=mode == "train" and runner.num_microbatches is None)
+        first_train = mode == "train" and runner.num_microbatches is None
+        split = dict(num_microbatches=runner.num_microbatches, split_finer=first_train)
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **split)
@@ -132,7 +133,7 @@ class CompiledModel(torch.nn.Module):
                 self.synchronize()
                 opt.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **split)
-        if mode == "train" and runner.num_microbatches is None:
+        if first_train:
             runner.num_microbatches = plan.num_microbatches
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:

@@ -357,7 +357,8 @@ def split_finer_pass(st: CompileState) -> CompileState:
         cand = dataclasses.replace(st, num_microbatches=M * k, on_devices=st.on_devices_arg, reserved=0,
                                    optimizer_s=None, block_cuts=None, finer=[])
         try:
-            cand = solve_stages_pass(cut_points(find_batch_pass(cand)))
+            for _, fn, _ in _passes_between("find_batch", "split_finer"):   # (the batch's split onwards)
+                cand = fn(cand)
         except PlanningError:
             continue
         again = cand.stage_plan.fused[0] > 0
@@ -368,6 +369,12 @@ def split_finer_pass(st: CompileState) -> CompileState:
             break
     best.finer = st.finer
     return best
+
+
+def _passes_between(first: str, stop: str) -> list:
+    """The PASSES from `first` up to (not including) `stop`."""
+    names = [name for name, _, _ in PASSES]
+    return PASSES[names.index(first):names.index(stop)]
 
 
 def _splits_finer(st: CompileState) -> bool:
