@@ -79,9 +79,10 @@ class Config:
         num_microbatches further (2, 4, ... parts) where that makes the stage jobs recompute
         nothing and is estimated clearly faster (Note [finer microbatches] in passes/__init__.py);
         the plan then splits every batch into that many (`cm.plan` says). None (the default): on
-        one GPU, where it was measured faster (with copies on several GPUs it was slower: their
-        weights' uploads are not hidden); True: on any devices, CPU devices too; False: never, a
-        batch is split into num_microbatches.
+        one GPU, where it was measured faster (copies on 2 GPUs at 8 microbatches were slower,
+        their weights going up behind a short job; each count's step now counts such waits, Note
+        [uploads behind the job before] in passes/uploads.py); True: on any devices, CPU devices
+        too; False: never, a batch is split into num_microbatches.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.

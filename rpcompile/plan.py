@@ -175,6 +175,7 @@ class Plan:
     optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
     optimizer_est_s: Optional[float] = None              # the update's estimated seconds a step, where the plan chose the share (Note [optimizer share by pace])
     replicas: int = 1                                    # copies of the stage jobs, one per device (Note [replicas])
+    upload_wait_s: float = 0.0                           # a step's wait for weights beyond the jobs' times (Note [uploads behind the job before])
     finer: list = field(default_factory=list)            # (microbatches, est. step s, recomputes) weighed by the first train plan (Note [finer microbatches])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
@@ -189,6 +190,11 @@ class Plan:
     def param_numel(self, key) -> int:
         """Elements of parameter `key`, or of its rows when key is (index, start, stop)."""
         return key_numel(self.captured.params[key[0] if isinstance(key, tuple) else key].shape, key)
+
+    def _upload_wait(self) -> str:
+        """What the jobs wait for their weights beyond their estimates (Note [uploads behind the job
+        before] in passes/uploads.py), where they do."""
+        return f" + {_fmt_seconds(self.upload_wait_s)} waiting for weights" if self.upload_wait_s > 0 else ""
 
     def _finer_line(self) -> list:
         """Where the first train plan split the batch finer than asked: a line saying so."""
@@ -299,7 +305,8 @@ class Plan:
         head = [
             f"rpcompile plan ({self.mode}): {how}" + (f" (costed at {at})" if at else ""),
             *self._finer_line(),
-            f"  estimated step {_fmt_seconds(self.est_step_time)} (cost model{self._optimizer_beside()}); device memory budget "
+            f"  estimated step {_fmt_seconds(self.est_step_time)}{self._upload_wait()} (cost model{self._optimizer_beside()}); "
+            "device memory budget "
             f"{_fmt_bytes(self.memory_budget) + ' per device' if self.memory_budget else 'unlimited'}",
             f"  host: {_fmt_bytes(masters)} of parameters (masters, {self._master_dtype()}); per step "
             f"{_fmt_bytes(link['weights_up'])} of weights go up to the devices and {_fmt_bytes(link['grads_down'])} "

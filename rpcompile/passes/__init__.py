@@ -75,6 +75,7 @@ from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
+from .uploads import plan_upload_wait
 
 __all__ = ["compile_graph", "CompileState", "PASSES", "PlanningError"]
 
@@ -334,10 +335,16 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # go up every step behind a 0.08 s job (exposed uploads 0.36 -> 0.49 s a GPU, busy 80 -> 69%),
 # which the cost model, pricing a job as the longer of its compute and its own upload, does not
 # see. So by default (Config.split_microbatches=None) only a plan for one GPU weighs finer
-# counts; True weighs them on any devices (CPU devices too), False never. Not measured: the
-# 4-GPU plan at M=16, the plan this Note set out to make, is one fused job a copy whose next
-# weights go up during the step (Note [next weights during the step] in runtime/modes.py), not
-# behind a 0.08 s job as in the 2-GPU plan (benchmarks/runs/microbatches/README.md).
+# counts; True weighs them on any devices (CPU devices too), False never. Each count's step
+# now adds what its jobs wait for their weights beyond their priced times (Note [uploads behind
+# the job before] in passes/uploads.py): planned on the CPU, the 2-GPU plan above is 1.545 s
+# with its wait, M=2's 1.713 s (measured 1.71 s) and M=4's pipeline 1.450 s, which True takes
+# there (one run, 18,547 tokens/s against M=2's 18,631 in another call: no gain); with True 4
+# GPUs at 65,536 tokens take M=16 (1.353 s, no wait: one fused job a copy, whose next weights go up
+# during the step, Note [next weights during the step] in runtime/modes.py); 2 GPUs keep M=4
+# and one GPU takes M=8 as before. Not measured: the 4-GPU plan at M=16, the plan this Note set
+# out to make (benchmarks/runs/microbatches/README.md); where it is faster, the default may
+# weigh finer counts on any GPUs.
 FINER_SPLITS = (2, 4, 8)
 FINER_MARGIN = 0.03
 
@@ -394,9 +401,10 @@ def finer_allowed(config) -> bool:
 
 
 def _pace(st: CompileState) -> float:
-    """A solved state's step: its jobs or, beside them, the optimizer's update where the plan chose
-    its share."""
-    return max(st.stage_plan.est_time, st.optimizer_s or 0.0)
+    """A solved state's step: its jobs, with what they wait for their weights beyond their priced
+    times (Note [uploads behind the job before] in passes/uploads.py), or, beside them, the
+    optimizer's update where the plan chose its share."""
+    return max(st.stage_plan.est_time + plan_upload_wait(st), st.optimizer_s or 0.0)
 
 
 def _choose_share(st: CompileState, budget_set, cut) -> None:
@@ -543,6 +551,7 @@ def describe_io(st: CompileState) -> CompileState:
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
     plan.replicas, plan.finer = st.replicas, list(st.finer)
+    plan.upload_wait_s = plan_upload_wait(st)
     st.plan = plan
     return st
 
