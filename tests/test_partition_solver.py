@@ -22,7 +22,7 @@ GiB = 1 << 30
 # ----------------------------------------------------------------------------- helpers
 
 
-def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh):
+def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh, N=2):
     """Job time and memory straight from the documented formulas (independent of the
     module's cost tables)."""
     P = sum(s.param_bytes for s in segs[i:j])
@@ -31,7 +31,7 @@ def _expected_job(kind, i, j, segs, cut_bytes, M, bw, ovh):
     secs = sum((s.fwd_s if kind == "fwd" else s.bwd_s) for s in segs[i:j])
     t = max(M * secs, (P + M * (cut_bytes[i] + cut_bytes[j])) / bw) + ovh
     X = max(s.peak_bytes for s in segs[i:j])
-    mem = 2 * P + 2 * (cut_bytes[i] + cut_bytes[j]) + X
+    mem = 2 * P + (max(2, M) if N == 1 else 2) * (cut_bytes[i] + cut_bytes[j]) + X
     if kind != "fwd":
         mem += G + S + X
     return t, mem
@@ -64,7 +64,7 @@ def check_plan(plan: StagePlan, segs, cut_bytes, *, num_devices, num_microbatche
         assert plan.num_jobs <= max_jobs
     for (kind, (i, j)), t, m in zip(jobs, plan.job_times, plan.job_memory):
         et, em = _expected_job(kind, i, j, segs, cut_bytes, num_microbatches, upload_bw,
-                               job_overhead_s)
+                               job_overhead_s, num_devices)
         assert t == pytest.approx(et, rel=1e-12, abs=1e-300)
         assert m == em
         if memory_budget is not None:

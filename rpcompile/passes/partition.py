@@ -21,8 +21,10 @@ counts a value several ops save once, Note [saved values once] in passes/cut_poi
     bwd/fused job time = max(M * sum bwd_s, (P + M * (A_i + A_j)) / upload_bw) + job_overhead_s
     (A_p = cut_bytes[p]: the activations, or their gradients, a job moves over the host link
     for each microbatch at its two boundaries, beside its weights)
-    fwd job memory       = 2*P + 2*(cut_bytes[i] + cut_bytes[j]) + max(X, W)
-    bwd/fused job memory = 2*P + G + S + 2*(cut_bytes[i] + cut_bytes[j]) + 2*X
+    fwd job memory       = 2*P + H*(cut_bytes[i] + cut_bytes[j]) + max(X, W)
+    bwd/fused job memory = 2*P + G + S + H*(cut_bytes[i] + cut_bytes[j]) + 2*X
+    (H = 2; on one device max(2, M): the next job's inputs stay on it, every microbatch's, Note
+    [hand-overs on the device] in runtime/job.py)
     (X: the largest peak_bytes of the stage's segments: the working memory of its biggest op,
     e.g. an unsplit LM head's fp32 logits; in the backward that value and its gradient. W: the
     largest work_bytes, the values a segment's forward holds at once, Note [working bytes])
@@ -256,6 +258,8 @@ class _Costs:
         self.reserved, self.budget_set = int(reserved), budget_set   # (for the error's figures: solve_stages)
         self.segments = segments
         self.cut_bytes = [int(b) for b in cut_bytes]
+        # boundary values a job holds: on one device every microbatch's (Note [hand-overs on the device])
+        self.held = max(2, num_microbatches) if num_devices == 1 else 2
 
         def col(name, dtype):
             return torch.tensor([getattr(s, name) for s in segments], dtype=dtype)
@@ -289,7 +293,7 @@ class _Costs:
             X, Wk = range_max(xb), range_max(wb)
             # the host link carries the weights once and the boundary values per microbatch
             upload = (P.to(_F64) + M * (cb[r, None] + cb[None, :]).to(_F64)) / bw
-            ends = 2 * (cb[r, None] + cb[None, :])
+            ends = self.held * (cb[r, None] + cb[None, :])
             self.time["fwd"][r] = torch.maximum(M * range_sums(fwd_s), upload) + ovh
             self.time["bwd"][r] = torch.maximum(M * range_sums(bwd_s), upload) + ovh
             self.mem["fwd"][r] = 2 * P + ends + torch.maximum(X, Wk)
@@ -826,7 +830,7 @@ def _raise_infeasible(costs: _Costs, min_budget: Optional[int] = None,
         G = sum(s.grad_bytes for s in segs)
         S = sum(s.saved_bytes for s in segs)
         what += f", {_gib(G)} GiB gradients, {_gib(S)} GiB saved for backward per microbatch"
-    what += f", 2 x {_gib(ends)} GiB activations across its boundaries"
+    what += f", {costs.held} x {_gib(ends)} GiB activations across its boundaries"
     X = max(s.peak_bytes for s in segs)
     W = max(s.work_bytes for s in segs) if kind == "fwd" else 0
     if W > X:

@@ -95,6 +95,7 @@ class JobLinks:
     next_dev: Any = None              # DeviceRuntime of the next job in the chain
     next_reads: frozenset = frozenset()    # names the next job reads
     later_reads: frozenset = frozenset()   # names any job after the next one reads
+    next_here: bool = False           # the next job runs on this device (Note [hand-overs on the device])
 
 
 class JobContext:
@@ -212,7 +213,10 @@ class JobContext:
 
     def fetch(self, mb, name):
         peer = self.step.peer.pop((mb, name), None)
-        if peer is not None and peer[2] is not self.dev:
+        if peer is not None and peer[2] is self.dev:    # Note [hand-overs on the device]
+            self.check_rows(mb, name, peer[0])
+            return peer[0]
+        if peer is not None:
             src, ready, src_dev = peer
             out = self.span("acts_in", "fetch_peer", lambda: self.dev.peer_copy(src, ready), mb, value=name,
                             bytes=nbytes(src), source=str(src_dev.device))
@@ -256,6 +260,10 @@ class JobContext:
         return self.step.rng_base * 1_000_003 + mb
 
     def fetch_grad(self, mb, name):
+        peer = self.step.peer.pop((mb, ("grad", name)), None)
+        if peer is not None:        # Note [hand-overs on the device]
+            self.check_rows(mb, f"grad of {name}", peer[0])
+            return peer[0]
         g = self.step.micro[mb].grads.get(name)
         if g is None:   # no gradient reached it: an empty tensor says so (vjp skips it)
             return torch.empty(0, device=self.dev.device)
@@ -266,9 +274,30 @@ class JobContext:
         return torch.full((), self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
 
     # --- outputs ---------------------------------------------------------------------------
+    # Note [hand-overs on the device]: a copy's jobs (Note [replicas]), or those of a plan for
+    # one device, run one after another on one device, yet a job's outputs went down to the host
+    # and the next job's inputs came back up. Those uploads queued behind the weights the device
+    # uploads meanwhile: Llama-3.1-8B on 2 H200s at a 4-GPU run's load (32,768 tokens, M=2, half
+    # the optimizer on the devices: the 4-GPU plan's jobs a copy), the fused job's input (134 MB)
+    # came up 90-113 ms after the forward job had ended, as the fused job's 8.5 GB of weights
+    # finished going up, and the backward job started 105-122 ms after the fused job's sum,
+    # every step on both GPUs. So what the next job reads, activations and the gradients of its
+    # outputs, stays on the device (the host still gets an activation a later job reads too); the
+    # solver counts those values, M of each boundary on one device where it counted two
+    # (passes/partition.py). Measured at that load (52nd session, four sides each way in two
+    # calls): no gap left between the jobs of a traced step, but no shorter steps either (17,527
+    # against 17,428 tokens/s on average; steady steps 1.774-1.791 against 1.778-1.794 s): there
+    # the host's half of the update decides when weights may go up, and the waits moved into the
+    # jobs. At the default share on 2 GPUs the jobs had no such gaps (51st session's trace). Kept
+    # for the traffic it saves on the host link that the devices share (2 x 134 MB a step a
+    # device there); not measured at 4 GPUs (benchmarks/runs/microbatches/README.md).
     def offload(self, mb, name, value):
         links = self.links
-        if (isinstance(value, torch.Tensor) and name in links.next_reads and links.next_dev is not None
+        if isinstance(value, torch.Tensor) and name in links.next_reads and links.next_here:
+            self.step.peer[(mb, name)] = (value.detach(), None, self.dev)
+            if name not in links.later_reads:
+                return
+        elif (isinstance(value, torch.Tensor) and name in links.next_reads and links.next_dev is not None
                 and links.next_dev.can_reach(self.dev)):
             # Peer path (Config.peer_transfers): the next job copies it device to device; the
             # host gets a copy only if a later job (a backward's checkpoint) reads it too.
@@ -293,6 +322,10 @@ class JobContext:
             # one copy and this thread goes on issuing; summed on the host, it waited for this
             # part's download and copied the sum into another slot
             value = value + self.dev.upload(grads[name])
+        links, key = self.links, ("grad", name)
+        if links.next_here and key in links.next_reads and key not in links.later_reads:
+            self.step.peer[(mb, key)] = (value.detach(), None, self.dev)    # Note [hand-overs on the device]
+            return
         grads[name] = self.dev.download(value)
 
     def accumulate_grads(self, grads):

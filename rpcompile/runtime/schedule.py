@@ -32,7 +32,7 @@ class JobAction:
     next_on_device: Optional[int] = None   # the job this worker runs next: its weights are prefetched during this one
     next_device: Optional[int] = None      # worker of the next job in the chain
     # Names the next job reads, and names any job after the next one reads (out of the repr:
-    # they list every parameter and activation a stage takes).
+    # they list every parameter and activation a stage takes; ("grad", name) for a gradient).
     next_reads: frozenset = field(default=frozenset(), repr=False)
     later_reads: frozenset = field(default=frozenset(), repr=False)
     replica: int = 0                       # which copy of the chain (Note [replicas])
@@ -86,7 +86,7 @@ def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
     if replicas > 1:
         return _replicated(jobs, num_devices, offset, replicas, num_microbatches)
     devices = [(offset + k) % num_devices for k in range(len(jobs))]
-    reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
+    reads = [_reads(stage, role) for _, stage, role in jobs]
     actions = []
     for k, (job, stage, role) in enumerate(jobs):
         same = next((i for i in range(k + 1, len(jobs)) if devices[i] == devices[k]), None)
@@ -98,6 +98,13 @@ def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
             later_reads=frozenset().union(*reads[k + 2:])))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})
+
+
+def _reads(stage, role: str) -> frozenset:
+    """What a job reads of the jobs before it: the names of its activations, and ("grad", name)
+    for the gradients of its outputs a backward reads."""
+    grads = () if role == "fwd" else getattr(stage, "grad_outputs", ())
+    return frozenset(stage.inputs) | {("grad", name) for name in grads}
 
 
 def microbatch_shares(num_microbatches: int, replicas: int) -> list:
@@ -119,7 +126,7 @@ def _replicated(jobs, num_devices: int, offset: int, replicas: int, num_microbat
         raise ValueError(f"{replicas} replicas need as many devices, got {num_devices}")
     if num_microbatches is None:
         raise ValueError("a schedule of replicas needs the number of microbatches")
-    reads = [frozenset(stage.inputs) for _, stage, _ in jobs]
+    reads = [_reads(stage, role) for _, stage, role in jobs]
     shares = microbatch_shares(num_microbatches, replicas)
     actions = []
     for k, (job, stage, role) in enumerate(jobs):
