@@ -5,7 +5,7 @@
 # 4-GPU plan's: M=2 three jobs (fused layers 17-31, job 0 recomputed) as 4 GPUs at M=4, M=8 one fused
 # job of 4 microbatches of 2 rows as 4 GPUs at M=16. The host steps the other half of the update,
 # so it may set the step's pace: read the GPUs' compute and their trace.
-#   OUT=$OUT bash benchmarks/runs/microbatches/share_proxy.sh tree:2 tree:8     (call 1)
+#   OUT=$OUT bash benchmarks/runs/microbatches/share_proxy.sh tree:2 tree:8     (call 1 ran the script's first form, alike)
 #   OUT=$OUT bash benchmarks/runs/microbatches/share_proxy.sh main:2 tree:2 main:2 tree:2   (call 2, carry .ab:
 #   a side NAME:M runs .ab/NAME, or the working tree for "tree", at M microbatches)
 set -euo pipefail
