@@ -38,7 +38,7 @@ def test_resident_memory_counts_the_neighbours_weights():
 
 def test_prefetch_takes_the_next_jobs_first_weights_up_to_the_allowance():
     params = [torch.empty(100), torch.empty(50), torch.empty(300)]
-    stage = types.SimpleNamespace(params=[0, 1, 2], index=1)
+    stage = types.SimpleNamespace(params=[0, 1, 2], param_slices={}, index=1)
     step = types.SimpleNamespace(params=params, dtype=torch.bfloat16, host_weights=None, ready=None, tracer=None)
     asked = []
     dev = types.SimpleNamespace(prefetch=lambda key, ps, *a: asked.append([i for i, _ in ps]))
@@ -46,6 +46,41 @@ def test_prefetch_takes_the_next_jobs_first_weights_up_to_the_allowance():
     job_mod._prefetch(step, dev, 1, stage, limit=299)
     job_mod._prefetch(step, dev, 1, stage)
     assert asked == [[0, 1], [0], [0, 1, 2]]
+
+
+def test_a_prefetch_takes_the_rows_a_job_reads_of_a_parameter():
+    """Note [row weights prefetched]: an LM head shard's rows go up with the job's weights, keyed
+    as the job asks for them, and count against the allowance by their own bytes."""
+    params = [torch.empty(100), torch.empty(50), torch.empty(40, 10)]
+    stage = types.SimpleNamespace(params=[0, 1], param_slices={"w_a": (2, 0, 10), "w_b": (2, 10, 20)}, index=1)
+    step = types.SimpleNamespace(params=params, dtype=torch.bfloat16, host_weights=None, ready=None, tracer=None)
+    asked = []
+    dev = types.SimpleNamespace(prefetch=lambda key, ps, *a: asked.append([i for i, _ in ps]))
+    job_mod._prefetch(step, dev, 1, stage)
+    job_mod._prefetch(step, dev, 1, stage, limit=300 + 200)    # the whole ones and one shard's rows
+    assert asked == [[0, 1, (2, 0, 10), (2, 10, 20)], [0, 1, (2, 0, 10)]]
+
+
+def test_the_uploader_sends_rows_as_rows_and_whole_parameters_in_runs():
+    """DeviceRuntime.prefetch on a GPU (the device faked): whole parameters go up as runs of
+    adjacent copies, rows of one with upload_weight(rows=...), each under the key asked for."""
+    from concurrent.futures import Future
+    from rpcompile.runtime.device import DeviceRuntime
+
+    class Now:
+        def submit(self, fn):
+            f = Future()
+            f.set_result(fn())
+            return f
+    dev = DeviceRuntime.__new__(DeviceRuntime)
+    dev.is_cpu, dev.prefetched, dev.uploader, dev.label, dev.worker_index = False, {}, Now(), "fake", 0
+    calls = []
+    dev._upload_runs = lambda todo, hw: ({i: ("run", i) for i, _ in todo}, 1)
+    dev.upload_weight = lambda p, dtype, hw, rows=None, wait=True: calls.append(rows) or ("rows", rows)
+    w = [torch.empty(4), torch.empty(6, 2)]
+    dev.prefetch("k", [(0, w[0]), ((1, 2, 4), w[1])], torch.bfloat16, types.SimpleNamespace(held=None))
+    got = dev.prefetched["k"].result()
+    assert got == {0: ("run", 0), (1, 2, 4): ("rows", (2, 4))} and calls == [(2, 4)]
 
 
 def _delayed(budget):

@@ -188,6 +188,8 @@ class DeviceRuntime:
     def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
         """Start uploading a job's weights now, on the weights stream (double buffering); the
         uploader thread refreshes their pinned copies first. The tracer gets one span per job.
+        params: [(key, parameter)], the key a parameter's index or, for rows of it, (index,
+        start, stop) (Note [row weights prefetched] in runtime/job.py).
 
         ready(p) says whether p is free of a pending optimizer step; others are left to be
         uploaded when the job reads them, so a prefetch never blocks the job running now.
@@ -200,11 +202,16 @@ class DeviceRuntime:
                 before()
             start = tracer.cuda_mark(self.weights_in) if tracer is not None else None
             todo = [(i, p) for i, p in params if ready is None or ready(p)]
+            whole = [(i, p) for i, p in todo if not isinstance(i, tuple)]
             if hasattr(host_weights, "held"):     # copies laid out flat: one copy per run
-                got, copies = self._upload_runs(todo, host_weights)
+                got, copies = self._upload_runs(whole, host_weights)
             else:
-                got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in todo}
+                got = {i: self.upload_weight(p, dtype, host_weights, wait=False) for i, p in whole}
                 copies = len(got)
+            for key, p in todo:    # rows of a parameter, keyed (index, start, stop): an LM head shard's
+                if isinstance(key, tuple):
+                    got[key] = self.upload_weight(p, dtype, host_weights, rows=key[1:], wait=False)
+                    copies += 1
             if tracer is not None:
                 nbytes = sum(d.numel() * d.element_size() for d, _ in got.values())
                 tracer.add(self.label, "weights_in", "prefetch_weights", start, tracer.cuda_mark(self.weights_in),

@@ -443,14 +443,32 @@ class JobContext:
                                                  for key in self.stage.grad_params if key in got}
 
 
+# Note [row weights prefetched]: a job reads an LM head shard's rows of the head's weight
+# (Stage.param_slices), and a prefetch took only whole parameters (Stage.params), so the rows
+# went up as the job read them, with its compute waiting: on 2 H200s (Llama-3.1-8B, 32,768
+# tokens, M=2) two 525 MB copies of 10-37 ms at the start of every fused job, in the M=8 plan
+# before its first compute. So a job's weights are its parameters and the rows it reads of
+# others, each keyed as the job asks for it ((index, start, stop) for rows). Checked on one H200
+# (52nd session, benchmarks/runs/row_prefetch/check.py: a tiny Qwen3 in 4 jobs, the head in 2
+# shards, fp32 exact mode): as eager PyTorch, and the last step's weights all went up in its 4
+# prefetches, where main (f3a5dfb) read the 2 shards' rows with the compute waiting; the speed
+# at Llama-3.1-8B's size is not measured.
+def job_params(params, stage) -> list:
+    """[(key, parameter)] of the weights a stage reads: whole parameters, then rows of them."""
+    rows = sorted(set(stage.param_slices.values()))
+    return [(i, params[i]) for i in stage.params] + [(key, params[key[0]]) for key in rows]
+
+
 def _prefetch(step: StepState, dev, job_index: int, stage, limit=None) -> None:
-    """Queue a job's weights; with `limit`, only its first weights of at most that many bytes
-    (in the dtype they go up in): the others go up when the job reads them."""
-    params = [(i, step.params[i]) for i in stage.params]
+    """Queue a job's weights (Note [row weights prefetched]); with `limit`, only its first
+    weights of at most that many bytes (in the dtype they go up in): the others go up when the
+    job reads them."""
+    params = job_params(step.params, stage)
     if limit is not None:
         kept, total = [], 0
         for i, p in params:
-            total += p.numel() * (step.dtype or p.dtype).itemsize
+            numel = p.numel() if not isinstance(i, tuple) else (i[2] - i[1]) * (p.numel() // max(1, p.shape[0]))
+            total += numel * (step.dtype or p.dtype).itemsize
             if total > limit:
                 break
             kept.append((i, p))

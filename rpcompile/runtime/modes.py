@@ -39,6 +39,7 @@ import torch
 
 from . import timeline
 from .grads import as_dtype, for_step, param_index, sum_param_grads
+from .job import job_params
 from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
 
@@ -325,7 +326,7 @@ class DelayedMode(OverlappedMode):
         if not plan.early_first_upload:   # the device has no room for it yet (Note [resident weights])
             return
         devs = _first_devices(runner, plan)
-        params = [(i, plan.captured.params[i]) for i in plan.stages[0].params]
+        params = job_params(plan.captured.params, plan.stages[0])
         opt, key, done = self.optimizer, ("next step", t), t - 1 + self.skipped
         if self.next_upload is not None and self.next_upload[2] == key:
             return            # asked for already (as the step before this one ended)
