@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import InputError, StageError
+from ..plan import key_numel
 from . import ops, timeline
 from .device import Pending
 from .grads import accumulator_dtype, param_index
@@ -467,8 +468,7 @@ def _prefetch(step: StepState, dev, job_index: int, stage, limit=None) -> None:
     if limit is not None:
         kept, total = [], 0
         for i, p in params:
-            numel = p.numel() if not isinstance(i, tuple) else (i[2] - i[1]) * (p.numel() // max(1, p.shape[0]))
-            total += numel * (step.dtype or p.dtype).itemsize
+            total += key_numel(p.shape, i) * (step.dtype or p.dtype).itemsize
             if total > limit:
                 break
             kept.append((i, p))
