@@ -368,10 +368,10 @@ def split_finer_pass(st: CompileState) -> CompileState:
                 cand = fn(cand)
         except PlanningError:
             continue
-        again = cand.stage_plan.fused[0] > 0
-        st.finer.append((M * k, _pace(cand), again))
-        if _pace(cand) < (1 - FINER_MARGIN) * best_pace:
-            best, best_pace = cand, _pace(cand)
+        again, pace = cand.stage_plan.fused[0] > 0, _pace(cand)
+        st.finer.append((M * k, pace, again))
+        if pace < (1 - FINER_MARGIN) * best_pace:
+            best, best_pace = cand, pace
         if not again:
             break
     best.finer = st.finer

@@ -88,10 +88,9 @@ def _capture_shards(st, names):
     if (st.mode != "train" or st.config.lm_head_shards is not None
             or not isinstance(head, dict) or not head.get("split")):
         return None
-    from . import PASSES, CompileState, max_logit_bytes
+    from . import PASSES, CompileState, _passes_between, max_logit_bytes
     from .cut_points import liveness
     from .lm_head import estimate_num_shards, find_lm_head
-    order = [name for name, _, _ in PASSES]
 
     def run(config, stop):
         """The state the pass named `stop` would see."""
@@ -99,7 +98,7 @@ def _capture_shards(st, names):
                          on_devices=st.on_devices, num_microbatches=st.num_microbatches)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for _, fn, _ in PASSES[:order.index(stop)]:
+            for _, fn, _ in _passes_between(PASSES[0][0], stop):
                 s = fn(s)
         return s
 

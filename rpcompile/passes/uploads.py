@@ -20,6 +20,8 @@ weights alike; a pipeline's jobs hand over between devices, which this does not 
 """
 from __future__ import annotations
 
+from .resident import job_weights
+
 STEPS = 3     # replayed; the last is steady (the first job's upload then follows the one before)
 
 
@@ -68,10 +70,6 @@ def plan_upload_wait(st) -> float:
         return 0.0
     sp, segs = st.stage_plan, st.segments
     M = -(-st.num_microbatches // st.replicas)
-    compute, weights = [], []
-    for kind, (i, j) in sp.jobs():
-        per = sum(s.fwd_s if kind == "fwd" else s.bwd_s for s in segs[i:j])
-        compute.append(M * per)
-        weights.append(sum(s.param_bytes for s in segs[i:j]))
-    return upload_wait(compute, weights, st.prefetch_bytes, st.hardware.upload_bw, st.early_first_upload,
+    compute = [M * sum(s.fwd_s if kind == "fwd" else s.bwd_s for s in segs[i:j]) for kind, (i, j) in sp.jobs()]
+    return upload_wait(compute, job_weights(segs, sp), st.prefetch_bytes, st.hardware.upload_bw, st.early_first_upload,
                        len(sp.fwd_bounds))

@@ -146,7 +146,7 @@ class Executor:
                                              else (a.next_on_device, schedule.stage(a.next_on_device))),
                              next_dev=None if a.next_device is None else self.workers[a.next_device].dev,
                              next_reads=a.next_reads, later_reads=a.later_reads,
-                             next_here=a.next_device == a.device)
+                             next_here=a.next_here)
             ev = threading.Event()
             worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
                              _run_with_slots(step, a, stage, w.dev, p, links, slots), ev))

@@ -294,16 +294,15 @@ class JobContext:
     # device there); not measured at 4 GPUs (benchmarks/runs/microbatches/README.md).
     def offload(self, mb, name, value):
         links = self.links
-        if isinstance(value, torch.Tensor) and name in links.next_reads and links.next_here:
-            self.step.peer[(mb, name)] = (value.detach(), None, self.dev)
-            if name not in links.later_reads:
-                return
-        elif (isinstance(value, torch.Tensor) and name in links.next_reads and links.next_dev is not None
-                and links.next_dev.can_reach(self.dev)):
-            # Peer path (Config.peer_transfers): the next job copies it device to device; the
-            # host gets a copy only if a later job (a backward's checkpoint) reads it too.
-            ready = torch.cuda.Event()
-            ready.record(self.dev.compute)
+        if isinstance(value, torch.Tensor) and name in links.next_reads and (
+                links.next_here or (links.next_dev is not None and links.next_dev.can_reach(self.dev))):
+            # On this device the next job reads it as it is (Note [hand-overs on the device]); on
+            # a peer (Config.peer_transfers) it copies it device to device. The host gets a copy
+            # only if a later job (a backward's checkpoint) reads it too.
+            ready = None
+            if not links.next_here:
+                ready = torch.cuda.Event()
+                ready.record(self.dev.compute)
             self.step.peer[(mb, name)] = (value.detach(), ready, self.dev)
             if name not in links.later_reads:
                 return

@@ -38,6 +38,11 @@ class JobAction:
     replica: int = 0                       # which copy of the chain (Note [replicas])
     microbatches: Optional[range] = None   # the microbatches it runs (None: all of the step's)
 
+    @property
+    def next_here(self) -> bool:
+        """The next job in the chain runs on this worker (Note [hand-overs on the device] in runtime/job.py)."""
+        return self.next_device == self.device
+
     def __str__(self) -> str:
         mbs = "" if self.microbatches is None else f"[{self.microbatches.start}:{self.microbatches.stop}]"
         return f"{self.stage}{ROLE_LETTERS.get(self.role, self.role)}@{self.device}{mbs}"

@@ -599,7 +599,7 @@ class Worker:
                                    worker=self.index))
         nxt = a.next_on_device
         links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[step.job_stage[nxt]]),
-                         next_reads=a.next_reads, later_reads=a.later_reads, next_here=a.next_device == a.device)
+                         next_reads=a.next_reads, later_reads=a.later_reads, next_here=a.next_here)
         try:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
         except BaseException as exc:
