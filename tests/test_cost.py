@@ -251,6 +251,19 @@ def test_evaluate_and_node_seconds():
     assert hw.seconds(c, {"s0": 10}) == node_seconds(c, {"s0": 10}, peak_flops=50e9, mem_bw=10e9)
 
 
+def test_each_device_uploads_at_its_share_of_the_host(monkeypatch):
+    """Note [host-wide uploads]: GPU plans price a device's uploads at its share of the host's
+    bandwidth where that is below its own link's (4 H200s: about 32 GB/s each); CPU devices keep theirs."""
+    import rpcompile
+    cpu = {n: Hardware.of(rpcompile.Config(devices=["cpu"] * n)) for n in (1, 4)}
+    assert cpu[1] == cpu[4] == Hardware.cpu()
+    monkeypatch.setattr(rpcompile.Config, "on_gpu", property(lambda self: True))
+    gpu = {n: Hardware.of(rpcompile.Config(devices=["cpu"] * n, workers="threads")) for n in (1, 2, 4)}
+    assert gpu[1] == gpu[2] == Hardware.h100()
+    assert gpu[4].upload_bw == Hardware.h100().host_upload_bw / 4 == 32e9
+    assert gpu[4].peak_flops == Hardware.h100().peak_flops
+
+
 # ---------------------------------------------------------------------------------------------- Qwen3
 
 import transformers  # noqa: E402  (a test dependency)

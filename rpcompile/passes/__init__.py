@@ -241,7 +241,7 @@ def find_batch_pass(st: CompileState) -> CompileState:
 
 
 def cut_points(st: CompileState) -> CompileState:
-    st.hardware = Hardware.h100() if st.config.on_gpu else Hardware.cpu()
+    st.hardware = Hardware.of(st.config)
     st.liveness = liveness(st.gm)
     st.cuts = legal_cuts(st.gm, st.liveness, st.bindings)
     st.segments, st.cut_bytes = segment_table(st.gm, st.liveness, st.cuts, st.bindings, st.hardware)
@@ -344,7 +344,9 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # during the step, Note [next weights during the step] in runtime/modes.py); 2 GPUs keep M=4
 # and one GPU takes M=8 as before. Not measured: the 4-GPU plan at M=16, the plan this Note set
 # out to make (benchmarks/runs/microbatches/README.md); where it is faster, the default may
-# weigh finer counts on any GPUs.
+# weigh finer counts on any GPUs. With each device's uploads priced at its share of the host's
+# (Note [host-wide uploads] in passes/cost.py) the 4-GPU plan at M=4 is 1.559 s (measured 1.671
+# s), at M=16 still 1.353 s (its 16 GB of weights a device go up within its compute).
 FINER_SPLITS = (2, 4, 8)
 FINER_MARGIN = 0.03
 

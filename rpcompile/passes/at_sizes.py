@@ -14,7 +14,7 @@ from .resident import job_weights, resident_memory
 
 def job_memory_at(plan, config, bindings: dict) -> list:
     """Planned device memory of each stage job of `plan` (execution order) at `bindings`."""
-    hw = Hardware.h100() if config.on_gpu else Hardware.cpu()
+    hw = Hardware.of(config)
     segments, cut_bytes = segment_table(plan.gm, liveness(plan.gm), plan.cuts, bindings, hw)
     costs = _Costs(segments, cut_bytes, num_devices=plan.num_devices, num_microbatches=plan.num_microbatches,
                    memory_budget=None, upload_bw=hw.upload_bw, job_overhead_s=hw.job_overhead_s(plan.num_devices),

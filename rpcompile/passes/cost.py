@@ -126,6 +126,13 @@ class NodeCost:
     itemsize: int = 0
 
 
+# Note [host-wide uploads]: a device reads page-locked host memory at 55 GB/s alone and 52-55
+# GB/s with two uploading at once (2x H200, benchmarks/pin_probe.py), but four H200s uploading
+# together got about 32 GB/s each (two 4-GPU traces of Llama-3.1-8B: 26.8 GB a step a device,
+# and 15 GiB in a last step; RESULTS.md): the host's memory, not each device's link, is then the
+# limit. Pricing 55 GB/s a device there made a 4-GPU plan's uploads look 1.7x faster than they
+# ran. So a plan prices each device's uploads at min(upload_bw, host_upload_bw / devices): copies
+# and pipelines alike upload on every device at once for most of a step.
 @dataclass(frozen=True)
 class Hardware:
     """Roofline numbers of a device: FLOP/s, device memory B/s and host-to-device B/s, and
@@ -136,6 +143,14 @@ class Hardware:
     upload_bw: float
     job_overhead_per_device_s: float = 0.0
     peer_bw: float = 10e9           # B/s one device reads of another's memory (replicas' gradients)
+    host_upload_bw: float = float("inf")   # B/s the host's memory gives all devices uploading at once
+
+    @classmethod
+    def of(cls, config) -> "Hardware":
+        """The hardware a Config plans for: H100-class GPUs (on_gpu) or CPU devices, each
+        device's upload at its share of the host's (Note [host-wide uploads])."""
+        hw = cls.h100() if config.on_gpu else cls.cpu()
+        return dataclasses.replace(hw, upload_bw=min(hw.upload_bw, hw.host_upload_bw / len(config.devices)))
 
     @classmethod
     def cpu(cls) -> "Hardware":
@@ -148,7 +163,7 @@ class Hardware:
         # H200s, a microbatch's hop between jobs took ~12 ms with 2 devices and ~38 ms (median)
         # with 4; 32 stage jobs on 4 GPUs ran 16% slower than 8 (the plan without this term).
         return cls(peak_flops=790e12, mem_bw=3.0e12, upload_bw=55e9, job_overhead_per_device_s=0.010,
-                   peer_bw=150e9)
+                   peer_bw=150e9, host_upload_bw=128e9)
 
     def job_overhead_s(self, num_devices: int) -> float:
         return self.job_overhead_per_device_s * num_devices
