@@ -211,9 +211,11 @@ def _bit_equal(narrow, wide):
 
 
 def test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time(monkeypatch):
-    """Note [narrow slices summed by their copy]: what the all-to-all brought (every copy's bf16
-    slice r) is summed in fp32 and rounded once, SUM_SLICE elements at a time, into copy r's
-    own row: 1 + 2^-8 + 2^-8 is 1 + 2^-7 so, where bf16 partial sums round it to 1."""
+    """Note [copies' sums a part at a time]: each copy stages a part of every copy's slice in the
+    sum's dtype (the host set's bf16, for bf16 and for fp32 accumulators), the all-to-all brings it
+    every copy's part of slice r, and that is summed in fp32 and rounded once into copy r's own
+    slice of its accumulator: 1 + 2^-8 + 2^-8 is 1 + 2^-7 so, where bf16 partial sums round it to 1
+    (Note [narrow slices summed by their copy])."""
     import torch.distributed as dist
     from rpcompile.runtime.replicas import PeerExchange
 
@@ -221,29 +223,82 @@ def test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time(monkeypatch):
     received = torch.full((n, 4), 2.0 ** -8)
     received[0] = torch.tensor([1.0, -3.0, 0.5, 7.0])
     received = received.bfloat16()
-    sent = []
-
-    def all_to_all_single(out, inp, group=None):
-        sent.append(inp.clone())
-        out.copy_(received.view(-1))
-
-    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
-    monkeypatch.setattr(PeerExchange, "SUM_SLICE", 3)       # parts 0:3, 3:4
+    monkeypatch.setattr(PeerExchange, "SUM_SLICE", 3)       # parts 0:3, 3:4 of each slice
     step = SimpleNamespace(error=None, failed_copies=set(), micro=[None] * n,
                            grads=SimpleNamespace(dtype=torch.bfloat16))
     dev = SimpleNamespace(device=torch.device("cpu"), is_cpu=True)
-    ex = PeerExchange(n, lambda keys: None, lambda: None)
-    ex.arrive(0, [1])
-    ex.arrive(2, [2])
-    acc = ex.accumulator(1, dev, torch.empty(numel, dtype=torch.bfloat16), None, torch.bfloat16)
-    acc.copy_(torch.arange(numel))
-    assert ex.share(1, acc, {3}, dev, step, numel) == {1, 2, 3}
-    assert ex.wide.shape == (3,) and ex.wide.dtype == torch.float32
-    total = ex.reduce(1, dev, numel)
-    assert torch.equal(sent[0][:numel], torch.arange(numel).bfloat16())     # (the accumulator went, padded)
-    assert total.dtype == torch.bfloat16 and torch.equal(total, received.float().sum(0).bfloat16())
-    assert total[0].item() == 1.0078125 and (received[0] + received[1] + received[2])[0].item() == 1.0
-    assert ex.padded is None and ex.out is None and ex.wide is None
+    for dtype in (torch.bfloat16, torch.float32):
+        sent = []
+
+        def all_to_all_single(out, inp, group=None):
+            a = sum(p.shape[1] for p in sent)
+            sent.append(inp.view(n, -1).clone())
+            out.view(n, -1).copy_(received[:, a:a + sent[-1].shape[1]])
+
+        monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+        ex = PeerExchange(n, lambda keys: None, lambda: None)
+        ex.arrive(0, [1])
+        ex.arrive(2, [2])
+        acc = ex.accumulator(1, dev, torch.empty(numel, dtype=torch.bfloat16), None, dtype)
+        acc.copy_(torch.arange(numel))
+        padded = ex.padded
+        assert ex.share(1, acc, {3}, dev, step, numel) == {1, 2, 3}
+        assert ex.wide.shape == (3,) and ex.wide.dtype == torch.float32 and ex.send.dtype == torch.bfloat16
+        total = ex.reduce(1, dev, numel)
+        assert [p.shape for p in sent] == [(n, 3), (n, 1)]
+        assert torch.equal(torch.cat(sent, 1).view(-1)[:numel], torch.arange(numel).bfloat16())   # (padded)
+        assert total.dtype == dtype and torch.equal(total, received.float().sum(0).to(dtype))
+        assert total.data_ptr() == padded[4:].data_ptr()        # (copy 1's own slice of its accumulator)
+        assert total[0].item() == 1.0078125 and (received[0] + received[1] + received[2])[0].item() == 1.0
+        assert ex.padded is None and ex.out is None and ex.wide is None and ex.send is None
+
+
+def test_a_kept_accumulator_serves_the_next_run_where_it_fits():
+    """Note [copies' sum beside the next step]: a copy of one job keeps its accumulator from run
+    to run (its sum lands in its own slice of it), and makes a new one, kept instead, where the
+    piece or the dtype changed."""
+    import torch.distributed as dist
+    from rpcompile.runtime.replicas import KeptSum, PeerExchange
+
+    def scatter(out, inp, group=None):     # (one copy of two: its own part of slice 0, doubled)
+        out.copy_(2 * inp.view(2, -1)[0])
+
+    step = SimpleNamespace(error=None, failed_copies=set(), micro=[None] * 4,
+                           grads=SimpleNamespace(dtype=torch.float32))
+    dev = SimpleNamespace(device=torch.device("cpu"), is_cpu=True)
+    kept, made = KeptSum(), []
+    for numel, dtype in ((6, torch.float32), (6, torch.float32), (8, torch.float32), (8, torch.bfloat16)):
+        ex = PeerExchange(2, lambda keys: None, lambda: None)
+        ex.kept = kept
+        ex.arrive(1, [0])
+        acc = ex.accumulator(0, dev, torch.empty(numel), None, dtype)
+        made.append(ex.padded)
+        acc.copy_(torch.arange(numel))
+        assert ex.share(0, acc, {0}, dev, step, numel) == {0}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dist, "reduce_scatter_tensor", scatter)
+            mp.setattr(dist, "reduce_scatter_single", scatter, raising=False)
+            mp.setattr(dist, "all_to_all_single",      # (the other copy's part of slice 0 as this one's)
+                       lambda out, inp, group=None: out.view(2, -1).copy_(inp.view(2, -1)[:1].expand(2, -1)))
+            total = ex.reduce(0, dev, numel)
+        assert torch.equal(total.float(), 2 * torch.arange(numel // 2).float())
+        assert total.data_ptr() == made[-1].data_ptr() and kept.padded is made[-1]
+        assert ex.landed(total, dev) is None and kept.free is None     # (CPU: nothing in flight)
+    assert made[1] is made[0] and made[2] is not made[1] and made[3] is not made[2]
+
+
+def test_copies_of_one_job_in_worker_processes_train_as_eager():
+    """Copies of one fused job, two microbatches each, in worker processes: the accumulator each
+    keeps from step to step (Note [copies' sum beside the next step]) starts each step's sum
+    afresh, and the parts summed a part at a time (Note [copies' sums a part at a time]) give loss,
+    gradients and parameters after SGD-momentum steps as in eager PyTorch, step after step (the
+    parts: test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time)."""
+    model = qwen3()
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=4, data_parallel=True, workers="processes")
+    cm = train_both(model, [lm_batch(seed=s) for s in range(3)], cfg, check_every_step=True, min_stages=1)
+    assert cm.plan.replicas == 2 and len(cm.plan.stages) == 1
+    assert "0FB@0[0:2] 0FB@1[2:4]" in str(cm.last_schedule)
+    assert {(s["stream"], s["kept"]) for s in cm.last_trace if s["name"] == "sum_replicas"} == {("sums", True)}
 
 
 @pytest.mark.parametrize("workers", ["threads", "processes"])
@@ -338,7 +393,8 @@ def test_the_planner_takes_the_faster_of_pipeline_and_replicas(monkeypatch):
 def test_copies_of_one_microbatch_each_are_costed_summing_the_host_sets_dtype(monkeypatch):
     """Note [one microbatch a copy]: where each copy runs one microbatch its accumulator is in the
     host gradient set's dtype (bf16 with an attached optimizer and bf16 compute), and the plan
-    costs the copies' sum at that width; with more microbatches than copies, at fp32."""
+    costs the copies' sum at that width; with more microbatches than copies, at fp32, unless the
+    copies are worker processes, which send the host set's dtype (Note [copies' sums a part at a time])."""
     from rpcompile import passes
     from rpcompile.capture import capture_call
     cap = capture_call(qwen3(), (), {**lm_batch(batch=4), "use_cache": False}, dtype=torch.bfloat16,
@@ -346,11 +402,13 @@ def test_copies_of_one_microbatch_each_are_costed_summing_the_host_sets_dtype(mo
     widths = []
     real = passes.exchange_seconds
     monkeypatch.setattr(passes, "exchange_seconds", lambda *a: widths.append(a[3]) or real(*a))
-    for mode, m in (("delayed", 2), ("delayed", 4), ("exact", 2)):
+    for mode, m, workers in (("delayed", 2, "threads"), ("delayed", 4, "threads"), ("exact", 2, "threads"),
+                             ("delayed", 4, "processes"), ("exact", 4, "processes")):
         plan = passes.compile_graph(cap, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=m, data_parallel=True,
-                                                          dtype=torch.bfloat16, optimizer_mode=mode), "train")
+                                                          dtype=torch.bfloat16, optimizer_mode=mode, workers=workers),
+                                    "train")
         assert plan.replicas == 2
-    assert widths == [2, 4, 4]      # (exact mode: fp32 host gradients)
+    assert widths == [2, 4, 4, 2, 4]      # (exact mode: fp32 host gradients)
 
 
 def test_what_replicas_refuse(monkeypatch):

@@ -301,10 +301,11 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
         if copy is not None:
             copy_plan = copy[0]
             # copies of one microbatch each sum the host set's dtype (Note [one microbatch a copy]:
-            # costed at fp32, 4-GPU Qwen3-1.7B's sum took 34 ms of an estimated 408)
+            # costed at fp32, 4-GPU Qwen3-1.7B's sum took 34 ms of an estimated 408), as copies in
+            # worker processes send it (Note [copies' sums a part at a time], runtime/replicas.py)
             narrow = planned_grad_dtype(st.captured, config.compute_dtype, config.optimizer_mode).itemsize
             est = copy_plan.est_time + exchange_seconds(st.captured.params, replicas, hw,
-                                                        narrow if M <= replicas else 4)
+                                                        narrow if M <= replicas or config.workers == "processes" else 4)
             if pipeline is None or est < pipeline[0].est_time:
                 pipeline = (dataclasses.replace(copy_plan, est_time=est), *copy[1:])
             else:

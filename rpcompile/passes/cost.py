@@ -176,8 +176,9 @@ class Hardware:
 def exchange_seconds(params, replicas: int, hw: Hardware, itemsize: int = 4) -> float:
     """Seconds the replicas of a plan take to sum their gradients (Note [replicas] in
     runtime/replicas.py): each device reads its slice of every other device's accumulators, fp32
-    or, where each copy runs one microbatch, the host set's dtype (`itemsize` bytes an element:
-    Note [one microbatch a copy], runtime/grads.py)."""
+    or, where each copy runs one microbatch or the copies are worker processes, the host set's
+    dtype (`itemsize` bytes an element: Note [one microbatch a copy], runtime/grads.py; Note
+    [copies' sums a part at a time], runtime/replicas.py)."""
     grad_bytes = itemsize * sum(p.numel() for p in params if p.requires_grad)
     return grad_bytes * (replicas - 1) / replicas / hw.peer_bw
 

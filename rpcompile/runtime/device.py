@@ -118,6 +118,7 @@ class DeviceRuntime:
             self.weights_in = torch.cuda.Stream(device)
             self.acts_in = torch.cuda.Stream(device)
             self.out = torch.cuda.Stream(device)
+            self.sums = torch.cuda.Stream(device)     # copies' gradient sums (Note [copies' sum beside the next step])
             # Refreshing pinned working copies is host work (fp32 -> bf16): a thread of its own
             # does it and queues the uploads, so the worker thread never stops issuing compute.
             self.uploader = ThreadPoolExecutor(1, thread_name_prefix=f"rpcompile-upload-{device}",
@@ -131,7 +132,8 @@ class DeviceRuntime:
             self.uploader.shutdown(wait=False)
 
     def stream_named(self, name):
-        return {"compute": self.compute, "weights_in": self.weights_in, "acts_in": self.acts_in, "out": self.out}[name]
+        return {"compute": self.compute, "weights_in": self.weights_in, "acts_in": self.acts_in, "out": self.out,
+                "sums": self.sums}[name]
 
     def enter_thread(self):
         """Called once by the worker thread that owns this device."""
@@ -294,15 +296,15 @@ class DeviceRuntime:
             return host_piece
         return torch.empty(host_piece.shape, dtype=dtype, device=self.device)
 
-    def download_into(self, t, host):
-        """Device tensor t into the host tensor `host` (same shape) with one copy; on a GPU a
-        Pending (the copy is in flight on the download stream)."""
+    def download_into(self, t, host, after: str = "compute"):
+        """Device tensor t, made in stream `after`, into the host tensor `host` (same shape) with
+        one copy; on a GPU a Pending (the copy is in flight on the download stream)."""
         if self.is_cpu:
             if t.data_ptr() != host.data_ptr():
                 host.copy_(t)
             return host
         ready = torch.cuda.Event()
-        ready.record(self.compute)
+        ready.record(self.stream_named(after))
         self.out.wait_event(ready)
         with torch.cuda.stream(self.out):
             if t.dtype == host.dtype:

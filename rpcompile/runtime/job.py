@@ -430,9 +430,10 @@ class JobContext:
         if not got:
             return
         lo, hi = ex.bounds(self.replica, piece.numel())
-        total = self.span("compute", "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
-                          bytes=4 * (hi - lo) * (ex.n - 1))
-        down = self.span("out", "download_grads", lambda: self.dev.download_into(total, piece[lo:hi]),
+        total = self.span(ex.stream_name, "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
+                          bytes=4 * (hi - lo) * (ex.n - 1), kept=getattr(ex, "kept", None) is not None)
+        down = self.span("out", "download_grads",
+                         lambda: self.dev.download_into(total, piece[lo:hi], after=ex.stream_name),
                          bytes=(hi - lo) * piece.element_size())
         done = ex.landed(down, self.dev)
         if done is False:

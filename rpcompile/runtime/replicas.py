@@ -27,9 +27,9 @@ takes part with no accumulator.
 Note [replicas in worker processes]: with one worker process per device (Config(workers=
 "processes")) the copies cannot read one another's accumulators; the workers form a process
 group (torch.distributed: NCCL on GPUs, gloo on CPU devices; made as the first replicated job
-starts, where every worker gets to at the same point) and each copy's `reduce_scatter` leaves
-slice r of the sum on copy r's device, over the GPUs' own links (an all-to-all where the
-accumulators are narrower: Note [narrow slices summed by their copy]). A collective waits for
+starts, where every worker gets to at the same point) and the copies' collectives leave
+slice r of the sum on copy r's device, over the GPUs' own links (a part at a time: Note [copies'
+sums a part at a time]). A collective waits for
 every member, so a copy that failed before it would leave the others waiting for ever: each
 copy first does what can fail (the group made, its buffers allocated), then tells the others
 its gradient keys (a "replica" message between workers) and joins the collective once every
@@ -48,13 +48,38 @@ AdamW steps (up to 1e-3), where worker threads, which sum a narrow slice in fp32
 (`GradExchange.reduce`), were equal bit for bit. So there the collective only moves the values:
 an all-to-all gives copy r every copy's slice r (the same bytes over the links as the
 reduce-scatter, which moves (n-1)/n of the piece from each copy as well), and copy r sums them
-in fp32, SUM_SLICE elements at a time, each part rounded once into its own slice of what it
-received. So the device holds what the plan counts for an fp32 accumulator (the bf16 one and
-what it received, 2 + 2 B an element) and a 64 MiB part, all made before the copy says it is
-ready, as the collective's output was. Measured on 2 H200s (where the one sum was exact
-before too): equal bit for bit to fp32 accumulators (tiny Qwen3, NCCL); Qwen3-1.7B at 32,768
-tokens and M=2, one run each side, 86,842 -> 87,393 tokens/s, the copies' sum 6.5 and 16.4 ->
-10.8 and 12.5 ms, their downloads 41 and 50 -> 45 and 46 ms. Not measured at 4 GPUs.
+in fp32, each part rounded once. Measured on 2 H200s (where the one sum was exact before too):
+equal bit for bit to fp32 accumulators (tiny Qwen3, NCCL); Qwen3-1.7B at 32,768 tokens and M=2,
+one run each side, 86,842 -> 87,393 tokens/s, the copies' sum 6.5 and 16.4 -> 10.8 and 12.5 ms,
+their downloads 41 and 50 -> 45 and 46 ms.
+
+Note [copies' sums a part at a time]: where each copy runs several microbatches its accumulator
+is fp32 (4 B an element), and the reduce-scatter moved 3/4 of it from each of 4 copies (a fused
+job a copy of Llama-3.1-8B: 24 GB a GPU a step, priced 0.16 s) into an output of a quarter of it
+that the plan did not count (8 GB), although the gradients come down in the host set's dtype
+(bf16, Note [working-dtype gradients] in grads.py). So a copy in a worker process sends the host
+set's dtype where it is narrower than its accumulator's, as copies of one microbatch do: each
+copy's partial sum is rounded once on its way (as each microbatch's bf16 gradient was, in a
+copy of one), the parts are summed in fp32 and rounded again on the way down. And it sends a
+part at a time: SUM_SLICE elements of every copy's slice are staged in one buffer (cast there),
+the all-to-all (or, in fp32, the reduce-scatter) gives copy r every copy's part of slice r, and
+their fp32 sum goes into copy r's own slice of its accumulator, read already (the sum comes down
+from there). The device then holds the accumulator the plan counts and three parts (a 4-copy
+part: 128 + 128 + 64 MiB), all made before the copy says it is ready. Worker threads read one
+another's accumulators directly (GradExchange.reduce) and keep the fp32 sum.
+
+Note [copies' sum beside the next step]: the sum ran in the compute stream, after the job's last
+backward (0.035-0.05 s a step with 2 copies of Llama-3.1-8B, fp32; 0.085 s a 4-GPU step of
+bf16 sums after two jobs), while the next step's forward, which reads none of it, waited. So the
+sum runs in the device's `sums` stream, after the copy's accumulations. Where a copy runs one
+job (one fused job, the whole model: Llama-3.1-8B at 4 GPUs and M=16, Qwen3-1.7B at 2 and 4
+GPUs) the next thing its device runs is that job's next step, whose forward needs neither the
+accumulator nor the sum: the accumulator stays (a `KeptSum` of the worker, so its memory is what
+the plan counts for the job: it is no larger while the sum runs on), and the next step's first
+accumulation waits in the compute stream for the event after the last sum and its download
+(`KeptSum.free`), not the forward before it. Where a copy runs several jobs the next job
+allocates its own accumulator beside this one, which the plan does not count: there the compute
+stream waits for the sum, as before.
 """
 from __future__ import annotations
 
@@ -70,6 +95,8 @@ from .grads import accumulator_dtype
 
 class GradExchange:
     """Where the copies of one job of one step meet to sum their gradients."""
+
+    stream_name = "compute"     # the device stream the sum runs in
 
     def __init__(self, replicas: int):
         self.n = replicas
@@ -150,19 +177,34 @@ class GradExchange:
         return done
 
 
+class KeptSum:
+    """A copy's accumulator kept from one run of its job to the next (Note [copies' sum beside the
+    next step]): `padded`, and `free`, the event after which the last run's sum and download are
+    done with it (None: nothing in flight)."""
+
+    __slots__ = ("padded", "free")
+
+    def __init__(self):
+        self.padded, self.free = None, None
+
+
 class PeerExchange:
     """Where the copy of a job in this worker process meets the copies in the others (Note
     [replicas in worker processes]): one per run and job in each worker."""
 
-    SUM_SLICE = 1 << 24     # elements of a narrow sum made in fp32 at once (Note [narrow slices summed by their copy])
+    SUM_SLICE = 1 << 24     # elements of each copy's slice sent at once (Note [copies' sums a part at a time])
+    stream_name = "sums"    # the device stream the sum runs in
 
     def __init__(self, replicas: int, announce: Callable, group: Callable):
         self.n = replicas
         self._announce = announce          # announce(keys): tell the other copies this one is here
         self._group = group                # group(): the workers' process group (made once)
+        self.kept: Optional[KeptSum] = None     # set where the copy runs one job (Note [copies' sum beside ...])
+        self._kept_used = False                 # this run summed in the kept accumulator
         self.got: set = set()
         self.arrived: set = set()
         self.padded: Optional[torch.Tensor] = None      # this copy's accumulator, padded
+        self.send: Optional[torch.Tensor] = None        # a part of every copy's slice, in the sum's dtype
         self.out: Optional[torch.Tensor] = None         # what the collective writes here
         self.wide: Optional[torch.Tensor] = None        # a narrow sum's fp32 part (Note [narrow slices ...])
         self._cond = threading.Condition()
@@ -181,11 +223,18 @@ class PeerExchange:
         c = self._chunk(numel)
         if self.padded is None:     # (a copy with no microbatch takes part with zeros, of the others' dtype)
             self.padded = torch.zeros(self.n * c, dtype=accumulator_dtype(step, self.n), device=dev.device)
-        if self.padded.dtype == torch.float32:
-            self.out, self.wide = torch.empty(c, dtype=torch.float32, device=dev.device), None
-        else:      # (Note [narrow slices summed by their copy]: every copy's slice r, then their sum)
-            self.out = torch.empty(self.n * c, dtype=self.padded.dtype, device=dev.device)
-            self.wide = torch.empty(min(c, self.SUM_SLICE), dtype=torch.float32, device=dev.device)
+        # the parts go in the host set's dtype where it is narrower (Note [copies' sums a part at a time])
+        sent = step.grads.dtype if step.grads.dtype.itemsize < self.padded.dtype.itemsize else self.padded.dtype
+        part = min(c, self.SUM_SLICE)
+        with self._on_sums(dev):
+            self.send = torch.empty(self.n * part, dtype=sent, device=dev.device)
+            if sent == torch.float32:
+                self.out, self.wide = None, None
+            else:
+                self.out = torch.empty(self.n * part, dtype=sent, device=dev.device)
+                self.wide = torch.empty(part, dtype=torch.float32, device=dev.device)
+        if not dev.is_cpu:          # the sum follows this copy's accumulations
+            dev.sums.wait_stream(dev.compute)
         self._announce(list(got))
         self.arrive(r, got)
         with self._cond:
@@ -195,6 +244,10 @@ class PeerExchange:
                     return None
                 self._cond.wait(0.05)
             return set(self.got)
+
+    @staticmethod
+    def _on_sums(dev):
+        return contextlib.nullcontext() if dev.is_cpu else torch.cuda.stream(dev.sums)
 
     def _chunk(self, numel: int) -> int:
         return -(-numel // self.n)
@@ -206,33 +259,53 @@ class PeerExchange:
 
     def accumulator(self, r: int, dev, piece, wait_piece_free, dtype=torch.float32):
         """This copy's accumulator for the host piece, padded for the collective (the padding
-        is summed too and never read)."""
-        self.padded = torch.empty(self.n * self._chunk(piece.numel()), dtype=dtype, device=dev.device)
+        is summed too and never read); the kept one where it fits, once the last run is done with
+        it (Note [copies' sum beside the next step])."""
+        numel, k = self.n * self._chunk(piece.numel()), self.kept
+        if k is not None and k.padded is not None:
+            if k.free is not None:
+                dev.compute.wait_event(k.free)     # (also before a buffer that does not fit goes back)
+            if k.padded.numel() == numel and k.padded.dtype == dtype:
+                self.padded = k.padded
+                return self.padded[:piece.numel()]
+        self.padded = torch.empty(numel, dtype=dtype, device=dev.device)
+        if k is not None:
+            k.padded, k.free = self.padded, None
         return self.padded[:piece.numel()]
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:
-        """Slice r summed over the copies, on this copy's device (summed in fp32 where the
-        accumulators are narrower: Note [narrow slices summed by their copy])."""
+        """Slice r summed over the copies, on this copy's device, in its own accumulator's slice r
+        (Note [copies' sums a part at a time]): in the device's sums stream, which the compute
+        stream then waits for unless the accumulator is kept (Note [copies' sum beside the next
+        step])."""
         import torch.distributed as dist
-        full, out, wide = self.padded, self.out, self.wide     # (made by share)
-        # (on a GPU in its compute stream, which then waits for the collective)
-        with contextlib.nullcontext() if dev.is_cpu else torch.cuda.stream(dev.compute):
-            if wide is None:
-                scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                scatter(out, full, group=self._group())
-                total = out
-            else:
-                dist.all_to_all_single(out, full, group=self._group())
-                rows = out.view(self.n, -1)
-                total = rows[r]       # (each part read before it is written: stream order)
-                for a in range(0, total.numel(), wide.numel()):
-                    b = min(total.numel(), a + wide.numel())
-                    torch.sum(rows[:, a:b], 0, dtype=torch.float32, out=wide[:b - a])
-                    total[a:b].copy_(wide[:b - a])
-        self.padded = self.out = self.wide = None
+        full, send, out, wide = self.padded, self.send, self.out, self.wide     # (made by share)
+        rows, group = full.view(self.n, -1), self._group()
+        total = rows[r]
+        with self._on_sums(dev):
+            for a in range(0, rows.shape[1], send.numel() // self.n):
+                b = min(rows.shape[1], a + send.numel() // self.n)
+                part = send[:self.n * (b - a)]
+                part.view(self.n, -1).copy_(rows[:, a:b])
+                if wide is None:     # (fp32: the collective sums)
+                    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+                    scatter(total[a:b], part, group=group)
+                    continue
+                got = out[:part.numel()]
+                dist.all_to_all_single(got, part, group=group)
+                torch.sum(got.view(self.n, -1), 0, dtype=torch.float32, out=wide[:b - a])
+                total[a:b].copy_(wide[:b - a])
+        self._kept_used = self.kept is not None and full is self.kept.padded
+        if not dev.is_cpu and not self._kept_used:
+            dev.compute.wait_stream(dev.sums)     # (the accumulator goes back in the compute stream's order)
+        self.padded = self.send = self.out = self.wide = None
         lo, hi = self.bounds(r, numel)
         return total[:hi - lo]
 
     def landed(self, down, dev):
-        """This copy's slice is on its way: its own download's event (None on CPU devices)."""
-        return down.event if isinstance(down, Pending) else None
+        """This copy's slice is on its way: its own download's event (None on CPU devices), which
+        a kept accumulator's next run waits for."""
+        event = down.event if isinstance(down, Pending) else None
+        if self._kept_used:
+            self.kept.free = event
+        return event

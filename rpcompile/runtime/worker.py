@@ -53,7 +53,7 @@ from .grads import GradSet, param_index
 from .handover import Flagged, HandoverFlags
 from .job import JobLinks, Microbatch, StepState, run_job
 from .programs import ProgramCache
-from .replicas import PeerExchange
+from .replicas import KeptSum, PeerExchange
 from .shared import Ref, SharedMemory, SlotPool, cuda_register, cuda_unregister
 from .trace import Tracer
 from . import timeline, warmup
@@ -232,6 +232,9 @@ class WorkerStep(StepState):
     def start_run(self, run_no, actions, replicas=1):
         self.run_no = run_no
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
+        if len(self.exchanges) == 1:     # a copy of one job keeps its accumulator (Note [copies' sum beside the next step])
+            for job, ex in self.exchanges.items():
+                ex.kept = self.worker.kept_sums.setdefault(job, KeptSum())
         self.order = [a.job for a in actions]
         self.job_stage = {a.job: a.stage for a in actions}
         self.position = {j: k for k, j in enumerate(self.order)}
@@ -291,6 +294,7 @@ class Worker:
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
                                    unregister=cuda_unregister if self.is_cuda else None)
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
+        self.kept_sums: dict = {}      # job -> replicas.KeptSum (Note [copies' sum beside the next step])
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
         self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
