@@ -625,8 +625,8 @@ class Harness:
              **{k: v for k, v in run.items() if k.startswith(("host_", "anon_huge_"))},
              "host_rss_forks_once": True,   # bar.py's _host_bytes
              "child_maxrss_bytes": raw.get("host_maxrss_bytes"),
-             "peak_gpu_alloc_bytes": raw.get("peak_gpu_alloc_bytes"),
-             "peak_gpu_reserved_bytes": raw.get("peak_gpu_reserved_bytes"), "build_s": raw.get("build_s"),
+             "peak_gpu_alloc_bytes": _peak(raw.get("peak_gpu_alloc_bytes"), info, 0),
+             "peak_gpu_reserved_bytes": _peak(raw.get("peak_gpu_reserved_bytes"), info, 1), "build_s": raw.get("build_s"),
              "warmup_s": raw.get("warmup_s"), "n_params": raw.get("n_params"), "device_name": raw.get("device_name"),
              "torch": raw.get("torch"), "transformers": raw.get("transformers"), "info": info,
              "notes": list(info.get("notes") or []), "stderr_tail": run["stderr_tail"] if status != "ok" else "",
@@ -773,6 +773,14 @@ def _probe_failed(status: str, why: str, stderr_tail: str) -> bool:
         return False
     return (status in ("oom", "timeout") or "out of memory" in (stderr_tail or "").lower()
             or why.startswith("host memory guard"))
+
+
+def _peak(main_bytes, info: dict, k: int):
+    """A peak of device memory over the child's process and its worker processes (info's
+    peak_gpu_workers: [allocated, reserved] a worker; k picks one), which the child's own figure
+    does not see; the child's where there are none."""
+    workers = [v[k] for v in (info.get("peak_gpu_workers") or {}).values()]
+    return max([main_bytes or 0, *workers]) if workers else main_bytes
 
 
 def _finite(x) -> bool:

@@ -1008,3 +1008,21 @@ def test_widen_probe_steps_each_slice_size_in_turn(monkeypatch, capsys):
     assert FlatStepper.WIDEN == default
     out = capsys.readouterr().out
     assert "WIDEN 2^10" in out and "WIDEN 2^6 " in out and "0.00B elements" in out
+
+
+def test_device_peaks_take_the_worker_processes_in():
+    """With worker processes the child's own allocator sees none of the devices' memory: each
+    worker reports its device's peaks with every landed job (0 off CUDA), and the run's peaks are
+    the largest over the child and the workers' reports (info's peak_gpu_workers)."""
+    import rpcompile
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from models import lm_batch, qwen3
+
+    cm = rpcompile.compile(qwen3(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers="processes"))
+    assert cm.runner.executor.worker_device_peaks() == {}
+    cm.train_step(**lm_batch())
+    assert cm.runner.executor.worker_device_peaks() == {"0:cpu": [0, 0], "1:cpu": [0, 0]}
+    workers = {"peak_gpu_workers": {"0:cuda:0": [30, 50], "1:cuda:1": [40, 45]}}
+    assert harness._peak(10, workers, 0) == 40 and harness._peak(10, workers, 1) == 50
+    assert harness._peak(None, workers, 0) == 40 and harness._peak(100, workers, 1) == 100
+    assert harness._peak(10, {}, 0) == 10 and harness._peak(None, {"peak_gpu_workers": {}}, 1) is None

@@ -191,6 +191,9 @@ class RPCompileTrainer(Trainer):
                                           if k.split(".")[0] in ("allocated_bytes", "reserved_bytes", "allocations",
                                                                  "num_host_alloc", "num_host_free")}
             out["pinned_tensors"] = pinned_tensors()
+        peaks = getattr(self.cm.runner.executor, "worker_device_peaks", None)
+        if peaks is not None:   # worker processes: their devices' peaks (this process's allocator saw none)
+            out["peak_gpu_workers"] = peaks()
         pinned = getattr(self.cm.runner.executor, "worker_pinned", None)
         if pinned is not None:   # worker processes' caching host allocators (the 2-GPU run with the
             # optimizer on the devices had 5.4 GiB of CUDA host mappings in its workers: RESULTS.md, 21st session)

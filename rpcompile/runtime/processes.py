@@ -129,6 +129,11 @@ class ProcessExecutor:
         as each last reported with a landed job: {"<index>:<device>": bytes}."""
         return {} if self.hub is None else {f"{i}:{label}": n for i, (label, n) in sorted(self.hub.pinned.items())}
 
+    def worker_device_peaks(self) -> dict:
+        """Each worker's peak device memory, as it last reported with a landed job: {"<index>:<device>":
+        [bytes allocated, bytes reserved]} (torch's caching allocator in that process, since it started)."""
+        return {} if self.hub is None else {f"{i}:{label}": [a, r] for i, (label, a, r) in sorted(self.hub.device_peaks.items())}
+
     def prestart(self, modules=()) -> None:
         """Note [early workers]: the first call captures and plans the model in this process
         (seconds: Qwen3-1.7B's capture took 11 s on an H200 host) before its first run starts
@@ -498,6 +503,7 @@ class _Hub:
         self.landed_errors: dict = {}    # landed event -> why its copies did not land
         self.failed = weakref.WeakSet()  # landed events of jobs that failed or were stopped
         self.pinned: dict = {}           # worker index -> (its device, its caching host allocator's bytes), last reported
+        self.device_peaks: dict = {}     # worker index -> (its device, peak bytes allocated, reserved), last reported
 
     def to_all(self, msg):
         for conn, lock in zip(self.conns, self.locks):
@@ -555,6 +561,9 @@ class _Hub:
         if "pinned" in info:
             index, label, nbytes = info["pinned"]
             self.pinned[index] = (label, nbytes)
+        if "device_peaks" in info:
+            index, *peaks = info["device_peaks"]
+            self.device_peaks[index] = tuple(peaks)
         with self.lock:
             record = self.records.get(step_id)
         if record is None:

@@ -177,6 +177,14 @@ def pinned_bytes(device) -> int:
     return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
+def device_peaks(device) -> tuple:
+    """(bytes allocated, bytes reserved) at most by torch's caching allocator on `device` in this
+    process so far; (0, 0) off CUDA."""
+    if device is None or device.type != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
 def release_autotune_copies(device, before: int) -> bool:
     """Note [autotune's pinned copies]: when Inductor autotunes a Triton kernel at its first call
     and the device has less memory spare (its peak less what is allocated) than an argument the

@@ -673,6 +673,8 @@ class Worker:
                            "marks": timeline.take_new(),
                            # bytes held by torch's caching host allocator here (pin_memory=True blocks)
                            "pinned": (self.index, self.label, warmup.pinned_bytes(self.device)),
+                           # this device's peaks in this process (the main process's allocator sees none of it)
+                           "device_peaks": (self.index, self.label, *warmup.device_peaks(self.device)),
                            "error": error, "failed": err is not None or aborted,
                            "chunks": [self.memory.ref(c) for c in pool.created],
                            "dropped": [self.memory.ref(c) for c in pool.dropped()]}))
