@@ -79,10 +79,11 @@ class Config:
         num_microbatches further (2, 4, ... parts) where that makes the stage jobs recompute
         nothing and is estimated clearly faster (Note [finer microbatches] in passes/__init__.py);
         the plan then splits every batch into that many (`cm.plan` says). None (the default): on
-        one GPU, where it was measured faster (copies on 2 GPUs at 8 microbatches were slower,
-        their weights going up behind a short job; each count's step now counts such waits, Note
-        [uploads behind the job before] in passes/uploads.py); True: on any devices, CPU devices
-        too; False: never, a batch is split into num_microbatches.
+        GPUs, into a count whose plan runs the whole model as one fused job a device (one GPU's
+        plan or copies of it), the kind measured faster (copies of three jobs on 2 GPUs at 8
+        microbatches were slower, their weights going up behind a short job); True: on any
+        devices, CPU devices too, any count estimated faster; False: never, a batch is split into
+        num_microbatches.
     inductor_options: options for Inductor when it compiles stage compute (torch.compile's
         `options`), e.g. {"cpp_wrapper": True}: kernels launched from C++ rather than Python,
         less host time per launch where many devices share one Python thread of control.
@@ -140,7 +141,7 @@ class Config:
                              "e.g. {'cpp_wrapper': True}")
         if self.split_microbatches not in (None, True, False):
             raise ValueError(f"Config.split_microbatches={self.split_microbatches!r}: give True, False or None (the "
-                             "planner splits finer on one GPU where that is faster)")
+                             "planner splits finer on GPUs where that makes one fused job a device and is faster)")
         if self.data_parallel not in (None, True, False):
             raise ValueError(f"Config.data_parallel={self.data_parallel!r}: give True, False or None (the planner "
                              "chooses)")

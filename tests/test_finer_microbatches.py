@@ -48,7 +48,7 @@ def test_the_first_train_plan_takes_the_shortest_count_it_weighs():
 
 def test_no_finer_split_where_not_allowed_or_nothing_recomputes():
     cap = _capture()
-    for cfg in (_config(split_microbatches=False), _config(split_microbatches=None),   # (None: one GPU only)
+    for cfg in (_config(split_microbatches=False), _config(split_microbatches=None),   # (None: GPUs only)
                 _config(memory_budget=None)):                                         # one fused job
         plan = passes.compile_graph(cap, cfg, "train", split_finer=True)
         assert plan.num_microbatches == 2 and plan.finer == []
@@ -57,17 +57,32 @@ def test_no_finer_split_where_not_allowed_or_nothing_recomputes():
         rpcompile.Config(split_microbatches="yes")
 
 
-def test_by_default_only_a_plan_for_one_gpu_splits_finer():
-    """Config.split_microbatches=None: one GPU (measured faster), not copies on several GPUs
-    (measured slower) nor CPU devices; True: any devices; False: none."""
+def test_by_default_gpus_split_finer_only_into_the_whole_model_a_device(monkeypatch):
+    """Config.split_microbatches=None: GPUs (any number) weigh finer counts but take only one whose
+    plan is the whole model in one fused job a device (measured faster on one GPU; copies of
+    three jobs on 2 GPUs at 8 microbatches were slower), CPU devices none; True: any devices, any
+    count; False: none. Planned for GPUs on CPU "devices" (GPU cost model)."""
     from types import SimpleNamespace as NS
     one_gpu, two_gpus, cpu = (NS(split_microbatches=None, on_gpu=g, devices=d) for g, d in
                               ((True, ["cuda:0"]), (True, ["cuda:0", "cuda:1"]), (False, ["cpu"])))
-    assert passes.finer_allowed(one_gpu)
-    assert not passes.finer_allowed(two_gpus) and not passes.finer_allowed(cpu)
+    assert passes.finer_allowed(one_gpu) and passes.finer_allowed(two_gpus) and not passes.finer_allowed(cpu)
     for cfg in (one_gpu, two_gpus, cpu):
         assert passes.finer_allowed(NS(**{**vars(cfg), "split_microbatches": True}))
         assert not passes.finer_allowed(NS(**{**vars(cfg), "split_microbatches": False}))
+    monkeypatch.setattr(rpcompile.Config, "on_gpu", property(lambda self: True))
+    monkeypatch.setattr(rpcompile.Config, "repeats_a_gpu", property(lambda self: False))
+    cap = _capture()
+
+    def plan(budget, split):
+        return passes.compile_graph(cap, _config(memory_budget=budget, split_microbatches=split, workers="threads"),
+                                    "train", split_finer=True)
+    several, default = plan("300KiB", True), plan("300KiB", None)    # finer counts recompute less, in several jobs
+    assert several.num_microbatches == 8 and several.replicas == 2 and len(several.stages) > 1
+    assert default.num_microbatches == 2 and [m for m, _, _ in default.finer] == [2, 4, 8]
+    assert min(p for _, p, _ in default.finer) < (1 - passes.FINER_MARGIN) * default.finer[0][1]   # (faster, not taken)
+    whole = plan("800KiB", None)                                      # 8: one fused job a copy
+    assert whole.num_microbatches == 8 and whole.replicas == 2 and len(whole.stages) == 1
+    assert "8 microbatches: Config.num_microbatches=2 split finer, where the jobs recompute nothing" in str(whole)
 
 
 def _delayed(config, steps=3):

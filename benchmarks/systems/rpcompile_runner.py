@@ -24,6 +24,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_pipeline=1    Config(data_parallel=False): the pipeline, never replicas; system
                           "rpcompile-delayed-pipe" (with rpcompile_delayed=1)
   rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
+  rpcompile_split_microbatches=0|1  Config(split_microbatches=False|True): never split the microbatches
+                          finer, or into any count estimated faster (the default: on GPUs, into one fused job a device)
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
@@ -83,6 +85,10 @@ def config_options(spec, config_cls) -> tuple:
         import os
         os.environ["RPCOMPILE_WORKER_SWITCH_MS"] = str(spec.options["rpcompile_worker_switch_ms"])
         notes.append(f"worker processes' switch interval {spec.options['rpcompile_worker_switch_ms']} ms")
+    if spec.options.get("rpcompile_split_microbatches") in ("0", "1"):
+        split = spec.options["rpcompile_split_microbatches"] == "1"
+        ask("rpcompile_split_microbatches", "split_microbatches", split,
+            f"Config(split_microbatches={split}): the first train plan splits finer {'where faster' if split else 'never'}")
     if spec.options.get("rpcompile_max_jobs"):
         kwargs["max_jobs"] = int(spec.options["rpcompile_max_jobs"])
         notes.append(f"Config(max_jobs={kwargs['max_jobs']})")

@@ -335,7 +335,7 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # 1.71 -> 1.86 s): the compute fell 1.70 -> 1.57 s a GPU, but the fused job's 12 GiB of weights
 # go up every step behind a 0.08 s job (exposed uploads 0.36 -> 0.49 s a GPU, busy 80 -> 69%),
 # which the cost model, pricing a job as the longer of its compute and its own upload, does not
-# see. So by default (Config.split_microbatches=None) only a plan for one GPU weighs finer
+# see. So by default (Config.split_microbatches=None) only a plan for one GPU weighed finer
 # counts; True weighs them on any devices (CPU devices too), False never. Each count's step
 # now adds what its jobs wait for their weights beyond their priced times (Note [uploads behind
 # the job before] in passes/uploads.py): planned on the CPU, the 2-GPU plan above is 1.545 s
@@ -347,7 +347,20 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
 # out to make (benchmarks/runs/microbatches/README.md); where it is faster, the default may
 # weigh finer counts on any GPUs. With each device's uploads priced at its share of the host's
 # (Note [host-wide uploads] in passes/cost.py) the 4-GPU plan at M=4 is 1.559 s (measured 1.671
-# s), at M=16 still 1.353 s (its 16 GB of weights a device go up within its compute).
+# s), at M=16 still 1.353 s (its 16 GB of weights a device go up within its compute), 1.273 s
+# with the copies' sum in bf16 (Note [copies' sums a part at a time] in runtime/replicas.py).
+# What the measurements share: the one count measured faster (1 GPU, M=8) made the plan the
+# whole model in one fused job, nothing recomputed, its next weights going up during the step;
+# the counts measured slower or no faster (2 GPUs at 32,768 tokens, M=8 copies and M=4
+# pipeline) kept several jobs a device, whose waits the estimates miss by 18-20%. So by default
+# (None) plans for GPUs, any number, weigh finer counts but take only one whose plan is the whole
+# model a device (_whole_a_device: one device's, or copies of it); True takes any count, False
+# none. Planned on the CPU for H200s: Llama-3.1-8B at 65,536 tokens takes M=8 on one GPU (as
+# before), keeps M=4 on 2 (the host's update, 2.97 s, paces every count) and takes M=16 on 4
+# (1.273 s against 1.559 s: predicted, not measured: the 52nd session's 2-GPU stand-in for a
+# 4-GPU copy did 11% less GPU work a step at M=16, benchmarks/runs/microbatches/README.md); at
+# 32,768 tokens on 2 GPUs it keeps M=2 (True would take M=4, copies of three jobs, 1.426 s
+# estimated); Qwen3-1.7B weighs nothing (one fused job at M=4 already).
 FINER_SPLITS = (2, 4, 8)
 FINER_MARGIN = 0.03
 
@@ -373,7 +386,7 @@ def split_finer_pass(st: CompileState) -> CompileState:
             continue
         again, pace = cand.stage_plan.fused[0] > 0, _pace(cand)
         st.finer.append((M * k, pace, again))
-        if pace < (1 - FINER_MARGIN) * best_pace:
+        if pace < (1 - FINER_MARGIN) * best_pace and (st.config.split_microbatches or _whole_a_device(cand)):
             best, best_pace = cand, pace
         if not again:
             break
@@ -397,10 +410,17 @@ def _splits_finer(st: CompileState) -> bool:
 
 
 def finer_allowed(config) -> bool:
-    """Config.split_microbatches: None (the default) on one GPU only, where a finer split was
-    measured faster (Note [finer microbatches]); True on any devices; False never."""
+    """Config.split_microbatches: None (the default) on GPUs, taking only a count whose plan is the
+    whole model a device (_whole_a_device, Note [finer microbatches]); True on any devices, any
+    count; False never."""
     allowed = config.split_microbatches
-    return allowed if allowed is not None else config.on_gpu and len(config.devices) == 1
+    return allowed if allowed is not None else config.on_gpu
+
+
+def _whole_a_device(st: CompileState) -> bool:
+    """The solved state runs the whole model as one fused job on each device: its one device's
+    plan, or copies of it (Note [replicas])."""
+    return st.stage_plan.num_jobs == 1 and (st.replicas > 1 or len(st.config.devices) == 1)
 
 
 def _pace(st: CompileState) -> float:
