@@ -256,7 +256,7 @@ def test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time(monkeypatch):
 def test_a_kept_accumulator_serves_the_next_run_where_it_fits():
     """Note [copies' sum beside the next step]: a copy of one job keeps its accumulator from run
     to run (its sum lands in its own slice of it), and makes a new one, kept instead, where the
-    piece or the dtype changed."""
+    piece, the dtype or the job (another plan's) changed; `release` gives it back."""
     import torch.distributed as dist
     from rpcompile.runtime.replicas import KeptSum, PeerExchange
 
@@ -267,9 +267,11 @@ def test_a_kept_accumulator_serves_the_next_run_where_it_fits():
                            grads=SimpleNamespace(dtype=torch.float32))
     dev = SimpleNamespace(device=torch.device("cpu"), is_cpu=True)
     kept, made = KeptSum(), []
-    for numel, dtype in ((6, torch.float32), (6, torch.float32), (8, torch.float32), (8, torch.bfloat16)):
+    runs = ((6, torch.float32, "a"), (6, torch.float32, "a"), (8, torch.float32, "a"), (8, torch.bfloat16, "a"),
+            (8, torch.bfloat16, "b"))
+    for numel, dtype, key in runs:
         ex = PeerExchange(2, lambda keys: None, lambda: None)
-        ex.kept = kept
+        ex.kept, ex.kept_key = kept, key
         ex.arrive(1, [0])
         acc = ex.accumulator(0, dev, torch.empty(numel), None, dtype)
         made.append(ex.padded)
@@ -284,7 +286,9 @@ def test_a_kept_accumulator_serves_the_next_run_where_it_fits():
         assert torch.equal(total.float(), 2 * torch.arange(numel // 2).float())
         assert total.data_ptr() == made[-1].data_ptr() and kept.padded is made[-1]
         assert ex.landed(total, dev) is None and kept.free is None     # (CPU: nothing in flight)
-    assert made[1] is made[0] and made[2] is not made[1] and made[3] is not made[2]
+    assert made[1] is made[0] and all(made[k] is not made[k - 1] for k in (2, 3, 4)) and kept.key == "b"
+    kept.release(dev)
+    assert (kept.padded, kept.key, kept.free) == (None, None, None)
 
 
 def test_copies_of_one_job_in_worker_processes_train_as_eager():
@@ -292,11 +296,16 @@ def test_copies_of_one_job_in_worker_processes_train_as_eager():
     keeps from step to step (Note [copies' sum beside the next step]) starts each step's sum
     afresh, and the parts summed a part at a time (Note [copies' sums a part at a time]) give loss,
     gradients and parameters after SGD-momentum steps as in eager PyTorch, step after step (the
-    parts: test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time)."""
+    parts: test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time), a longer batch's plan between
+    them, of several jobs a copy (the kept accumulator is given back before it and made again after)."""
     model = qwen3()
-    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=4, data_parallel=True, workers="processes")
-    cm = train_both(model, [lm_batch(seed=s) for s in range(3)], cfg, check_every_step=True, min_stages=1)
-    assert cm.plan.replicas == 2 and len(cm.plan.stages) == 1
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=4, data_parallel=True, workers="processes",
+                           memory_budget="600KiB")
+    batches = [lm_batch(seed=0), lm_batch(seq=48, seed=1), lm_batch(seed=2), lm_batch(seed=3)]
+    cm = train_both(model, batches, cfg, steps=4, check_every_step=True, min_stages=1)
+    plans = cm._plans.plans()
+    assert len(plans) == 2 and len(plans[0].stages) == 1 and len(plans[1].stages) > 1
+    assert plans[0].replicas == plans[1].replicas == 2 and cm.plan is plans[0]
     assert "0FB@0[0:2] 0FB@1[2:4]" in str(cm.last_schedule)
     assert {(s["stream"], s["kept"]) for s in cm.last_trace if s["name"] == "sum_replicas"} == {("sums", True)}
 

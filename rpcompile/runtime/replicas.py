@@ -74,12 +74,14 @@ bf16 sums after two jobs), while the next step's forward, which reads none of it
 sum runs in the device's `sums` stream, after the copy's accumulations. Where a copy runs one
 job (one fused job, the whole model: Llama-3.1-8B at 4 GPUs and M=16, Qwen3-1.7B at 2 and 4
 GPUs) the next thing its device runs is that job's next step, whose forward needs neither the
-accumulator nor the sum: the accumulator stays (a `KeptSum` of the worker, so its memory is what
+accumulator nor the sum: the accumulator stays (the worker's `KeptSum`, so its memory is what
 the plan counts for the job: it is no larger while the sum runs on), and the next step's first
 accumulation waits in the compute stream for the event after the last sum and its download
-(`KeptSum.free`), not the forward before it. Where a copy runs several jobs the next job
-allocates its own accumulator beside this one, which the plan does not count: there the compute
-stream waits for the sum, as before.
+(`KeptSum.free`), not the forward before it. A worker keeps one, for one plan's job: another
+job starting there (another length's plan) gives it back first, the compute stream waiting for
+what is in flight on it. Where a copy runs several jobs the next job allocates its own
+accumulator beside this one, which the plan does not count: there the compute stream waits for
+the sum, as before.
 """
 from __future__ import annotations
 
@@ -178,14 +180,21 @@ class GradExchange:
 
 
 class KeptSum:
-    """A copy's accumulator kept from one run of its job to the next (Note [copies' sum beside the
-    next step]): `padded`, and `free`, the event after which the last run's sum and download are
-    done with it (None: nothing in flight)."""
+    """A worker's accumulator kept from one run of a copy's job to the next (Note [copies' sum
+    beside the next step]): `padded`, the job it is for (`key`: plan and job), and `free`, the
+    event after which the last run's sum and download are done with it (None: nothing in flight)."""
 
-    __slots__ = ("padded", "free")
+    __slots__ = ("padded", "key", "free")
 
     def __init__(self):
-        self.padded, self.free = None, None
+        self.padded, self.key, self.free = None, None, None
+
+    def release(self, dev) -> None:
+        """Give the accumulator back, once the compute stream (in whose order its memory goes back)
+        has waited for what is in flight on it; the caller's thread issues the jobs."""
+        if self.free is not None:
+            dev.compute.wait_event(self.free)
+        self.padded, self.key, self.free = None, None, None
 
 
 class PeerExchange:
@@ -200,6 +209,7 @@ class PeerExchange:
         self._announce = announce          # announce(keys): tell the other copies this one is here
         self._group = group                # group(): the workers' process group (made once)
         self.kept: Optional[KeptSum] = None     # set where the copy runs one job (Note [copies' sum beside ...])
+        self.kept_key = None                    # what the kept accumulator is for: (plan, job)
         self._kept_used = False                 # this run summed in the kept accumulator
         self.got: set = set()
         self.arrived: set = set()
@@ -263,14 +273,17 @@ class PeerExchange:
         it (Note [copies' sum beside the next step])."""
         numel, k = self.n * self._chunk(piece.numel()), self.kept
         if k is not None and k.padded is not None:
-            if k.free is not None:
-                dev.compute.wait_event(k.free)     # (also before a buffer that does not fit goes back)
-            if k.padded.numel() == numel and k.padded.dtype == dtype:
+            fits = k.key == self.kept_key and k.padded.numel() == numel and k.padded.dtype == dtype
+            if not fits:
+                k.release(dev)
+            elif k.free is not None:
+                dev.compute.wait_event(k.free)
+            if fits:
                 self.padded = k.padded
                 return self.padded[:piece.numel()]
         self.padded = torch.empty(numel, dtype=dtype, device=dev.device)
         if k is not None:
-            k.padded, k.free = self.padded, None
+            k.padded, k.key, k.free = self.padded, self.kept_key, None
         return self.padded[:piece.numel()]
 
     def reduce(self, r: int, dev, numel: int) -> torch.Tensor:

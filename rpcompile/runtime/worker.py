@@ -234,7 +234,7 @@ class WorkerStep(StepState):
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         if len(self.exchanges) == 1:     # a copy of one job keeps its accumulator (Note [copies' sum beside the next step])
             for job, ex in self.exchanges.items():
-                ex.kept = self.worker.kept_sums.setdefault(job, KeptSum())
+                ex.kept, ex.kept_key = self.worker.kept_sum, (id(self.plan), job)
         self.order = [a.job for a in actions]
         self.job_stage = {a.job: a.stage for a in actions}
         self.position = {j: k for k, j in enumerate(self.order)}
@@ -294,7 +294,7 @@ class Worker:
         self.memory = SharedMemory(init["directory"], register=cuda_register if self.is_cuda else None,
                                    unregister=cuda_unregister if self.is_cuda else None)
         self.pools: dict = {}          # step id -> {(run, job): SlotPool}
-        self.kept_sums: dict = {}      # job -> replicas.KeptSum (Note [copies' sum beside the next step])
+        self.kept_sum = KeptSum()      # Note [copies' sum beside the next step]
         self.dev = DeviceRuntime(self.device, label=self.label)
         self.dev.worker_index = index
         self.programs = ProgramCache(init["compile_stages"], self.is_cuda, init["inductor_options"])
@@ -564,6 +564,9 @@ class Worker:
                 self.warm(item)
             else:
                 step, a, plan = item
+                ex = step.exchanges.get(a.job)
+                if self.kept_sum.key not in (None, ex and ex.kept_key):
+                    self.kept_sum.release(self.dev)     # (another job's: its memory is not this job's to hold)
                 # outputs too: the main process copies them out (_Output.resolve)
                 self.dev.host_slots = self.dev.own_slots = self.pool(step, a.job).empty
                 self.dry_runs.before_job(step, plan, plan.stages[a.stage], a.role)   # Note [dry runs]
