@@ -273,14 +273,12 @@ class PeerExchange:
         it (Note [copies' sum beside the next step])."""
         numel, k = self.n * self._chunk(piece.numel()), self.kept
         if k is not None and k.padded is not None:
-            fits = k.key == self.kept_key and k.padded.numel() == numel and k.padded.dtype == dtype
-            if not fits:
-                k.release(dev)
-            elif k.free is not None:
-                dev.compute.wait_event(k.free)
-            if fits:
+            if k.key == self.kept_key and k.padded.numel() == numel and k.padded.dtype == dtype:
+                if k.free is not None:
+                    dev.compute.wait_event(k.free)
                 self.padded = k.padded
                 return self.padded[:piece.numel()]
+            k.release(dev)
         self.padded = torch.empty(numel, dtype=dtype, device=dev.device)
         if k is not None:
             k.padded, k.key, k.free = self.padded, self.kept_key, None
