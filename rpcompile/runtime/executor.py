@@ -142,11 +142,8 @@ class Executor:
         finished = {}
         for a, program in zip(actions, programs):
             worker = self.workers[a.device]
-            links = JobLinks(next_on_device=(None if a.next_on_device is None
-                                             else (a.next_on_device, schedule.stage(a.next_on_device))),
-                             next_dev=None if a.next_device is None else self.workers[a.next_device].dev,
-                             next_reads=a.next_reads, later_reads=a.later_reads,
-                             next_here=a.next_here)
+            links = JobLinks.of(a, schedule.stage,
+                                None if a.next_device is None else self.workers[a.next_device].dev)
             ev = threading.Event()
             worker.jobs.put((lambda a=a, stage=schedule.stage(a.job), w=worker, p=program, links=links:
                              _run_with_slots(step, a, stage, w.dev, p, links, slots), ev))

@@ -98,6 +98,13 @@ class JobLinks:
     later_reads: frozenset = frozenset()   # names any job after the next one reads
     next_here: bool = False           # the next job runs on this device (Note [hand-overs on the device])
 
+    @classmethod
+    def of(cls, action, stage_of, next_dev=None) -> "JobLinks":
+        """A schedule action's links, its next job on the device given its stage (`stage_of(job)`)."""
+        nxt = action.next_on_device
+        return cls(next_on_device=None if nxt is None else (nxt, stage_of(nxt)), next_dev=next_dev,
+                   next_reads=action.next_reads, later_reads=action.later_reads, next_here=action.next_here)
+
 
 class JobContext:
     """What the ops of a stage program act on: one stage job on one device in one step.

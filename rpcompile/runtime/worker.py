@@ -604,9 +604,7 @@ class Worker:
                 step.fail(_failure(f"{self.label}: the worker processes' group for summing the replicas' gradients "
                                    "could not be made", exc, stage=stage.index, device=self.label, job=a.job,
                                    worker=self.index))
-        nxt = a.next_on_device
-        links = JobLinks(next_on_device=None if nxt is None else (nxt, plan.stages[step.job_stage[nxt]]),
-                         next_reads=a.next_reads, later_reads=a.later_reads, next_here=a.next_here)
+        links = JobLinks.of(a, lambda job: plan.stages[step.job_stage[job]])
         try:
             program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
         except BaseException as exc:
