@@ -7,7 +7,11 @@ other copy's. Three runs of one job a copy, with the real DeviceRuntime and Peer
   step's forward does not wait), and each run's download holds 2x its own run's values, so the
   next run's first accumulation waited for the last sum and download (KeptSum.free);
 - the same with KeptSum.free dropped (no wait): some run's download is wrong (the check can fail);
-- not kept (several jobs a copy): the compute stream waits for the sum.
+- not kept (several jobs a copy): the compute stream waits for the sum;
+- another job (run 2 another plan's): the kept accumulator is given back (KeptSum.release, the
+  compute stream waiting for what is in flight on it) and run 2 makes its own: run 1's download
+  stays right; also without that wait ("another job, no wait"), as the download's record_stream
+  keeps the caching allocator from handing the memory out before the download has read it.
 
 From the repository root: `python benchmarks/runs/sums_stream/check.py` (prints one line a case)."""
 import sys
@@ -35,12 +39,18 @@ dev.enter_thread()
 step = SimpleNamespace(error=None, failed_copies=set(), micro=[None] * 4, grads=SimpleNamespace(dtype=torch.bfloat16))
 
 
+def release_without_wait(self, dev):
+    self.padded, self.key, self.free = None, None, None
+
+
 def runs(case):
     kept = KeptSum() if case != "not kept" else None
+    if case == "another job, no wait":
+        KeptSum.release = release_without_wait
     hosts, overlapped = [], []
     for run in range(3):
         ex = PeerExchange(N, lambda keys: None, lambda: None)
-        ex.kept = kept
+        ex.kept, ex.kept_key = kept, ("b" if case.startswith("another job") and run == 2 else "a")
         ex.arrive(1, [0])
         acc = ex.accumulator(0, dev, torch.empty(NUMEL), None, torch.float32)
         acc.copy_(torch.arange(NUMEL, device=dev.device, dtype=torch.float32) % 1000 + run)   # first gradients
@@ -58,6 +68,7 @@ def runs(case):
         nxt.synchronize()
         overlapped.append(not summed.query())
         hosts.append((host, down))
+        del ex, acc, total        # (so a released accumulator's memory can serve the next run)
     right = []
     for run, (host, down) in enumerate(hosts):
         down.resolve()
@@ -66,7 +77,7 @@ def runs(case):
     return overlapped, right
 
 
-for case in ("kept", "no wait", "not kept"):
+for case in ("kept", "no wait", "not kept", "another job", "another job, no wait"):
     t0 = time.perf_counter()
     overlapped, right = runs(case)
     print(f"{case}: compute went on while the sum ran {overlapped}; downloads right {right} "
