@@ -99,6 +99,7 @@ class GradExchange:
     """Where the copies of one job of one step meet to sum their gradients."""
 
     stream_name = "compute"     # the device stream the sum runs in
+    kept = None                 # worker threads keep no accumulator (Note [copies' sum beside the next step])
 
     def __init__(self, replicas: int):
         self.n = replicas
@@ -292,14 +293,14 @@ class PeerExchange:
         import torch.distributed as dist
         full, send, out, wide = self.padded, self.send, self.out, self.wide     # (made by share)
         rows, group = full.view(self.n, -1), self._group()
-        total = rows[r]
+        total, width = rows[r], send.numel() // self.n
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         with self._on_sums(dev):
-            for a in range(0, rows.shape[1], send.numel() // self.n):
-                b = min(rows.shape[1], a + send.numel() // self.n)
+            for a in range(0, rows.shape[1], width):
+                b = min(rows.shape[1], a + width)
                 part = send[:self.n * (b - a)]
                 part.view(self.n, -1).copy_(rows[:, a:b])
                 if wide is None:     # (fp32: the collective sums)
-                    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
                     scatter(total[a:b], part, group=group)
                     continue
                 got = out[:part.numel()]
