@@ -357,21 +357,29 @@ def aot_eager_workers(monkeypatch):
 
 
 @pytest.mark.parametrize("replicas", [False, True])
-def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, aot_eager_workers, replicas):
+def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, tmp_path, aot_eager_workers,
+                                                                    replicas):
     """With compiled stages, a worker process dry-runs a stage program when a job of it comes up
     for the first time (Note [dry runs]): every graph compiles there, none in a job, each
     program once per worker, and the results equal eager's. Note [first programs compiled beside
     the setup]: each worker's first program (with replicas: every program) is dry-run while the
-    main process still makes the first step (slowed here by 6 s; 12 s for three programs), not
-    after it."""
+    main process still makes the first step, not after it: the main process's part of the first
+    step is held here until the workers have marked those dry runs (up to two minutes; without
+    the warm-up none comes before the step's jobs, and the order asserted below fails)."""
     from rpcompile.runner import GraphRunner
     from rpcompile.runtime import timeline
     real_new_step, slowed = GraphRunner.new_step, []
+    monkeypatch.setenv("RPCOMPILE_TEST_MARKS", str(tmp_path))     # (tests/aot_eager_workers)
 
-    def new_step(self, *a, **k):      # the main process's own part of the first step, made slow
+    def dry_runs_marked(w):     # worker w's marks so far are files named "w.n"
+        return sum(open(f).read().startswith("dry run of ") for f in tmp_path.glob(f"{w}.*") if f.suffix != ".part")
+
+    def new_step(self, *a, **k):      # the main process's own part of the first step, held
         if not slowed:
-            slowed.append(time.sleep(12.0 if replicas else 6.0))
-            timeline.mark("first step made")
+            deadline = time.monotonic() + 120.0
+            while min(map(dry_runs_marked, (0, 1))) < (3 if replicas else 1) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            slowed.append(timeline.mark("first step made"))
         return real_new_step(self, *a, **k)
     monkeypatch.setattr(GraphRunner, "new_step", new_step)
     cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],

@@ -2,7 +2,11 @@
 PYTHONPATH (a test puts it there): in rpcompile's worker processes, torch.compile then uses
 aot_eager instead of Inductor, for tests of what worker processes do with compiled pieces
 (Note [dry runs]) without Inductor's C++ compiles (3 minutes on 2 cores). A worker imports none
-of the model's modules (Note [early workers]), so this is where such a test reaches it."""
+of the model's modules (Note [early workers]), so this is where such a test reaches it.
+
+With RPCOMPILE_TEST_MARKS set to a folder, a worker also writes there a file for each of its
+timeline marks as it makes it (a worker sends its marks only with its landed jobs): a test's main
+process can wait for a worker's mark made before any job, instead of holding a guessed time."""
 import os
 import sys
 
@@ -13,3 +17,19 @@ if os.environ.get("RPCOMPILE_WORKER_INDEX") is not None:     # in a worker proce
     from parity import aot_eager_compile
 
     torch.compile = aot_eager_compile(torch.compile)
+
+    if os.environ.get("RPCOMPILE_TEST_MARKS"):
+        import itertools
+
+        from rpcompile.runtime import timeline
+
+        _folder, _count, _mark = os.environ["RPCOMPILE_TEST_MARKS"], itertools.count(), timeline.mark
+
+        def _mark_and_write(what, seconds=None):
+            _mark(what, seconds)
+            name = os.path.join(_folder, f"{os.environ['RPCOMPILE_WORKER_INDEX']}.{next(_count)}")
+            with open(name + ".part", "w") as f:
+                f.write(what)
+            os.replace(name + ".part", name)      # a reader sees whole marks only
+
+        timeline.mark = _mark_and_write
