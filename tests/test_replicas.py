@@ -244,6 +244,7 @@ def test_a_narrow_sum_is_made_in_fp32_a_part_at_a_time(monkeypatch):
         padded = ex.padded
         assert ex.share(1, acc, {3}, dev, step, numel) == {1, 2, 3}
         assert ex.wide.shape == (3,) and ex.wide.dtype == torch.float32 and ex.send.dtype == torch.bfloat16
+        assert ex.received_bytes(1, numel) == 4 * (n - 1) * 2      # (the trace's figure: bf16 sent)
         total = ex.reduce(1, dev, numel)
         assert [p.shape for p in sent] == [(n, 3), (n, 1)]
         assert torch.equal(torch.cat(sent, 1).view(-1)[:numel], torch.arange(numel).bfloat16())   # (padded)

@@ -438,7 +438,7 @@ class JobContext:
             return
         lo, hi = ex.bounds(self.replica, piece.numel())
         total = self.span(ex.stream_name, "sum_replicas", lambda: ex.reduce(self.replica, self.dev, piece.numel()),
-                          bytes=4 * (hi - lo) * (ex.n - 1), kept=ex.kept is not None)
+                          bytes=ex.received_bytes(self.replica, piece.numel()), kept=ex.kept is not None)
         down = self.span("out", "download_grads",
                          lambda: self.dev.download_into(total, piece[lo:hi], after=ex.stream_name),
                          bytes=(hi - lo) * piece.element_size())

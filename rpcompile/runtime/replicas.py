@@ -133,6 +133,11 @@ class GradExchange:
         """Slice r of a piece of `numel` elements."""
         return r * numel // self.n, (r + 1) * numel // self.n
 
+    def received_bytes(self, r: int, numel: int) -> int:
+        """What copy r reads of the other copies' accumulators for its slice (the trace's figure)."""
+        lo, hi = self.bounds(r, numel)
+        return sum((hi - lo) * acc.element_size() for q, acc in enumerate(self.accs) if q != r and acc is not None)
+
     @staticmethod
     def accumulator(r: int, dev, piece, wait_piece_free, dtype=torch.float32):
         """Copy r's accumulator for the host piece: copy 0's on a CPU device is the piece itself
@@ -267,6 +272,11 @@ class PeerExchange:
         """Slice r of a piece of `numel` elements: equal slices, the last one cut short."""
         c = self._chunk(numel)
         return min(numel, r * c), min(numel, (r + 1) * c)
+
+    def received_bytes(self, r: int, numel: int) -> int:
+        """What copy r receives of the other copies for its slice, in the dtype sent (the trace's
+        figure; the padding counts, as it goes too)."""
+        return self._chunk(numel) * (self.n - 1) * self.send.element_size()
 
     def accumulator(self, r: int, dev, piece, wait_piece_free, dtype=torch.float32):
         """This copy's accumulator for the host piece, padded for the collective (the padding
