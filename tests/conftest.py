@@ -7,6 +7,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def _keep_captures():
+    import rpcompile.compiled
+    from capture_cache import kept
+    rpcompile.compiled.capture_call = kept(rpcompile.compiled.capture_call)
+
+
+if os.environ.get("RPCOMPILE_TEST_FRESH_CAPTURES") != "1":
+    _keep_captures()     # (tests/capture_cache.py)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -1,0 +1,83 @@
+"""The suite's captures, kept per pytest process: most tests build the same small transformers
+models (tests/models.py) and call them with the same shapes, and a TorchDynamo capture is most of
+such a test's time (1.5-2.5 s of a 2-layer Qwen3's 3-4 s on the CI's two cores). A call whose
+model and inputs match an earlier capture's gets that capture bound to its own parameters and
+buffers, as a re-plan of one model plans its one capture again (plan_cache.py): the graph, its
+size symbols and the costs measured on it are shared; every value the graph reads is the new
+model's. The first test of each model and shape captures as a user's call does; what a test
+changes that the graph could depend on (a config field, a hook, a frozen parameter, train/eval,
+the grad mode, an added loss function) makes it a new capture.
+
+Only transformers models are kept (their config says what the graph depends on); tests of the
+capture itself (errors, graph breaks, its timeline) use other models or call
+rpcompile.capture.capture_call directly, which this leaves alone. RPCOMPILE_TEST_FRESH_CAPTURES=1
+turns it off."""
+import dataclasses
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+
+def _leaf_sig(leaf):
+    if isinstance(leaf, torch.Tensor):
+        return ("t", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type, leaf.requires_grad)
+    return ("v", type(leaf).__name__, repr(leaf))
+
+
+def _plain_attrs(module):
+    """A module's plain attributes (training, eps, dropout p, gradient_checkpointing, ...)."""
+    return tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))))
+
+
+def _key(model, args, kwargs, kw):
+    if kw.get("wrap") is not None or not type(model).__module__.startswith("transformers."):
+        return None
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    modules = list(model.named_modules(remove_duplicate=False))
+    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+           for _, m in modules) or torch.nn.modules.module._global_forward_hooks \
+            or torch.nn.modules.module._global_forward_pre_hooks:
+        return None
+    owner: dict = {}
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad, owner.setdefault(id(p), n))
+                   for n, p in model.named_parameters(remove_duplicate=False))
+    buffers = tuple((n, tuple(b.shape), b.dtype, owner.setdefault(id(b), n))
+                    for n, b in model.named_buffers(remove_duplicate=False))
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    return (type(model), config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None),
+            tuple((n, type(m), _plain_attrs(m)) for n, m in modules), params, buffers,
+            tuple(_leaf_sig(x) for x in leaves), str(spec), torch.is_grad_enabled(),
+            torch.is_autocast_enabled(), repr(sorted((k, repr(v)) for k, v in kw.items())))
+
+
+def _bound(cap, model):
+    """cap with model's own parameters and buffers in place of the ones it was captured with."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    if not (set(cap.param_names) <= params.keys() and set(cap.buffer_names) <= buffers.keys()):
+        return None
+    return dataclasses.replace(cap, params=[params[n] for n in cap.param_names],
+                               buffers=[buffers[n] for n in cap.buffer_names])
+
+
+def kept(capture_call):
+    """capture_call, serving a capture made before for the same model and call (see above);
+    `.hits` counts the captures it served."""
+    store: dict = {}
+
+    def call(model, args, kwargs, **kw):
+        key = _key(model, args, kwargs, kw)
+        if key is not None and key in store:
+            cap = _bound(store[key], model)
+            if cap is not None:
+                call.hits += 1
+                return cap
+        cap = capture_call(model, args, kwargs, **kw)
+        if key is not None:
+            store[key] = cap
+        return cap
+    call.hits = 0
+    return call

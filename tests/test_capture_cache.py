@@ -1,0 +1,57 @@
+"""The suite's kept captures (tests/capture_cache.py): a hit trains its own model, and what the
+graph could depend on makes a new capture."""
+import copy
+
+import pytest
+import torch
+
+import rpcompile
+from capture_cache import kept
+from models import lm_batch, qwen3
+
+
+@pytest.fixture
+def captures(monkeypatch):
+    """Captures kept afresh for the test (whether or not the suite keeps them)."""
+    import rpcompile.capture
+    import rpcompile.compiled
+    call = kept(rpcompile.capture.capture_call)
+    monkeypatch.setattr(rpcompile.compiled, "capture_call", call)
+    return call
+
+
+def _loss(model):
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    return float(cm.train_step(**lm_batch(seed=3)))
+
+
+def test_a_kept_capture_trains_the_model_it_is_bound_to(captures):
+    first = qwen3(layers=1, seed=11)
+    _loss(first)
+    hits = captures.hits
+    second = qwen3(layers=1, seed=12)
+    eager = copy.deepcopy(second)
+    loss = _loss(second)
+    assert captures.hits == hits + 1
+    assert loss == pytest.approx(float(eager(**lm_batch(seed=3)).loss), rel=1e-5)
+    eager(**lm_batch(seed=3)).loss.backward()
+    for (name, p), q in zip(second.named_parameters(), eager.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("change", ["config", "frozen", "eval", "hook", "shape"])
+def test_what_the_graph_could_depend_on_makes_a_new_capture(captures, change):
+    _loss(qwen3(layers=1, seed=11))
+    model = qwen3(layers=1, seed=11)
+    if change == "config":
+        model.config.rms_norm_eps = 1e-3
+    elif change == "frozen":
+        model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    elif change == "eval":
+        model.model.layers[0].eval()
+    elif change == "hook":
+        model.model.norm.register_forward_hook(lambda m, a, out: out)
+    hits = captures.hits
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    cm.train_step(**lm_batch(seed=3, seq=10 if change == "shape" else 12))
+    assert captures.hits == hits
