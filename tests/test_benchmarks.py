@@ -201,7 +201,9 @@ def test_harness_says_when_steal_took_the_hosts_cpu(tmp_path, monkeypatch, capsy
         reads.append(1)
         return {**real(), "steal": 10.0 * len(reads)}
     monkeypatch.setattr(harness, "host_cpu_seconds", stolen_more)
-    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.05", "--steps", "2",
+    # (steps of 0.3 s: the harness reads the host's CPU when it sees the timed steps begin, polling
+    # every 0.1 s; 0.05 s steps could all end between two looks on a loaded machine)
+    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.3", "--steps", "2",
                          "--warmup", "1", "--timeout", "60")
     r = res["simulated"]
     assert r["status"] == "ok" and r["host_cpu_timed_s"]["steal"] >= 10 and r["host_cpu_setup_s"]["steal"] >= 10
