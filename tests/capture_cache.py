@@ -50,7 +50,7 @@ def _key(model, args, kwargs, kw):
     return (type(model), config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None),
             tuple((n, type(m), _plain_attrs(m)) for n, m in modules), params, buffers,
             tuple(_leaf_sig(x) for x in leaves), str(spec), torch.is_grad_enabled(),
-            torch.is_autocast_enabled(), repr(sorted((k, repr(v)) for k, v in kw.items())))
+            torch.is_autocast_enabled(), torch.get_default_dtype(), repr(sorted((k, repr(v)) for k, v in kw.items())))
 
 
 def _bound(cap, model):
