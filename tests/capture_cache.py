@@ -18,7 +18,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 
-
 def _leaf_sig(leaf):
     if isinstance(leaf, torch.Tensor):
         return ("t", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type, leaf.requires_grad)
