@@ -368,18 +368,19 @@ def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch,
     the warm-up none comes before the step's jobs, and the order asserted below fails)."""
     from rpcompile.runner import GraphRunner
     from rpcompile.runtime import timeline
-    real_new_step, slowed = GraphRunner.new_step, []
+    real_new_step, held = GraphRunner.new_step, []
     monkeypatch.setenv("RPCOMPILE_TEST_MARKS", str(tmp_path))     # (tests/aot_eager_workers)
 
     def dry_runs_marked(w):     # worker w's marks so far are files named "w.n"
         return sum(open(f).read().startswith("dry run of ") for f in tmp_path.glob(f"{w}.*") if f.suffix != ".part")
 
     def new_step(self, *a, **k):      # the main process's own part of the first step, held
-        if not slowed:
+        if not held:
             deadline = time.monotonic() + 120.0
             while min(map(dry_runs_marked, (0, 1))) < (3 if replicas else 1) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            slowed.append(timeline.mark("first step made"))
+            held.append(True)
+            timeline.mark("first step made")
         return real_new_step(self, *a, **k)
     monkeypatch.setattr(GraphRunner, "new_step", new_step)
     cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],
