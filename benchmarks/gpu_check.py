@@ -1,6 +1,8 @@
 """GPU checks for the lent machine: parity with eager on CUDA, and a Qwen3-1.7B-shaped speed run.
 
     python benchmarks/gpu_check.py parity --out $OUT/parity.json
+    python benchmarks/gpu_check.py parity --workers processes --data-parallel --budget 4GiB --out $OUT/p.json
+        (copies in worker processes, NCCL sums; 4GiB: one job a copy, its sum beside the next step)
     python benchmarks/gpu_check.py speed --gpus 1 --steps 3 --out $OUT/speed.json
     python benchmarks/gpu_check.py lmhead --out $OUT/lmhead.json
     python benchmarks/gpu_check.py peaks --seq-len 65536 --budget 24GiB --out $OUT/peaks.json
@@ -99,12 +101,15 @@ def parity(args):
             cfg = rpcompile.Config(devices=[f"cuda:{i % torch.cuda.device_count()}" for i in range(gpus)],
                                    num_microbatches=3, dtype=dtype, data_parallel=args.data_parallel or None,
                                    # (the devices' share of the optimizer takes ~12 B/param of the budget)
-                                   memory_budget="32MiB" if ondev else "6MiB", compile_stages=inductor,
+                                   memory_budget=args.budget or ("32MiB" if ondev else "6MiB"), compile_stages=inductor,
                                    peer_transfers=peer, optimizer_mode=mode, workers=workers,
                                    optimizer_on_devices=ondev)   # (0.0: every update on the host, not the plan's choice)
             cm = rpcompile.compile(model, cfg)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            # SGD with momentum by default: parameters after steps measure rpcompile, not AdamW's
+            # lr-sized steps from the noise of near-zero gradients
+            make_opt = ((lambda ps: torch.optim.AdamW(ps, lr=1e-3)) if args.optimizer == "adamw" else
+                        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)))
+            opt, opt_ref = make_opt(model.parameters()), make_opt(ref.parameters())
             if mode != "exact":
                 cm.attach_optimizer(opt)
             losses, ref_losses, grad_err, peer_fetches = [], [], None, 0
@@ -139,7 +144,7 @@ def parity(args):
                    f"{f'_ondev{ondev:g}' if ondev else ''}")
             res[key] = {"stages": len(cm.plan.stages), "microbatches": cm.plan.num_microbatches,   # (Note [finer microbatches])
                         "losses": losses, "eager_losses": ref_losses,
-                        "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr,
+                        "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr, "optimizer": args.optimizer,
                         "peer_fetches": peer_fetches}
             print(key, json.dumps(res[key]), flush=True)
     return res
@@ -407,6 +412,8 @@ def main():
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--data-parallel", action="store_true",
                     help="parity: replicas (Config.data_parallel) on two GPUs, or two copies on one")
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
+                    help="parity: SGD with momentum (lr 0.1), or AdamW (lr 1e-3) as before the 55th session")
     ap.add_argument("--modes", default="", help="parity: only these optimizer modes (comma-separated)")
     ap.add_argument("--no-inductor", action="store_true", help="parity: eager stage compute only")
     ap.add_argument("--on-devices", type=float, default=0.0,
@@ -414,7 +421,7 @@ def main():
     ap.add_argument("--on-devices-block", type=int, default=1 << 15,
                     help="parity: FlatMasters.BLOCK with --on-devices (small, so that the tiny model's "
                          "masters spread over both devices and the host)")
-    ap.add_argument("--budget", default=None)
+    ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
