@@ -668,7 +668,9 @@ class Harness:
         if info.get("plan_weight_upload_bytes_per_step"):
             r["pcie_bytes_per_step_plan"] = info["plan_weight_upload_bytes_per_step"] + info.get(
                 "plan_grad_download_bytes_per_step_est", 0)
-            r["notes"].append(f"plan: {info.get('stage_jobs')} stage jobs, weights up "
+            asked, planned = (info.get("config") or {}).get("num_microbatches"), info.get("plan_microbatches")
+            split = f" (split from {asked})" if planned and asked and planned != asked else ""
+            r["notes"].append(f"plan: {info.get('stage_jobs')} stage jobs, {planned} microbatches{split}, weights up "
                               f"{info['plan_weight_upload_bytes_per_step'] / GiB:.2f} GiB/step, grads down ≈"
                               f"{info.get('plan_grad_download_bytes_per_step_est', 0) / GiB:.2f} GiB/step")
         if info.get("trace"):

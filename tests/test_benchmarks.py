@@ -144,6 +144,8 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert r["timed_steps_done"] == 2
         assert len(r["timed_step_s"]) == 2 and all(x > 0 for x in r["timed_step_s"])   # for slowest / median
     assert res["rpcompile"]["info"]["stage_jobs"] >= 1 and "rpcompile plan" in res["rpcompile"]["info"]["plan"]
+    # the count the plan runs, which Config.split_microbatches may make finer than --microbatches
+    assert res["rpcompile"]["info"]["plan_microbatches"] == 2 and " stage jobs, 2 microbatches, weights up" in md
     # the runtime's host buffers by kind: [buffers, bytes] (rpcompile.runtime.host_buffers)
     assert res["rpcompile"]["info"]["host_buffers"]["gradients"][1] > 0
     # where the first steps go: the capture and every pass of each plan, and first calls per device

@@ -174,6 +174,7 @@ class RPCompileTrainer(Trainer):
         if plan is not None:
             rows = plan.stage_rows()
             out.update(plan=str(plan), stage_jobs=len(rows), plan_est_step_s=float(plan.est_step_time),
+                       plan_microbatches=int(plan.num_microbatches),   # (Config.split_microbatches may split finer)
                        # the attached optimizer's share on the devices (Config.optimizer_on_devices, or the plan's)
                        optimizer_share=float(getattr(self.cm.runner, "optimizer_share", 0.0) or 0.0),
                        plan_job_est_s=[float(r["est_time_s"]) for r in rows],
