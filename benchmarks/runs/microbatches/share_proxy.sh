@@ -7,7 +7,9 @@
 # so it may set the step's pace: read the GPUs' compute and their trace.
 #   OUT=$OUT bash benchmarks/runs/microbatches/share_proxy.sh tree:2 tree:8     (call 1 ran the script's first form, alike)
 #   OUT=$OUT bash benchmarks/runs/microbatches/share_proxy.sh main:2 tree:2 main:2 tree:2   (call 2, carry .ab:
-#   a side NAME:M runs .ab/NAME, or the working tree for "tree", at M microbatches)
+#   a side NAME:M runs .ab/NAME, or the working tree for "tree", at M microbatches: exactly M, as
+#   rpcompile_split_microbatches=0 keeps the default from splitting finer (55th session: without it
+#   "tree:2" ran M=8, README.md); so a side's revision needs Config.split_microbatches (1b2c678 on)
 set -euo pipefail
 bash benchmarks/setup_device.sh > /dev/null 2>&1 || true
 source benchmarks/side_reset.sh
@@ -18,7 +20,8 @@ for side in "$@"; do
   side_reset "$name"
   (cd "$dir" && PYTHONPATH=$PWD python -m benchmarks.harness --model llama3.1-8b --gpus 2 --seq-len 2048 \
     --tokens-per-step 32768 --steps 8 --systems rpcompile-delayed --microbatches "$m" \
-    --option rpcompile_optimizer_on_devices=0.5 --option "rpcompile_trace_dir=/tmp/trace-$name" \
+    --option rpcompile_optimizer_on_devices=0.5 --option rpcompile_split_microbatches=0 \
+    --option "rpcompile_trace_dir=/tmp/trace-$name" \
     --record "$OUT/runs" --timeout 285 --budget 290 --out '' --json "/tmp/$name.json" --log-dir /tmp/hw-logs 2>&1 \
     | grep '\[harness\]' | sed "s/^/$name: /") || true
   f=$(ls /tmp/trace-$name/*.json 2>/dev/null | grep chrome | head -1) && [ -n "$f" ] && cp "$f" "$OUT/trace-$name.json" || true
