@@ -263,7 +263,8 @@ class GraphRunner:
     def recent_traces(self) -> list:
         """Spans of the last (up to) three steps on one clock (seconds from the first's start),
         each span with its "step" (0 = the oldest of them): overlapped steps share the devices
-        (Note [overlapped steps]), so a device's busy time is read over them together."""
+        (Note [overlapped steps]), so a device's busy time is read over them together; and the
+        optimizer's spans on the devices since the first began (no "step": Note [optimizer spans])."""
         self.settle()
         if not self.recent_tracers:
             return []
@@ -273,6 +274,14 @@ class GraphRunner:
             for sp in tracer.spans():
                 sp.update(step=k, start_s=sp["start_s"] + tracer.t0 - t0, end_s=sp["end_s"] + tracer.t0 - t0)
                 out.append(sp)
+        # the update's work on the devices beside them (Note [optimizer spans]), under the worker
+        # whose device it is, from the first step's start on
+        worker = {sp["device"]: sp.get("worker") for sp in out if sp.get("worker") is not None}
+        for opt_t0, spans in getattr(self.overlapped, "device_spans", ()):
+            for sp in spans:
+                start, end = sp["start_s"] + opt_t0 - t0, sp["end_s"] + opt_t0 - t0
+                if end >= 0:
+                    out.append({**sp, "start_s": start, "end_s": end, "worker": worker.get(sp["device"], 0)})
         return sorted(out, key=lambda r: (r["start_s"], r["end_s"]))
 
     # --- train step ------------------------------------------------------------------------

@@ -181,6 +181,26 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     assert md.startswith("# Benchmark results") and "| rpcompile | ok |" in md and "| eager | ok |" in md
 
 
+def test_harness_traces_the_optimizers_work_on_the_devices_beside_the_steps(tmp_path):
+    """With a trace directory the last steps' file holds the update's spans on the devices
+    (Note [optimizer spans], runtime/optimizer.py) under each device's worker."""
+    trace = tmp_path / "trace"
+    res, _, _ = _harness(tmp_path, "--gpus", "2", "--seq-len", "32", "--tokens-per-step", "256",
+                         "--microbatches", "2", "--steps", "2", "--warmup", "1", "--timeout", "120",
+                         "--systems", "rpcompile-delayed", "--option", "rpcompile_optimizer_on_devices=1.0",
+                         "--option", f"rpcompile_trace_dir={trace}")
+    r = res["rpcompile-delayed"]
+    assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
+    recent = json.loads((trace / "rpcompile-delayed_2g.recent.json").read_text())
+    ours = [sp for sp in recent if sp["stream"] in ("optimizer", "optimizer_down")]
+    assert {sp["name"] for sp in ours} == {"step_on_device", "masters_down", "copies_down"}
+    assert {sp["worker"] for sp in ours} <= {sp["worker"] for sp in recent if sp["stream"] == "compute"}
+    chrome = json.loads((trace / "rpcompile-delayed_2g.recent.chrome.json").read_text())
+    assert {"optimizer", "optimizer_down"} <= {e["args"]["name"] for e in chrome["traceEvents"]
+                                               if e["name"] == "thread_name"}
+    assert r["compute_busy_frac"] and all(0 < f <= 1 for f in r["compute_busy_frac"].values())
+
+
 def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):
     res, md, _ = _harness(tmp_path, "--systems", "simulated", "--option", "fail=step", "--timeout", "60")
     r = res["simulated"]

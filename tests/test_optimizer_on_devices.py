@@ -325,6 +325,7 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
                                                        optimizer_on_devices=share,
                                                        workers=workers if share else "threads"))
         cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        cm.runner.overlapped.trace = True      # (Note [optimizer spans])
         losses = [float(cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=t))) for t in range(4)]
         cm.synchronize()
         runs[share] = (losses, [p.detach().clone() for p in model.parameters()], cm)
@@ -341,6 +342,24 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     hm0, hm1 = cm0.plan.host_memory, cm1.plan.host_memory
     assert hm1.optimizer_state < hm0.optimizer_state and hm1.device_optimizer > 0 == hm0.device_optimizer
     assert "Config.optimizer_on_devices" in str(cm1.plan)
+    # Note [optimizer spans]: each submission's work there as spans, with the steps' in recent_traces
+    assert cm0.runner.overlapped.device_spans == []
+    assert not [sp for sp in cm0.runner.recent_traces() if sp["stream"].startswith("optimizer")]
+    t0, spans = cm1.runner.overlapped.device_spans[-1]
+    device_elements = sum(b - a for rs in stepper.masters.on_devices.values() for a, b, _ in rs)
+    # (the working copies come down from there in delayed mode, whose jobs read them)
+    names = ["step_on_device", "masters_down"] + ["copies_down"] * (mode == "delayed")
+    assert {sp["name"] for sp in spans} == set(names)
+    for name in names:   # every element there, once a submission
+        assert sum(sp["elements"] for sp in spans if sp["name"] == name) == device_elements, name
+    assert all(0 <= sp["start_s"] <= sp["end_s"] for sp in spans)
+    recent = cm1.runner.recent_traces()
+    steps = [sp for sp in recent if "step" in sp]
+    ours = [sp for sp in recent if sp["stream"] in ("optimizer", "optimizer_down")]
+    assert ours and all(sp["end_s"] >= 0 and "step" not in sp for sp in ours)
+    assert {sp["worker"] for sp in ours} <= {sp.get("worker") for sp in steps}
+    # on the steps' clock: the last submission's first span began after the first traced step did
+    assert min(sp["start_s"] for sp in ours if sp["name"] == "step_on_device") > 0
 
 
 def test_the_devices_share_comes_out_of_each_jobs_budget():

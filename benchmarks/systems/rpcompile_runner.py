@@ -30,7 +30,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
                           and as a Chrome trace beside it (.chrome.json), for where each device waits;
-                          the last three steps on one clock (runner.recent_traces) to <...>.recent.json
+                          the last three steps on one clock (runner.recent_traces) to <...>.recent.json,
+                          with the optimizer's work on the devices beside them (Note [optimizer spans])
 With --device cpu the same runs on CPU "devices" (threads), for the tests.
 """
 from __future__ import annotations
@@ -127,6 +128,8 @@ class RPCompileTrainer(Trainer):
         self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)
         if self.overlapped:
             self.cm.attach_optimizer(self.opt)
+            # with a trace directory, the update's work on the devices too (Note [optimizer spans])
+            self.cm.runner.overlapped.trace = bool(self.trace_dir)
 
     def step(self, ids):
         try:

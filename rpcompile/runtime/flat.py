@@ -279,6 +279,7 @@ class FlatStepper:
         self.master_uploads = 0         # elements of masters copied up to the devices so far
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
         self._down_streams: dict = {}   # device -> the stream its stepped masters come down on
+        self.tracer = None              # a submission's Tracer: the devices' parts as spans (Note [optimizer spans])
         # page_lock(t): page-lock the shared file t lies in, in this process (worker processes' gradients)
         self.page_lock = None
         sig = inspect.signature(type(optimizer).__init__).parameters
@@ -593,6 +594,7 @@ class FlatStepper:
         streams = []
         for device, (ds, ss) in by_device.items():
             stream = self._stream(device)
+            start = self._mark(stream)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for d, src in zip(*merge_adjacent(ds, ss)):
                     self._lock_pages(d, device)
@@ -602,6 +604,7 @@ class FlatStepper:
                     # embedding: 1 GiB in bf16) was a temporary the plan did not count
                     for dp, sp in _pieces(d, src, self.WIDEN):
                         dp.copy_(sp, non_blocking=True)
+            self._span(device, stream, "optimizer", "copies_down", start, elements=sum(d.numel() for d in ds))
             streams.append(stream)
 
         def wait():
@@ -619,6 +622,19 @@ class FlatStepper:
         dm = self._device_masters.get((where[0], r[0]))
         i = where[1] - r[0]
         return None if dm is None else dm[i:i + p.numel()].view(p.shape)
+
+    def _mark(self, stream):
+        """A span's start or end for self.tracer: an event on a device's stream, the host clock on
+        a CPU device (whose work is done when the call returns); None when not tracing."""
+        if self.tracer is None:
+            return None
+        return self.tracer.cuda_mark(stream) if stream is not None else self.tracer.now()
+
+    def _span(self, device, stream, label, name, start, **attrs) -> None:
+        """A span of this thread's work for `device`, from `start` (_mark) to now on `stream`
+        (named `label` in the trace)."""
+        if self.tracer is not None and start is not None:
+            self.tracer.add(str(device), label, name, start, self._mark(stream), **attrs)
 
     def _stream(self, device, streams=None):
         if device.type != "cuda":
@@ -660,6 +676,7 @@ class FlatStepper:
                 g = grad[a - start:b - start]
                 if device is not None:
                     used[device] = stream
+                    start_mark = self._mark(stream)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                         for name in scalars:       # (on the stream that steps: `step` may live on the device)
                             # a fill, not a copy: a copy from pageable host memory would wait for
@@ -675,6 +692,7 @@ class FlatStepper:
                             opt.step()
                         finally:
                             flat.grad = None
+                    self._span(device, stream, "optimizer", "step_on_device", start_mark, elements=b - a)
                     # Note [masters down beside the next slice]: on the step's stream the fp32
                     # masters' copy down (twice the bytes of the bf16 gradient that went up)
                     # held the next slice's upload: the link's two directions took turns. On
@@ -684,12 +702,15 @@ class FlatStepper:
                     # 85,868 -> 86,790 tokens/s, GPU-bound since)
                     down = self._stream(device, self._down_streams)
                     if down is None:
+                        start_mark = self._mark(None)
                         master[a:b].copy_(flat)
                     else:
                         down.wait_stream(stream)
                         used[(device, "down")] = down
+                        start_mark = self._mark(down)
                         with torch.cuda.stream(down):
                             master[a:b].copy_(flat, non_blocking=True)
+                    self._span(device, down, "optimizer_down", "masters_down", start_mark, elements=b - a)
                     continue
                 for name in scalars:
                     twin_state[name].copy_(state0[name])

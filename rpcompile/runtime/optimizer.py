@@ -15,6 +15,18 @@ So a step here makes a few calls over lists of tensors (one wait per job's downl
 refresh), never a call per parameter: on 4 GPUs a per-parameter loop made the host AdamW of
 Qwen3-1.7B take 1.5-2.3 s a step, and every delayed-mode step waited for it (38.9K tokens/s,
 against 87.3K with the optimizer step left out).
+
+Note [optimizer spans]: where a share of the update steps on the devices (Note [optimizer state
+on the devices], runtime/flat.py), this thread's work there runs beside the jobs' (on its own
+streams; with worker processes in another CUDA context, which the GPU time-slices with the
+worker's). Each submission records it as spans, as a step's tracer does a job's: per slice the
+gradient's upload and the twin's step ("step_on_device"), the stepped masters' copy down
+("masters_down") and, per refresh, the working copies' ("copies_down"); `device_spans` keeps the
+last submissions' and `GraphRunner.recent_traces` puts them on the steps' clock, so a trace shows
+what of the update ran beside which microbatch. Off unless `trace` is set (the benchmark
+harness sets it with a trace directory): a few events and reads per slice, some hundreds of
+calls a step for Llama-3.1-8B, each of which may wait for the interpreter lock (Note [few calls
+per step]).
 """
 from __future__ import annotations
 
@@ -33,6 +45,7 @@ import torch
 from ..errors import StepAbandoned
 from . import timeline
 from .flat import FlatMasters, FlatStepper
+from .trace import Tracer
 
 
 class OverlappedOptimizer:
@@ -50,6 +63,9 @@ class OverlappedOptimizer:
         self._error = None
         self.abandoned: dict = {}               # submission number -> parameters stepped before its step failed
         self.timings: list = []                 # per submission: seconds in grads / clip / step / refresh
+        self.trace = False                      # record device_spans (Note [optimizer spans])
+        self.device_spans: list = []            # the last submissions' (tracer.t0, spans)
+        self._clock_streams: dict = {}          # device -> an idle stream for a tracer's start events
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
         # Ended and joined at exit while the interpreter is whole (see executor._stop).
@@ -152,17 +168,34 @@ class OverlappedOptimizer:
                 self._completed_cond.notify_all()
             self._queue.task_done()
 
+    def _tracer(self):
+        """A Tracer of this submission's work on the devices, or None without a share there."""
+        devices = list(dict.fromkeys(self.masters.state_devices)) if self.trace and self.masters.on_devices else []
+        if not devices:
+            return None
+
+        def clock(d):
+            s = self._clock_streams.get(d)
+            if s is None:
+                s = self._clock_streams[d] = torch.cuda.Stream(device=d)
+            return s
+        return Tracer(devices, clock_stream=clock)
+
     def _run(self, params, grads, refresh, others, chunks, on_done):
         stepped: list = []
+        tracer = self.stepper.tracer = self._tracer()
         try:
             self._step(params, grads, refresh, chunks, stepped)
             if refresh is not None and others:
                 refresh(others)
+            if tracer is not None:     # (every span's work is done: the steps waited for their streams)
+                self.device_spans = (self.device_spans + [(tracer.t0, tracer.spans())])[-4:]
         except StepAbandoned:         # the step failed: its error is raised by the runner
             self.abandoned[self._completed + 1] = stepped
         except BaseException as exc:  # surfaced in the caller's thread by the next call
             self._error = exc
         finally:
+            self.stepper.tracer = None
             for p in params:
                 self._event(p).set()
             if on_done is not None:

@@ -22,7 +22,8 @@ import torch
 
 class Tracer:
     """Spans of one step. `labels`: the names spans give the devices (default str(device));
-    a worker process names its cuda:0 as the user's device."""
+    a worker process names its cuda:0 as the user's device. `clock_stream`: the idle stream
+    each device's start event is recorded on, or a function of the device that gives it."""
 
     def __init__(self, devices, labels=None, clock_stream=None):
         self._lock = threading.Lock()
@@ -33,7 +34,8 @@ class Tracer:
         for d, label in zip(devices, labels or [str(d) for d in devices]):
             if d.type == "cuda" and label not in self._cuda_t0:
                 ev = torch.cuda.Event(enable_timing=True)
-                ev.record(clock_stream or torch.cuda.current_stream(d))
+                stream = clock_stream(d) if callable(clock_stream) else clock_stream
+                ev.record(stream or torch.cuda.current_stream(d))
                 self._cuda_t0[label] = ev
 
     def now(self):
