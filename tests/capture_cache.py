@@ -29,6 +29,11 @@ def _plain_attrs(module):
     return tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))))
 
 
+# torch.nn.modules.module's hooks on every module (a module's own are checked module by module)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
 def _key(model, args, kwargs, kw):
     if kw.get("wrap") is not None or not type(model).__module__.startswith("transformers."):
         return None
@@ -37,8 +42,7 @@ def _key(model, args, kwargs, kw):
         return None
     modules = list(model.named_modules(remove_duplicate=False))
     if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
-           for _, m in modules) or torch.nn.modules.module._global_forward_hooks \
-            or torch.nn.modules.module._global_forward_pre_hooks:
+           for _, m in modules) or any(getattr(torch.nn.modules.module, g, None) for g in _GLOBAL_HOOKS):
         return None
     owner: dict = {}
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad, owner.setdefault(id(p), n))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.errors import CaptureError
 from capture_cache import kept
 from models import lm_batch, qwen3
 
@@ -39,7 +40,7 @@ def test_a_kept_capture_trains_the_model_it_is_bound_to(captures):
         assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
 
 
-@pytest.mark.parametrize("change", ["config", "frozen", "eval", "hook", "shape"])
+@pytest.mark.parametrize("change", ["config", "frozen", "eval", "hook", "global backward hook", "shape"])
 def test_what_the_graph_could_depend_on_makes_a_new_capture(captures, change):
     _loss(qwen3(layers=1, seed=11))
     model = qwen3(layers=1, seed=11)
@@ -52,6 +53,17 @@ def test_what_the_graph_could_depend_on_makes_a_new_capture(captures, change):
     elif change == "hook":
         model.model.norm.register_forward_hook(lambda m, a, out: out)
     hits = captures.hits
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
-    cm.train_step(**lm_batch(seed=3, seq=10 if change == "shape" else 12))
+    handle = None
+    if change == "global backward hook":
+        handle = torch.nn.modules.module.register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+        if handle is None:
+            cm.train_step(**lm_batch(seed=3, seq=10 if change == "shape" else 12))
+        else:   # a fresh capture says it cannot keep a module backward hook; a kept one would drop it
+            with pytest.raises(CaptureError, match="backwards hooks"):
+                cm.train_step(**lm_batch(seed=3))
+    finally:
+        if handle is not None:
+            handle.remove()
     assert captures.hits == hits
