@@ -696,3 +696,28 @@ def test_host_bytes_are_what_the_plan_says():
     host_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is None)
     dev_state = sum(b.numel() * b.element_size() for (_, _, where), b in stepper._state_bufs.items() if where is not None)
     assert dev_state == 8 * on_dev and abs(host_state - planned.optimizer_state) <= 8 * largest
+
+
+def test_a_trace_that_cannot_be_read_fails_no_step(monkeypatch):
+    """Note [optimizer spans]: the spans are an instrument; a failure to read them is kept in
+    trace_error, and the submissions step as the user's optimizer does."""
+    from rpcompile.runtime.optimizer import OverlappedOptimizer
+    from rpcompile.runtime.trace import Tracer
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300)) for _ in range(3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    overlapped = OverlappedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), state_devices=DEVICES)
+    overlapped.flatten(params, 1.0)
+    overlapped.trace = True
+    monkeypatch.setattr(Tracer, "spans", lambda self: 1 / 0)
+    for t in range(2):    # (the first step made on the devices, the second a run stepped there)
+        grads = [torch.randn(300) for _ in params]
+        overlapped.submit(params, lambda grads=grads: [g.clone() for g in grads])
+        overlapped.synchronize()
+        for q, g in zip(ref, grads):
+            q.grad = g.clone()
+        ref_opt.step()
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.detach(), q.detach())
+    assert overlapped.device_spans == [] and overlapped.trace_error.startswith("ZeroDivisionError")

@@ -65,6 +65,7 @@ class OverlappedOptimizer:
         self.timings: list = []                 # per submission: seconds in grads / clip / step / refresh
         self.trace = False                      # record device_spans (Note [optimizer spans])
         self.device_spans: list = []            # the last submissions' (tracer.t0, spans)
+        self.trace_error = None                 # why a submission's spans could not be read
         self._clock_streams: dict = {}          # device -> an idle stream for a tracer's start events
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
@@ -181,6 +182,14 @@ class OverlappedOptimizer:
             return s
         return Tracer(devices, clock_stream=clock)
 
+    def _keep_spans(self, tracer) -> None:
+        """The submission's spans into device_spans; an instrument's failure fails no step (it
+        is kept in trace_error)."""
+        try:
+            self.device_spans = (self.device_spans + [(tracer.t0, tracer.spans())])[-4:]
+        except Exception as exc:  # noqa: BLE001 - the step itself is done
+            self.trace_error = f"{type(exc).__name__}: {exc}"
+
     def _run(self, params, grads, refresh, others, chunks, on_done):
         stepped: list = []
         tracer = self.stepper.tracer = self._tracer()
@@ -189,7 +198,7 @@ class OverlappedOptimizer:
             if refresh is not None and others:
                 refresh(others)
             if tracer is not None:     # (every span's work is done: the steps waited for their streams)
-                self.device_spans = (self.device_spans + [(tracer.t0, tracer.spans())])[-4:]
+                self._keep_spans(tracer)
         except StepAbandoned:         # the step failed: its error is raised by the runner
             self.abandoned[self._completed + 1] = stepped
         except BaseException as exc:  # surfaced in the caller's thread by the next call
