@@ -199,6 +199,7 @@ def test_harness_traces_the_optimizers_work_on_the_devices_beside_the_steps(tmp_
     assert {"optimizer", "optimizer_down"} <= {e["args"]["name"] for e in chrome["traceEvents"]
                                                if e["name"] == "thread_name"}
     assert r["compute_busy_frac"] and all(0 < f <= 1 for f in r["compute_busy_frac"].values())
+    assert "optimizer_trace_error" not in r["info"]
 
 
 def test_harness_records_failures_and_timeouts_and_goes_on(tmp_path):

@@ -239,6 +239,9 @@ class RPCompileTrainer(Trainer):
             steady = steady_busy(recent) if recent else None
             if steady:   # overlapped steps (delayed mode) share the devices: busy over one period
                 out["trace"]["steady"] = steady
+            error = getattr(self.cm.runner.overlapped, "trace_error", None)
+            if error:   # the optimizer's spans could not be read (Note [optimizer spans])
+                out["optimizer_trace_error"] = error
             if self.trace_dir:
                 stem = f"{self.system}_{len(self.config.devices)}g"
                 out["trace_files"] = _write_trace(trace, self.trace_dir, stem)
