@@ -24,5 +24,7 @@ for side in "$@"; do
     --option "rpcompile_trace_dir=/tmp/trace-$name" \
     --record "$OUT/runs" --timeout 285 --budget 290 --out '' --json "/tmp/$name.json" --log-dir /tmp/hw-logs 2>&1 \
     | grep '\[harness\]' | sed "s/^/$name: /") || true
-  f=$(ls /tmp/trace-$name/*.json 2>/dev/null | grep chrome | head -1) && [ -n "$f" ] && cp "$f" "$OUT/trace-$name.json" || true
+  f=$(ls /tmp/trace-$name/*.json 2>/dev/null | grep chrome | grep -v recent | head -1) && [ -n "$f" ] && cp "$f" "$OUT/trace-$name.json" || true
+  # the last three steps with the optimizer's work on the devices (Note [optimizer spans])
+  f=$(ls /tmp/trace-$name/*recent.chrome.json 2>/dev/null | head -1) && [ -n "$f" ] && cp "$f" "$OUT/recent-$name.json" || true
 done
