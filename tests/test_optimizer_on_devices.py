@@ -698,9 +698,10 @@ def test_host_bytes_are_what_the_plan_says():
     assert dev_state == 8 * on_dev and abs(host_state - planned.optimizer_state) <= 8 * largest
 
 
-def test_a_trace_that_cannot_be_read_fails_no_step(monkeypatch):
-    """Note [optimizer spans]: the spans are an instrument; a failure to read them is kept in
-    trace_error, and the submissions step as the user's optimizer does."""
+@pytest.mark.parametrize("failing", ["spans", "__init__"])
+def test_a_trace_that_cannot_be_read_fails_no_step(monkeypatch, failing):
+    """Note [optimizer spans]: the spans are an instrument; a failure to make or read them is
+    kept in trace_error, and the submissions step as the user's optimizer does."""
     from rpcompile.runtime.optimizer import OverlappedOptimizer
     from rpcompile.runtime.trace import Tracer
     torch.manual_seed(0)
@@ -710,7 +711,7 @@ def test_a_trace_that_cannot_be_read_fails_no_step(monkeypatch):
     overlapped = OverlappedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), state_devices=DEVICES)
     overlapped.flatten(params, 1.0)
     overlapped.trace = True
-    monkeypatch.setattr(Tracer, "spans", lambda self: 1 / 0)
+    monkeypatch.setattr(Tracer, failing, lambda self, *a, **k: 1 / 0)
     for t in range(2):    # (the first step made on the devices, the second a run stepped there)
         grads = [torch.randn(300) for _ in params]
         overlapped.submit(params, lambda grads=grads: [g.clone() for g in grads])

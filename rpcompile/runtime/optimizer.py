@@ -180,7 +180,11 @@ class OverlappedOptimizer:
             if s is None:
                 s = self._clock_streams[d] = torch.cuda.Stream(device=d)
             return s
-        return Tracer(devices, clock_stream=clock)
+        try:
+            return Tracer(devices, clock_stream=clock)
+        except Exception as exc:  # noqa: BLE001 - an instrument: the step goes on untraced
+            self.trace_error = f"{type(exc).__name__}: {exc}"
+            return None
 
     def _keep_spans(self, tracer) -> None:
         """The submission's spans into device_spans; an instrument's failure fails no step (it
