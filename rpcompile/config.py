@@ -65,16 +65,17 @@ class Config:
         in shared memory; several GPUs launch their kernels in parallel instead of taking turns
         under one interpreter lock). None (the default): processes on two or more GPUs (4x H200,
         Qwen3-1.7B, delayed mode, one run: 97,279 tokens/s against 79,821 with threads), threads
-        on one GPU, on CPU devices and with peer_transfers.
+        on one GPU, on CPU devices, with peer_transfers, and for replicas of a GPU named twice.
     data_parallel: whether each device may run a copy of the one-device plan over its share of
         the microbatches, the copies' gradients summed on the devices before they come down
         (Note [replicas] in runtime/replicas.py), instead of the stage jobs of one pipeline
         handed round-robin. None (the default): the planner weighs both and takes the faster
         on GPUs (peer_transfers off; 2x H200, Qwen3-1.7B, delayed mode, one run: replicas in
         worker processes 80,112 tokens/s, the pipeline 71,175); True: the
-        replicas wherever there is a microbatch for every device (workers default to threads;
-        with workers="processes" the copies sum in a process group of the workers: Note
-        [replicas in worker processes]); False: never.
+        replicas wherever there is a microbatch for every device (in worker processes by
+        default on two or more GPUs, as with None, the copies summing in a process group of the
+        workers: Note [replicas in worker processes]; threads where a GPU is named twice); False:
+        never.
     split_microbatches: whether the model's first train plan may split each of the
         num_microbatches further (2, 4, ... parts) where that makes the stage jobs recompute
         nothing and is estimated clearly faster (Note [finer microbatches] in passes/__init__.py);
@@ -147,7 +148,8 @@ class Config:
                              "chooses)")
         if self.workers is None:
             multi_gpu = self.on_gpu and len(self.devices) > 1
-            processes = multi_gpu and not self.peer_transfers and not self.data_parallel
+            # (replicas of a GPU named twice cannot sum between processes: threads there)
+            processes = multi_gpu and not self.peer_transfers and not (self.data_parallel and self.repeats_a_gpu)
             self.workers = "processes" if processes else "threads"
         if self.workers not in ("threads", "processes"):
             raise ValueError(f"Config.workers={self.workers!r}: use 'threads' or 'processes'")

@@ -368,8 +368,8 @@ def test_rpcompile_options_become_config_fields():
     kw, _ = rpcompile_runner.config_options(spec("rpcompile-delayed"), rpcompile.Config)
     assert rpcompile.Config(devices=["cpu", "cpu"], **kw).optimizer_mode == "delayed"
     kw, notes = rpcompile_runner.config_options(spec("rpcompile-delayed-dp"), rpcompile.Config)
-    assert kw == {"optimizer_mode": "delayed", "data_parallel": True} and "replica" in notes[1]
-    assert rpcompile.Config(devices=["cpu", "cpu"], **kw).workers == "threads"
+    assert kw == {"optimizer_mode": "delayed", "workers": "threads", "data_parallel": True} and "replica" in notes[2]
+    assert rpcompile.Config(devices=["cpu", "cpu"], **kw).workers == "threads"   # (replicas on worker threads)
     with pytest.raises(RuntimeError, match="no data_parallel field"):
         rpcompile_runner.config_options(spec("rpcompile-delayed-dp"), _ConfigWithoutPeers)
     kw, notes = rpcompile_runner.config_options(spec("rpcompile", rpcompile_memory_budget_gib="80"), rpcompile.Config)

@@ -430,7 +430,7 @@ def test_what_replicas_refuse(monkeypatch):
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "device_count", lambda: 2)
         assert rpcompile.Config(devices=["cuda:0", "cuda:1"]).workers == "processes"
-        assert rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=True).workers == "threads"
+        assert rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=True).workers == "processes"
         from rpcompile.passes import _weighs_replicas
         assert _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads"))
         assert not _weighs_replicas(rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True))

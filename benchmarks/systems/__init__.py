@@ -51,7 +51,7 @@ SYSTEMS = {
     "rpcompile-delayed-dp": _rpcompile("rpcompile-delayed-dp",
                                        "rpcompile, Config(optimizer_mode='delayed', data_parallel=True) + "
                                        "cm.attach_optimizer(AdamW): replicas on worker threads", rpcompile_delayed="1",
-                                       rpcompile_data_parallel="1"),
+                                       rpcompile_data_parallel="1", rpcompile_threads="1"),
     "rpcompile-delayed-dp-proc": _rpcompile("rpcompile-delayed-dp-proc",
                                             "rpcompile, Config(optimizer_mode='delayed', data_parallel=True, "
                                             "workers='processes') + cm.attach_optimizer(AdamW): replicas in worker "

@@ -19,8 +19,8 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_processes=1   Config(workers="processes"): one worker process per device; system
                           "rpcompile-delayed-proc" (with rpcompile_delayed=1)
   rpcompile_data_parallel=1  Config(data_parallel=True): replicas, each device running the one-device
-                          plan over its share of the microbatches (worker threads); system
-                          "rpcompile-delayed-dp" (with rpcompile_delayed=1)
+                          plan over its share of the microbatches; system "rpcompile-delayed-dp"
+                          (with rpcompile_delayed=1 and rpcompile_threads=1: worker threads)
   rpcompile_pipeline=1    Config(data_parallel=False): the pipeline, never replicas; system
                           "rpcompile-delayed-pipe" (with rpcompile_delayed=1)
   rpcompile_worker_switch_ms=X  an instrument: worker processes' interpreter switch interval
