@@ -54,9 +54,7 @@ def test_default_workers(monkeypatch):
     assert rpcompile.Config(devices=["cuda:0"]).workers == "threads"
     assert rpcompile.Config(devices=["cuda:0", "cuda:1"], peer_transfers=True).workers == "threads"
     assert rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="threads").workers == "threads"
-    # replicas asked for: processes too (the measured path), but a GPU named twice cannot sum between them
-    assert rpcompile.Config(devices=["cuda:0", "cuda:1"], data_parallel=True).workers == "processes"
-    assert rpcompile.Config(devices=["cuda:0", "cuda:0"], data_parallel=True).workers == "threads"
+    # (a GPU named twice: processes, but threads for replicas: test_replicas.test_what_replicas_refuse)
     assert rpcompile.Config(devices=["cuda:0", "cuda:0"]).workers == "processes"
     with pytest.raises(ValueError, match="needs workers='threads'"):
         rpcompile.Config(devices=["cuda:0", "cuda:1"], workers="processes", peer_transfers=True)

@@ -66,7 +66,6 @@ class OverlappedOptimizer:
         self.trace = False                      # record device_spans (Note [optimizer spans])
         self.device_spans: list = []            # the last submissions' (tracer.t0, spans)
         self.trace_error = None                 # why a submission's spans could not be read
-        self._clock_streams: dict = {}          # device -> an idle stream for a tracer's start events
         self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
         # Ended and joined at exit while the interpreter is whole (see executor._stop).
@@ -174,14 +173,8 @@ class OverlappedOptimizer:
         devices = list(dict.fromkeys(self.masters.state_devices)) if self.trace and self.masters.on_devices else []
         if not devices:
             return None
-
-        def clock(d):
-            s = self._clock_streams.get(d)
-            if s is None:
-                s = self._clock_streams[d] = torch.cuda.Stream(device=d)
-            return s
-        try:
-            return Tracer(devices, clock_stream=clock)
+        try:   # (the start events on this thread's own streams: idle between submissions, each waited for)
+            return Tracer(devices, clock_stream=self.stepper._stream)
         except Exception as exc:  # noqa: BLE001 - an instrument: the step goes on untraced
             self.trace_error = f"{type(exc).__name__}: {exc}"
             return None
