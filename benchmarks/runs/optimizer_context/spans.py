@@ -1,0 +1,59 @@
+"""What of a traced step's compute ran beside the optimizer's work on the same device, and how
+much longer those pieces took than the same pieces elsewhere (README.md, 56th session).
+
+    python benchmarks/runs/optimizer_context/spans.py RECENT.json [...]
+
+A piece is keyed by (job, name, its place among its microbatch's pieces); its excess is its
+seconds over the median of its key. Printed per device: compute seconds, and the excess summed
+over pieces that overlap a `step_on_device` / `masters_down` / `copies_down` span, and over those
+that overlap none."""
+import collections
+import json
+import statistics
+import sys
+
+OPT = ("step_on_device", "masters_down", "copies_down")
+
+
+def overlap(s, spans):
+    return sum(max(0.0, min(s["end_s"], o["end_s"]) - max(s["start_s"], o["start_s"])) for o in spans)
+
+
+def report(spans):
+    out = []
+    for dev in sorted({s["device"] for s in spans}):
+        comp = sorted((s for s in spans if s["device"] == dev and s["stream"] == "compute"), key=lambda s: s["start_s"])
+        opt = {n: [s for s in spans if s["device"] == dev and s["name"] == n] for n in OPT}
+        place = collections.Counter()
+        keyed = collections.defaultdict(list)
+        for s in comp:
+            k0 = (s.get("step"), s.get("job"), s.get("microbatch"))
+            key = (s.get("job"), s["name"], place[k0])
+            place[k0] += 1
+            keyed[key].append(s)
+        med = {k: statistics.median(x["end_s"] - x["start_s"] for x in v) for k, v in keyed.items()}
+        rows = collections.defaultdict(lambda: [0, 0.0, 0.0])      # class -> pieces, seconds, excess
+        for k, v in keyed.items():
+            for s in v:
+                d = s["end_s"] - s["start_s"]
+                hit = [n for n in OPT if overlap(s, opt[n]) > 0]
+                cls = "+".join(hit) or "alone"
+                r = rows[cls]
+                r[0] += 1
+                r[1] += d
+                r[2] += d - med[k]
+        steps = sorted({s.get("step") for s in comp})
+        busy = sum(s["end_s"] - s["start_s"] for s in comp)
+        optsec = {n: sum(s["end_s"] - s["start_s"] for s in opt[n]) for n in OPT}
+        out.append(f"{dev}: steps {steps}, compute {busy:.3f} s, optimizer spans "
+                   + ", ".join(f"{n} {len(opt[n])}x {optsec[n]:.3f} s" for n in OPT))
+        for cls, (cnt, sec, exc) in sorted(rows.items()):
+            out.append(f"  beside {cls}: {cnt} pieces, {sec:.3f} s, excess over their keys' medians {exc:+.3f} s")
+    return out
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        print(path)
+        for line in report(json.load(open(path))):
+            print(line)
