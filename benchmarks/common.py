@@ -52,6 +52,10 @@ MODELS = {
                             intermediate=6144, vocab=151936, tied=True),
     "llama3.1-8b": ModelSpec("llama3.1-8b", "llama", hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
                              intermediate=14336, vocab=128256, tied=False),
+    # Llama-3.1-8B's layers, half of them (4.5B parameters): a one-GPU host (128 GiB) holds it, so one
+    # H200 measures the microbatch shapes of a 4-GPU Llama-3.1-8B plan (runs/two_row_microbatches/)
+    "llama3.1-8b-16l": ModelSpec("llama3.1-8b-16l", "llama", hidden=4096, layers=16, heads=32, kv_heads=8,
+                                 head_dim=128, intermediate=14336, vocab=128256, tied=False),
     # smoke tests: the same classes, a few hundred thousand parameters
     "tiny": ModelSpec("tiny", "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                       intermediate=128, vocab=512, tied=True),
