@@ -614,6 +614,27 @@ def test_trace_hops_reports_each_microbatchs_hop_between_jobs():
     assert "compute span 0.350 s" in text and "cuda:0: 0.200 s" in text and "cuda:1: 0.200 s" in text
 
 
+def test_beside_optimizer_sets_the_pieces_beside_the_updates_spans_apart():
+    """benchmarks/beside_optimizer.py: a piece that overlaps the optimizer's device spans is counted
+    there with its seconds over its key's median; the others alone; another device's spans do not count."""
+    from benchmarks.beside_optimizer import report
+
+    def piece(step, start, end, device="cuda:0"):
+        return {"device": device, "stream": "compute", "name": "forward+backward", "start_s": start,
+                "end_s": end, "job": 0, "microbatch": 0, "step": step}
+
+    def opt(name, start, end, device="cuda:0"):
+        return {"device": device, "stream": "optimizer", "name": name, "start_s": start, "end_s": end}
+    spans = [piece(0, 0.0, 0.25), piece(1, 0.5, 1.0), piece(2, 1.25, 1.5), piece(3, 1.75, 2.0),
+             opt("step_on_device", 0.5, 0.75), opt("masters_down", 0.625, 0.875),
+             opt("copies_down", 1.0, 1.125, device="cuda:1")]
+    lines = report(spans)
+    assert lines[0].startswith("cuda:0: steps [0, 1, 2, 3], compute 1.250 s, optimizer spans step_on_device 1x 0.250 s")
+    assert "  beside alone: 3 pieces, 0.750 s, excess over their keys' medians +0.000 s" in lines
+    assert "  beside step_on_device+masters_down: 1 pieces, 0.500 s, excess over their keys' medians +0.250 s" in lines
+    assert lines[-1].startswith("cuda:1: steps [], compute 0.000 s") and "copies_down 1x 0.125 s" in lines[-1]
+
+
 # --- RESULTS.md's raw tables read back ------------------------------------------------------------
 RESULTS_EXCERPT = """\
 ## 2026-11-26 03:37 UTC · NVIDIA H200 × 1 · qwen3-1.7b · loss parity

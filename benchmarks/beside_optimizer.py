@@ -1,12 +1,16 @@
-"""What of a traced step's compute ran beside the optimizer's work on the same device, and how
-much longer those pieces took than the same pieces elsewhere (README.md, 56th session).
+"""What of a traced step's compute ran beside the optimizer's work on the same device (Note
+[optimizer spans]), and how much longer those pieces took than the same pieces elsewhere
+(runs/optimizer_context/README.md), from the last steps' spans the harness keeps with
+`--option rpcompile_trace_dir=D` (benchmarks/sides.sh copies them to $OUT/recent-*.json):
 
-    python benchmarks/runs/optimizer_context/spans.py RECENT.json [...]
+    python -m benchmarks.beside_optimizer D/rpcompile-delayed_1g.recent.json [...]
 
 A piece is keyed by (job, name, its place among its microbatch's pieces); its excess is its
 seconds over the median of its key. Printed per device: compute seconds, and the excess summed
 over pieces that overlap a `step_on_device` / `masters_down` / `copies_down` span, and over those
 that overlap none."""
+from __future__ import annotations
+
 import collections
 import json
 import statistics
