@@ -16,11 +16,9 @@ import json
 import statistics
 import sys
 
+from .systems.rpcompile_runner import _overlap, _union
+
 OPT = ("step_on_device", "masters_down", "copies_down")
-
-
-def overlap(s, spans):
-    return sum(max(0.0, min(s["end_s"], o["end_s"]) - max(s["start_s"], o["start_s"])) for o in spans)
 
 
 def report(spans):
@@ -28,6 +26,7 @@ def report(spans):
     for dev in sorted({s["device"] for s in spans}):
         comp = sorted((s for s in spans if s["device"] == dev and s["stream"] == "compute"), key=lambda s: s["start_s"])
         opt = {n: [s for s in spans if s["device"] == dev and s["name"] == n] for n in OPT}
+        covered = {n: _union((s["start_s"], s["end_s"]) for s in opt[n]) for n in OPT}
         place = collections.Counter()
         keyed = collections.defaultdict(list)
         for s in comp:
@@ -40,7 +39,7 @@ def report(spans):
         for k, v in keyed.items():
             for s in v:
                 d = s["end_s"] - s["start_s"]
-                hit = [n for n in OPT if overlap(s, opt[n]) > 0]
+                hit = [n for n in OPT if _overlap([(s["start_s"], s["end_s"])], covered[n]) > 0]
                 cls = "+".join(hit) or "alone"
                 r = rows[cls]
                 r[0] += 1

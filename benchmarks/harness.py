@@ -33,7 +33,7 @@ import time
 from typing import Optional
 
 from . import bar, report, run_files
-from .common import (LR, GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
+from .common import (LR, MODELS, GiB, PEAK_FLOPS_PER_GPU, RunSpec, get_model, next_probe, param_count, read_result,
                      utilisation)
 from .systems import get_system
 
@@ -67,7 +67,7 @@ def default_warmup(name: str, gpus: int, given: Optional[int] = None) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.harness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-1.7b", help="qwen3-1.7b, llama3.1-8b, llama3.1-8b-16l, tiny, tiny-llama")
+    p.add_argument("--model", default="qwen3-1.7b", help=", ".join(k for k, m in MODELS.items() if k == m.name))
     p.add_argument("--gpus", type=int, default=1, help="GPUs per system (CPU mode: rpcompile's CPU devices)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seq-len", type=int, default=2048)
