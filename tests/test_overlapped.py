@@ -70,6 +70,70 @@ def test_next_step_waits_for_the_parameters_it_reads():
         close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_weights_go_up_as_the_pieces_read_them(monkeypatch, devices):
+    """Note [weights as they arrive]: while the optimizer still steps the last step's later
+    layers, the next step's first piece runs, its weights going up as each piece reads them
+    once their parameters are stepped; parameters after SGD-with-momentum steps as eager's.
+    (benchmarks/runs/weights_arrive/check.py runs it on a GPU.)"""
+    late_weights_run(monkeypatch, ["cpu"] * devices)
+
+
+def late_weights_run(monkeypatch, devices, tol=(1e-5, 1e-7), **config):
+    """3 overlapped steps of a 4-layer Qwen3 whose optimizer takes 0.1 s a chunk, against eager."""
+    import time
+
+    from rpcompile.runtime import programs
+    from rpcompile.runtime.job import JobContext
+
+    model = qwen3(tied=False, layers=4)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=devices, num_microbatches=2,
+                                                   memory_budget="300KiB" if len(devices) > 1 else None,
+                                                   optimizer_mode="overlapped", **config))
+    chunk_ends, piece_starts, late = [], [], []
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.1)
+            out = super().step(closure)
+            chunk_ends.append(time.perf_counter())
+            return out
+
+    arriving, upload = programs.Arriving.forward, JobContext._upload_weight
+
+    def piece(self, *args):
+        piece_starts.append(time.perf_counter())
+        return arriving(self, *args)
+
+    def upload_late(self, name, p, rows, into=None):
+        if into is not None:
+            late.append(name)
+        return upload(self, name, p, rows, into)
+    monkeypatch.setattr(programs.Arriving, "forward", piece)
+    monkeypatch.setattr(JobContext, "_upload_weight", upload_late)
+    cm.attach_optimizer(SlowSGD(model.parameters(), lr=0.1, momentum=0.9), chunks=6)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    first_pieces = []
+    for step in range(3):
+        b = lm_batch(seed=step)
+        first_pieces.append(len(piece_starts))
+        loss = cm.train_step(**b)
+        loss_ref = ref(**b).loss
+        loss_ref.backward()
+        opt_ref.step(), opt_ref.zero_grad()
+        close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
+    cm.synchronize()
+    chunks = len(chunk_ends) // 3
+    assert chunks >= 4 and len(chunk_ends) == 3 * chunks
+    for step in (1, 2):   # its first piece ran while the update of the step before had chunks to go
+        assert piece_starts[first_pieces[step]] < chunk_ends[step * chunks - 1] - 0.15, (step, chunk_ends)
+    assert {name.split(".")[2] for name in late if ".layers." in name} >= {"0", "3"}, late
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), *tol, name)
+    return cm, late
+
+
 def _three_layer_overlapped():
     """A model, its eager twin, the compiled model (overlapped, no clipping) and both AdamWs."""
     model = qwen3(tied=False, layers=3)

@@ -44,8 +44,10 @@ def _split_graphs(cm, program=None):
 
 
 def _pieces(split):
-    """The compiled pieces of a split graph (unwrapped from runtime.programs.LengthDynamic)."""
+    """The compiled pieces of a split graph (unwrapped from runtime.programs.Arriving and
+    LengthDynamic)."""
     pieces = [getattr(split, name) for name in split.meta["rp_regions"]]
+    pieces = [getattr(p, "inner", p) for p in pieces]
     return [getattr(p, "compiled", p) for p in pieces]
 
 
@@ -225,7 +227,7 @@ def test_a_plan_for_a_longer_length_reuses_the_compiled_layers(monkeypatch):
     first = set(shared)
     cm.train_step(**lm_batch(batch=1, seq=256, vocab=512))
     assert len(cm._plans.plans()) == 2, "the longer length needs a plan of its own"
-    new = [shared[k].compiled._orig_mod for k in set(shared) - first]
+    new = [shared[k].inner.compiled._orig_mod for k in set(shared) - first]
     whole = [gm for gm in new if _whole_layer(gm, layer_nodes)]
     assert new and not whole, f"{len(whole)} of {len(new)} new pieces are whole layers compiled again"
 

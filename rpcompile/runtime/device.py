@@ -141,14 +141,14 @@ class DeviceRuntime:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.compute)
 
-    def _copy_in(self, stream, t, want, wait=True):
-        """Copy t to this device on `stream`; compute waits for it now (wait) or the caller
-        makes it wait on the returned event when the value is used."""
+    def _copy_in(self, stream, t, want, wait=True, into=None):
+        """Copy t to this device (into `into`, if given) on `stream`; compute waits for it now
+        (wait) or the caller makes it wait on the returned event when the value is used."""
         if isinstance(t, Pending):
             t.wait_on(stream)
             t = t.tensor
         with torch.cuda.stream(stream):
-            d = t.to(self.device, dtype=want, non_blocking=True)
+            d = t.to(self.device, dtype=want, non_blocking=True) if into is None else into.copy_(t, non_blocking=True)
         d.record_stream(self.compute)
         ev = torch.cuda.Event()
         ev.record(stream)
@@ -169,23 +169,38 @@ class DeviceRuntime:
             return self._copy_in(self.acts_in, t, want)[0]
         return _map(move, value, is_leaf=lambda v: isinstance(v, Pending))
 
-    def upload_weight(self, param, dtype, host_weights, rows=None, wait=True):
+    def upload_weight(self, param, dtype, host_weights, rows=None, wait=True, into=None):
         """A parameter's working copy (or that of rows [start, stop)) on this device, from its
-        pinned copy on a GPU; with wait=False, (tensor, event the compute must wait on)."""
+        pinned copy on a GPU; with wait=False, (tensor, event the compute must wait on). `into`:
+        the weight_memory it goes into (Note [weights as they arrive], runtime/job.py)."""
         want = working_dtype(param, dtype)
         if self.is_cpu and not getattr(host_weights, "snapshot", False):
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
             p = p if p.dtype == want else p.to(want)
+            p = p if into is None else into.copy_(p)
             return p if wait else (p, None)
         with host_weights.refreshed(param, want, rows) as entry:
             if self.is_cpu:
                 # a delayed-mode copy, rewritten once the jobs reading it landed (Note [chunk-wise
                 # submission]); .data: its own version counter, so the rewrite of another
                 # parameter in the same flat buffer does not trip a saved tensor's check
-                return entry[1].data if wait else (entry[1].data, None)
-            d, ev = self._copy_in(self.weights_in, entry[1], want, wait)
+                p = entry[1].data if into is None else into.copy_(entry[1])
+                return p if wait else (p, None)
+            d, ev = self._copy_in(self.weights_in, entry[1], want, wait, into)
             host_weights.mark_upload(entry, ev, self.weights_in)
         return d if wait else (d, ev)
+
+    def weight_memory(self, param, dtype, rows=None) -> torch.Tensor:
+        """Memory for a parameter's working copy (or rows [start, stop) of it) on this device,
+        which upload_weight(into=) fills later (Note [weights as they arrive], runtime/job.py)."""
+        shape = param.shape if rows is None else (rows[1] - rows[0], *param.shape[1:])
+        want = working_dtype(param, dtype)
+        if self.is_cpu:
+            return torch.empty(shape, dtype=want)
+        with torch.cuda.stream(self.weights_in):    # as _copy_in's copies: made on the stream that fills it
+            d = torch.empty(shape, dtype=want, device=self.device)
+        d.record_stream(self.compute)
+        return d
 
     def prefetch(self, key, params, dtype, host_weights, ready=None, tracer=None, attrs=None, before=None):
         """Start uploading a job's weights now, on the weights stream (double buffering); the

@@ -111,13 +111,17 @@ class JobContext:
     `handle` is what the program's ops take as `job` (Note [program ops])."""
 
     def __init__(self, step: StepState, job_index: int, prev_job: Optional[int], stage, role: str, dev,
-                 links: Optional[JobLinks] = None, replica: int = 0):
+                 links: Optional[JobLinks] = None, replica: int = 0, pieces: bool = False):
         self.step, self.job_index, self.prev_job = step, job_index, prev_job
         self.stage, self.role, self.dev = stage, role, dev
         self.links = links or JobLinks()
         self.replica = replica
         self.exchange = step.exchanges.get(job_index)     # Note [replicas] (runtime/replicas.py)
         self.weights: dict = {}
+        # data_ptr -> (name, parameter, rows, memory): weights that go up as a piece reads them
+        # (Note [weights as they arrive]); only where the program's compute runs as pieces
+        self.late_weights: dict = {}
+        self.pieces = pieces
         self.buffers: dict = {}
         self.write_back: list = []
         self.grad_acc: dict = {}          # param key -> view of the flat accumulator
@@ -131,6 +135,7 @@ class JobContext:
 
     def close(self):
         self.release_rng()
+        self.late_weights.clear()
         ops.unregister(self.handle)
 
     # --- tracing ---------------------------------------------------------------------------
@@ -176,6 +181,25 @@ class JobContext:
             rng.__exit__(None, None, None)
 
     # --- inputs ----------------------------------------------------------------------------
+    # Note [weights as they arrive]: in overlapped mode the optimizer steps the last step's
+    # gradients in forward order while the next step starts, and a job may read a weight only
+    # once its parameter is stepped (`StepState.gate`). The program fetches every weight its
+    # compute takes before calling it, so a job whose weights were not all stepped yet waited
+    # for the last of them before issuing its first kernel: one H200, Qwen3-1.7B, one fused job,
+    # 0.43-0.47 s a step between the last microbatch and the next step's first, the update's
+    # chunks done one after another over ~0.35 s (benchmarks/runs/overlapped_one_gpu). So a
+    # weight still being stepped when the program fetches it gets its device memory only, and
+    # goes up when the first piece of the compute graph that reads it is about to run
+    # (runtime/programs.py `Arriving`; every program's compute runs as pieces cut at the
+    # decoder layers, passes/regions.py): the host waits for that parameter's step there, and
+    # the first layers' kernels are issued while the optimizer steps the later ones. A piece's
+    # weights are its arguments (the top of a cut graph only calls pieces), found by their
+    # memory; the backward's grad leaves share it. Measured (57th session, one H200, one fused
+    # job, benchmarks/runs/weights_arrive): Qwen3-1.7B 36,480 / 36,217 -> 37,450 / 38,038 tokens/s,
+    # Llama's first 16 layers 9,915 -> 10,152; the GPU idle between steps 0.43 -> 0.02 s. Only the
+    # first microbatch's forward runs beside the update: its backward needs the last layers'
+    # weights, stepped last. Worker processes gate every weight before a run (processes.py
+    # weight_table), so this is the worker threads' path.
     def weight(self, name, rows=None):
         index = self.step.param_index[name]
         key = index if rows is None else (index, *rows)
@@ -183,16 +207,35 @@ class JobContext:
         if w is None:
             p = self.step.params[index]
             if self.step.gate is not None:
+                if self.pieces and not self.step.ready(p) and p.numel():
+                    w = self.weights[key] = self.dev.weight_memory(p, self.step.dtype, rows)
+                    self.late_weights[w.data_ptr()] = (name, p, rows, w)
+                    return w
                 self.step.gate(p)
             w = None if self.prefetched is None else self.dev.take_prefetched(self.prefetched, key)
             if w is None:
-                numel = self.step.plan.param_numel(key)
-                itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
-                w = self.span("weights_in", "upload_weight",
-                              lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows),
-                              param=name, bytes=numel * itemsize)
+                w = self._upload_weight(name, p, rows)
             self.weights[key] = w
         return w
+
+    def _upload_weight(self, name, p, rows, into=None):
+        key = self.step.param_index[name] if rows is None else (self.step.param_index[name], *rows)
+        numel = self.step.plan.param_numel(key)
+        itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
+        return self.span("weights_in", "upload_weight",
+                         lambda: self.dev.upload_weight(p, self.step.dtype, self.step.host_weights, rows, into=into),
+                         param=name, bytes=numel * itemsize, **({} if into is None else {"late": True}))
+
+    def arrive(self, args):
+        """The late weights among a piece's arguments go up, each once its parameter is stepped
+        (Note [weights as they arrive])."""
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                late = self.late_weights.pop(a.data_ptr(), None)
+                if late is not None:
+                    name, p, rows, memory = late
+                    self.span("host", "wait_param", lambda: self.step.gate(p), self.microbatch, param=name)
+                    self._upload_weight(name, p, rows, into=memory)
 
     def buffer(self, name):
         index = self.step.buffer_index[name]
@@ -492,7 +535,8 @@ def run_job(step: StepState, job_index: int, prev_job, stage, role: str, dev, pr
     try:
         # This job's weights, unless the job before it on this device already queued them.
         _prefetch(step, dev, job_index, stage)
-        ctx = JobContext(step, job_index, prev_job, stage, role, dev, links, replica)
+        ctx = JobContext(step, job_index, prev_job, stage, role, dev, links, replica,
+                         pieces=getattr(program, "weights_arrive", False))
         with torch.enable_grad() if role != "fwd" else torch.no_grad():
             for mb in (range(len(step.micro)) if microbatches is None else microbatches):
                 program.forward(ctx.handle, mb)   # not program(...): see ops.compute

@@ -179,7 +179,19 @@ def compute(job, mb, graph, *args):
     name = {"fwd": "forward", "fused": "forward+backward", "bwd": "recompute+backward"}[ctx.role]
     # .forward, not graph(...): torch.fx's GraphModule.__call__ prints the generated code around
     # a failing line to stderr, even when the caller catches the StageError that reports it
-    return ctx.span("compute", name, lambda: graph.forward(*args), mb)
+    _local.job = ctx        # whose weights arrive before each piece (Note [weights as they arrive])
+    try:
+        return ctx.span("compute", name, lambda: graph.forward(*args), mb)
+    finally:
+        _local.job = None
+
+
+def arrive(args) -> None:
+    """Before a piece of a compute graph runs: the weights among its arguments that the running
+    job left to go up as they are read (Note [weights as they arrive], runtime/job.py)."""
+    ctx = getattr(_local, "job", None)
+    if ctx is not None and getattr(ctx, "late_weights", None):     # (a dry run's job has none)
+        ctx.arrive(args)
 
 
 # --- inside compute graphs ----------------------------------------------------------------

@@ -11,33 +11,56 @@ import torch
 
 from . import autotune, timeline
 from .compile_once import in_sharing_pass
+from .ops import arrive
 from ..passes.graph_utils import generate_code, retarget
 from ..passes.regions import compile_regions
 from .warmup import WarmupGuard, _signature, calling_alone
 
 
-def compiled(prog, options=None, shared=None, locks=None):
-    """The program with its compute graphs compiled by Inductor (AOTAutograd for backward),
-    cut at repeated blocks such as decoder layers (passes/regions.py): identical pieces share
-    one compiled function, memoised in `shared`. The cache passes one dict per device and
-    capture, so a decoder layer is one compiled object per device, whatever stage program or
-    re-planned length uses it (first steps at 4 GPUs measured the same, 215-231 s against
-    226 s: Inductor's caches had already served the repeats). `locks`: worker processes'
-    CompileLocks (Note [compile each piece once], compile_once.py)."""
+def compiled(prog, options=None, shared=None, locks=None, inductor=True):
+    """The program with its compute graphs cut at repeated blocks such as decoder layers
+    (passes/regions.py) and, with `inductor`, each piece compiled by Inductor (AOTAutograd for
+    backward): identical pieces share one compiled function, memoised in `shared`. The cache
+    passes one dict per device and capture, so a decoder layer is one compiled object per
+    device, whatever stage program or re-planned length uses it (first steps at 4 GPUs measured
+    the same, 215-231 s against 226 s: Inductor's caches had already served the repeats).
+    Uncompiled programs are cut too: their weights arrive piece by piece as well (Note [weights
+    as they arrive], runtime/job.py). `locks`: worker processes' CompileLocks (Note [compile
+    each piece once], compile_once.py)."""
     prog = retarget(prog, {})   # a private copy whose children we may replace
     shared = {} if shared is None else shared
 
-    def inductor(gm):
+    def piece(gm):
+        if not inductor:
+            return Arriving(gm)
         generate_code(gm)   # before Dynamo traces it (Note [lazy graph modules])
-        return LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options), locks)
+        return Arriving(LengthDynamic(gm, torch.compile(gm, dynamic=None, options=options), locks))
+
+    def guard(gm):
+        return WarmupGuard(gm, locks) if inductor else gm
 
     for name, child in list(prog.named_children()):
         if name == "forward_graph" or name.startswith("forward_part"):   # Note [forward parts] (codegen)
-            setattr(prog, name, WarmupGuard(compile_regions(child, inductor, shared), locks))
+            setattr(prog, name, guard(compile_regions(child, piece, shared)))
     if hasattr(prog, "backward_graph"):
-        prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, inductor, shared)
-        prog.backward_graph = WarmupGuard(prog.backward_graph, locks)
+        prog.backward_graph.compute = compile_regions(prog.backward_graph.compute, piece, shared)
+        prog.backward_graph = guard(prog.backward_graph)
+    prog.weights_arrive = True
     return prog
+
+
+class Arriving(torch.nn.Module):
+    """A piece of a compute graph whose weights, where its job left them to go up as they are
+    read, arrive before it runs (Note [weights as they arrive], runtime/job.py)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        arrive(args)
+        # .forward: a GraphModule's __call__ prints its code around a failing line (ops.compute)
+        return self.inner.forward(*args)
 
 
 class LengthDynamic(torch.nn.Module):
@@ -125,7 +148,7 @@ class ProgramCache:
             autotune.clones_on_device()     # Note [autotune's clones on the device] (autotune.py)
         self.locks = None               # a worker process's CompileLocks (compile_once.py)
         self._programs: dict = {}
-        self._pieces: dict = {}         # (capture key, device) -> compiled pieces by key (passes/regions.py)
+        self._pieces: dict = {}         # (capture key, device, inductor) -> pieces by key (passes/regions.py)
 
     @property
     def inductor(self) -> bool:
@@ -143,9 +166,9 @@ class ProgramCache:
             prog = stage.programs[role]
             if capture_device != device:
                 prog = retarget(prog, {capture_device.type: device})
-            if self.use_inductor(stage):
-                prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device), {}),
-                                self.locks)
+            inductor = self.use_inductor(stage)
+            prog = compiled(prog, self.inductor_options, self._pieces.setdefault((capture_key, device, inductor), {}),
+                            self.locks, inductor)
             self._programs[key] = generate_code(prog)
             timeline.mark(f"program {stage.index}{role} for {device} built", time.perf_counter() - t0)
         return prog
