@@ -191,8 +191,9 @@ class JobContext:
     # weight still being stepped when the program fetches it gets its device memory only, and
     # goes up when the first piece of the compute graph that reads it is about to run
     # (runtime/programs.py `Arriving`; every program's compute runs as pieces cut at the
-    # decoder layers, passes/regions.py): the host waits for that parameter's step there, and
-    # the first layers' kernels are issued while the optimizer steps the later ones. A piece's
+    # decoder layers, passes/regions.py; a graph without repeated blocks is one piece, whose
+    # weights arrive together): the host waits for that parameter's step there, and the first
+    # layers' kernels are issued while the optimizer steps the later ones. A piece's
     # weights are its arguments (the top of a cut graph only calls pieces), found by their
     # memory; the backward's grad leaves share it. Measured (57th session, one H200, one fused
     # job, benchmarks/runs/weights_arrive): Qwen3-1.7B 36,480 / 36,217 -> 37,450 / 38,038 tokens/s,
