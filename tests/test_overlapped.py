@@ -106,10 +106,10 @@ def late_weights_run(monkeypatch, devices, tol=(1e-5, 1e-7), **config):
         piece_starts.append(time.perf_counter())
         return arriving(self, *args)
 
-    def upload_late(self, name, p, rows, into=None):
+    def upload_late(self, name, key, p, into=None):
         if into is not None:
             late.append(name)
-        return upload(self, name, p, rows, into)
+        return upload(self, name, key, p, into)
     monkeypatch.setattr(programs.Arriving, "forward", piece)
     monkeypatch.setattr(JobContext, "_upload_weight", upload_late)
     cm.attach_optimizer(SlowSGD(model.parameters(), lr=0.1, momentum=0.9), chunks=6)

@@ -176,8 +176,10 @@ class DeviceRuntime:
         want = working_dtype(param, dtype)
         if self.is_cpu and not getattr(host_weights, "snapshot", False):
             p = param.detach() if rows is None else param.detach()[rows[0]:rows[1]]
-            p = p if p.dtype == want else p.to(want)
-            p = p if into is None else into.copy_(p)
+            if into is not None:
+                p = into.copy_(p)       # (copy_ casts to into's dtype, the working one)
+            elif p.dtype != want:
+                p = p.to(want)
             return p if wait else (p, None)
         with host_weights.refreshed(param, want, rows) as entry:
             if self.is_cpu:

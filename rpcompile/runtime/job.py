@@ -118,7 +118,7 @@ class JobContext:
         self.replica = replica
         self.exchange = step.exchanges.get(job_index)     # Note [replicas] (runtime/replicas.py)
         self.weights: dict = {}
-        # data_ptr -> (name, parameter, rows, memory): weights that go up as a piece reads them
+        # data_ptr -> (name, key, parameter, memory): weights that go up as a piece reads them
         # (Note [weights as they arrive]); only where the program's compute runs as pieces
         self.late_weights: dict = {}
         self.pieces = pieces
@@ -210,17 +210,18 @@ class JobContext:
             if self.step.gate is not None:
                 if self.pieces and not self.step.ready(p) and p.numel():
                     w = self.weights[key] = self.dev.weight_memory(p, self.step.dtype, rows)
-                    self.late_weights[w.data_ptr()] = (name, p, rows, w)
+                    self.late_weights[w.data_ptr()] = (name, key, p, w)
                     return w
                 self.step.gate(p)
             w = None if self.prefetched is None else self.dev.take_prefetched(self.prefetched, key)
             if w is None:
-                w = self._upload_weight(name, p, rows)
+                w = self._upload_weight(name, key, p)
             self.weights[key] = w
         return w
 
-    def _upload_weight(self, name, p, rows, into=None):
-        key = self.step.param_index[name] if rows is None else (self.step.param_index[name], *rows)
+    def _upload_weight(self, name, key, p, into=None):
+        """Weight `name`'s working copy (key: its index, or (index, start, stop) for rows of it)."""
+        rows = key[1:] if isinstance(key, tuple) else None
         numel = self.step.plan.param_numel(key)
         itemsize = (self.step.dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
         return self.span("weights_in", "upload_weight",
@@ -234,9 +235,9 @@ class JobContext:
             if isinstance(a, torch.Tensor):
                 late = self.late_weights.pop(a.data_ptr(), None)
                 if late is not None:
-                    name, p, rows, memory = late
+                    name, key, p, memory = late
                     self.span("host", "wait_param", lambda: self.step.gate(p), self.microbatch, param=name)
-                    self._upload_weight(name, p, rows, into=memory)
+                    self._upload_weight(name, key, p, into=memory)
 
     def buffer(self, name):
         index = self.step.buffer_index[name]

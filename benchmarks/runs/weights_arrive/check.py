@@ -15,4 +15,4 @@ for compiled in (False, True):
     with pytest.MonkeyPatch.context() as mp:
         cm, late = late_weights_run(mp, ["cuda:0"], tol=(1e-4, 1e-6), dtype=torch.float32, compile_stages=compiled)
     print(f"compile_stages={compiled}: parity ok; {len(cm.plan.stages)} job(s); {len(late)} weights went up late "
-          f"({len({n for n in late})} distinct)", flush=True)
+          f"({len(set(late))} distinct)", flush=True)
