@@ -353,6 +353,14 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     for name in names:   # every element there, once a submission
         assert sum(sp["elements"] for sp in spans if sp["name"] == name) == device_elements, name
     assert all(0 <= sp["start_s"] <= sp["end_s"] for sp in spans)
+    # Note [masters down after the copies] (runtime/flat.py): where the jobs read working copies
+    # (delayed mode), the stepped masters come down after the submission's last copies; where
+    # they read the host masters (overlapped mode on CPU devices), a slice's come down with it
+    first_down = min(sp["start_s"] for sp in spans if sp["name"] == "masters_down")
+    if mode == "delayed":
+        assert first_down >= max(sp["end_s"] for sp in spans if sp["name"] == "copies_down")
+    else:
+        assert first_down < max(sp["start_s"] for sp in spans if sp["name"] == "step_on_device")
     recent = cm1.runner.recent_traces()
     steps = [sp for sp in recent if "step" in sp]
     ours = [sp for sp in recent if sp["stream"] in ("optimizer", "optimizer_down")]

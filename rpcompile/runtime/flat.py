@@ -99,6 +99,22 @@ The masters there equal the host's only if the parameter's `_version` is the one
 stepped to (an in-place write through the parameter since, or a failed step, and the host
 copies it). With worker processes the copies are shared files, page-locked in the main
 process at their first copy like the gradients.
+
+Note [masters down after the copies]: a slice stepped on a device had its fp32 masters copied
+down before its chunk was marked ready, so the working copies of the next chunk, which the next
+step's jobs wait for, shared the device-to-host link with twice their bytes of masters (one
+H200, Qwen3-1.7B, the whole update there: 6.8 GB of masters a step, ~0.16 s of link, beside
+3.4 GB of working copies and 3.4 GB of gradients). Where the jobs read the working copies the
+refresh writes (delayed mode; overlapped mode on GPUs), no job reads the host masters, so they
+come down once the submission's last chunk is ready (`masters_down`), before the submission
+counts as done (whatever reads the parameters waits for that). Where the jobs read the host
+masters themselves (overlapped mode on CPU devices: no working copies) a slice's still come down
+before its chunk is ready. A failed submission brings down what it stepped, as before.
+Measured (58th session, one H200, overlapped mode, M=4, one fused job, each pair in one call in
+both orders, benchmarks/runs/masters_after_copies): the next step's first microbatch, which
+waits for the update, 0.65-0.67 -> 0.59-0.62 s for Qwen3-1.7B (37,615 / 37,808 -> 38,705 /
+38,327 tokens/s) and 1.04-1.07 -> 0.86-0.88 s for Llama-3.1-8B's first 16 layers (10,070 /
+10,098 -> 11,102 / 11,026); delayed mode unchanged (45,047 -> 44,815).
 """
 from __future__ import annotations
 
@@ -279,6 +295,10 @@ class FlatStepper:
         self.master_uploads = 0         # elements of masters copied up to the devices so far
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
         self._down_streams: dict = {}   # device -> the stream its stepped masters come down on
+        # Note [masters down after the copies]: while set, stepped masters on the devices come
+        # down at masters_down(), not slice by slice
+        self.defer_masters = False
+        self._masters_pending: list = []   # (device, step stream, host masters, device masters) not yet down
         self.tracer = None              # a submission's Tracer: the devices' parts as spans (Note [optimizer spans])
         # page_lock(t): page-lock the shared file t lies in, in this process (worker processes' gradients)
         self.page_lock = None
@@ -645,6 +665,37 @@ class FlatStepper:
             s = streams[device] = torch.cuda.Stream(device=device)
         return s
 
+    def _master_down(self, device, stream, host, flat):
+        """Issue the copy of stepped masters `flat` (on `device`, stepped on `stream`) into `host`;
+        returns the stream it runs on (None on a CPU device, where it is done)."""
+        # Note [masters down beside the next slice]: on the step's stream the fp32
+        # masters' copy down (twice the bytes of the bf16 gradient that went up)
+        # held the next slice's upload: the link's two directions took turns. On
+        # their own stream they overlap it: the optimizer's step_s 0.211 -> 0.107 s
+        # (2 H200s, Qwen3-1.7B replicas, one microbatch a copy), where its step had
+        # set the pace (jobs waited 64-75 ms a step to write their gradient piece;
+        # 85,868 -> 86,790 tokens/s, GPU-bound since)
+        down = self._stream(device, self._down_streams)
+        if down is None:
+            start_mark = self._mark(None)
+            host.copy_(flat)
+        else:
+            down.wait_stream(stream)
+            start_mark = self._mark(down)
+            with torch.cuda.stream(down):
+                host.copy_(flat, non_blocking=True)
+        self._span(device, down, "optimizer_down", "masters_down", start_mark, elements=flat.numel())
+        return down
+
+    def masters_down(self) -> None:
+        """The stepped masters left on the devices (defer_masters) come down; returns once they
+        have landed (Note [masters down after the copies])."""
+        pending, self._masters_pending = self._masters_pending, []
+        downs = {self._master_down(*item) for item in pending}
+        for down in downs:
+            if down is not None:
+                down.synchronize()
+
     def _step_run(self, k, gi, group, run) -> bool:
         """Step a run [(p, g, offset)] as one tensor; False (nothing done) if its scalar state
         disagrees."""
@@ -693,24 +744,12 @@ class FlatStepper:
                         finally:
                             flat.grad = None
                     self._span(device, stream, "optimizer", "step_on_device", start_mark, elements=b - a)
-                    # Note [masters down beside the next slice]: on the step's stream the fp32
-                    # masters' copy down (twice the bytes of the bf16 gradient that went up)
-                    # held the next slice's upload: the link's two directions took turns. On
-                    # their own stream they overlap it: the optimizer's step_s 0.211 -> 0.107 s
-                    # (2 H200s, Qwen3-1.7B replicas, one microbatch a copy), where its step had
-                    # set the pace (jobs waited 64-75 ms a step to write their gradient piece;
-                    # 85,868 -> 86,790 tokens/s, GPU-bound since)
-                    down = self._stream(device, self._down_streams)
-                    if down is None:
-                        start_mark = self._mark(None)
-                        master[a:b].copy_(flat)
+                    if self.defer_masters:
+                        self._masters_pending.append((device, stream, master[a:b], flat))
                     else:
-                        down.wait_stream(stream)
-                        used[(device, "down")] = down
-                        start_mark = self._mark(down)
-                        with torch.cuda.stream(down):
-                            master[a:b].copy_(flat, non_blocking=True)
-                    self._span(device, down, "optimizer_down", "masters_down", start_mark, elements=b - a)
+                        down = self._master_down(device, stream, master[a:b], flat)
+                        if down is not None:
+                            used[(device, "down")] = down
                     continue
                 for name in scalars:
                     twin_state[name].copy_(state0[name])

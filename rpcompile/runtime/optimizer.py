@@ -225,26 +225,35 @@ class OverlappedOptimizer:
             size = max(1, -(-len(params) // max(1, chunks)))
             chunks = [min(size, len(params) - start) for start in range(0, len(params), size)]
         start, grads_s = 0, t1 - t0
-        for k, n in enumerate(chunks):
-            chunk = params[start:start + n]
-            if by_chunk is None:
-                chunk_grads = grads[start:start + n]
-            else:
-                w = time.perf_counter()
-                chunk_grads = by_chunk(k)
-                grads_s += time.perf_counter() - w
-            start += n
+        # Note [masters down after the copies] (runtime/flat.py): only where the jobs read the
+        # working copies the refresh writes, never the host masters themselves
+        self.stepper.defer_masters = refresh is not None
+        try:
+            for k, n in enumerate(chunks):
+                chunk = params[start:start + n]
+                if by_chunk is None:
+                    chunk_grads = grads[start:start + n]
+                else:
+                    w = time.perf_counter()
+                    chunk_grads = by_chunk(k)
+                    grads_s += time.perf_counter() - w
+                start += n
+                a = time.perf_counter()
+                if chunk:
+                    self.stepper.step(chunk, chunk_grads)
+                    stepped.extend(chunk)
+                b = time.perf_counter()
+                if refresh is not None:
+                    refresh(chunk)
+                for p in chunk:
+                    self._event(p).set()
+                step_s += b - a
+                refresh_s += time.perf_counter() - b
+        finally:      # (a failed submission too: the chunks it stepped keep their step, masters included)
             a = time.perf_counter()
-            if chunk:
-                self.stepper.step(chunk, chunk_grads)
-                stepped.extend(chunk)
-            b = time.perf_counter()
-            if refresh is not None:
-                refresh(chunk)
-            for p in chunk:
-                self._event(p).set()
-            step_s += b - a
-            refresh_s += time.perf_counter() - b
+            self.stepper.defer_masters = False
+            self.stepper.masters_down()
+            step_s += time.perf_counter() - a
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         # cpu_s and switched: the process's CPU seconds and involuntary context switches over the
