@@ -353,14 +353,11 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     for name in names:   # every element there, once a submission
         assert sum(sp["elements"] for sp in spans if sp["name"] == name) == device_elements, name
     assert all(0 <= sp["start_s"] <= sp["end_s"] for sp in spans)
-    # Note [masters down after the copies] (runtime/flat.py): where the jobs read working copies
-    # (delayed mode), the stepped masters come down after the submission's last copies; where
-    # they read the host masters (overlapped mode on CPU devices), a slice's come down with it
+    # a slice's masters come down before its chunk is ready: delayed mode's next steps wait for
+    # the whole submission, and overlapped mode's jobs on CPU devices read the host masters
+    # (Note [masters down after the copies], runtime/flat.py)
     first_down = min(sp["start_s"] for sp in spans if sp["name"] == "masters_down")
-    if mode == "delayed":
-        assert first_down >= max(sp["end_s"] for sp in spans if sp["name"] == "copies_down")
-    else:
-        assert first_down < max(sp["start_s"] for sp in spans if sp["name"] == "step_on_device")
+    assert first_down < max(sp["start_s"] for sp in spans if sp["name"] == "step_on_device")
     recent = cm1.runner.recent_traces()
     steps = [sp for sp in recent if "step" in sp]
     ours = [sp for sp in recent if sp["stream"] in ("optimizer", "optimizer_down")]
@@ -368,6 +365,38 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     assert {sp["worker"] for sp in ours} <= {sp.get("worker") for sp in steps}
     # on the steps' clock: the last submission's first span began after the first traced step did
     assert min(sp["start_s"] for sp in ours if sp["name"] == "step_on_device") > 0
+
+
+@pytest.mark.parametrize("masters_last", [False, True])
+def test_masters_last_refreshes_from_the_devices_before_the_host_masters_come_down(masters_last):
+    """Note [masters down after the copies] (runtime/flat.py): a submission with masters_last
+    (overlapped mode's where the jobs read the working copies the refresh writes) refreshes each
+    chunk while the host masters of the parameters stepped on the devices still hold the last
+    step's values; they come down after the last chunk, before the submission is done, and equal
+    the user's optimizer's. Without it each chunk's come down before its refresh."""
+    from rpcompile.runtime.optimizer import OverlappedOptimizer
+    from test_flat_optimizer import _grads
+    model, ref = _model(), _model()
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_params, lr=0.1, momentum=0.9)
+    overlapped = OverlappedOptimizer(opt, state_devices=DEVICES, on_devices=1.0)
+    overlapped.flatten(params, 1.0)
+    seen = []      # per chunk: whether its host masters had moved when it was refreshed
+    for step in range(3):     # (the first step of a device part is made apart: Note [first step on the device])
+        before = {id(p): p.detach().clone() for p in params}
+        grads = _grads(params, step)
+        seen.clear()
+        overlapped.submit(params, lambda g=grads: list(g), lambda chunk: seen.extend(
+            not torch.equal(p, before[id(p)]) for p in chunk), chunks=len(params), masters_last=masters_last)
+        overlapped.synchronize()
+        for r, g in zip(ref_params, grads):
+            r.grad = g.clone()
+        ref_opt.step()
+        for p, r in zip(params, ref_params):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert overlapped.stepper._device_masters and len(seen) == len(params)
+    assert seen == [not masters_last] * len(params)
 
 
 def test_the_devices_share_comes_out_of_each_jobs_budget():

@@ -102,19 +102,22 @@ process at their first copy like the gradients.
 
 Note [masters down after the copies]: a slice stepped on a device had its fp32 masters copied
 down before its chunk was marked ready, so the working copies of the next chunk, which the next
-step's jobs wait for, shared the device-to-host link with twice their bytes of masters (one
-H200, Qwen3-1.7B, the whole update there: 6.8 GB of masters a step, ~0.16 s of link, beside
-3.4 GB of working copies and 3.4 GB of gradients). Where the jobs read the working copies the
-refresh writes (delayed mode; overlapped mode on GPUs), no job reads the host masters, so they
-come down once the submission's last chunk is ready (`masters_down`), before the submission
-counts as done (whatever reads the parameters waits for that). Where the jobs read the host
-masters themselves (overlapped mode on CPU devices: no working copies) a slice's still come down
-before its chunk is ready. A failed submission brings down what it stepped, as before.
+step's jobs wait for in overlapped mode, shared the device-to-host link with twice their bytes
+of masters (one H200, Qwen3-1.7B, the whole update there: 6.8 GB of masters a step, ~0.16 s of
+link, beside 3.4 GB of working copies and 3.4 GB of gradients). Where the jobs read the working
+copies the refresh writes (overlapped mode on GPUs), no job reads the host masters, so a
+submission asked so (`masters_last`, modes.py) brings them down once its last chunk is ready
+(`masters_down`), before it counts as done (whatever reads the parameters waits for that).
+Where the jobs read the host masters themselves (overlapped mode on CPU devices: no working
+copies) a slice's come down before its chunk is ready, and so in delayed mode, whose next steps
+wait for the whole submission (Note [delayed optimizer]): there the masters at the end made it
+longer than a step (one H200, Llama-3.1-8B's first 16 layers, the submission 0.86 -> 1.10 s,
+17,444 -> 13,833 tokens/s). A failed submission brings down what it stepped, as before.
 Measured (58th session, one H200, overlapped mode, M=4, one fused job, each pair in one call in
 both orders, benchmarks/runs/masters_after_copies): the next step's first microbatch, which
 waits for the update, 0.65-0.67 -> 0.59-0.62 s for Qwen3-1.7B (37,615 / 37,808 -> 38,705 /
 38,327 tokens/s) and 1.04-1.07 -> 0.86-0.88 s for Llama-3.1-8B's first 16 layers (10,070 /
-10,098 -> 11,102 / 11,026); delayed mode unchanged (45,047 -> 44,815).
+10,098 -> 11,102 / 11,026).
 """
 from __future__ import annotations
 

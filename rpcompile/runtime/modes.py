@@ -182,7 +182,10 @@ class OverlappedMode(_Mode):
     def finish(self, runner, plan, step, run):
         order, grads = self._submission(plan, step)
         params = plan.captured.params
-        self.optimizer.submit([params[i] for i in order], grads, runner.pinned_refresh(step.dtype))
+        refresh = runner.pinned_refresh(step.dtype)
+        # where the jobs read the working copies the refresh writes, not the host masters
+        # (Note [masters down after the copies], runtime/flat.py)
+        self.optimizer.submit([params[i] for i in order], grads, refresh, masters_last=refresh is not None)
 
 
 class DelayedMode(OverlappedMode):

@@ -109,7 +109,7 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None):
+    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None, masters_last=False):
         """Step `params` (in use order) with `grads()`, a callable run in this thread that
         returns their gradients (a list aligned with params, in their dtypes), or, where it has
         `grads.chunk(k)` (runtime/submission.py), chunk k's gradients one chunk at a time (which
@@ -118,11 +118,13 @@ class OverlappedOptimizer:
         params) after each chunk is stepped (an empty chunk too), and for `others` (parameters
         without a gradient). chunks: how many optimizer steps the parameters are cut into
         (default: self.chunks), or the list of their lengths. on_done(): after the submission,
-        whether it succeeded or failed."""
+        whether it succeeded or failed. masters_last: the masters stepped on the devices come down
+        after the last chunk's refresh, not before each chunk is ready (Note [masters down after
+        the copies], runtime/flat.py)."""
         self.raise_if_failed()
         for p in params:
             self._event(p).clear()
-        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done))
+        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done, masters_last))
 
     def wait_completed(self, count: int, raise_errors: bool = True):
         """Block until at least `count` submissions have been stepped (and raise a failure of
@@ -187,11 +189,11 @@ class OverlappedOptimizer:
         except Exception as exc:  # noqa: BLE001 - the step itself is done
             self.trace_error = f"{type(exc).__name__}: {exc}"
 
-    def _run(self, params, grads, refresh, others, chunks, on_done):
+    def _run(self, params, grads, refresh, others, chunks, on_done, masters_last):
         stepped: list = []
         tracer = self.stepper.tracer = self._tracer()
         try:
-            self._step(params, grads, refresh, chunks, stepped)
+            self._step(params, grads, refresh, chunks, stepped, masters_last)
             if refresh is not None and others:
                 refresh(others)
             if tracer is not None:     # (every span's work is done: the steps waited for their streams)
@@ -207,7 +209,7 @@ class OverlappedOptimizer:
             if on_done is not None:
                 on_done()
 
-    def _step(self, params, grads, refresh, chunks, stepped):
+    def _step(self, params, grads, refresh, chunks, stepped, masters_last=False):
         t0, cpu0, switched0 = time.perf_counter(), time.process_time(), _switched()
         by_chunk = getattr(grads, "chunk", None) if self.max_grad_norm is None else None
         if by_chunk is None:      # (the global norm needs every gradient first)
@@ -225,9 +227,7 @@ class OverlappedOptimizer:
             size = max(1, -(-len(params) // max(1, chunks)))
             chunks = [min(size, len(params) - start) for start in range(0, len(params), size)]
         start, grads_s = 0, t1 - t0
-        # Note [masters down after the copies] (runtime/flat.py): only where the jobs read the
-        # working copies the refresh writes, never the host masters themselves
-        self.stepper.defer_masters = refresh is not None
+        self.stepper.defer_masters = masters_last     # Note [masters down after the copies] (runtime/flat.py)
         try:
             for k, n in enumerate(chunks):
                 chunk = params[start:start + n]
