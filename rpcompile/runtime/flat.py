@@ -298,10 +298,9 @@ class FlatStepper:
         self.master_uploads = 0         # elements of masters copied up to the devices so far
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
         self._down_streams: dict = {}   # device -> the stream its stepped masters come down on
-        # Note [masters down after the copies]: while set, stepped masters on the devices come
-        # down at masters_down(), not slice by slice
-        self.defer_masters = False
-        self._masters_pending: list = []   # (device, step stream, host masters, device masters) not yet down
+        # (device, step stream, host masters, device masters) stepped with masters_last, not yet
+        # down (Note [masters down after the copies])
+        self._masters_pending: list = []
         self.tracer = None              # a submission's Tracer: the devices' parts as spans (Note [optimizer spans])
         # page_lock(t): page-lock the shared file t lies in, in this process (worker processes' gradients)
         self.page_lock = None
@@ -691,7 +690,7 @@ class FlatStepper:
         return down
 
     def masters_down(self) -> None:
-        """The stepped masters left on the devices (defer_masters) come down; returns once they
+        """The masters stepped on the devices with masters_last come down; returns once they
         have landed (Note [masters down after the copies])."""
         pending, self._masters_pending = self._masters_pending, []
         downs = {self._master_down(*item) for item in pending}
@@ -699,9 +698,9 @@ class FlatStepper:
             if down is not None:
                 down.synchronize()
 
-    def _step_run(self, k, gi, group, run) -> bool:
+    def _step_run(self, k, gi, group, run, masters_last=False) -> bool:
         """Step a run [(p, g, offset)] as one tensor; False (nothing done) if its scalar state
-        disagrees."""
+        disagrees. masters_last: the masters stepped on a device come down at masters_down()."""
         p0 = run[0][0]
         state0 = self.optimizer.state[p0]
         scalars = [name for name, v in state0.items() if name not in self._views[id(p0)]]
@@ -747,7 +746,7 @@ class FlatStepper:
                         finally:
                             flat.grad = None
                     self._span(device, stream, "optimizer", "step_on_device", start_mark, elements=b - a)
-                    if self.defer_masters:
+                    if masters_last:
                         self._masters_pending.append((device, stream, master[a:b], flat))
                     else:
                         down = self._master_down(device, stream, master[a:b], flat)
@@ -775,8 +774,10 @@ class FlatStepper:
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [v] * len(run))
         return True
 
-    def step(self, params: list, grads: list) -> None:
-        """One optimizer step of `params` with `grads` (aligned lists)."""
+    def step(self, params: list, grads: list, masters_last: bool = False) -> None:
+        """One optimizer step of `params` with `grads` (aligned lists); with masters_last, the
+        masters stepped on the devices come down at masters_down() (Note [masters down after the
+        copies])."""
         if not self.elementwise:
             for p, g in zip(params, grads):
                 p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
@@ -812,13 +813,13 @@ class FlatStepper:
             for r in runs:
                 k, gi = r[0][0], r[0][1]
                 items = [(p, g, off) for _, _, off, p, g in r]
-                if self._step_run(k, gi, groups[gi], items):
+                if self._step_run(k, gi, groups[gi], items, masters_last):
                     stepped += [p for p, _, _ in items]
                 elif self.masters.on_devices.get(k):
                     # scalar state disagrees: a parameter at a time (its state may be on a device,
                     # where the user's optimizer cannot step it)
                     for item in items:
-                        self._step_run(k, gi, groups[gi], [item])
+                        self._step_run(k, gi, groups[gi], [item], masters_last)
                         stepped.append(item[0])
                 else:
                     rest += [(p, g) for p, g, _ in items]

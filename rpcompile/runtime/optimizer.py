@@ -227,7 +227,6 @@ class OverlappedOptimizer:
             size = max(1, -(-len(params) // max(1, chunks)))
             chunks = [min(size, len(params) - start) for start in range(0, len(params), size)]
         start, grads_s = 0, t1 - t0
-        self.stepper.defer_masters = masters_last     # Note [masters down after the copies] (runtime/flat.py)
         try:
             for k, n in enumerate(chunks):
                 chunk = params[start:start + n]
@@ -240,7 +239,7 @@ class OverlappedOptimizer:
                 start += n
                 a = time.perf_counter()
                 if chunk:
-                    self.stepper.step(chunk, chunk_grads)
+                    self.stepper.step(chunk, chunk_grads, masters_last)    # Note [masters down after the copies]
                     stepped.extend(chunk)
                 b = time.perf_counter()
                 if refresh is not None:
@@ -251,7 +250,6 @@ class OverlappedOptimizer:
                 refresh_s += time.perf_counter() - b
         finally:      # (a failed submission too: the chunks it stepped keep their step, masters included)
             a = time.perf_counter()
-            self.stepper.defer_masters = False
             self.stepper.masters_down()
             step_s += time.perf_counter() - a
         if self.lr_scheduler is not None:
