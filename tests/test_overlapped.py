@@ -1,5 +1,6 @@
 """Overlapped optimizer mode: the host step runs beside the next step's jobs, results exact."""
 import copy
+import math
 
 import pytest
 import torch
@@ -268,3 +269,46 @@ def test_the_optimizer_holds_gradients_not_the_step(mode):
     cm.synchronize()
     assert running == (mode == "delayed")
     assert alive == running, f"{alive - running} steps are held while the optimizer works on their gradients"
+
+
+@pytest.mark.parametrize("tied, max_grad_norm, share", [(True, None, 1.0), (False, 0.05, 0.5)])
+def test_gradients_stay_on_the_device_that_steps_them(tied, max_grad_norm, share, monkeypatch):
+    """Note [gradients stay on the device] (runtime/grads.py): with one job with gradients, the
+    optimizer steps the parameters stepped on its device from the job's accumulator there (kept
+    across steps), not from the host gradient set: their part of the set stays as it was (NaN
+    here), the others' comes down, while losses and parameters after SGD-with-momentum steps
+    (clipped too) equal eager PyTorch's. A tied head's row pieces add into the embedding's
+    gradient, an untied head's shards are its whole gradient in place."""
+    from rpcompile.runtime.flat import FlatMasters
+    monkeypatch.setattr(FlatMasters, "BLOCK", 1000)      # blocks that split this small model
+    model = qwen3(tied=tied, layers=1)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=2, optimizer_mode="overlapped",
+                                                   optimizer_on_devices=share, lm_head_shards=2))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=max_grad_norm)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    kept = set()
+    for step in range(4):
+        batch = lm_batch(seed=step)
+        loss = cm.train_step(**batch)
+        loss_ref = ref(**batch).loss
+        loss_ref.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm)
+        opt_ref.step(), opt_ref.zero_grad()
+        close(loss, loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
+        cm.synchronize()
+        kept.add(cm.runner.mode.device_grads._flat.data_ptr())
+        if step == 0:
+            cm.runner.host_grads.flat.fill_(float("nan"))
+    layout = cm.plan.host_memory.grad_layout
+    assert len(layout.stages) == 1 and bool(layout.whole_rows) == (not tied)
+    masters, flat = cm.runner.overlapped.masters, cm.runner.host_grads.flat
+    for key, off, shape in layout.keys[0]:
+        i = key[0] if isinstance(key, tuple) else key
+        stays = masters.place_of(model.get_parameter(cm.plan.captured.param_names[i]))[1] is not None
+        assert bool(flat[off:off + math.prod(shape)].isnan().all()) == stays, key
+    assert 0 < len(cm.runner.mode.device_grads.params) <= len(cm.plan.captured.params) * share
+    assert len(kept) == 1        # one accumulator, kept across the steps
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-5, 1e-6, name)

@@ -321,8 +321,8 @@ class FlatStepper:
                 if not self._first_in_slices(p, g, settle):
                     piece.append((p, g))
                 if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
-                    for q, h in piece:
-                        q.grad = h if h.dtype == q.dtype else h.to(q.dtype)
+                    for q, h in piece:     # (h may be on a device: Note [gradients stay on the device])
+                        q.grad = h.to(device=q.device, dtype=q.dtype)
                     self.optimizer.step()
                     for q, _ in piece:
                         q.grad = None
@@ -591,7 +591,7 @@ class FlatStepper:
         """Page-lock the host memory t lies in where it is not yet, for an asynchronous copy
         between it and `device` (Note [gradients page-locked in the main process]); from pageable
         memory the copy would hold this thread for its whole length, one device after another."""
-        if device.type == "cuda" and self.page_lock is not None and not t.is_pinned():
+        if device.type == "cuda" and self.page_lock is not None and t.device.type == "cpu" and not t.is_pinned():
             self.page_lock(t)
 
     def _upload(self, g, device):
@@ -780,7 +780,7 @@ class FlatStepper:
         copies])."""
         if not self.elementwise:
             for p, g in zip(params, grads):
-                p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                p.grad = g.to(device=p.device, dtype=p.dtype)
             self.optimizer.step()
             for p in params:
                 p.grad = None

@@ -12,7 +12,8 @@ it. Which set a step writes:
 - overlapped mode: the same set. The optimizer thread reads step t's gradients while step
   t + 1 runs, but a job writes its piece only after it gated (waited for the optimizer step
   of) every parameter of that piece, and the optimizer is done with a parameter's gradient
-  when it sets its ready event (Note [overlapped optimizer]).
+  when it sets its ready event (Note [overlapped optimizer]). Where the device that
+  accumulated them steps them, they stay there (Note [gradients stay on the device]).
 - delayed mode: the same set too (Note [one gradient set]).
 - a differentiable call (`cm(...)` then `.backward()`): a set of its own, since autograd may
   keep the gradients it is handed.
@@ -188,6 +189,83 @@ class HostGrads:
         the caching host allocator, which serves the next call's from the blocks this one freed."""
         sums = {i: host_empty(shape, torch.float32, self.pin, "call gradients") for i, shape in layout.row_sums.items()}
         return GradSet(layout, self.pin, sums, "call gradients")
+
+
+# Note [gradients stay on the device]: with the whole update on the device that accumulated the
+# gradients (one GPU, overlapped mode: the plan puts every parameter's optimizer state there by
+# room), each step's gradients crossed the host link twice for nothing: its job brought the fp32
+# accumulator down rounded to bf16 into the host set, and the optimizer thread copied each slice
+# back up to step it (Llama-3.1-8B's first 16 layers on one H200: 9.1 GB each way, the download
+# 0.19 s between the last microbatch and the update, the uploads half the update's 0.56 s; the
+# next step's first microbatch waits for the whole update: Note [weights as they arrive], job.py).
+# So there the job's accumulator stays: the optimizer steps the parameters stepped on that device
+# from views of it (fp32, rounded nowhere), and only the gradients of those the host steps come
+# down (the plan's share by room leaves a few blocks there: 0.953 for Qwen3-1.7B on one H200, 151
+# of 3,441 MB). The next step's job accumulates into the same memory, kept across steps
+# (`DeviceGrads.accumulator`; a fresh one would be allocated while the optimizer still holds the
+# last, twice the memory the plan counts). A job writes it only after gating every parameter it
+# has gradients of (JobContext._start_grads), and the optimizer is done with a parameter's
+# gradient when it sets the parameter ready (its device work synchronised first). Only where the
+# plan has one job with gradients, its parameters stepped on one device (and the host), in worker
+# threads (a worker process's accumulator is in its own CUDA context), and where the job runs
+# there; anywhere else the job downloads as before. Delayed mode keeps the download: its next
+# step's jobs run beside the optimizer reading the last step's gradients (Note [one gradient
+# set]), so a kept accumulator would make them wait for it. Measured (59th session, one H200,
+# overlapped mode, M=4, one fused job, both orders, benchmarks/runs/grads_stay): Qwen3-1.7B
+# 39,634 -> 43,236 tokens/s (median step 1.63 -> 1.49-1.52 s), Llama-3.1-8B's first 16 layers
+# 11,156 / 11,114 -> 15,611 / 15,506 (1.42-1.43 -> 0.99-1.00 s); the next step's first
+# microbatch 0.58 -> 0.44 s and 0.87 -> 0.42 s; peak GPU memory allocated unchanged.
+class DeviceGrads:
+    """The accumulator a job's gradients stay in on `device` for the optimizer (Note [gradients
+    stay on the device])."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.params = frozenset()     # indices of the parameters stepped there (set at each step's start)
+        self._flat = None
+
+    def accumulator(self, dev, piece, dtype):
+        """The kept accumulator for a host piece like `piece`, in dtype (uninitialised at first:
+        Note [first gradients copied], job.py); a new one where the piece's size or the dtype
+        changed (another plan)."""
+        t = self._flat
+        if t is None or t.shape != piece.shape or t.dtype != dtype:
+            self._flat = None       # (the old one is freed once the optimizer drops its views)
+            # (own: on a CPU device too a tensor apart from the host set, as on a GPU)
+            t = self._flat = dev.grad_accumulator(piece, own=True, dtype=dtype)
+        return t
+
+    def split(self, layout, stage: int, flat, got):
+        """({key: view of `flat`} of the keys a gradient reached (`got`) whose parameters are
+        stepped on this device (`params`), [(key, start, stop)] of the others' places in the
+        piece), or None where a parameter stepped here has rows no gradient reached (the caller
+        downloads them all then). The row pieces of a parameter laid out whole in place
+        (GradLayout.whole_rows) are its whole key, as the host path's row sums find them."""
+        start = layout.stages[stage][0]
+        here, rest = {}, []
+        for key, off, shape in layout.keys[stage]:
+            i, a, n = param_index(key), off - start, math.prod(shape)
+            whole_rows = isinstance(key, tuple) and i in layout.whole_rows
+            if key not in got:
+                if whole_rows and i in self.params:
+                    return None
+            elif i not in self.params:
+                rest.append((key, a, a + n))
+            elif whole_rows:
+                if i not in here:
+                    w_off, w_shape = layout.whole_rows[i]
+                    here[i] = flat[w_off - start:w_off - start + math.prod(w_shape)].view(w_shape)
+            else:
+                here[key] = flat[a:a + n].view(shape)
+        return here, rest
+
+
+def settled(tensors) -> None:
+    """Wait for the work queued on the current stream of each GPU among `tensors` (gradients
+    summed or cast on a device by this thread, before another stream steps them: Note
+    [gradients stay on the device])."""
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 # Note [one microbatch a copy]: a job sums its microbatches' gradients in fp32 (Note [working-

@@ -68,6 +68,7 @@ class StepState:
     submission: Optional[int] = None                   # delayed mode: the optimizer's count once its submission is done
     buffer_index: dict = field(default_factory=dict)
     exchanges: dict = field(default_factory=dict)      # job index -> replicas.GradExchange (Note [replicas])
+    device_grads: Any = None                           # grads.DeviceGrads (Note [gradients stay on the device])
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def wait_done(self, job: int, mb: int) -> None:
@@ -421,8 +422,17 @@ class JobContext:
         else:
             if self.dev.is_cpu:
                 self._wait_piece_free()
-            self.grad_flat = self.dev.grad_accumulator(piece, dtype=dtype)
+            if self._grads_stay():     # (every parameter of the piece gated above)
+                self.grad_flat = self.step.device_grads.accumulator(self.dev, piece, dtype)
+            else:
+                self.grad_flat = self.dev.grad_accumulator(piece, dtype=dtype)
         self.grad_acc = grads.views(self.stage.index, self.grad_flat)
+
+    def _grads_stay(self) -> bool:
+        """Whether this job's gradients stay on its device for the optimizer (Note [gradients
+        stay on the device], grads.py)."""
+        kept = self.step.device_grads
+        return kept is not None and self.exchange is None and kept.device == self.dev.device
 
     def _wait_piece_free(self):
         """Before this job writes its piece of the host gradient buffer: the optimizer
@@ -456,6 +466,11 @@ class JobContext:
             self._finish_replica()
         elif self.grad_got:
             grads = self.step.grads
+            split = self._grads_stay() and self.step.device_grads.split(grads.layout, self.stage.index,
+                                                                         self.grad_flat, self.grad_got)
+            if split:
+                self.step.param_grads[self.job_index] = self._grads_kept(*split)
+                return
             piece = grads.piece(self.stage.index)
             if not self.dev.is_cpu:
                 self._wait_piece_free()
@@ -466,6 +481,32 @@ class JobContext:
             self.step.param_grads[self.job_index] = {
                 key: Pending(views[key], down.event) if isinstance(down, Pending) else views[key]
                 for key in self.stage.grad_params if key in self.grad_got}
+
+    def _grads_kept(self, here: dict, rest: list) -> dict:
+        """Note [gradients stay on the device] (grads.py): the gradients of the parameters
+        stepped elsewhere come down (a copy per run of adjacent ones), the others stay in the
+        accumulator (`here`); every entry completes with the last copy (which follows the
+        compute), or without one with the compute."""
+        grads = self.step.grads
+        piece = grads.piece(self.stage.index)
+        runs: list = []
+        for _, a, b in rest:
+            if runs and runs[-1][1] == a:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b])
+        done = None
+        for a, b in runs:
+            down = self.span("out", "download_grads",
+                             lambda: self.dev.download_into(self.grad_flat[a:b], piece[a:b]),
+                             bytes=(b - a) * piece.element_size())
+            done = down.event if isinstance(down, Pending) else None
+        if done is None and not self.dev.is_cpu:
+            done = torch.cuda.Event()
+            done.record(self.dev.stream_named("compute"))
+        views = grads.host_views(self.stage.index)
+        out = {**here, **{key: views[key] for key, _, _ in rest}}
+        return out if done is None else {key: Pending(v, done) for key, v in out.items()}
 
     def _finish_replica(self):
         """This copy's slice of the gradients, summed over the copies of the job, comes down

@@ -38,7 +38,8 @@ import time
 import torch
 
 from . import timeline
-from .grads import as_dtype, for_step, param_index, sum_param_grads
+from .executor import Executor
+from .grads import DeviceGrads, as_dtype, for_step, param_index, settled, sum_param_grads
 from .job import job_params
 from .submission import ChunkGrads, host_indices, submission_chunks
 from .weights import DelayedWeights
@@ -149,13 +150,37 @@ class OverlappedMode(_Mode):
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.prepared = False
+        self.device_grads = None      # DeviceGrads (Note [gradients stay on the device], grads.py)
 
     def start(self, runner, plan, micro):
         self.optimizer.flatten(host_order(plan), runner.optimizer_share)
         # one set of host gradients: Note [host gradient buffers]
         step = runner.new_step(plan, micro, gate=self.optimizer.wait_param, ready=self.optimizer.is_ready)
+        step.device_grads = self._device_grads(runner, plan)
         self._prepare(plan, step)
         return step
+
+    def release(self, runner) -> None:
+        self.device_grads = None      # (its memory goes to the next mode's jobs)
+
+    def _device_grads(self, runner, plan):
+        """The DeviceGrads a step's gradients stay in, or None where they come down (Note
+        [gradients stay on the device]): one job with gradients, in a worker thread, its
+        parameters stepped on one device (and the host)."""
+        layout = plan.host_memory.grad_layout
+        if plan.replicas > 1 or len(layout.stages) != 1 or layout.row_sums or not isinstance(runner.executor, Executor):
+            return None
+        params, masters = plan.captured.params, self.optimizer.masters
+        (_, keys), = layout.keys.items()
+        places = {i: masters.place_of(params[i])[1] for i in {param_index(key) for key, _, _ in keys}}
+        devices = {r[2] for r in places.values() if r is not None}
+        if len(devices) != 1:
+            return None
+        device = devices.pop()
+        if self.device_grads is None or self.device_grads.device != device:
+            self.device_grads = DeviceGrads(device)
+        self.device_grads.params = frozenset(i for i, r in places.items() if r is not None)
+        return self.device_grads
 
     def _prepare(self, plan, step, host_buffers=()):
         """At the first step's start, with worker processes and a share of the optimizer on the
@@ -176,7 +201,9 @@ class OverlappedMode(_Mode):
 
         def grads():
             totals = sum_param_grads(job_grads, row_sums)
-            return [for_step(totals[i], params[i].dtype) for i in order]
+            out = [for_step(totals[i], params[i].dtype) for i in order]
+            settled(out)      # (summed or cast on a device: Note [gradients stay on the device])
+            return out
         return order, grads
 
     def finish(self, runner, plan, step, run):

@@ -30,6 +30,7 @@ per step]).
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ import torch
 from ..errors import StepAbandoned
 from . import timeline
 from .flat import FlatMasters, FlatStepper
+from .grads import settled
 from .trace import Tracer
 
 
@@ -217,10 +219,10 @@ class OverlappedOptimizer:
         t1 = time.perf_counter()
         if self.max_grad_norm is not None and grads:
             # in fp32 whatever the gradients' dtype (Note [working-dtype gradients])
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-            scale = min(1.0, float(self.max_grad_norm) / (float(norm) + 1e-6))
+            scale = min(1.0, float(self.max_grad_norm) / (_global_norm(grads) + 1e-6))
             if scale < 1.0:
                 torch._foreach_mul_(grads, scale)
+                settled(grads)    # (before the steps' own streams read them: Note [gradients stay on the device])
         t2 = time.perf_counter()
         step_s = refresh_s = 0.0
         if isinstance(chunks, int):
@@ -262,6 +264,17 @@ class OverlappedOptimizer:
                                          "cpu_s": time.process_time() - cpu0,
                                          "switched": _switched() - switched0}])[-16:]
         timeline.mark_early("optimizer", "optimizer step done", seconds=self.timings[-1]["total_s"])
+
+
+def _global_norm(grads) -> float:
+    """The 2-norm of all `grads`, in fp32 whatever their dtype, summed over the devices they lie
+    on (the host and, Note [gradients stay on the device], one GPU)."""
+    by_device: dict = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    norms = [float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32))))
+             for gs in by_device.values()]
+    return norms[0] if len(norms) == 1 else math.sqrt(sum(n * n for n in norms))
 
 
 def _switched() -> int:
