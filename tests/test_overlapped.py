@@ -278,8 +278,11 @@ def test_gradients_stay_on_the_device_that_steps_them(tied, max_grad_norm, share
     across steps), not from the host gradient set: their part of the set stays as it was (NaN
     here), the others' comes down, while losses and parameters after SGD-with-momentum steps
     (clipped too) equal eager PyTorch's. A tied head's row pieces add into the embedding's
-    gradient, an untied head's shards are its whole gradient in place."""
+    gradient, an untied head's shards are its whole gradient in place. A step that fails after
+    its first microbatch wrote the kept accumulator changes no parameter, and the next steps go
+    on as eager's."""
     from rpcompile.runtime.flat import FlatMasters
+    from rpcompile.runtime.job import JobContext
     monkeypatch.setattr(FlatMasters, "BLOCK", 1000)      # blocks that split this small model
     model = qwen3(tied=tied, layers=1)
     ref = copy.deepcopy(model)
@@ -288,8 +291,24 @@ def test_gradients_stay_on_the_device_that_steps_them(tied, max_grad_norm, share
     cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=max_grad_norm)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     kept = set()
+    real = JobContext.accumulate_grads
     for step in range(4):
         batch = lm_batch(seed=step)
+        if step == 2:       # a failed step first: its second microbatch's gradients do not come
+            calls = []
+
+            def faulty(self, grads):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("injected")
+                return real(self, grads)
+            monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(rpcompile.StageError, match="injected"):
+                cm.train_step(**batch)
+            monkeypatch.setattr(JobContext, "accumulate_grads", real)
+            cm.synchronize()
+            assert len(calls) == 2 and all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
         loss = cm.train_step(**batch)
         loss_ref = ref(**batch).loss
         loss_ref.backward()
