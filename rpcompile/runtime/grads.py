@@ -237,26 +237,25 @@ class DeviceGrads:
 
     def split(self, layout, stage: int, flat, got):
         """({key: view of `flat`} of the keys a gradient reached (`got`) whose parameters are
-        stepped on this device (`params`), [(key, start, stop)] of the others' places in the
-        piece), or None where a parameter stepped here has rows no gradient reached (the caller
+        stepped on this device (`params`), [the others' keys]), or None where a parameter stepped here has rows no gradient reached (the caller
         downloads them all then). The row pieces of a parameter laid out whole in place
         (GradLayout.whole_rows) are its whole key, as the host path's row sums find them."""
         start = layout.stages[stage][0]
         here, rest = {}, []
         for key, off, shape in layout.keys[stage]:
-            i, a, n = param_index(key), off - start, math.prod(shape)
+            i = param_index(key)
             whole_rows = isinstance(key, tuple) and i in layout.whole_rows
             if key not in got:
                 if whole_rows and i in self.params:
                     return None
             elif i not in self.params:
-                rest.append((key, a, a + n))
+                rest.append(key)
             elif whole_rows:
                 if i not in here:
                     w_off, w_shape = layout.whole_rows[i]
                     here[i] = flat[w_off - start:w_off - start + math.prod(w_shape)].view(w_shape)
             else:
-                here[key] = flat[a:a + n].view(shape)
+                here[key] = flat[off - start:off - start + math.prod(shape)].view(shape)
         return here, rest
 
 

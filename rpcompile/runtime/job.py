@@ -12,6 +12,7 @@ from ..errors import InputError, StageError
 from ..plan import key_numel
 from . import ops, timeline
 from .device import Pending
+from .flat import merge_adjacent
 from .grads import accumulator_dtype, param_index
 
 
@@ -484,28 +485,19 @@ class JobContext:
 
     def _grads_kept(self, here: dict, rest: list) -> dict:
         """Note [gradients stay on the device] (grads.py): the gradients of the parameters
-        stepped elsewhere come down (a copy per run of adjacent ones), the others stay in the
-        accumulator (`here`); every entry completes with the last copy (which follows the
-        compute), or without one with the compute."""
-        grads = self.step.grads
-        piece = grads.piece(self.stage.index)
-        runs: list = []
-        for _, a, b in rest:
-            if runs and runs[-1][1] == a:
-                runs[-1][1] = b
-            else:
-                runs.append([a, b])
+        stepped elsewhere (keys `rest`) come down (a copy per run of adjacent ones), the others
+        stay in the accumulator (`here`); every entry completes with the last copy (which
+        follows the compute), or without one with the compute."""
+        views = self.step.grads.host_views(self.stage.index)
         done = None
-        for a, b in runs:
-            down = self.span("out", "download_grads",
-                             lambda: self.dev.download_into(self.grad_flat[a:b], piece[a:b]),
-                             bytes=(b - a) * piece.element_size())
+        for host, dev in zip(*merge_adjacent([views[key] for key in rest], [self.grad_acc[key] for key in rest])):
+            down = self.span("out", "download_grads", lambda: self.dev.download_into(dev, host),
+                             bytes=host.numel() * host.element_size())
             done = down.event if isinstance(down, Pending) else None
         if done is None and not self.dev.is_cpu:
             done = torch.cuda.Event()
             done.record(self.dev.stream_named("compute"))
-        views = grads.host_views(self.stage.index)
-        out = {**here, **{key: views[key] for key, _, _ in rest}}
+        out = {**here, **{key: views[key] for key in rest}}
         return out if done is None else {key: Pending(v, done) for key, v in out.items()}
 
     def _finish_replica(self):
