@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +38,7 @@ class CompiledModel(torch.nn.Module):
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
         self._last_plan = None
+        self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
 
@@ -212,6 +214,23 @@ class CompiledModel(torch.nn.Module):
         self.synchronize()
         self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
                                                chunks=chunks, state_devices=self.config.devices))
+        self._synchronize_before_reads(optimizer)
+
+    def _synchronize_before_reads(self, optimizer) -> None:
+        """`state_dict()` and `load_state_dict()` of the model and of the attached optimizer call
+        `synchronize()` first: they read or write the parameters and optimizer state, which the
+        optimizer thread may still be stepping, and whose host masters may be stale (Note [masters
+        kept on the devices], runtime/flat.py)."""
+        ref = weakref.ref(self)
+
+        def sync(*_):
+            cm = ref()
+            if cm is not None:
+                cm.synchronize()
+        for obj in (self.model, optimizer):
+            if id(obj) not in self._read_hooks:
+                self._read_hooks[id(obj)] = (obj.register_state_dict_pre_hook(sync),
+                                             obj.register_load_state_dict_pre_hook(sync))
 
     def synchronize(self) -> None:
         """Wait for the last step's jobs (delayed mode returns before its backward jobs end:

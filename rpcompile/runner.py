@@ -180,6 +180,8 @@ class GraphRunner:
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))
         if host_weights is None and gate is None and self.overlapped is not None:
+            if self.overlapped.masters_away:      # kept on the devices (Note [masters kept on the devices])
+                self.overlapped.synchronize()
             gate, ready = self.overlapped.wait_param, self.overlapped.is_ready
         layout = plan.host_memory.grad_layout
         if shared_grads and self.overlapped is not None and self.host_grads.switches(layout):

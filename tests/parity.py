@@ -179,7 +179,7 @@ class FakeEvent:
         self.waited += 1
 
 
-def delayed_run(workers="threads", fail_at=None, fail=None, devices=2, **config):
+def delayed_run(workers="threads", fail_at=None, fail=None, devices=2, memory_budget="300KiB", **config):
     """Three delayed-mode AdamW steps (lr 1e-3) of qwen3(seed=3) on 2 CPU devices (or
     `devices`), as many microbatches, a 300KiB budget, lm_batch(seed=t) at step t. Before step `fail_at`,
     fail(cm, model, t) runs a step that fails; `config`: more Config fields. Returns the losses and the parameters after
@@ -187,7 +187,7 @@ def delayed_run(workers="threads", fail_at=None, fail=None, devices=2, **config)
     fixture (conftest.py) that test_delayed.py and test_processes.py compare against."""
     model = qwen3(seed=3)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * devices, num_microbatches=devices,
-                                                   memory_budget="300KiB", optimizer_mode="delayed",
+                                                   memory_budget=memory_budget, optimizer_mode="delayed",
                                                    workers=workers, **config))
     cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses = []

@@ -193,7 +193,8 @@ def test_harness_traces_the_optimizers_work_on_the_devices_beside_the_steps(tmp_
     assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
     recent = json.loads((trace / "rpcompile-delayed_2g.recent.json").read_text())
     ours = [sp for sp in recent if sp["stream"] in ("optimizer", "optimizer_down")]
-    assert {sp["name"] for sp in ours} == {"step_on_device", "masters_down", "copies_down"}
+    # (delayed mode keeps the stepped masters there: Note [masters kept on the devices], runtime/flat.py)
+    assert {sp["name"] for sp in ours} == {"step_on_device", "copies_down"}
     assert {sp["worker"] for sp in ours} <= {sp["worker"] for sp in recent if sp["stream"] == "compute"}
     chrome = json.loads((trace / "rpcompile-delayed_2g.recent.chrome.json").read_text())
     assert {"optimizer", "optimizer_down"} <= {e["args"]["name"] for e in chrome["traceEvents"]

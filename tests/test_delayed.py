@@ -274,12 +274,18 @@ def _two_steps_ran():
     return model, cm, len(plan.stages) - 1, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_chunks_wait_for_their_readers_and_give_pieces_back_once_read():
+@pytest.mark.parametrize("subchunk", [None, 3000])
+def test_chunks_wait_for_their_readers_and_give_pieces_back_once_read(subchunk, monkeypatch):
     """Note [chunk-wise submission]: a chunk waits for every job that reads its parameters or
     wrote a gradient it sums; a piece goes back after the last chunk that reads it, a tied
-    weight's rows in the loss job's piece being copied out there for the embedding's chunk."""
+    weight's rows in the loss job's piece being copied out there for the embedding's chunk.
+    Note [chunks within a piece]: with a smaller SUBCHUNK a piece's parameters are cut into
+    chunks of at most that many elements (or one parameter), and the same holds."""
+    from rpcompile.runtime import submission
     from rpcompile.runtime.grads import param_index
     from rpcompile.runtime.submission import grad_chunks, host_indices
+    if subchunk:
+        monkeypatch.setattr(submission, "SUBCHUNK", subchunk)
     model, cm = _compiled(tied=True)
     cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     for t in range(2):
@@ -300,9 +306,42 @@ def test_chunks_wait_for_their_readers_and_give_pieces_back_once_read():
             assert all(param_index(key) in members for key in ks)
         released |= set(chunks.release[k])
     loss_piece = next(j for j, st in enumerate(plan.stages) if st.kind == "fused")
-    assert chunks.release[0] == [loss_piece], "the loss job's piece goes back with the first chunk"
-    assert [param_index(key) for _, key in chunks.carry[0]] == [embed], "the tied rows are carried"
-    assert embed in chunks.members(len(chunks.lengths) - 2), "the embedding is stepped by the last piece's chunk"
+    pieces = [s for s in plan.host_memory.grad_layout.keys]
+    numel = {i: p.numel() for i, p in enumerate(plan.captured.params)}
+    sizes = [[numel[i] for i in chunks.members(k)] for k in range(len(chunks.lengths))]
+    if subchunk:
+        assert len(chunks.lengths) > len(pieces) + 1
+        assert all(sum(ns) <= subchunk or len(ns) == 1 for ns in sizes)
+        assert any(len(ns) > 1 for ns in sizes) and any(sum(ns) > subchunk for ns in sizes)
+    else:
+        assert len(chunks.lengths) == len(pieces) + 1
+    # the loss job's piece goes back with its last chunk, before the others' pieces
+    first = next(k for k, released in enumerate(chunks.release) if released)
+    assert chunks.release[first] == [loss_piece]
+    assert not any(chunks.carry[:first]) and [param_index(key) for _, key in chunks.carry[first]] == [embed], \
+        "the tied rows are carried"
+    k_embed = next(k for k in range(len(chunks.lengths)) if embed in chunks.members(k))
+    assert len(set().union(*chunks.release[:k_embed])) == len(pieces) - 1, \
+        "the embedding is stepped by the last piece's chunks"
+
+
+def test_chunks_within_a_piece_train_as_one_chunk_a_piece(monkeypatch, delayed_reference):
+    """Note [chunks within a piece] (runtime/submission.py): pieces cut into small chunks, half the
+    update on the (CPU) devices, whose working copies land at the submission's end: the losses and
+    parameters of the delayed reference (one chunk a piece, every update on the host)."""
+    from rpcompile.runtime import submission
+    from rpcompile.runtime.flat import FlatMasters
+    monkeypatch.setattr(submission, "SUBCHUNK", 3000)
+    monkeypatch.setattr(FlatMasters, "BLOCK", 1000)
+    cut = []
+    grad_chunks = submission.grad_chunks
+    monkeypatch.setattr(submission, "grad_chunks", lambda *a, **k: cut.append(grad_chunks(*a, **k)) or cut[-1])
+    losses, params = delayed_run(optimizer_on_devices=0.5, memory_budget="1MiB")   # (beside the share)
+    assert cut and len(cut[-1].lengths) > len(cut[-1].wait_upto) / 2 > 2
+    for a, b in zip(losses, delayed_reference[0], strict=True):
+        assert float(a) == pytest.approx(float(b), rel=1e-6)
+    for a, b in zip(params, delayed_reference[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_chunks_are_stepped_while_later_backward_jobs_run(monkeypatch):

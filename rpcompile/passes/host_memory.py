@@ -144,8 +144,9 @@ def _flat_numels(params) -> list:
 def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
     """Bytes each device keeps for the optimizer's share on the devices (Note [optimizer state on
     the devices] in runtime/flat.py): the fp32 masters and AdamW's two moments of about share /
-    num_devices of the flat parameters (whole parameters: one more of the largest), and a
-    gradient slice being widened."""
+    num_devices of the flat parameters (whole parameters: one more of the largest), a gradient
+    slice being widened, and beside it the bf16 cast of a slice of working copies coming down
+    (Note [chunks within a piece] in runtime/submission.py)."""
     if not share:
         return 0
     from ..runtime.flat import FlatMasters, FlatStepper
@@ -154,7 +155,7 @@ def device_optimizer_bytes(params, share: float, num_devices: int) -> int:
         return 0
     # (devices differ by at most a block: Note [optimizer state on the devices])
     per_device = math.ceil(share * sum(flat) / max(1, num_devices)) + min(sum(flat), FlatMasters.BLOCK + max(flat))
-    return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE)
+    return per_device * (GRAD_ITEMSIZE + ADAMW_STATE_BYTES) + min(FlatStepper.WIDEN, per_device) * (2 + GRAD_ITEMSIZE + 2)
 
 
 # Note [optimizer share by room]: the optimizer on the devices (Config.optimizer_on_devices) made

@@ -106,7 +106,7 @@ step's jobs wait for in overlapped mode, shared the device-to-host link with twi
 of masters (one H200, Qwen3-1.7B, the whole update there: 6.8 GB of masters a step, ~0.16 s of
 link, beside 3.4 GB of working copies and 3.4 GB of gradients). Where the jobs read the working
 copies the refresh writes (overlapped mode on GPUs), no job reads the host masters, so a
-submission asked so (`masters_last`, modes.py) brings them down once its last chunk is ready
+submission asked so (`masters="last"`, modes.py) brings them down once its last chunk is ready
 (`masters_down`), before it counts as done (whatever reads the parameters waits for that).
 Where the jobs read the host masters themselves (overlapped mode on CPU devices: no working
 copies) a slice's come down before its chunk is ready, and so in delayed mode, whose next steps
@@ -118,6 +118,24 @@ both orders, benchmarks/runs/masters_after_copies): the next step's first microb
 waits for the update, 0.65-0.67 -> 0.59-0.62 s for Qwen3-1.7B (37,615 / 37,808 -> 38,705 /
 38,327 tokens/s) and 1.04-1.07 -> 0.86-0.88 s for Llama-3.1-8B's first 16 layers (10,070 /
 10,098 -> 11,102 / 11,026).
+
+Note [masters kept on the devices]: in delayed mode no job reads the host masters (the jobs read
+the two working copies, which the refresh writes from the devices), so a submission there asks
+for `masters="kept"`: the fp32 masters stepped on a device stay there, the device's copy is the
+parameter's value, and they come down only when something reads the host's: `synchronize()`
+(which the user calls before reading parameters, and which `model.state_dict()` and the
+optimizer's state_dict / load_state_dict call through their pre-hooks, compiled.py), a call that
+reads the live parameters (runner.new_step), bringing the state home, and a failed submission
+(whose error makes every master go up again from the host). Each slice is pending once however
+many steps it stays (the same device buffer), so coming down costs one step's bytes. A
+parameter written in place on the host after `synchronize()` goes up again as before (its
+`_version` moved); one written without it, while the host's masters were stale, would go up
+stale: the same write races the optimizer thread in delayed mode anyway. Before, delayed mode
+brought 4 B an element down every step (one H200, Llama-3.1-8B's first 16 layers: 18 GB of the
+step's 36 GB device-to-host). Alone that measured nothing (sixtieth session: 17,583 against
+17,378 tokens/s; the masters came down on their own stream, off the path the next steps wait
+on); it leaves the down link to the working copies, which come down beside the next chunk's
+step (Note [chunks within a piece] in runtime/submission.py, measured with it).
 """
 from __future__ import annotations
 
@@ -298,9 +316,10 @@ class FlatStepper:
         self.master_uploads = 0         # elements of masters copied up to the devices so far
         self._streams: dict = {}        # device -> the stream this thread steps on (not a worker's)
         self._down_streams: dict = {}   # device -> the stream its stepped masters come down on
-        # (device, step stream, host masters, device masters) stepped with masters_last, not yet
-        # down (Note [masters down after the copies])
-        self._masters_pending: list = []
+        # (buffer index, slice start) -> (device, step stream, host masters, device masters) stepped
+        # but not yet down (Note [masters down after the copies], Note [masters kept on the devices])
+        self._masters_pending: dict = {}
+        self._copies_pending: list = []  # the down streams of copies issued with land_later (copy_down)
         self.tracer = None              # a submission's Tracer: the devices' parts as spans (Note [optimizer spans])
         # page_lock(t): page-lock the shared file t lies in, in this process (worker processes' gradients)
         self.page_lock = None
@@ -599,11 +618,13 @@ class FlatStepper:
         self._lock_pages(g, device)
         return g.to(device, non_blocking=True)
 
-    def copy_down(self, dsts: list, params: list):
+    def copy_down(self, dsts: list, params: list, land_later: bool = False):
         """Issue the copy of each parameter whose masters are current on a device into its
         working copy dsts[i], cast there and copied down one run at a time (Note [working copies
-        from the devices]). Returns (the indices left for the host to copy, wait: blocks until
-        the issued copies have landed)."""
+        from the devices]), on the device's down stream, after what this thread stepped there.
+        Returns (the indices left for the host to copy, wait: blocks until the issued copies have
+        landed); land_later: no wait, they land by `copies_landed()` (the submission's end: Note
+        [chunks within a piece] in runtime/submission.py), while the next chunk steps."""
         rest, by_device = [], {}
         for i, p in enumerate(params):
             src = self._device_view(p)
@@ -615,7 +636,9 @@ class FlatStepper:
                 d[1].append(src)
         streams = []
         for device, (ds, ss) in by_device.items():
-            stream = self._stream(device)
+            stream = self._stream(device, self._down_streams)
+            if stream is not None:
+                stream.wait_stream(self._stream(device))
             start = self._mark(stream)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for d, src in zip(*merge_adjacent(ds, ss)):
@@ -626,14 +649,24 @@ class FlatStepper:
                     # embedding: 1 GiB in bf16) was a temporary the plan did not count
                     for dp, sp in _pieces(d, src, self.WIDEN):
                         dp.copy_(sp, non_blocking=True)
-            self._span(device, stream, "optimizer", "copies_down", start, elements=sum(d.numel() for d in ds))
+            self._span(device, stream, "optimizer_down", "copies_down", start, elements=sum(d.numel() for d in ds))
             streams.append(stream)
+        if land_later:
+            self._copies_pending.extend(streams)
+            return rest, None
 
         def wait():
             for stream in streams:
                 if stream is not None:
                     stream.synchronize()
         return rest, wait
+
+    def copies_landed(self) -> None:
+        """Block until the copies issued with land_later have landed (copy_down)."""
+        pending, self._copies_pending = self._copies_pending, []
+        for stream in set(pending):
+            if stream is not None:
+                stream.synchronize()
 
     def _device_view(self, p):
         """p's masters on its device, where they equal the host's (stepped there since it last
@@ -690,17 +723,23 @@ class FlatStepper:
         return down
 
     def masters_down(self) -> None:
-        """The masters stepped on the devices with masters_last come down; returns once they
-        have landed (Note [masters down after the copies])."""
-        pending, self._masters_pending = self._masters_pending, []
-        downs = {self._master_down(*item) for item in pending}
+        """The masters stepped on the devices and not yet down come down; returns once they have
+        landed (Note [masters down after the copies], Note [masters kept on the devices])."""
+        downs = {self._master_down(*item) for item in self._masters_pending.values()}
         for down in downs:
             if down is not None:
                 down.synchronize()
+        self._masters_pending = {}      # (kept where a copy failed: a later call tries again)
 
-    def _step_run(self, k, gi, group, run, masters_last=False) -> bool:
+    @property
+    def masters_away(self) -> bool:
+        """Whether masters stepped on a device have not come down yet (masters_down)."""
+        return bool(self._masters_pending)
+
+    def _step_run(self, k, gi, group, run, masters="each") -> bool:
         """Step a run [(p, g, offset)] as one tensor; False (nothing done) if its scalar state
-        disagrees. masters_last: the masters stepped on a device come down at masters_down()."""
+        disagrees. masters: "each", the masters stepped on a device come down before this
+        returns; "last" or "kept", at masters_down() (step())."""
         p0 = run[0][0]
         state0 = self.optimizer.state[p0]
         scalars = [name for name, v in state0.items() if name not in self._views[id(p0)]]
@@ -746,8 +785,8 @@ class FlatStepper:
                         finally:
                             flat.grad = None
                     self._span(device, stream, "optimizer", "step_on_device", start_mark, elements=b - a)
-                    if masters_last:
-                        self._masters_pending.append((device, stream, master[a:b], flat))
+                    if masters != "each":
+                        self._masters_pending[(k, a)] = (device, stream, master[a:b], flat)
                     else:
                         down = self._master_down(device, stream, master[a:b], flat)
                         if down is not None:
@@ -774,10 +813,12 @@ class FlatStepper:
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [v] * len(run))
         return True
 
-    def step(self, params: list, grads: list, masters_last: bool = False) -> None:
-        """One optimizer step of `params` with `grads` (aligned lists); with masters_last, the
-        masters stepped on the devices come down at masters_down() (Note [masters down after the
-        copies])."""
+    def step(self, params: list, grads: list, masters: str = "each") -> None:
+        """One optimizer step of `params` with `grads` (aligned lists). masters: where the
+        masters stepped on the devices come down: "each", before this returns; "last", at
+        masters_down() once the submission's last chunk is refreshed (Note [masters down after the
+        copies]); "kept", at masters_down() when something reads them (Note [masters kept on the
+        devices]); the caller calls it."""
         if not self.elementwise:
             for p, g in zip(params, grads):
                 p.grad = g.to(device=p.device, dtype=p.dtype)
@@ -813,13 +854,13 @@ class FlatStepper:
             for r in runs:
                 k, gi = r[0][0], r[0][1]
                 items = [(p, g, off) for _, _, off, p, g in r]
-                if self._step_run(k, gi, groups[gi], items, masters_last):
+                if self._step_run(k, gi, groups[gi], items, masters):
                     stepped += [p for p, _, _ in items]
                 elif self.masters.on_devices.get(k):
                     # scalar state disagrees: a parameter at a time (its state may be on a device,
                     # where the user's optimizer cannot step it)
                     for item in items:
-                        self._step_run(k, gi, groups[gi], [item], masters_last)
+                        self._step_run(k, gi, groups[gi], [item], masters)
                         stepped.append(item[0])
                 else:
                     rest += [(p, g) for p, g, _ in items]

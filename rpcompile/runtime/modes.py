@@ -32,6 +32,7 @@ in place (running statistics) do not overlap: the next step reads those buffers.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -212,7 +213,7 @@ class OverlappedMode(_Mode):
         refresh = runner.pinned_refresh(step.dtype)
         # where the jobs read the working copies the refresh writes, not the host masters
         # (Note [masters down after the copies], runtime/flat.py)
-        self.optimizer.submit([params[i] for i in order], grads, refresh, masters_last=refresh is not None)
+        self.optimizer.submit([params[i] for i in order], grads, refresh, masters="last" if refresh is not None else "each")
 
 
 class DelayedMode(OverlappedMode):
@@ -323,12 +324,18 @@ class DelayedMode(OverlappedMode):
         releases = iter(chunks.release)
 
         def refresh(ps):
-            copies.write_many(ps, slot, self.optimizer.stepper.copy_down)
+            # the gradients are read (stepped): their pieces go back before the copies are written,
+            # which come down from the devices while the next chunk steps (Note [chunks within a
+            # piece], runtime/submission.py)
             gs.release(next(releases, ()), count)
+            copies.write_many(ps, slot, land_later)
+        land_later = functools.partial(self.optimizer.stepper.copy_down, land_later=True)
         grads = ChunkGrads(chunks, gs, run.landed, {i: params[i].dtype for i in chunks.order}, self.carried)
         others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
+        # no job reads the host masters: those stepped on the devices stay there (Note [masters
+        # kept on the devices], runtime/flat.py)
         self.optimizer.submit([params[i] for i in chunks.order], grads, refresh, others, chunks=chunks.lengths,
-                              on_done=lambda: gs.release(range(len(gs.consumed)), count))
+                              on_done=lambda: gs.release(range(len(gs.consumed)), count), masters="kept")
         self.steps += 1
         step.submission = self.steps + self.skipped     # the optimizer's count once it is done
         self._upload_first_job(runner, plan, self.started)

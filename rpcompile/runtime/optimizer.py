@@ -99,7 +99,7 @@ class OverlappedOptimizer:
         thread does it before the next submission; not a submission (wait_completed does not
         count it), and a failure is raised by the next call as a step's would be."""
         params, host_buffers = list(params), list(host_buffers)
-        self._queue.put(lambda: self.stepper.prepare(params, host_buffers))
+        self._queue.put(("ready for the first step", lambda: self.stepper.prepare(params, host_buffers)))
 
     def wait_param(self, p):
         """Block until the pending optimizer step of `p` is done."""
@@ -111,7 +111,7 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None, masters_last=False):
+    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None, masters="each"):
         """Step `params` (in use order) with `grads()`, a callable run in this thread that
         returns their gradients (a list aligned with params, in their dtypes), or, where it has
         `grads.chunk(k)` (runtime/submission.py), chunk k's gradients one chunk at a time (which
@@ -120,13 +120,14 @@ class OverlappedOptimizer:
         params) after each chunk is stepped (an empty chunk too), and for `others` (parameters
         without a gradient). chunks: how many optimizer steps the parameters are cut into
         (default: self.chunks), or the list of their lengths. on_done(): after the submission,
-        whether it succeeded or failed. masters_last: the masters stepped on the devices come down
-        after the last chunk's refresh, not before each chunk is ready (Note [masters down after
-        the copies], runtime/flat.py)."""
+        whether it succeeded or failed. masters: when the masters stepped on the devices come
+        down (FlatStepper.step): "each" before each chunk is ready, "last" after the last chunk's
+        refresh (Note [masters down after the copies], runtime/flat.py), "kept" when something
+        reads them (`synchronize`, a failure: Note [masters kept on the devices])."""
         self.raise_if_failed()
         for p in params:
             self._event(p).clear()
-        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done, masters_last))
+        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done, masters))
 
     def wait_completed(self, count: int, raise_errors: bool = True):
         """Block until at least `count` submissions have been stepped (and raise a failure of
@@ -137,9 +138,18 @@ class OverlappedOptimizer:
             self.raise_if_failed()
 
     def synchronize(self):
-        """Wait until every submitted step is done (before reading parameters or optimizer state)."""
+        """Wait until every submitted step is done and the host's masters are current (before
+        reading parameters or optimizer state: Note [masters kept on the devices])."""
         self._queue.join()
+        if self.stepper.masters_away:        # (brought down by this thread, whose streams stepped them)
+            self._queue.put(("masters down", self.stepper.masters_down))
+            self._queue.join()
         self.raise_if_failed()
+
+    @property
+    def masters_away(self) -> bool:
+        """Whether host masters are stale: stepped on a device, kept there (synchronize brings them)."""
+        return self.stepper.masters_away
 
     def raise_if_failed(self):
         if self._error is not None:
@@ -152,16 +162,16 @@ class OverlappedOptimizer:
             if item is None:
                 self._queue.task_done()
                 return
-            if callable(item):          # (prepare)
+            if len(item) == 2:          # (prepare, or the kept masters' way down: not a submission)
+                what, call = item
                 t0 = time.perf_counter()
                 try:
-                    item()
-                    timeline.mark("ready for the first step", time.perf_counter() - t0)
-                except BaseException as exc:     # (raised by the next call: say it was no step)
-                    self._error = RuntimeError(f"preparing its first step (the masters on the devices, page-locked "
-                                               f"host buffers), before any parameter was stepped: {exc}")
+                    call()
+                    timeline.mark(what, time.perf_counter() - t0)
+                except BaseException as exc:     # (raised by the next call: say what it was)
+                    self._error = RuntimeError(_NOT_A_STEP[what].format(exc))
                     self._error.__cause__ = exc
-                item = None
+                item = call = None
                 self._queue.task_done()
                 continue
             self._run(*item)
@@ -191,13 +201,15 @@ class OverlappedOptimizer:
         except Exception as exc:  # noqa: BLE001 - the step itself is done
             self.trace_error = f"{type(exc).__name__}: {exc}"
 
-    def _run(self, params, grads, refresh, others, chunks, on_done, masters_last):
+    def _run(self, params, grads, refresh, others, chunks, on_done, masters):
         stepped: list = []
         tracer = self.stepper.tracer = self._tracer()
+        failed = True
         try:
-            self._step(params, grads, refresh, chunks, stepped, masters_last)
+            self._step(params, grads, refresh, chunks, stepped, masters)
             if refresh is not None and others:
                 refresh(others)
+            failed = False
             if tracer is not None:     # (every span's work is done: the steps waited for their streams)
                 self._keep_spans(tracer)
         except StepAbandoned:         # the step failed: its error is raised by the runner
@@ -205,13 +217,22 @@ class OverlappedOptimizer:
         except BaseException as exc:  # surfaced in the caller's thread by the next call
             self._error = exc
         finally:
+            try:
+                # the working copies land before the submission is done (Note [chunks within a
+                # piece], runtime/submission.py); where it failed, the masters kept on the devices
+                # come down (Note [masters kept on the devices])
+                self.stepper.copies_landed()
+                if failed:
+                    self.stepper.masters_down()
+            except BaseException as exc:  # noqa: BLE001 - the step's own failure is the one to raise
+                self._error = self._error or exc
             self.stepper.tracer = None
             for p in params:
                 self._event(p).set()
             if on_done is not None:
                 on_done()
 
-    def _step(self, params, grads, refresh, chunks, stepped, masters_last=False):
+    def _step(self, params, grads, refresh, chunks, stepped, masters="each"):
         t0, cpu0, switched0 = time.perf_counter(), time.process_time(), _switched()
         by_chunk = getattr(grads, "chunk", None) if self.max_grad_norm is None else None
         if by_chunk is None:      # (the global norm needs every gradient first)
@@ -241,7 +262,7 @@ class OverlappedOptimizer:
                 start += n
                 a = time.perf_counter()
                 if chunk:
-                    self.stepper.step(chunk, chunk_grads, masters_last)    # Note [masters down after the copies]
+                    self.stepper.step(chunk, chunk_grads, masters)    # Note [masters down after the copies]
                     stepped.extend(chunk)
                 b = time.perf_counter()
                 if refresh is not None:
@@ -251,9 +272,10 @@ class OverlappedOptimizer:
                 step_s += b - a
                 refresh_s += time.perf_counter() - b
         finally:      # (a failed submission too: the chunks it stepped keep their step, masters included)
-            a = time.perf_counter()
-            self.stepper.masters_down()
-            step_s += time.perf_counter() - a
+            if masters != "kept":     # (kept ones come down where it failed: _run)
+                a = time.perf_counter()
+                self.stepper.masters_down()
+                step_s += time.perf_counter() - a
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         # cpu_s and switched: the process's CPU seconds and involuntary context switches over the
@@ -264,6 +286,15 @@ class OverlappedOptimizer:
                                          "cpu_s": time.process_time() - cpu0,
                                          "switched": _switched() - switched0}])[-16:]
         timeline.mark_early("optimizer", "optimizer step done", seconds=self.timings[-1]["total_s"])
+
+
+# what the optimizer thread did that was no submission, when it failed
+_NOT_A_STEP = {
+    "ready for the first step": "preparing its first step (the masters on the devices, page-locked host "
+                                "buffers), before any parameter was stepped: {}",
+    "masters down": "bringing the masters stepped on the devices down to the host (Note [masters kept on the "
+                    "devices]); the steps were done: {}",
+}
 
 
 def _global_norm(grads) -> float:
