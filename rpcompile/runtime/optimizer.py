@@ -140,6 +140,8 @@ class OverlappedOptimizer:
     def synchronize(self):
         """Wait until every submitted step is done and the host's masters are current (before
         reading parameters or optimizer state: Note [masters kept on the devices])."""
+        if threading.current_thread() is self._thread:
+            return      # (a state_dict pre-hook reached from a step of this thread: joining would hang)
         self._queue.join()
         if self.stepper.masters_away:        # (brought down by this thread, whose streams stepped them)
             self._queue.put(("masters down", self.stepper.masters_down))
@@ -165,11 +167,13 @@ class OverlappedOptimizer:
             if len(item) == 2:          # (prepare, or the kept masters' way down: not a submission)
                 what, call = item
                 t0 = time.perf_counter()
+                said, marked = _NOT_A_STEP[what]
                 try:
                     call()
-                    timeline.mark(what, time.perf_counter() - t0)
+                    if marked:
+                        timeline.mark(what, time.perf_counter() - t0)
                 except BaseException as exc:     # (raised by the next call: say what it was)
-                    self._error = RuntimeError(_NOT_A_STEP[what].format(exc))
+                    self._error = RuntimeError(said.format(exc))
                     self._error.__cause__ = exc
                 item = call = None
                 self._queue.task_done()
@@ -288,12 +292,13 @@ class OverlappedOptimizer:
         timeline.mark_early("optimizer", "optimizer step done", seconds=self.timings[-1]["total_s"])
 
 
-# what the optimizer thread did that was no submission, when it failed
+# what the optimizer thread does that is no submission: (what its failure says, whether the setup
+# timeline marks it: once, not at every synchronize)
 _NOT_A_STEP = {
-    "ready for the first step": "preparing its first step (the masters on the devices, page-locked host "
-                                "buffers), before any parameter was stepped: {}",
-    "masters down": "bringing the masters stepped on the devices down to the host (Note [masters kept on the "
-                    "devices]); the steps were done: {}",
+    "ready for the first step": ("preparing its first step (the masters on the devices, page-locked host "
+                                 "buffers), before any parameter was stepped: {}", True),
+    "masters down": ("bringing the masters stepped on the devices down to the host (Note [masters kept on the "
+                     "devices]); the steps were done: {}", False),
 }
 
 
