@@ -4,6 +4,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from benchmarks import diagnose
@@ -22,6 +23,36 @@ def test_diagnose_variants_run_and_undo(tmp_path):
         assert r["tokens_per_s"] > 0 and len(r["step_s"]) == 2
     assert results["6:base"]["optimizer_s"]["step_s"] > 0     # the optimizer steps again after no_optimizer
     assert torch.get_num_threads() == threads and FlatStepper.WIDEN == widen
+
+
+@pytest.mark.parametrize("mode", ["delayed", "exact"])
+def test_no_optimizer_steps_nothing_until_undone(mode):
+    """The no_optimizer variant: no parameter moves while it is on (the attached optimizer's flat
+    stepper steps twins of the user's optimizer, so replacing `opt.step` alone did nothing in
+    overlapped and delayed modes); after its undo the steps move them again."""
+    import rpcompile
+    from models import lm_batch, qwen3
+    model = qwen3(layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], optimizer_mode=mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode != "exact":
+        cm.attach_optimizer(opt)
+
+    def steps(n):
+        for t in range(n):
+            cm.train_step(**lm_batch(seed=t))
+            if mode == "exact":
+                opt.step()
+                opt.zero_grad()
+        cm.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+    before = steps(1)
+    undo = diagnose._no_optimizer(cm, opt)
+    still = steps(3)
+    assert all(torch.equal(a, b) for a, b in zip(before, still))
+    undo()
+    after = steps(3)
+    assert not any(torch.equal(a, b) for a, b in zip(still, after))
 
 
 def test_pyspy_samples_the_main_process_and_each_worker_process():
