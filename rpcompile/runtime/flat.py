@@ -164,6 +164,14 @@ def _joined(ts: list) -> torch.Tensor:
     return t.as_strided((sum(x.numel() for x in ts),), (1,), t.storage_offset()) if len(ts) > 1 else t.view(-1)
 
 
+def _wait(streams) -> None:
+    """Block until each distinct stream among `streams` (None: a CPU device's, whose work is
+    done) has done what was queued on it."""
+    for stream in set(streams):
+        if stream is not None:
+            stream.synchronize()
+
+
 def merge_adjacent(dsts: list, srcs: list) -> tuple:
     """(dsts, srcs) for one copy per run: consecutive pairs whose destinations and sources
     both continue each other are joined into one 1-D view each."""
@@ -351,8 +359,7 @@ class FlatStepper:
                                 self._adopt(q)
                     piece = []
         finally:
-            for stream in settle.pop("streams", ()):
-                stream.synchronize()
+            _wait(settle.pop("streams", ()))
             for state, key, v in settle.pop("scalars", ()):
                 state[key] = v.cpu()
 
@@ -466,9 +473,7 @@ class FlatStepper:
             for p in members.get((k, r[0]), ()):
                 synced[id(p)] = p._version
             streams.add(stream)
-        for stream in streams:
-            if stream is not None:
-                stream.synchronize()
+        _wait(streams)
 
     def _adopt(self, p) -> bool:
         """Move p's (tensor) optimizer state into the flat state buffers; False if its state is
@@ -654,19 +659,12 @@ class FlatStepper:
         if land_later:
             self._copies_pending.extend(streams)
             return rest, None
-
-        def wait():
-            for stream in streams:
-                if stream is not None:
-                    stream.synchronize()
-        return rest, wait
+        return rest, lambda: _wait(streams)
 
     def copies_landed(self) -> None:
         """Block until the copies issued with land_later have landed (copy_down)."""
         pending, self._copies_pending = self._copies_pending, []
-        for stream in set(pending):
-            if stream is not None:
-                stream.synchronize()
+        _wait(pending)
 
     def _device_view(self, p):
         """p's masters on its device, where they equal the host's (stepped there since it last
@@ -725,10 +723,7 @@ class FlatStepper:
     def masters_down(self) -> None:
         """The masters stepped on the devices and not yet down come down; returns once they have
         landed (Note [masters down after the copies], Note [masters kept on the devices])."""
-        downs = {self._master_down(*item) for item in self._masters_pending.values()}
-        for down in downs:
-            if down is not None:
-                down.synchronize()
+        _wait([self._master_down(*item) for item in self._masters_pending.values()])
         self._masters_pending = {}      # (kept where a copy failed: a later call tries again)
 
     @property
@@ -805,9 +800,7 @@ class FlatStepper:
                 finally:
                     flat.grad = None
         finally:
-            for stream in used.values():     # the masters are read (refresh) and the gradients rewritten next
-                if stream is not None:
-                    stream.synchronize()
+            _wait(used.values())     # the masters are read (refresh) and the gradients rewritten next
         src = [twin_state[name].cpu() for name in scalars]
         for name, v in zip(scalars, src):
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [v] * len(run))

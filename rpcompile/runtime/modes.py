@@ -323,13 +323,14 @@ class DelayedMode(OverlappedMode):
         count = gs.submitted
         releases = iter(chunks.release)
 
+        land_later = functools.partial(self.optimizer.stepper.copy_down, land_later=True)
+
         def refresh(ps):
             # the gradients are read (stepped): their pieces go back before the copies are written,
             # which come down from the devices while the next chunk steps (Note [chunks within a
             # piece], runtime/submission.py)
             gs.release(next(releases, ()), count)
             copies.write_many(ps, slot, land_later)
-        land_later = functools.partial(self.optimizer.stepper.copy_down, land_later=True)
         grads = ChunkGrads(chunks, gs, run.landed, {i: params[i].dtype for i in chunks.order}, self.carried)
         others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
         # no job reads the host masters: those stepped on the devices stay there (Note [masters
