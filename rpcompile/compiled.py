@@ -14,6 +14,7 @@ from .config import Config
 from .errors import InputError
 from .passes import PlanningError, compile_graph
 from .passes.batch import LOSS_TARGET
+from .passes.host_memory import HostMemoryError
 from .plan_cache import PlanCache
 from .runner import GraphRunner
 from .runtime import timeline
@@ -123,18 +124,21 @@ class CompiledModel(torch.nn.Module):
         again = mode == "train" and runner.share_of_a_call
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
         first_train = mode == "train" and runner.num_microbatches is None
-        split = dict(num_microbatches=runner.num_microbatches, split_finer=first_train)
+        # the first train plan allocates the host buffers, later ones share them (Note [host room])
+        first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
+                     host_budget="config" if first_train else None)
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
-                                 on_devices=None if again else runner.optimizer_share, **split)
-        except PlanningError:
-            if self.config.optimizer_on_devices is not None or not runner.optimizer_share:
+                                 on_devices=None if again else runner.optimizer_share, **first)
+        except PlanningError as e:
+            if (self.config.optimizer_on_devices is not None or not runner.optimizer_share
+                    or isinstance(e, HostMemoryError)):    # (the share home would take more of the host)
                 raise
             runner.optimizer_share = 0.0
             if opt is not None:
                 self.synchronize()
                 opt.bring_home()
-            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **split)
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **first)
         if first_train:
             runner.num_microbatches = plan.num_microbatches
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it

@@ -11,15 +11,16 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(value) -> Optional[int]:
-    """Turn 24 * 2**30, "24GiB" or "24 GB" into a number of bytes (None stays None)."""
+def parse_bytes(value, name: str = "memory_budget") -> Optional[int]:
+    """Turn 24 * 2**30, "24GiB" or "24 GB" into a number of bytes (None stays None); `name` is
+    the setting the error names."""
     if value is None or isinstance(value, int):
         return value
     if isinstance(value, float):
         return int(value)
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"memory_budget={value!r} is not a size: write e.g. 24 * 2**30 or '24GiB'")
+        raise ValueError(f"{name}={value!r} is not a size: write e.g. 24 * 2**30 or '24GiB'")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -33,6 +34,15 @@ class Config:
         dtype on CPU devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
     memory_budget: bytes (or "24GiB") a stage job may use on one device; None: the device's
         free memory on GPUs, unlimited on CPU.
+    host_memory_budget: bytes (or "100GiB") of host memory the model's first train plan may
+        take in all, its parameters included (what `cm.plan` prints as "host memory"). Where
+        the plan would take more, more of the attached optimizer goes to the GPUs (where the
+        plan chooses the share: optimizer_on_devices=None), else planning stops with an error
+        that says what to change, before anything is allocated (Note [host room] in
+        passes/host_memory.py). None (the default): the host memory available at that plan
+        (the smaller of the system's and the cgroup's) plus what the parameters hold already,
+        less 8 GiB and a tenth of the host's memory for what the process and
+        the system allocate besides.
     loss_fn: loss_fn(output, target) when the model does not return its own loss.
     lm_head_shards: vocabulary shards of the LM head (None: chosen from the cost model,
         0: leave the head whole).
@@ -112,6 +122,7 @@ class Config:
     workers: Optional[str] = None
     data_parallel: Optional[bool] = None
     split_microbatches: Optional[bool] = None
+    host_memory_budget: Optional[object] = None
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -134,6 +145,7 @@ class Config:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"Config.num_microbatches={self.num_microbatches!r}: give an int >= 1")
         self.memory_budget = parse_bytes(self.memory_budget)
+        self.host_memory_budget = parse_bytes(self.host_memory_budget, "host_memory_budget")
         if isinstance(self.unbatched_inputs, (str, int)):
             self.unbatched_inputs = (self.unbatched_inputs,)
         self.unbatched_inputs = tuple(self.unbatched_inputs)

@@ -175,6 +175,7 @@ class Plan:
     optimizer_share: float = 0.0                         # the optimizer's share on the devices it planned beside (Note [optimizer share by room])
     optimizer_est_s: Optional[float] = None              # the update's estimated seconds a step, where the plan chose the share (Note [optimizer share by pace])
     replicas: int = 1                                    # copies of the stage jobs, one per device (Note [replicas])
+    host_share: float = 0.0                              # the least optimizer share on the devices the host's memory needed (Note [host room])
     upload_wait_s: float = 0.0                           # a step's wait for weights beyond the jobs' times (Note [uploads behind the job before])
     finer: list = field(default_factory=list)            # (microbatches, est. step s, recomputes) weighed by the first train plan (Note [finer microbatches])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols

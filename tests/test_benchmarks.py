@@ -849,6 +849,25 @@ def test_bar_reads_no_result_whose_host_lost_its_cpu_to_steal(tmp_path, capsys):
     assert bar.stolen({}) is None and bar.stolen({"host_cpu_timed_s": {"idle": 0.0}}) is None
 
 
+def test_bar_reads_no_result_whose_plan_the_hosts_memory_bound():
+    """A one-GPU result on a host too small for the default plan (the optimizer's share raised
+    for it: harness info host_share_least > 0) measures that host: the scaling row reads the
+    older one, and the printout names it; a result with nothing raised is read."""
+
+    runs = _passing_runs("llama3.1-8b")
+    small = _bar_run("2026-12-02 00:00 UTC", 1, {"rpcompile-delayed": _delayed(8_000, 1, info={
+        "optimizer_s": {"grads_s": 0.3, "clip_s": 0.0, "step_s": 0.5, "refresh_s": 0.2}, "host_share_least": 0.5})},
+        model="llama3.1-8b")
+    rows = bar.evaluate(runs + [small], reference=REFERENCE)
+    assert _bar_row(rows, "scaling", "1 → 4", "llama3.1-8b").figure == "3.70× (37,000 / 10,000 tokens/s)"
+    assert bar.stolen_lines(runs + [small]) == [
+        "left out, the host's memory bound its plan (a share of at least 0.5 of the optimizer on the GPUs): "
+        "rpcompile-delayed, 2026-12-02 00:00 UTC, NVIDIA H100 80GB HBM3 × 1"]
+    small["results"][0]["info"]["host_share_least"] = 0.0
+    rows = bar.evaluate(runs + [small], reference=REFERENCE)
+    assert _bar_row(rows, "scaling", "1 → 4", "llama3.1-8b").figure == "4.62× (37,000 / 8,000 tokens/s)"
+
+
 def test_bar_says_not_measured_where_data_is_missing():
     one = _delayed(10_000, 1)
     del one["timed_step_s"], one["compute_busy_frac"]

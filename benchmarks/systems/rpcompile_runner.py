@@ -180,6 +180,8 @@ class RPCompileTrainer(Trainer):
                        plan_microbatches=int(plan.num_microbatches),   # (Config.split_microbatches may split finer)
                        # the attached optimizer's share on the devices (Config.optimizer_on_devices, or the plan's)
                        optimizer_share=float(getattr(self.cm.runner, "optimizer_share", 0.0) or 0.0),
+                       # the least of it the host's memory needed (Note [host room]): > 0, the host bound the plan
+                       host_share_least=float(getattr(plan, "host_share", 0.0)),
                        plan_job_est_s=[float(r["est_time_s"]) for r in rows],
                        # each stage job uploads its weights once per step (DESIGN.md)
                        plan_weight_upload_bytes_per_step=int(sum(r["param_bytes"] for r in rows)),

@@ -61,15 +61,16 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError
-from ..plan import Plan
+from ..plan import Plan, _fmt_bytes
 from .batch import attach_row_checks, check_splittable, find_batch
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import (device_optimizer_bytes, host_memory, optimizer_seconds, pace_shares, planned_grad_dtype,
-                          share_by_room)
+from .host_memory import (HostMemoryError, checked_bytes, default_host_budget, device_optimizer_bytes, host_memory,
+                          host_memory_error, least_host_share, optimizer_seconds, pace_shares, per_parameter,
+                          planned_grad_dtype, share_by_room)
 from .longest import planning_error
 from .normalize_loss import mean_cross_entropy, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
@@ -119,6 +120,11 @@ class CompileState:
     plan: Optional[Plan] = None
     on_devices_arg: Optional[float] = None   # on_devices as compile_graph was given it (split_finer solves again)
     finer: list = field(default_factory=list)   # (microbatches, estimated pace, recomputes) of each count weighed
+    host_budget: Optional[int] = None  # bytes the plan's host memory may take (Note [host room]); None: unchecked
+    host_budget_given: bool = False    # it is Config.host_memory_budget (not the host's available memory)
+    host_cut: int = 0                  # host bytes an earlier try's cut took (activations, carried rows): Note [host room]
+    chooses_share: bool = False        # solve_stages chose the optimizer's share (on_devices was None)
+    host_share: float = 0.0            # the least share of the optimizer on the devices the host budget needs
 
     def __post_init__(self):
         if self.num_microbatches is None:
@@ -265,11 +271,13 @@ def solve_stages_pass(st: CompileState) -> CompileState:
     st.steps_overlap = _steps_overlap(st)
     N = len(config.devices)
     cut = (st.cuts, st.segments, st.cut_bytes)
+    chooses = st.chooses_share = st.on_devices is None and _share_by_room_applies(st) and st.budget is not None
+    least = st.host_share = _least_host_share(st, chooses)
     (st.stage_plan, st.cuts, st.segments, st.cut_bytes), st.replicas = _stage_plan(st, budget_set)
     if st.on_devices is None:
         st.on_devices = 0.0
-        if _share_by_room_applies(st) and st.budget is not None:
-            _choose_share(st, budget_set, cut)
+        if chooses:
+            _choose_share(st, budget_set, cut, least)
     # what is resident beside each job (Note [resident weights]); a replica's jobs all run on its device
     st.stage_plan, st.prefetch_bytes, st.early_first_upload = settle(
         st.stage_plan, st.segments, st.budget, 1 if st.replicas > 1 else N,
@@ -430,20 +438,62 @@ def _pace(st: CompileState) -> float:
     return max(st.stage_plan.est_time + plan_upload_wait(st), st.optimizer_s or 0.0)
 
 
-def _choose_share(st: CompileState, budget_set, cut) -> None:
+def _host_at(st: CompileState, share: float):
+    """The plan's host memory before the stage cut (host_memory.per_parameter) at `share`, with
+    what an earlier try's cut took as its activations (st.host_cut)."""
+    config = st.config
+    grad_dtype = planned_grad_dtype(st.captured, config.compute_dtype, config.optimizer_mode)
+    hm = per_parameter(st.captured.params, config.compute_dtype, config.on_gpu, config.optimizer_mode,
+                       config.workers, share, grad_dtype, len(config.devices))
+    hm.activations = st.host_cut
+    return hm
+
+
+def _least_host_share(st: CompileState, chooses: bool) -> float:
+    """The least share of the optimizer on the devices whose host memory fits the plan's host
+    budget (Note [host room] in passes/host_memory.py): 0 without a budget or where nothing need
+    move; raises the host's PlanningError where no share the plan may take fits."""
+    if st.host_budget is None:
+        return 0.0
+    mode = st.config.optimizer_mode
+    least = least_host_share(lambda share: _host_at(st, share), mode, st.host_budget)
+    fixed = st.on_devices or 0.0
+    if least is not None and (chooses or least <= fixed):
+        return least
+    if mode == "exact":
+        why = "in exact mode the host holds the gradients and your optimizer steps there"
+    elif least is None:
+        why = "not even with all of the optimizer's state on the devices"
+    else:
+        why = _needs_share(st.config, least)
+    shown = least if least is not None else 1.0 if chooses else fixed
+    raise host_memory_error(_host_at(st, shown), st.host_budget, mode, why, st.host_budget_given)
+
+
+def _needs_share(config, least: float) -> str:
+    return (f"it would need a share of at least {least:g} of the optimizer on the devices "
+            f"(Config.optimizer_on_devices={config.optimizer_on_devices!r})")
+
+
+def _choose_share(st: CompileState, budget_set, cut, least: float = 0.0) -> None:
     """The optimizer's share on the devices, for a plan that chooses it: what fits in the room
     the jobs leave (Note [optimizer share by room] in passes/host_memory.py) or, where the host's
     update would then set the pace (a train plan), the first of the larger shares pace_shares
     names whose jobs, re-cut beside it, fit and make the shorter step (Note [optimizer share by
-    pace]). Sets st.on_devices, st.reserved, st.budget and, for a re-cut, the plan; `cut` is the
-    capture's (cuts, segments, cut bytes)."""
+    pace]); never less than `least`, the share the host's memory needs (Note [host room]), the
+    jobs re-cut beside it where the room has less. Sets st.on_devices, st.reserved, st.budget
+    and, for a re-cut, the plan; `cut` is the capture's (cuts, segments, cut bytes)."""
     params, N = st.captured.params, len(st.config.devices)
     share = share_by_room(params, N, st.budget - max(st.stage_plan.job_memory))
     reserved = device_optimizer_bytes(params, share, N)
     best = (max(st.stage_plan.est_time, optimizer_seconds(params, share)), share, reserved,
             (st.stage_plan, st.cuts, st.segments, st.cut_bytes), st.replicas)
+    weigh = pace_shares(params, N, st.stage_plan.est_time, max(share, least)) if st.mode == "train" else []
+    if share < least:     # (the host needs more than the room gives: any share from `least` on beats none)
+        best = (math.inf, *best[1:])
+        weigh = [s for s in weigh if s >= least] + ([least] if least not in weigh else [])
     # (a forward call's plan, which may choose first, costs no step the update runs beside)
-    for s in pace_shares(params, N, st.stage_plan.est_time, share) if st.mode == "train" else ():
+    for s in weigh:
         st.reserved = device_optimizer_bytes(params, s, N)
         st.budget = budget_set - st.reserved
         if st.budget <= 0:
@@ -457,6 +507,12 @@ def _choose_share(st: CompileState, budget_set, cut) -> None:
         if pace < best[0]:
             best = (pace, s, st.reserved, planned, replicas)
             break
+    if best[0] == math.inf:
+        raise host_memory_error(_host_at(st, least), st.host_budget, st.config.optimizer_mode,
+                                f"its host memory needs a share of at least {least:g} of the optimizer on the devices "
+                                f"({_fmt_bytes(device_optimizer_bytes(params, least, N))} a device), and the stage "
+                                f"jobs do not fit beside it in the devices' {_fmt_bytes(budget_set)}",
+                                st.host_budget_given)
     _, st.on_devices, st.reserved, planned, st.replicas = best
     st.stage_plan, st.cuts, st.segments, st.cut_bytes = planned
     st.budget = budget_set - st.reserved
@@ -573,15 +629,36 @@ def describe_io(st: CompileState) -> CompileState:
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
-    plan.replicas, plan.finer = st.replicas, list(st.finer)
+    plan.replicas, plan.finer, plan.host_share = st.replicas, list(st.finer), st.host_share
     plan.upload_wait_s = plan_upload_wait(st)
     st.plan = plan
     return st
 
 
 def host_memory_pass(st: CompileState) -> CompileState:
-    st.plan.host_memory = host_memory(st.plan, st.config.compute_dtype, st.config.on_gpu, st.config.optimizer_mode,
-                                      st.config.workers, st.plan.optimizer_share)
+    config = st.config
+    hm = st.plan.host_memory = host_memory(st.plan, config.compute_dtype, config.on_gpu, config.optimizer_mode,
+                                           config.workers, st.plan.optimizer_share, st.host_budget)
+    if st.host_budget is None:
+        return st
+    # (solve_stages fitted all but what the cut decides: the activations, the carried rows)
+    if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
+        why = "with its activations and checkpoints"
+        if not st.chooses_share and config.optimizer_mode != "exact":
+            least = least_host_share(lambda share: _host_at(dataclasses.replace(st, host_cut=hm.activations
+                                                                                + hm.carried_rows), share),
+                                     config.optimizer_mode, st.host_budget)
+            if least is not None and least > st.plan.optimizer_share:
+                why += "; " + _needs_share(config, least)
+        e = host_memory_error(hm, st.host_budget, config.optimizer_mode, why, st.host_budget_given)
+        if st.chooses_share and st.plan.optimizer_share < 1:
+            e.cut = hm.activations + hm.carried_rows    # (compile_graph plans again, holding these back)
+        raise e
+    if hm.total > st.host_budget:     # exact mode: what the user's optimizer's state would take (Note [host room])
+        warnings.warn(f"rpcompile: the plan's host memory is {_fmt_bytes(hm.total)} with AdamW's state (which your "
+                      f"optimizer allocates), more than the host budget of {_fmt_bytes(st.host_budget)}: an optimizer "
+                      "with less state, or optimizer_mode='delayed' or 'overlapped' with cm.attach_optimizer(opt) "
+                      "(its state may then go to the GPUs), fits", stacklevel=2)
     return st
 
 
@@ -655,16 +732,42 @@ class PassTexts(Sequence):
 
 
 def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
-                  num_microbatches=None, split_finer=False) -> Plan:
+                  num_microbatches=None, split_finer=False, host_budget=None) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
     share on the devices to plan with (None: the plan chooses it; default: the config's).
     num_microbatches: what the batch is split into (None: the config's; a count an earlier plan
-    chose); split_finer: the plan may split finer (Note [finer microbatches])."""
+    chose); split_finer: the plan may split finer (Note [finer microbatches]). host_budget: bytes
+    the plan's host memory may take (Note [host room] in passes/host_memory.py; None: unchecked,
+    "config": Config.host_memory_budget or the host's available memory)."""
     on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
-    st = CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
-                      loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
-                      num_microbatches=num_microbatches, split_finer=split_finer)
+    given = host_budget == "config" and config.host_memory_budget is not None
+    if host_budget == "config":
+        host_budget = config.host_memory_budget if given else default_host_budget(cap.params)
+
+    def state(host_cut: int = 0) -> CompileState:      # (the passes fill one in)
+        return CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
+                            loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
+                            num_microbatches=num_microbatches, split_finer=split_finer, host_budget=host_budget,
+                            host_budget_given=given, host_cut=host_cut)
+    held = 0
+    for attempt in range(HOST_TRIES):
+        try:
+            return _run_passes(state(held))
+        except HostMemoryError as e:
+            if e.cut is None or attempt == HOST_TRIES - 1:
+                raise
+            # the share was chosen before the cut put its activations on the host: again, with
+            # those held back (Note [host room] in passes/host_memory.py)
+            held = max(held, e.cut) + (e.needed - e.budget if e.cut <= held else 0)
+
+
+# plans made for one host budget at most (each holding back more of it for the activations)
+HOST_TRIES = 3
+
+
+def _run_passes(st: CompileState) -> Plan:
+    cap, mode, loss_output = st.captured, st.mode, st.loss_output_arg
     names = [name for name, _, _ in PASSES]
     last_rewrite = max(names.index(name) for name in GRAPH_REWRITES)
     printed, seconds = PassTexts(), {}

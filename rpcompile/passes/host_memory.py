@@ -17,10 +17,15 @@ runtime/shared.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+
+from .partition import PlanningError
 
 
 ADAMW_STATE_BYTES = 8      # exp_avg and exp_avg_sq in fp32, per trainable parameter
@@ -265,6 +270,7 @@ class HostMemory:
     device_share: float = 0.0  # that share (Config.optimizer_on_devices, or the plan's choice)
 
     steps_alive: int = 1       # steps whose activations are on the host at once
+    budget: Optional[int] = None   # the host budget the plan was made within (Note [host room]), or None
 
     @property
     def grad_itemsize(self) -> int:
@@ -293,7 +299,8 @@ class HostMemory:
         from ..plan import _fmt_bytes
         per = self.total / max(1, self.num_params)
         parts = ", ".join(f"{name} {_fmt_bytes(b)}" for name, b in self.rows() if b)
-        out = f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param): {parts}"
+        within = f" within a host budget of {_fmt_bytes(self.budget)}" if self.budget is not None else ""
+        out = f"host memory {_fmt_bytes(self.total)} ({per:.1f} B/param){within}: {parts}"
         if self.device_optimizer:
             out += (f"; on each device besides the jobs, {_fmt_bytes(self.device_optimizer)} of fp32 masters and "
                     f"optimizer state (Config.optimizer_on_devices: a share of {self.device_share:g})")
@@ -309,9 +316,11 @@ def host_values(st) -> list:
     return list(getattr(st, "grad_inputs", []))
 
 
-def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads",
-                on_devices: float = 0.0) -> HostMemory:
-    params = plan.captured.params
+def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str, on_devices: float,
+                   grad_dtype: torch.dtype, num_devices: int) -> HostMemory:
+    """What a plan's host memory holds per parameter, whatever its stage cut: everything but
+    the activations and the carried rows, the gradient set as the trainable parameters' whole
+    gradients (GradLayout's pieces tile them; host_memory puts its layout's bytes in)."""
     trainable = [p for p in params if p.requires_grad]
     masters = sum(p.numel() * p.element_size() for p in params)
     # the optimizer's share on the devices keeps its state there (about: whole parameters)
@@ -323,25 +332,157 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
         for p in params:
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
-    layout = grad_layout(plan)
-    # runner.working_dtype: graphs the dynamo backend captured on real tensors run as they are
-    grad_dtype = planned_grad_dtype(plan.captured, compute_dtype, optimizer_mode)
     itemsize = grad_dtype.itemsize
     param_grads = sum(p.numel() * p.element_size() for p in trainable) if optimizer_mode == "exact" else 0
-    by_name = {n.name: n for n in plan.gm.graph.nodes}
-    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
-    alive = 2 if optimizer_mode == "delayed" else 1
-    carried = 0
-    if optimizer_mode == "delayed":
-        from ..runtime.submission import carried_rows
-        carried = itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
     from ..runtime.flat import FlatStepper
     flat = sum(_flat_numels(trainable))
     widened = 0
     if itemsize < GRAD_ITEMSIZE and on_devices < 1:   # runtime/flat.py: FlatStepper widens a slice of the flat masters
         widened = GRAD_ITEMSIZE * min(FlatStepper.WIDEN, flat)
-    return HostMemory(masters, layout.nbytes(1, itemsize), state, copies, int(per_micro) * plan.num_microbatches * alive,
-                      sum(p.numel() for p in params), param_grads=param_grads, carried_rows=carried, widened=widened,
-                      steps_alive=alive, grad_layout=layout, grad_dtype=grad_dtype,
-                      device_optimizer=device_optimizer_bytes(params, on_devices, plan.num_devices),
+    return HostMemory(masters, itemsize * sum(p.numel() for p in trainable), state, copies, 0,
+                      sum(p.numel() for p in params), param_grads=param_grads, widened=widened,
+                      steps_alive=2 if optimizer_mode == "delayed" else 1, grad_dtype=grad_dtype,
+                      device_optimizer=device_optimizer_bytes(params, on_devices, num_devices),
                       device_share=on_devices)
+
+
+def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str = "threads",
+                on_devices: float = 0.0, budget=None) -> HostMemory:
+    params = plan.captured.params
+    # runner.working_dtype: graphs the dynamo backend captured on real tensors run as they are
+    grad_dtype = planned_grad_dtype(plan.captured, compute_dtype, optimizer_mode)
+    out = per_parameter(params, compute_dtype, on_gpu, optimizer_mode, workers, on_devices, grad_dtype,
+                         plan.num_devices)
+    layout = out.grad_layout = grad_layout(plan)
+    out.grads = layout.nbytes(1, grad_dtype.itemsize)
+    by_name = {n.name: n for n in plan.gm.graph.nodes}
+    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
+    out.activations = int(per_micro) * plan.num_microbatches * out.steps_alive
+    if optimizer_mode == "delayed":
+        from ..runtime.submission import carried_rows
+        out.carried_rows = grad_dtype.itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
+    out.budget = budget
+    return out
+
+
+# Note [host room]: a plan whose host memory is more than the host has is killed by the
+# system part-way through its first step (pinned memory cannot be paged out): Llama-3.1-8B
+# in delayed mode on one H200 plans 134.9 GiB (18.0 B/param; 142.1 GiB measured at its peak)
+# and the one-GPU machines lent here have 125.8 GiB. So the model's first train plan (the one
+# that allocates the host buffers; later plans share them) is made within a host budget
+# (Config.host_memory_budget; by default what the host has available then, the system's or
+# its cgroup's, plus what the parameters already hold, less HOST_MARGIN and HOST_SHARE of the
+# host's memory for what the process allocates besides and what the system needs: the Llama
+# run above peaked 7.2 GiB above its plan; one planned to 8 GiB below the 125.8 GiB host's
+# available memory reached 117 GiB in its first step, where the benchmarks stop a run). Where the plan
+# chooses the optimizer's share on the devices, the share is at least the smallest, in 64ths,
+# whose host memory fits (least_host_share: each parameter stepped on a device holds its
+# 8 bytes of AdamW state there, not on the host), the jobs cut again beside it where they do
+# not fit (as for a share by pace). Where that cannot fit (a share fixed by the config or
+# exact mode; the state of the whole is not enough; the devices have no room beside the
+# jobs) the plan stops with a PlanningError that says what the plan needs, what the host
+# has, and what to change, before a buffer is allocated. In exact mode the optimizer's state
+# is the user's optimizer's, which rpcompile does not allocate: it is warned of, not counted.
+# what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
+HOST_MARGIN = 8 << 30
+HOST_SHARE = 0.1
+
+
+def host_memory_now(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> Optional[tuple]:
+    """(bytes of host memory this process may still take, the bytes it may take in all): the
+    system's MemAvailable and MemTotal, or less where a cgroup (v2 memory.max, or v1
+    memory.limit_in_bytes) limits it (its limit, less what it uses, plus the page cache it may
+    reclaim); None where neither can be read."""
+    found = []
+    try:
+        with open(meminfo) as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                    if line.startswith(("MemAvailable:", "MemTotal:"))}
+        found.append((info["MemAvailable"], info["MemTotal"]))
+    except (OSError, ValueError, IndexError, KeyError):
+        pass
+    for limit, usage, stat, cache in (("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                                      ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+                                       "memory/memory.stat", "total_inactive_file")):
+        try:
+            with open(os.path.join(cgroup, limit)) as f:
+                text = f.read().strip()
+            if text == "max" or int(text) >= 1 << 60:      # (v1 writes "unlimited" as a page-rounded 2^63)
+                continue
+            with open(os.path.join(cgroup, usage)) as f:
+                used = int(f.read())
+            reclaimable = 0
+            with open(os.path.join(cgroup, stat)) as f:
+                for line in f:
+                    name, _, value = line.partition(" ")
+                    if name == cache:
+                        reclaimable = int(value)
+            found.append((max(0, int(text) - used + reclaimable), int(text)))
+        except (OSError, ValueError):
+            continue
+    return (min(a for a, _ in found), min(t for _, t in found)) if found else None
+
+
+def held_host_bytes(params) -> int:
+    """Host bytes the parameters hold already (the plan's masters, where they are on the host)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values() if p.device.type == "cpu")
+
+
+def default_host_budget(params) -> Optional[int]:
+    """Config.host_memory_budget's default (Note [host room]); None where the host's memory
+    cannot be read."""
+    now = host_memory_now()
+    if now is None:
+        return None
+    free, total = now
+    return free + held_host_bytes(params) - min(HOST_MARGIN + int(HOST_SHARE * total), free // 4)
+
+
+def checked_bytes(hm: HostMemory, optimizer_mode: str) -> int:
+    """What of a plan's host memory the budget holds it to: all of it, but the optimizer state
+    in exact mode (the user's optimizer's, which rpcompile does not allocate)."""
+    return hm.total - (hm.optimizer_state if optimizer_mode == "exact" else 0)
+
+
+def least_host_share(at, optimizer_mode: str, budget: int) -> Optional[float]:
+    """The smallest share of the optimizer on the devices, in 64ths, whose host memory before
+    the stage cut (`at(share)`, a per_parameter HostMemory) fits `budget`; None if not even
+    the whole's does."""
+    return next((n / 64 for n in range(65) if checked_bytes(at(n / 64), optimizer_mode) <= budget), None)
+
+
+class HostMemoryError(PlanningError):
+    """The plan's host memory does not fit its host budget (Note [host room]); `needed` and
+    `budget` are in bytes."""
+
+    def __init__(self, message: str, needed: int, budget: int):
+        super().__init__(message)
+        self.needed, self.budget = needed, budget
+        self.cut = None     # (passes/__init__.py: bytes the cut took, where planning again may fit)
+
+
+def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str, given: bool) -> HostMemoryError:
+    """The error of a plan whose host memory does not fit the budget (Note [host room])."""
+    from ..plan import _fmt_bytes
+    origin = ("Config.host_memory_budget" if given else
+              f"what the host has available now with the parameters, less {_fmt_bytes(HOST_MARGIN)} and "
+              f"{HOST_SHARE:.0%} of the host's memory (Config.host_memory_budget=None)")
+    state = hm.optimizer_state if optimizer_mode != "exact" else 0
+    fixes = []
+    if optimizer_mode == "exact":
+        fixes.append("optimizer_mode='delayed' or 'overlapped' with cm.attach_optimizer(opt): rpcompile then steps "
+                     "the optimizer and can keep its state (12 B a parameter for AdamW) on the GPUs")
+    elif state:
+        fixes.append("optimizer_on_devices=None (the plan moves what it must of the optimizer's state to the GPUs) "
+                     "or 1.0, with more GPU memory for it (Config.memory_budget, more GPUs)")
+    if optimizer_mode == "delayed":
+        fixes.append(f"optimizer_mode='overlapped' (one working copy instead of two: "
+                     f"{_fmt_bytes(hm.working_copies // 2)} less)")
+    fixes.append("train fewer parameters (LoRA, frozen layers)")
+    fixes.append("Config.host_memory_budget=... if more host memory is free than the system reports")
+    needed = checked_bytes(hm, optimizer_mode)
+    if optimizer_mode == "exact":      # (the user's optimizer's state: not counted)
+        hm = dataclasses.replace(hm, optimizer_state=0)
+    return HostMemoryError(
+        f"rpcompile: the plan needs {_fmt_bytes(needed)} of host memory, {_fmt_bytes(needed - budget)} more than the "
+        f"{_fmt_bytes(budget)} it may take ({origin}): {why}. Its {hm.summary()}. To fit, use " + "; or ".join(fixes) + ".", needed, budget)

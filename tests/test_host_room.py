@@ -1,0 +1,155 @@
+"""The first train plan fits the host's memory (Note [host room] in passes/host_memory.py): the
+host's available memory as the system and the cgroup say, the optimizer's share the plan
+chooses raised to what the host needs, and a clear error before anything is allocated where
+nothing fits."""
+import importlib
+
+import pytest
+import torch
+
+import rpcompile
+from models import lm_batch
+from test_optimizer_on_devices import DEVICES, _qwen
+
+host_memory = importlib.import_module("rpcompile.passes.host_memory")
+
+
+def test_host_memory_now_is_the_smaller_of_the_system_and_the_cgroup(tmp_path):
+    """(available, total): /proc/meminfo's, or a cgroup's limit less its use plus its page cache
+    where that is less (v2 and v1 files; an unlimited cgroup is no limit)."""
+    now = host_memory.host_memory_now
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    1000000 kB\nSwapFree: 5 kB\n")
+    system = (1000000 * 1024, 24000000 * 1024)
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    assert now(str(meminfo), str(v2)) == system                   # no cgroup files
+    (v2 / "memory.max").write_text("max\n")
+    assert now(str(meminfo), str(v2)) == system                   # not limited
+    (v2 / "memory.max").write_text(f"{600 << 20}\n")
+    (v2 / "memory.current").write_text(f"{300 << 20}\n")
+    (v2 / "memory.stat").write_text(f"anon 1\ninactive_file {50 << 20}\nactive_file 7\n")
+    assert now(str(meminfo), str(v2)) == (350 << 20, 600 << 20)   # limit - used + cache
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")        # v1's "unlimited"
+    assert now(str(meminfo), str(v1)) == system
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{int(1.5 * 2**30)}\n")
+    (v1 / "memory" / "memory.stat").write_text(f"inactive_file 0\ntotal_inactive_file {1 << 20}\n")
+    assert now(str(tmp_path / "none"), str(v1)) == ((512 << 20) + (1 << 20), 2 << 30)
+    assert now(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_the_default_budget_is_what_is_available_with_the_parameters_less_a_margin(monkeypatch):
+    params = [torch.zeros(1000), torch.zeros(10, dtype=torch.bfloat16), torch.zeros(5, device="meta")]
+    held = 4000 + 20
+    assert host_memory.held_host_bytes(params + params[:1]) == held
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: (100 << 30, 120 << 30))
+    margin = host_memory.HOST_MARGIN + int(host_memory.HOST_SHARE * (120 << 30))
+    assert host_memory.default_host_budget(params) == (100 << 30) + held - margin
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: (4 << 30, 8 << 30))   # a small host: a quarter at most
+    assert host_memory.default_host_budget(params) == (3 << 30) + held
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: None)
+    assert host_memory.default_host_budget(params) is None
+
+
+def test_config_reads_the_host_budget_as_a_size():
+    assert rpcompile.Config(host_memory_budget="2GiB").host_memory_budget == 2 << 30
+    assert rpcompile.Config().host_memory_budget is None
+    with pytest.raises(ValueError, match="host_memory_budget='lots' is not a size"):
+        rpcompile.Config(host_memory_budget="lots")
+
+
+def _run(budget=None, share=None, host=None, steps=3, mode="delayed"):
+    model = _qwen(layers=2)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
+                                                   memory_budget=budget, optimizer_on_devices=share,
+                                                   host_memory_budget=host))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mode != "exact":
+        cm.attach_optimizer(opt)
+    losses = []
+    for t in range(steps):
+        losses.append(float(cm.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=t))))
+        if mode == "exact":
+            opt.step()
+            opt.zero_grad()
+    cm.synchronize()
+    return cm, losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def tight(monkeypatch):
+    """The share chosen on these CPU devices as on GPUs, and a device budget the jobs fill (the
+    room leaves no share): (that budget, the host memory of a plan with every update on the host,
+    the losses and parameters of its steps)."""
+    from rpcompile import passes
+    from rpcompile.passes.host_memory import device_optimizer_bytes
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
+    with pytest.raises(rpcompile.PlanningError) as e:
+        _run(1, share=0.0, steps=1)
+    budget = e.value.min_budget + device_optimizer_bytes(list(_qwen(layers=2).parameters()), 1.0, 2)
+    cm, losses, params = _run(budget, share=0.0)
+    return budget, cm.plan.host_memory.total, losses, params
+
+
+def test_the_plan_puts_on_the_devices_what_the_host_has_no_room_for(tight):
+    """A host budget below what a plan with every update on the host takes: the plan chooses a
+    share of the optimizer on the devices that fits it (the room the jobs leave gives none, so
+    they are cut again beside it), says so, and trains as with every update on the host."""
+    budget, at_home, losses, params = tight
+    cm, more_losses, more_params = _run(budget)
+    assert cm.plan.optimizer_share == 0.0 and cm.plan.host_memory.budget > at_home      # (what the room gives)
+    assert cm.plan.host_share == 0.0
+    host = at_home - 60_000
+    cm, got_losses, got_params = _run(budget, host=host)
+    hm = cm.plan.host_memory
+    assert 0 < cm.plan.host_share <= cm.plan.optimizer_share < 1 and hm.total <= host < at_home
+    assert cm.plan.memory_budget == budget - hm.device_optimizer
+    assert max(cm.plan.stage_plan.job_memory) <= cm.plan.memory_budget
+    assert "within a host budget of" in str(cm.plan) and "a share of" in str(cm.plan)
+    assert got_losses == pytest.approx(losses, rel=1e-6)
+    for a, b in zip(got_params, params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_plan_that_does_not_fit_the_host_stops_before_anything_moves(tight):
+    """Where no share fits (a budget below even the whole's), where the share is fixed, and in
+    exact mode: a HostMemoryError from the first step, saying what the plan needs and what to
+    change; the parameters are the model's own, nothing allocated for the optimizer."""
+    budget, at_home, _, _ = tight
+    model = _qwen(layers=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                   memory_budget=budget, host_memory_budget=at_home // 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cm.attach_optimizer(opt)
+    with pytest.raises(host_memory.HostMemoryError, match="not even with all of the optimizer's state on the devices") as e:
+        cm.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
+    assert e.value.budget == at_home // 4 < e.value.needed
+    assert "(Config.host_memory_budget)" in str(e.value) and "optimizer_mode='overlapped'" in str(e.value)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b) and p.grad is None
+    assert not opt.state and cm.runner.host_grads.flat is None
+    with pytest.raises(host_memory.HostMemoryError, match=r"a share of at least 0\.\d+ .*optimizer_on_devices=0\.0"):
+        _run(budget, share=0.0, host=at_home - 60_000, steps=1)
+    with pytest.raises(host_memory.HostMemoryError, match="use optimizer_mode='delayed' or 'overlapped' with cm.attach"):
+        _run(None, host=at_home // 4, mode="exact", steps=1)
+
+
+def test_exact_mode_warns_of_the_state_its_optimizer_would_add(monkeypatch):
+    """In exact mode the user's optimizer allocates its state: a budget that holds rpcompile's
+    buffers but not AdamW's state trains, with a warning that says so."""
+    cm, _, _ = _run(None, mode="exact", steps=1)
+    hm = cm.plan.host_memory
+    with pytest.warns(UserWarning, match="with AdamW's state"):
+        _run(None, mode="exact", host=hm.total - hm.optimizer_state // 2, steps=1)
+
+
+def test_the_default_budget_is_the_hosts(monkeypatch):
+    """With no Config.host_memory_budget the host's available memory decides: a host with
+    almost nothing free stops the first step with the error, naming the default."""
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: (4096, 1 << 30))
+    with pytest.raises(host_memory.HostMemoryError, match=r"Config\.host_memory_budget=None"):
+        _run(None, share=0.0, steps=1)
