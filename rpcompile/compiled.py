@@ -131,8 +131,9 @@ class CompiledModel(torch.nn.Module):
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)
         except PlanningError as e:
+            # (not where the host has no room for the state: Note [host room] in passes/host_memory.py)
             if (self.config.optimizer_on_devices is not None or not runner.optimizer_share
-                    or isinstance(e, HostMemoryError)):    # (the share home would take more of the host)
+                    or isinstance(e, HostMemoryError) or runner.host_share):
                 raise
             runner.optimizer_share = 0.0
             if opt is not None:
@@ -140,7 +141,7 @@ class CompiledModel(torch.nn.Module):
                 opt.bring_home()
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **first)
         if first_train:
-            runner.num_microbatches = plan.num_microbatches
+            runner.num_microbatches, runner.host_share = plan.num_microbatches, plan.host_share
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:
                 self._plans.reserve(plan.optimizer_share)

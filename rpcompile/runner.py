@@ -61,6 +61,7 @@ class GraphRunner:
         # share by room] in passes/host_memory.py)
         self.optimizer_share = config.optimizer_on_devices
         self.share_of_a_call = False     # chosen by a forward call's plan: the first train plan chooses again
+        self.host_share = 0.0            # the least of it the host's memory needs (Note [host room]): it stays
         self.num_microbatches = None     # what the first train plan splits a batch into (Note [finer microbatches])
 
     def prestart(self, modules=()) -> None:

@@ -153,3 +153,39 @@ def test_the_default_budget_is_the_hosts(monkeypatch):
     monkeypatch.setattr(host_memory, "host_memory_now", lambda: (4096, 1 << 30))
     with pytest.raises(host_memory.HostMemoryError, match=r"Config\.host_memory_budget=None"):
         _run(None, share=0.0, steps=1)
+
+
+def test_a_longer_sequence_keeps_the_state_the_host_has_no_room_for(monkeypatch):
+    """Where the host needed the share, a longer sequence whose jobs do not fit beside it stops
+    with the planner's error instead of bringing the state home (which a share the plan chose
+    for the device room alone does: test_optimizer_on_devices.py); the short length trains on."""
+    from rpcompile import passes
+    monkeypatch.setattr(passes, "_share_by_room_applies", lambda st: st.config.optimizer_mode != "exact")
+
+    def compiled(**kw):
+        model = _qwen()
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       lm_head_shards=4, **kw))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        return model, cm
+
+    _, probe = compiled(memory_budget=1, optimizer_on_devices=0.0)
+    with pytest.raises(rpcompile.PlanningError) as e:
+        probe.train_step(**lm_batch(batch=4, seq=256, vocab=256, seed=0))
+    budget = e.value.min_budget + 1000                      # 256 tokens fit with nothing beside the jobs
+    _, home = compiled(memory_budget=budget, optimizer_on_devices=0.0)
+    home.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+    hm = home.plan.host_memory
+    model, cm = compiled(memory_budget=budget, host_memory_budget=hm.total - hm.optimizer_state // 2)
+    cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=0))
+    assert cm.plan.host_share > 0 and cm.runner.host_share == cm.plan.host_share
+    cm.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(**lm_batch(batch=4, seq=256, vocab=256, seed=1))
+    assert not isinstance(e.value, host_memory.HostMemoryError)
+    assert cm.runner.optimizer_share > 0 and cm.runner.overlapped.masters.on_devices
+    cm.synchronize()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=2))

@@ -382,7 +382,9 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 # exact mode; the state of the whole is not enough; the devices have no room beside the
 # jobs) the plan stops with a PlanningError that says what the plan needs, what the host
 # has, and what to change, before a buffer is allocated. In exact mode the optimizer's state
-# is the user's optimizer's, which rpcompile does not allocate: it is warned of, not counted.
+# is the user's optimizer's, which rpcompile does not allocate: it is warned of, not counted. A
+# later plan that does not fit beside a share the host needed (a longer sequence) stops with its
+# PlanningError instead of bringing the state home (CompiledModel._compile).
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
 HOST_MARGIN = 8 << 30
 HOST_SHARE = 0.1
