@@ -1,6 +1,7 @@
 """Training parity with eager PyTorch (fp32, CPU): loss, gradients, parameters after SGD with momentum
 (and one AdamW check whose tolerance allows for its amplification of gradient noise)."""
 import copy
+import threading
 
 import pytest
 import torch
@@ -261,12 +262,16 @@ def test_host_gradients_no_gradient_reached_are_never_read(monkeypatch, data_par
     from rpcompile.runtime import grads
 
     made = grads.GradSet.flat
+    lock = threading.Lock()
 
     def nan_filled(self):
-        fresh = self._flat is None
-        flat = made(self)
-        if fresh:
-            flat.fill_(float("nan"))
+        # (one check and fill at a time: two copies' threads asking at once would both see it
+        # fresh, and the later fill would wipe what the first copy had accumulated in it)
+        with lock:
+            fresh = self._flat is None
+            flat = made(self)
+            if fresh:
+                flat.fill_(float("nan"))
         return flat
 
     monkeypatch.setattr(grads.GradSet, "flat", nan_filled)
