@@ -125,7 +125,7 @@ def test_a_plan_that_does_not_fit_the_host_stops_before_anything_moves(tight):
                                                    memory_budget=budget, host_memory_budget=at_home // 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cm.attach_optimizer(opt)
-    with pytest.raises(host_memory.HostMemoryError, match="not even with all of the optimizer's state on the devices") as e:
+    with pytest.raises(host_memory.HostMemoryError, match="not even with all of the optimizer's state") as e:
         cm.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
     assert e.value.budget == at_home // 4 < e.value.needed
     assert "(Config.host_memory_budget)" in str(e.value) and "optimizer_mode='overlapped'" in str(e.value)
@@ -134,7 +134,7 @@ def test_a_plan_that_does_not_fit_the_host_stops_before_anything_moves(tight):
     assert not opt.state and cm.runner.host_grads.flat is None
     with pytest.raises(host_memory.HostMemoryError, match=r"a share of at least 0\.\d+ .*optimizer_on_devices=0\.0"):
         _run(budget, share=0.0, host=at_home - 60_000, steps=1)
-    with pytest.raises(host_memory.HostMemoryError, match="use optimizer_mode='delayed' or 'overlapped' with cm.attach"):
+    with pytest.raises(host_memory.HostMemoryError, match="use optimizer_mode='delayed' or 'overlapped' with"):
         _run(None, host=at_home // 4, mode="exact", steps=1)
 
 

@@ -122,7 +122,7 @@ class CompileState:
     finer: list = field(default_factory=list)   # (microbatches, estimated pace, recomputes) of each count weighed
     host_budget: Optional[int] = None  # bytes the plan's host memory may take (Note [host room]); None: unchecked
     host_budget_given: bool = False    # it is Config.host_memory_budget (not the host's available memory)
-    host_cut: int = 0                  # host bytes an earlier try's cut took (activations, carried rows): Note [host room]
+    host_cut: int = 0                  # host bytes an earlier try's cut took (activations, carried rows)
     chooses_share: bool = False        # solve_stages chose the optimizer's share (on_devices was None)
     host_share: float = 0.0            # the least share of the optimizer on the devices the host budget needs
 

@@ -366,25 +366,26 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 
 
 # Note [host room]: a plan whose host memory is more than the host has is killed by the
-# system part-way through its first step (pinned memory cannot be paged out): Llama-3.1-8B
-# in delayed mode on one H200 plans 134.9 GiB (18.0 B/param; 142.1 GiB measured at its peak)
-# and the one-GPU machines lent here have 125.8 GiB. So the model's first train plan (the one
-# that allocates the host buffers; later plans share them) is made within a host budget
-# (Config.host_memory_budget; by default what the host has available then, the system's or
-# its cgroup's, plus what the parameters already hold, less HOST_MARGIN and HOST_SHARE of the
-# host's memory for what the process allocates besides and what the system needs: the Llama
-# run above peaked 7.2 GiB above its plan; one planned to 8 GiB below the 125.8 GiB host's
-# available memory reached 117 GiB in its first step, where the benchmarks stop a run). Where the plan
+# system part-way through its first step (pinned memory cannot be paged out): Llama-3.1-8B in
+# delayed mode on one H200 plans 134.9 GiB (18.0 B/param; 142.1 GiB measured at its peak), and
+# the one-GPU machines lent here have 125.8 GiB. So the model's first train plan (the one that
+# allocates the host buffers; later plans share them) is made within a host budget
+# (Config.host_memory_budget; by default what the host has available then, the system's or its
+# cgroup's, plus what the parameters already hold, less HOST_MARGIN and HOST_SHARE of the host's
+# memory for what the process allocates besides and what the system needs: the Llama run above
+# peaked 7.2 GiB above its plan, and one planned to 8 GiB below the 125.8 GiB host's available
+# memory reached 117 GiB in its first step, where the benchmarks stop a run). Where the plan
 # chooses the optimizer's share on the devices, the share is at least the smallest, in 64ths,
-# whose host memory fits (least_host_share: each parameter stepped on a device holds its
-# 8 bytes of AdamW state there, not on the host), the jobs cut again beside it where they do
-# not fit (as for a share by pace). Where that cannot fit (a share fixed by the config or
-# exact mode; the state of the whole is not enough; the devices have no room beside the
-# jobs) the plan stops with a PlanningError that says what the plan needs, what the host
-# has, and what to change, before a buffer is allocated. In exact mode the optimizer's state
-# is the user's optimizer's, which rpcompile does not allocate: it is warned of, not counted. A
-# later plan that does not fit beside a share the host needed (a longer sequence) stops with its
+# whose host memory fits (least_host_share: each parameter stepped on a device holds its 8 bytes
+# of AdamW state there, not on the host), the jobs cut again beside it where they do not fit (as
+# for a share by pace). Where that cannot fit (a share fixed by the config, or exact mode; not
+# even the whole's state; no room on the devices beside the jobs) the plan stops with a
+# HostMemoryError (a PlanningError) that says what the plan needs, what the host has, and what
+# to change, before a buffer is allocated. In exact mode the optimizer's state is the user's
+# optimizer's, which rpcompile does not allocate: it is warned of, not counted. A later plan
+# that does not fit beside a share the host needed (a longer sequence) stops with its
 # PlanningError instead of bringing the state home (CompiledModel._compile).
+
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
 HOST_MARGIN = 8 << 30
 HOST_SHARE = 0.1
@@ -485,6 +486,7 @@ def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str
     needed = checked_bytes(hm, optimizer_mode)
     if optimizer_mode == "exact":      # (the user's optimizer's state: not counted)
         hm = dataclasses.replace(hm, optimizer_state=0)
-    return HostMemoryError(
-        f"rpcompile: the plan needs {_fmt_bytes(needed)} of host memory, {_fmt_bytes(needed - budget)} more than the "
-        f"{_fmt_bytes(budget)} it may take ({origin}): {why}. Its {hm.summary()}. To fit, use " + "; or ".join(fixes) + ".", needed, budget)
+    message = (f"rpcompile: the plan needs {_fmt_bytes(needed)} of host memory, {_fmt_bytes(needed - budget)} more "
+               f"than the {_fmt_bytes(budget)} it may take ({origin}): {why}. Its {hm.summary()}. To fit, use "
+               + "; or ".join(fixes) + ".")
+    return HostMemoryError(message, needed, budget)
