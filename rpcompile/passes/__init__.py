@@ -438,15 +438,20 @@ def _pace(st: CompileState) -> float:
     return max(st.stage_plan.est_time + plan_upload_wait(st), st.optimizer_s or 0.0)
 
 
-def _host_at(st: CompileState, share: float):
+def _host_at(st: CompileState, share: float, cut: Optional[int] = None):
     """The plan's host memory before the stage cut (host_memory.per_parameter) at `share`, with
-    what an earlier try's cut took as its activations (st.host_cut)."""
+    `cut` bytes (default: what an earlier try's cut took, st.host_cut) as its activations."""
     config = st.config
     grad_dtype = planned_grad_dtype(st.captured, config.compute_dtype, config.optimizer_mode)
     hm = per_parameter(st.captured.params, config.compute_dtype, config.on_gpu, config.optimizer_mode,
                        config.workers, share, grad_dtype, len(config.devices))
-    hm.activations = st.host_cut
+    hm.activations = st.host_cut if cut is None else cut
     return hm
+
+
+def _host_error(st: CompileState, hm, why: str):
+    """host_memory_error for this plan's budget."""
+    return host_memory_error(hm, st.host_budget, st.config.optimizer_mode, why, st.host_budget_given)
 
 
 def _least_host_share(st: CompileState, chooses: bool) -> float:
@@ -467,7 +472,7 @@ def _least_host_share(st: CompileState, chooses: bool) -> float:
     else:
         why = _needs_share(st.config, least)
     shown = least if least is not None else 1.0 if chooses else fixed
-    raise host_memory_error(_host_at(st, shown), st.host_budget, mode, why, st.host_budget_given)
+    raise _host_error(st, _host_at(st, shown), why)
 
 
 def _needs_share(config, least: float) -> str:
@@ -508,11 +513,10 @@ def _choose_share(st: CompileState, budget_set, cut, least: float = 0.0) -> None
             best = (pace, s, st.reserved, planned, replicas)
             break
     if best[0] == math.inf:
-        raise host_memory_error(_host_at(st, least), st.host_budget, st.config.optimizer_mode,
-                                f"its host memory needs a share of at least {least:g} of the optimizer on the devices "
-                                f"({_fmt_bytes(device_optimizer_bytes(params, least, N))} a device), and the stage "
-                                f"jobs do not fit beside it in the devices' {_fmt_bytes(budget_set)}",
-                                st.host_budget_given)
+        raise _host_error(st, _host_at(st, least),
+                          f"its host memory needs a share of at least {least:g} of the optimizer on the devices "
+                          f"({_fmt_bytes(device_optimizer_bytes(params, least, N))} a device), and the stage jobs "
+                          f"do not fit beside it in the devices' {_fmt_bytes(budget_set)}")
     _, st.on_devices, st.reserved, planned, st.replicas = best
     st.stage_plan, st.cuts, st.segments, st.cut_bytes = planned
     st.budget = budget_set - st.reserved
@@ -643,16 +647,14 @@ def host_memory_pass(st: CompileState) -> CompileState:
         return st
     # (solve_stages fitted all but what the cut decides: the activations, the carried rows)
     if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
-        why = "with its activations and checkpoints"
+        why, cut = "with its activations and checkpoints", hm.activations + hm.carried_rows
         if not st.chooses_share and config.optimizer_mode != "exact":
-            least = least_host_share(lambda share: _host_at(dataclasses.replace(st, host_cut=hm.activations
-                                                                                + hm.carried_rows), share),
-                                     config.optimizer_mode, st.host_budget)
+            least = least_host_share(lambda share: _host_at(st, share, cut), config.optimizer_mode, st.host_budget)
             if least is not None and least > st.plan.optimizer_share:
                 why += "; " + _needs_share(config, least)
-        e = host_memory_error(hm, st.host_budget, config.optimizer_mode, why, st.host_budget_given)
+        e = _host_error(st, hm, why)
         if st.chooses_share and st.plan.optimizer_share < 1:
-            e.cut = hm.activations + hm.carried_rows    # (compile_graph plans again, holding these back)
+            e.cut = cut    # (compile_graph plans again, holding these back)
         raise e
     if hm.total > st.host_budget:     # exact mode: what the user's optimizer's state would take (Note [host room])
         warnings.warn(f"rpcompile: the plan's host memory is {_fmt_bytes(hm.total)} with AdamW's state (which your "
