@@ -8,6 +8,7 @@ from .backend import backend, rpcompile_backend
 from .compiled import CompiledModel
 from .config import Config
 from .errors import CaptureError, InputError, RPCompileError, StageError
+from .passes.host_memory import HostMemoryError
 from .passes.partition import PlanningError
 
 __version__ = "0.1.0"
@@ -19,4 +20,4 @@ def compile(model, config: Config | None = None) -> CompiledModel:  # noqa: A001
 
 
 __all__ = ["compile", "Config", "CompiledModel", "backend", "rpcompile_backend", "CaptureError",
-           "InputError", "PlanningError", "RPCompileError", "StageError"]
+           "HostMemoryError", "InputError", "PlanningError", "RPCompileError", "StageError"]

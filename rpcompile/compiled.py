@@ -119,14 +119,15 @@ class CompiledModel(torch.nn.Module):
         chosen again])."""
         runner = self.runner
         opt = runner.overlapped
-        if runner.optimizer_share is None and opt is not None and not opt.stepper.elementwise:
-            runner.optimizer_share = 0.0   # stepped per parameter, on the host: nothing to place on the devices
+        host_only = None if opt is None or opt.stepper.elementwise else type(opt.stepper.optimizer).__name__
+        if host_only:      # stepped per parameter, on the host: nothing to place on the devices
+            runner.optimizer_share, runner.share_of_a_call = 0.0, False
         again = mode == "train" and runner.share_of_a_call
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
         first_train = mode == "train" and runner.num_microbatches is None
         # the first train plan allocates the host buffers, later ones share them (Note [host room])
         first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
-                     host_budget="config" if first_train else None)
+                     host_budget="config" if first_train else None, host_only=host_only)
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)

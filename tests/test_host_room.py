@@ -61,12 +61,15 @@ def test_config_reads_the_host_budget_as_a_size():
         rpcompile.Config(host_memory_budget="lots")
 
 
-def _run(budget=None, share=None, host=None, steps=3, mode="delayed"):
+def _run(budget=None, share=None, host=None, steps=3, mode="delayed", optimizer=None, forward_first=False):
     model = _qwen(layers=2)
     cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode=mode,
                                                    memory_budget=budget, optimizer_on_devices=share,
                                                    host_memory_budget=host))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = optimizer(model.parameters()) if optimizer else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if forward_first:      # (its plan chooses a share: Note [a call's share chosen again] in compiled.py)
+        with torch.no_grad():
+            cm(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
     if mode != "exact":
         cm.attach_optimizer(opt)
     losses = []
@@ -125,7 +128,7 @@ def test_a_plan_that_does_not_fit_the_host_stops_before_anything_moves(tight):
                                                    memory_budget=budget, host_memory_budget=at_home // 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cm.attach_optimizer(opt)
-    with pytest.raises(host_memory.HostMemoryError, match="not even with all of the optimizer's state") as e:
+    with pytest.raises(rpcompile.HostMemoryError, match="not even with all of the optimizer's state") as e:
         cm.train_step(**lm_batch(batch=4, seq=64, vocab=256, seed=0))
     assert e.value.budget == at_home // 4 < e.value.needed
     assert "(Config.host_memory_budget)" in str(e.value) and "optimizer_mode='overlapped'" in str(e.value)
@@ -136,6 +139,11 @@ def test_a_plan_that_does_not_fit_the_host_stops_before_anything_moves(tight):
         _run(budget, share=0.0, host=at_home - 60_000, steps=1)
     with pytest.raises(host_memory.HostMemoryError, match="use optimizer_mode='delayed' or 'overlapped' with"):
         _run(None, host=at_home // 4, mode="exact", steps=1)
+    # an optimizer stepped per parameter on the host (not AdamW, Adam or SGD) has a share of 0, even
+    # after a forward call's plan chose one: the error names it instead of optimizer_on_devices
+    with pytest.raises(rpcompile.HostMemoryError, match=r"a share of at least 0\.\d+ .*\(Adagrad steps on the host only\)") as e:
+        _run(budget, host=at_home - 60_000, steps=1, optimizer=torch.optim.Adagrad, forward_first=True)
+    assert "an optimizer the plan can step on the GPUs" in str(e.value) and "optimizer_on_devices" not in str(e.value)
 
 
 def test_exact_mode_warns_of_the_state_its_optimizer_would_add(monkeypatch):

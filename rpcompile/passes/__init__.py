@@ -125,6 +125,8 @@ class CompileState:
     host_cut: int = 0                  # host bytes an earlier try's cut took (activations, carried rows)
     chooses_share: bool = False        # solve_stages chose the optimizer's share (on_devices was None)
     host_share: float = 0.0            # the least share of the optimizer on the devices the host budget needs
+    # the attached optimizer's name where it steps on the host only (not elementwise: its share is 0)
+    host_only: Optional[str] = None
 
     def __post_init__(self):
         if self.num_microbatches is None:
@@ -451,7 +453,8 @@ def _host_at(st: CompileState, share: float, cut: Optional[int] = None):
 
 def _host_error(st: CompileState, hm, why: str):
     """host_memory_error for this plan's budget."""
-    return host_memory_error(hm, st.host_budget, st.config.optimizer_mode, why, st.host_budget_given)
+    return host_memory_error(hm, st.host_budget, st.config.optimizer_mode, why, st.host_budget_given,
+                             st.host_only)
 
 
 def _least_host_share(st: CompileState, chooses: bool) -> float:
@@ -470,14 +473,15 @@ def _least_host_share(st: CompileState, chooses: bool) -> float:
     elif least is None:
         why = "not even with all of the optimizer's state on the devices"
     else:
-        why = _needs_share(st.config, least)
+        why = _needs_share(st, least)
     shown = least if least is not None else 1.0 if chooses else fixed
     raise _host_error(st, _host_at(st, shown), why)
 
 
-def _needs_share(config, least: float) -> str:
-    return (f"it would need a share of at least {least:g} of the optimizer on the devices "
-            f"(Config.optimizer_on_devices={config.optimizer_on_devices!r})")
+def _needs_share(st: CompileState, least: float) -> str:
+    fixed = (f"{st.host_only} steps on the host only" if st.host_only else
+             f"Config.optimizer_on_devices={st.config.optimizer_on_devices!r}")
+    return f"it would need a share of at least {least:g} of the optimizer on the devices ({fixed})"
 
 
 def _choose_share(st: CompileState, budget_set, cut, least: float = 0.0) -> None:
@@ -651,7 +655,7 @@ def host_memory_pass(st: CompileState) -> CompileState:
         if not st.chooses_share and config.optimizer_mode != "exact":
             least = least_host_share(lambda share: _host_at(st, share, cut), config.optimizer_mode, st.host_budget)
             if least is not None and least > st.plan.optimizer_share:
-                why += "; " + _needs_share(config, least)
+                why += "; " + _needs_share(st, least)
         e = _host_error(st, hm, why)
         if st.chooses_share and st.plan.optimizer_share < 1:
             e.cut = cut    # (compile_graph plans again, holding these back)
@@ -734,14 +738,15 @@ class PassTexts(Sequence):
 
 
 def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
-                  num_microbatches=None, split_finer=False, host_budget=None) -> Plan:
+                  num_microbatches=None, split_finer=False, host_budget=None, host_only=None) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
     share on the devices to plan with (None: the plan chooses it; default: the config's).
     num_microbatches: what the batch is split into (None: the config's; a count an earlier plan
     chose); split_finer: the plan may split finer (Note [finer microbatches]). host_budget: bytes
     the plan's host memory may take (Note [host room] in passes/host_memory.py; None: unchecked,
-    "config": Config.host_memory_budget or the host's available memory)."""
+    "config": Config.host_memory_budget or the host's available memory); host_only: the attached
+    optimizer's name where it steps on the host only (on_devices is then 0), for the host's errors."""
     on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
     given = host_budget == "config" and config.host_memory_budget is not None
     if host_budget == "config":
@@ -751,7 +756,7 @@ def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices=
         return CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
                             loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
                             num_microbatches=num_microbatches, split_finer=split_finer, host_budget=host_budget,
-                            host_budget_given=given, host_cut=host_cut)
+                            host_budget_given=given, host_cut=host_cut, host_only=host_only)
     held = 0
     for attempt in range(HOST_TRIES):
         try:

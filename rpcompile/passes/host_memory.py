@@ -464,8 +464,10 @@ class HostMemoryError(PlanningError):
         self.cut = None     # (passes/__init__.py: bytes the cut took, where planning again may fit)
 
 
-def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str, given: bool) -> HostMemoryError:
-    """The error of a plan whose host memory does not fit the budget (Note [host room])."""
+def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str, given: bool,
+                      host_only=None) -> HostMemoryError:
+    """The error of a plan whose host memory does not fit the budget (Note [host room]); host_only:
+    the attached optimizer's name where it steps on the host only."""
     from ..plan import _fmt_bytes
     origin = ("Config.host_memory_budget" if given else
               f"what the host has available now with the parameters, less {_fmt_bytes(HOST_MARGIN)} and "
@@ -475,6 +477,9 @@ def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str
     if optimizer_mode == "exact":
         fixes.append("optimizer_mode='delayed' or 'overlapped' with cm.attach_optimizer(opt): rpcompile then steps "
                      "the optimizer and can keep its state (12 B a parameter for AdamW) on the GPUs")
+    elif state and host_only:
+        fixes.append(f"an optimizer the plan can step on the GPUs (torch.optim.AdamW, Adam or SGD; {host_only} "
+                     "is stepped parameter by parameter on the host)")
     elif state:
         fixes.append("optimizer_on_devices=None (the plan moves what it must of the optimizer's state to the GPUs) "
                      "or 1.0, with more GPU memory for it (Config.memory_budget, more GPUs)")
