@@ -191,6 +191,12 @@ def test_planned_job_memory_covers_the_traced_live_peak(vocab, seq, budget):
     cm = rpcompile.compile(qwen3(vocab=vocab), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1,
                                                                 memory_budget=budget))
     cm.train_step(**lm_batch(batch=2, seq=seq, vocab=vocab))
+    # no stage ends where a parameter's rows (a shard's weight) are live: they are no activation
+    # a backward job could recompute from (it failed with a KeyError for the shard's weight)
+    from rpcompile.passes.cut_points import _of_a_parameter, liveness
+    lv = liveness(cm.plan.gm)
+    rows_live = {p for p, nodes in enumerate(lv.live) if any(_of_a_parameter(n) for n in nodes)}
+    assert rows_live <= lv.blocked() and not rows_live & {p for st in cm.plan.stages for p in st.span}
     for st in cm.plan.stages:
         traced, where = live_peak(trace_job(cm, st.index))
         planned = cm.plan.stage_plan.job_memory[st.index]

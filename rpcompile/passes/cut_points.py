@@ -59,7 +59,7 @@ class Liveness:
         if self._blocked is None:
             L = len(self.body)
             live = dict.fromkeys(n for nodes in self.live for n in nodes)    # each node once (live at many positions)
-            unsendable = {n for n in live if _data_dependent(n) or _tensor_tuple(n)}
+            unsendable = {n for n in live if _data_dependent(n) or _tensor_tuple(n) or _of_a_parameter(n)}
             self._blocked = _mutation_spans(self) | _functorch_regions(self) | {
                 p for p in range(L + 1) if any(n in unsendable for n in self.live[p])}
         return self._blocked
@@ -175,6 +175,16 @@ def _tensor_tuple(node: fx.Node) -> bool:
     ev = node.meta.get("example_value")
     return not isinstance(ev, torch.Tensor) and any(isinstance(v, torch.Tensor)
                                                      for v in torch.utils._pytree.tree_leaves(ev))
+
+
+def _of_a_parameter(node: fx.Node) -> bool:
+    """Whether node's value is a parameter's, or rows of one (an LM head shard's weight): no
+    activation. Each stage reads its parameters itself (uploaded, their gradients summed into
+    the parameter's); handed over at a cut, a backward job that recomputes from the cut found
+    no such value to start from (KeyError 'lm_head_weight_20': a 60-shard head's backward jobs
+    cut between a shard's weight rows and its logits)."""
+    base = _view_bases(node)[-1]
+    return "rp_param_slice" in base.meta or base.meta.get("rp_kind") == "param"
 
 
 def _view_bases(node: fx.Node) -> list:
