@@ -392,6 +392,31 @@ def test_saved_values_count_once_in_a_segment():
     assert unique <= whole[0].saved_bytes <= 1.2 * unique < per_op, (whole[0].saved_bytes, unique, per_op)
 
 
+def test_backward_seconds_add_each_microbatchs_gradients():
+    """Note [gradients added per microbatch]: a segment's backward seconds include adding its
+    parameters' gradients into the fp32 accumulator (the gradient read, the accumulator read and
+    written), at the device's memory bandwidth; its forward seconds do not."""
+    import dataclasses
+
+    import rpcompile
+    from models import lm_batch, qwen3
+    from rpcompile.passes.cut_points import liveness, node_seconds, segment_table
+    model = qwen3(tied=False, layers=2)      # (a tied weight's rows and whole are added apart)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"], num_microbatches=1))
+    cm.train_step(**lm_batch(batch=2, seq=16))
+    plan, hw = cm.plan, Hardware.cpu()
+    lv = liveness(plan.gm)
+    added = sum(p.numel() * (p.element_size() + 8) for p in model.parameters() if p.requires_grad)
+    for mem_bw in (hw.mem_bw, hw.mem_bw / 2):
+        (seg,), _ = segment_table(plan.gm, lv, [0, len(lv.body)], plan.bindings, dataclasses.replace(hw, mem_bw=mem_bw))
+        fwd = bwd = 0.0
+        for n in lv.body:
+            if "rp_cost" in n.meta:
+                f, b = node_seconds(n.meta["rp_cost"], plan.bindings, peak_flops=hw.peak_flops, mem_bw=mem_bw)
+                fwd, bwd = fwd + f, bwd + b
+        assert seg.fwd_s == pytest.approx(fwd) and seg.bwd_s == pytest.approx(bwd + added / mem_bw)
+
+
 def test_qwen3_meta_capture_same_flops(qwen):
     _, _, gm_cpu = qwen
     model = tiny_qwen3().to(device="meta", dtype=torch.bfloat16)

@@ -226,7 +226,7 @@ def test_next_steps_first_weights_go_up_when_a_step_ends(monkeypatch):
     """Delayed mode starts the upload of the next step's first job at the end of a step, on
     the device that will run that job, from the copy that step reads, after the optimizer step
     that writes it; the next step's first job uses that upload."""
-    cm, uploads, firsts = _first_uploads(monkeypatch, 3, memory_budget="300KiB")
+    cm, uploads, firsts = _first_uploads(monkeypatch, 3, memory_budget="600KiB", max_jobs=3)
     assert len(cm.plan.stages) % 2 != 0, "pick a plan whose first job moves between devices"
     # step t's upload starts as step t - 2 ends, while step t - 1 runs (Note [overlapped steps])
     assert [(t, slot) for t, _, _, slot, _ in uploads] == [(2, 0), (3, 1)]

@@ -12,8 +12,9 @@ from models import llama, lm_batch
 from parity import train_both
 
 # a tiny Llama whose copies at M=2 under this budget recompute, and whose plan at M=4 is
-# estimated clearly shorter (CPU cost model)
-BUDGET = "600KiB"
+# estimated clearly shorter (CPU cost model; sequences long enough that the compute a finer split
+# saves outweighs the gradients each microbatch adds: Note [gradients added per microbatch])
+BUDGET, SEQ = "900KiB", 24
 
 
 def _config(**kw):
@@ -23,7 +24,7 @@ def _config(**kw):
 
 
 def _capture():
-    return capture_call(llama(layers=4), (), {**lm_batch(batch=8), "use_cache": False}, dtype=None,
+    return capture_call(llama(layers=4), (), {**lm_batch(batch=8, seq=SEQ), "use_cache": False}, dtype=None,
                         device=torch.device("cpu"), dynamic_lengths=True)
 
 
@@ -76,11 +77,11 @@ def test_by_default_gpus_split_finer_only_into_the_whole_model_a_device(monkeypa
     def plan(budget, split):
         return passes.compile_graph(cap, _config(memory_budget=budget, split_microbatches=split, workers="threads"),
                                     "train", split_finer=True)
-    several, default = plan("300KiB", True), plan("300KiB", None)    # finer counts recompute less, in several jobs
+    several, default = plan("400KiB", True), plan("400KiB", None)    # finer counts recompute less, in several jobs
     assert several.num_microbatches == 8 and several.replicas == 2 and len(several.stages) > 1
     assert default.num_microbatches == 2 and [m for m, _, _ in default.finer] == [2, 4, 8]
     assert min(p for _, p, _ in default.finer) < (1 - passes.FINER_MARGIN) * default.finer[0][1]   # (faster, not taken)
-    whole = plan("800KiB", None)                                      # 8: one fused job a copy
+    whole = plan("1000KiB", None)                                      # 8: one fused job a copy
     assert whole.num_microbatches == 8 and whole.replicas == 2 and len(whole.stages) == 1
     assert "8 microbatches: Config.num_microbatches=2 split finer, where the jobs recompute nothing" in str(whole)
 
@@ -90,7 +91,7 @@ def _delayed(config, steps=3):
     model = llama(layers=4)
     cm = rpcompile.compile(model, config)
     cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
-    losses = [cm.train_step(**lm_batch(batch=8, seed=t)) for t in range(steps)]
+    losses = [cm.train_step(**lm_batch(batch=8, seq=SEQ, seed=t)) for t in range(steps)]
     cm.synchronize()
     return cm, losses, [p.detach().clone() for p in model.parameters()]
 
@@ -106,9 +107,9 @@ def _check_split(cm):
 def test_a_finer_split_trains_as_eager_and_later_plans_keep_it():
     """Loss, gradients and parameters after SGD-momentum steps as in eager PyTorch, the batch split
     into the plan's count; a plan made at a longer length splits as the first did."""
-    cm = train_both(llama(layers=4), [lm_batch(batch=8, seed=s) for s in range(3)], _config(), check_every_step=True)
+    cm = train_both(llama(layers=4), [lm_batch(batch=8, seq=SEQ, seed=s) for s in range(3)], _config(), check_every_step=True)
     _check_split(cm)
-    cm.train_step(**lm_batch(batch=8, seq=16, seed=7))    # more activations: the first plan does not fit
+    cm.train_step(**lm_batch(batch=8, seq=32, seed=7))    # more activations: the first plan does not fit
     plans = cm._plans.plans()
     assert len(plans) == 2 and [p.num_microbatches for p in plans] == [4, 4]
     assert plans[1].finer == []                           # (chosen once)

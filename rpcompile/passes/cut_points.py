@@ -253,6 +253,17 @@ def _saved_once(cost: NodeCost, bindings, by_name, index, cuts, kept_values, loc
     return int(evaluate(cost.saved_bytes, bindings)) - values
 
 
+# Note [gradients added per microbatch]: a job with gradients adds each microbatch's into its fp32
+# accumulator on the device (JobContext.accumulate_grads, runtime/job.py) after the microbatch's
+# compute: it reads the gradient (the working dtype) and reads and writes the accumulator, about
+# 10 B a bf16 parameter. The segments' backward seconds include it, so a finer split of the
+# microbatches pays it once more per microbatch. Unpriced, Llama-3.1-8B's one-GPU plan within a
+# 107 GiB host budget took 32 one-row microbatches (estimated 4.76 s a step) and ran 6.7-6.9 s:
+# each microbatch's compute, 0.163 s, was followed by 33 ms of the device adding 8.0 B gradients
+# (benchmarks/runs/host_room/, 62nd session). Priced, that plan is estimated 5.61 s and still
+# taken; the rest is the one-row products' lower efficiency (0.163 s against 0.149 s estimated)
+# and the first microbatch waiting 0.42 s for the weights. The bar's plans (Qwen3-1.7B and
+# Llama-3.1-8B at 1, 2 and 4 H200s, planned on the CPU) are unchanged, estimated 2-9% longer.
 def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, hw: Hardware):
     """Segments between consecutive cuts with their times and bytes, and the live bytes at each cut."""
     segments = []
@@ -277,6 +288,8 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
         saved_by_segment.append(saved + sum(local.values()))
         pbytes = sum(v[0] for v in params.values())
         gbytes = sum(4 * v[1] for v in params.values() if v[2])
+        # Note [gradients added per microbatch]
+        bwd += sum(v[0] + 2 * 4 * v[1] for v in params.values() if v[2]) / hw.mem_bw
         # Note [working bytes]: the values made inside the segment that live at once in its forward
         work = max((out[lv.body[p]] + sum(out[m] for m in lv.live[p] if lv.index[m] >= a) for p in range(a, b)),
                    default=0)

@@ -94,7 +94,8 @@ class Segment:
     """Costs of the graph piece between two consecutive legal cut positions."""
 
     fwd_s: float  # forward compute seconds per microbatch
-    bwd_s: float  # recompute + backward seconds per microbatch (includes the forward once)
+    bwd_s: float  # recompute + backward seconds per microbatch (includes the forward once, and adding
+    # the gradients into the accumulator: Note [gradients added per microbatch] in cut_points.py)
     param_bytes: int  # device bytes of the parameters the segment reads
     grad_bytes: int  # device bytes of the gradients of those parameters (accumulated on device)
     saved_bytes: int  # bytes saved for backward by the segment, per microbatch
