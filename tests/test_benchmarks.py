@@ -375,6 +375,8 @@ def test_rpcompile_options_become_config_fields():
         rpcompile_runner.config_options(spec("rpcompile-delayed-dp"), _ConfigWithoutPeers)
     kw, notes = rpcompile_runner.config_options(spec("rpcompile", rpcompile_memory_budget_gib="80"), rpcompile.Config)
     assert kw == {"memory_budget": 80 * 2**30} and "80 GiB" in notes[0]   # a plan for less than the card
+    kw, notes = rpcompile_runner.config_options(spec("rpcompile", rpcompile_host_budget_gib="107"), rpcompile.Config)
+    assert rpcompile.Config(**kw).host_memory_budget == 107 * 2**30 and "107 GiB" in notes[0]
     for value, split in (("0", False), ("1", True)):
         kw, notes = rpcompile_runner.config_options(spec("rpcompile", rpcompile_split_microbatches=value), rpcompile.Config)
         assert kw == {"split_microbatches": split} and rpcompile.Config(**kw).split_microbatches is split

@@ -27,6 +27,7 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_split_microbatches=0|1  Config(split_microbatches=False|True): never split the microbatches
                           finer, or into any count estimated faster (the default: on GPUs, into one fused job a device)
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
+  rpcompile_host_budget_gib=X  Config(host_memory_budget=X GiB): the host memory the first train plan may take
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
                           and as a Chrome trace beside it (.chrome.json), for where each device waits;
@@ -96,6 +97,10 @@ def config_options(spec, config_cls) -> tuple:
     if spec.options.get("rpcompile_memory_budget_gib"):
         kwargs["memory_budget"] = int(float(spec.options["rpcompile_memory_budget_gib"]) * GiB)
         notes.append(f"Config(memory_budget={spec.options['rpcompile_memory_budget_gib']} GiB)")
+    if spec.options.get("rpcompile_host_budget_gib"):
+        budget = int(float(spec.options["rpcompile_host_budget_gib"]) * GiB)
+        ask("rpcompile_host_budget_gib", "host_memory_budget", budget,
+            f"Config(host_memory_budget={spec.options['rpcompile_host_budget_gib']} GiB)")
     if spec.options.get("rpcompile_inductor"):
         import json
         kwargs["inductor_options"] = json.loads(spec.options["rpcompile_inductor"])
