@@ -55,6 +55,25 @@ def test_prefetch_issued_before_previous_job_on_device_finished(ran):
         assert issue and issue[0]["start_s"] <= prev_end, f"job {job}: weights not prefetched during job {prev_job}"
 
 
+def test_each_microbatchs_gradient_addition_is_compute(ran):
+    """Note [gradients added per microbatch]: a job with gradients adds each microbatch's into its
+    accumulator on the compute stream, traced there (so a device's busy time counts it) after the
+    microbatch's compute; a forward job adds none."""
+    cm, placements, traces = ran
+    trace = traces[-1]
+    for job, stage, role, device in placements[-1]:
+        adds = sorted(s["microbatch"] for s in trace if s.get("job") == job and s["name"] == "add_gradients")
+        if role == "fwd" or not cm.plan.stages[stage].params:
+            assert adds == []
+            continue
+        assert adds == [0, 1] and all(s["stream"] == "compute" for s in trace if s["name"] == "add_gradients")
+        for mb in (0, 1):
+            add = next(s for s in trace if s.get("job") == job and s["name"] == "add_gradients" and s["microbatch"] == mb)
+            compute = next(s for s in trace if s.get("job") == job and s["stream"] == "compute"
+                           and s["name"] != "add_gradients" and s["microbatch"] == mb)
+            assert compute["end_s"] <= add["start_s"]
+
+
 def test_no_value_read_before_it_was_written(ran):
     trace = ran[2][-1]
     written = {(s["value"], s["microbatch"]): s["end_s"] for s in trace if s["name"] == "offload"}

@@ -264,6 +264,8 @@ def _saved_once(cost: NodeCost, bindings, by_name, index, cuts, kept_values, loc
 # taken; the rest is the one-row products' lower efficiency (0.163 s against 0.149 s estimated)
 # and the first microbatch waiting 0.42 s for the weights. The bar's plans (Qwen3-1.7B and
 # Llama-3.1-8B at 1, 2 and 4 H200s, planned on the CPU) are unchanged, estimated 2-9% longer.
+# The trace shows the additions as "add_gradients" spans on the compute stream (before, outside
+# any span, a device's compute busy missed them: 79% reported for that run).
 def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, hw: Hardware):
     """Segments between consecutive cuts with their times and bytes, and the live bytes at each cut."""
     segments = []

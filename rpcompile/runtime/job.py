@@ -391,11 +391,14 @@ class JobContext:
         # a key's first gradient is copied in, the next ones added (Note [first gradients copied])
         first = [(key, g) for key, g in got if key not in self.grad_got]
         more = [(key, g) for key, g in got if key in self.grad_got] if first else got
-        if first:
-            torch._foreach_copy_([self.grad_acc[key] for key, _ in first], [g for _, g in first])
-            self.grad_got.update(key for key, _ in first)
-        if more:
-            torch._foreach_add_([self.grad_acc[key] for key, _ in more], [g for _, g in more])
+
+        def add():      # (device work on the compute stream, traced as such: Note [gradients added per microbatch])
+            if first:
+                torch._foreach_copy_([self.grad_acc[key] for key, _ in first], [g for _, g in first])
+            if more:
+                torch._foreach_add_([self.grad_acc[key] for key, _ in more], [g for _, g in more])
+        self.span("compute", "add_gradients", add, self.microbatch)
+        self.grad_got.update(key for key, _ in first)
 
     # Note [first gradients copied]: a job's first gradients went into a zeroed accumulator with
     # an add: on a GPU the zeros and the add's read of them are two passes over the piece (fp32:
