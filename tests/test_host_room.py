@@ -197,3 +197,28 @@ def test_a_longer_sequence_keeps_the_state_the_host_has_no_room_for(monkeypatch)
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b)
     cm.train_step(**lm_batch(batch=4, seq=8, vocab=256, seed=2))
+
+
+def test_planning_again_holds_back_more_until_the_plan_fits(monkeypatch):
+    """compile_graph plans again while a plan's cut puts more on the host than its share left room
+    for, each time holding back at least what the last cut took (Llama-3.1-8B on one H200 within
+    90 GiB needed four plans), and stops with the error after HOST_TRIES."""
+    from rpcompile import passes
+    cuts, held = [8, 10, 12], []
+
+    def run(st):
+        held.append(st.host_cut)
+        if len(held) <= len(cuts):
+            e = host_memory.HostMemoryError("over", needed=100 + cuts[len(held) - 1], budget=100)
+            e.cut = cuts[len(held) - 1]
+            raise e
+        return "plan"
+    monkeypatch.setattr(passes, "_run_passes", run)
+    config = rpcompile.Config(devices=DEVICES)
+    assert passes.compile_graph(None, config, "train", host_budget=100) == "plan"
+    assert held == [0, 8, 10, 12]
+    held.clear()
+    cuts[:] = [8 + k for k in range(passes.HOST_TRIES)]
+    with pytest.raises(host_memory.HostMemoryError):
+        passes.compile_graph(None, config, "train", host_budget=100)
+    assert len(held) == passes.HOST_TRIES
