@@ -290,8 +290,8 @@ def segment_table(gm: fx.GraphModule, lv: Liveness, cuts: list[int], bindings, h
         saved_by_segment.append(saved + sum(local.values()))
         pbytes = sum(v[0] for v in params.values())
         gbytes = sum(4 * v[1] for v in params.values() if v[2])
-        # Note [gradients added per microbatch]
-        bwd += sum(v[0] + 2 * 4 * v[1] for v in params.values() if v[2]) / hw.mem_bw
+        # Note [gradients added per microbatch]: the gradients read, the fp32 accumulator read and written
+        bwd += (sum(v[0] for v in params.values() if v[2]) + 2 * gbytes) / hw.mem_bw
         # Note [working bytes]: the values made inside the segment that live at once in its forward
         work = max((out[lv.body[p]] + sum(out[m] for m in lv.live[p] if lv.index[m] >= a) for p in range(a, b)),
                    default=0)
