@@ -125,9 +125,12 @@ class CompiledModel(torch.nn.Module):
         again = mode == "train" and runner.share_of_a_call
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
         first_train = mode == "train" and runner.num_microbatches is None
-        # the first train plan allocates the host buffers, later ones share them (Note [host room])
+        # the first train plan allocates the host buffers, later ones share them, held to its
+        # budget: only their activations grow (Note [host room])
         first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
-                     host_budget="config" if first_train else None, host_only=host_only)
+                     host_budget="config" if first_train else None, host_only=host_only,
+                     host_first=None if first_train else self._plans.host_first,
+                     device_budget=self._plans.device_budget)     # (Note [device budget measured once])
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)
@@ -136,13 +139,17 @@ class CompiledModel(torch.nn.Module):
             if (self.config.optimizer_on_devices is not None or not runner.optimizer_share
                     or isinstance(e, HostMemoryError) or runner.host_share):
                 raise
+            # planned before the state moves: a plan the host has no room for leaves it where it is
+            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **first)
             runner.optimizer_share = 0.0
             if opt is not None:
                 self.synchronize()
                 opt.bring_home()
-            plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at, on_devices=0.0, **first)
+        if self._plans.device_budget is None:
+            self._plans.device_budget = plan.device_budget
         if first_train:
             runner.num_microbatches, runner.host_share = plan.num_microbatches, plan.host_share
+            self._plans.host_first = plan.host_memory if plan.host_memory.budget is not None else None
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:
                 self._plans.reserve(plan.optimizer_share)

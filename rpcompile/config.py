@@ -32,14 +32,16 @@ class Config:
     num_microbatches: the batch (dim 0 of every batched input) is split into this many.
     dtype: compute dtype of the working copies on the devices; None means the model's own
         dtype on CPU devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
-    memory_budget: bytes (or "24GiB") a stage job may use on one device; None: the device's
-        free memory on GPUs, unlimited on CPU.
+    memory_budget: bytes (or "24GiB") a stage job may use on one device; None: 0.9 of the
+        device's free memory when the model's first plan is made, kept by its later plans, on
+        GPUs; unlimited on CPU.
     host_memory_budget: bytes (or "100GiB") of host memory the model's first train plan may
         take in all, its parameters included (what `cm.plan` prints as "host memory"). Where
         the plan would take more, more of the attached optimizer goes to the GPUs (where the
         plan chooses the share: optimizer_on_devices=None), else planning stops with an error
         that says what to change, before anything is allocated (Note [host room] in
-        passes/host_memory.py). None (the default): the host memory available at that plan
+        passes/host_memory.py); later calls at other sizes (longer sequences: more activations
+        on the host) are held to it too. None (the default): the host memory available at that plan
         (the smaller of the system's and the cgroup's) plus what the parameters hold already,
         less 8 GiB and a tenth of the host's memory for what the process and
         the system allocate besides.

@@ -180,6 +180,7 @@ class Plan:
     finer: list = field(default_factory=list)            # (microbatches, est. step s, recomputes) weighed by the first train plan (Note [finer microbatches])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
+    device_budget: Optional[int] = None                  # each device's budget, the optimizer's share in it (Note [device budget measured once])
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
     served: list = field(default_factory=list)           # {symbol: size} of the non-batch sizes calls ran it at
     compile_seconds: dict = field(default_factory=dict)  # seconds: "dynamo_capture" (a capture's first plan) and each pass
@@ -247,13 +248,14 @@ class Plan:
             })
         return rows
 
-    def value_bytes(self, node) -> float:
-        """Bytes of a graph value at the plan's bindings (0 for non-tensors or unbound sizes)."""
+    def value_bytes(self, node, bindings=None) -> float:
+        """Bytes of a graph value at the plan's bindings, or at `bindings` (0 for non-tensors or
+        unbound sizes)."""
         ev = node.meta.get("example_value") if node is not None else None
         if not isinstance(ev, torch.Tensor):
             return 0.0
         try:
-            return evaluate(_tensor_bytes(ev), self.bindings)
+            return evaluate(_tensor_bytes(ev), self.bindings if bindings is None else bindings)
         except (ValueError, TypeError):
             return 0.0
 

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from .passes.at_sizes import job_memory_at
+from .passes.host_memory import checked_bytes, host_activations
 from .shapes import InputShapes
 
 
@@ -37,6 +38,10 @@ class PlanCache:
         self.config = config
         self._groups: dict = {}      # key -> [_Capture]
         self.least_share = 0.0       # a plan made beside a smaller share of the optimizer no longer serves
+        # the first train plan's HostMemory (CompiledModel._compile): later plans are held to its budget
+        self.host_first = None
+        # each device's budget as the first plan measured it (Note [device budget measured once] in passes/__init__.py)
+        self.device_budget = None
 
     def reserve(self, share: float) -> None:
         """From now on the plans reserve `share` of the optimizer on the devices: those made beside
@@ -92,10 +97,21 @@ class PlanCache:
     def _fits(self, plan, at: dict) -> bool:
         if plan.optimizer_share < self.least_share:
             return False
-        if plan.memory_budget is None or all(plan.bindings.get(s) == v for s, v in at.items()):
+        if all(plan.bindings.get(s) == v for s, v in at.items()):
             return True
-        memory = job_memory_at(plan, self.config, {**plan.bindings, **at})
-        return max(memory) <= plan.memory_budget
+        if plan.memory_budget is not None and max(job_memory_at(plan, self.config, {**plan.bindings, **at})) > \
+                plan.memory_budget:
+            return False
+        return self._host_fits(plan, at)
+
+    def _host_fits(self, plan, at: dict) -> bool:
+        """Whether the plan's host memory at `at` fits the first train plan's host budget (Note
+        [host room] in passes/host_memory.py): its activations grow with the sizes."""
+        hm, first = plan.host_memory, self.host_first
+        if first is None or hm is None:
+            return True
+        grown = host_activations(plan, hm.steps_alive, at) - hm.activations
+        return checked_bytes(hm, self.config.optimizer_mode) + grown <= first.budget
 
 
 def _batch_names(plan) -> set:

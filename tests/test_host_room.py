@@ -222,3 +222,50 @@ def test_planning_again_holds_back_more_until_the_plan_fits(monkeypatch):
     with pytest.raises(host_memory.HostMemoryError):
         passes.compile_graph(None, config, "train", host_budget=100)
     assert len(held) == passes.HOST_TRIES
+
+
+def test_a_later_length_whose_activations_the_host_has_no_room_for_stops_before_it_runs():
+    """The first train plan sets the host's buffers within the budget; a later call at a longer
+    length (a train step or a forward call), whose activations and checkpoints would take the
+    host past that budget, stops with a HostMemoryError before it runs, and training at the
+    first length goes on as if it had not been tried."""
+    def compiled(host=None):
+        model = _qwen(layers=2)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
+                                                       host_memory_budget=host))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        return model, cm
+
+    short = [lm_batch(batch=4, seq=8, vocab=256, seed=t) for t in range(3)]
+    long = lm_batch(batch=4, seq=64, vocab=256, seed=0)
+    model, cm = compiled()
+    losses = [float(cm.train_step(**b)) for b in short]
+    cm.synchronize()
+    at_short = cm.plan.host_memory
+    reference = [p.detach().clone() for p in model.parameters()]
+    _, cm = compiled()
+    cm.train_step(**long)
+    at_long = cm.plan.host_memory           # (a first plan at the longer length)
+    assert at_long.activations > at_short.activations and at_long.total > at_short.total
+
+    host = (at_short.total + at_long.total) // 2
+    model, cm = compiled(host)
+    got = [float(cm.train_step(**short[0]))]
+    assert cm.plan.host_memory.budget == host
+    cm.synchronize()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(rpcompile.HostMemoryError, match="at this call's sizes its activations and checkpoints") as e:
+        cm.train_step(**long)
+    assert e.value.budget == host < e.value.needed
+    assert "shorter sequences" in str(e.value) and "at the model's first train step" not in str(e.value)
+    assert "(Config.host_memory_budget)" in str(e.value)
+    with torch.no_grad(), pytest.raises(rpcompile.HostMemoryError, match="activations and checkpoints"):
+        cm(**long)
+    cm.synchronize()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    got += [float(cm.train_step(**b)) for b in short[1:]]
+    cm.synchronize()
+    assert got == pytest.approx(losses, rel=1e-6)
+    for p, r in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)

@@ -124,6 +124,32 @@ def test_length_over_the_memory_budget_replans(captures):
         assert second.passes[k][2] is first.passes[k][2] and "def forward" in first.passes[k][2]
 
 
+def test_a_later_plan_keeps_the_device_budget_the_first_plan_measured(monkeypatch):
+    """Config.memory_budget=None: a device's budget is its free memory when the model's first plan
+    is made (Note [device budget measured once]); a later plan at a length the first cannot serve
+    keeps that figure, not the free memory left beside what the model holds by then (here a fiftieth
+    of it, too little for any plan: a GPU's after its first steps)."""
+    from rpcompile import passes
+    model = qwen3(layers=2)
+    short, long = lm_batch(batch=4, seq=16), lm_batch(batch=4, seq=48, seed=2)
+    probe = rpcompile.compile(copy.deepcopy(model), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                                     memory_budget=1))
+    with pytest.raises(rpcompile.PlanningError) as e:
+        probe.train_step(**long)
+    budget = int(e.value.min_budget * 1.02)
+    measured = []
+
+    def free_memory(config):      # what a device has free: less once the model holds its part
+        measured.append(budget if not measured else budget // 50)
+        return measured[-1]
+    monkeypatch.setattr(passes, "_memory_budget", free_memory)
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
+    cm = train_both(model, [short, long, short], cfg, steps=3, check_every_step=True, min_stages=0)
+    first, second = cm._plans.plans()
+    assert first.memory_budget == second.memory_budget == budget and first.device_budget == budget
+    assert len(second.stages) > len(first.stages) and max(second.stage_plan.job_memory) <= budget
+
+
 def test_compiled_pieces_compile_once_for_every_length(monkeypatch):
     """compile_stages with aot_eager standing in for Inductor: stage programs are made once, and
     dynamo compiles each piece once, symbolic in the length from the first call (Note

@@ -127,6 +127,11 @@ class CompileState:
     host_share: float = 0.0            # the least share of the optimizer on the devices the host budget needs
     # the attached optimizer's name where it steps on the host only (not elementwise: its share is 0)
     host_only: Optional[str] = None
+    # the host memory of the model's first train plan, where this is a later plan held to its budget
+    host_first: Any = None
+    # each device's budget: Config.memory_budget, or as the model's first plan measured it (Note
+    # [device budget measured once]); None: unlimited (CPU devices)
+    device_budget: Optional[int] = None
 
     def __post_init__(self):
         if self.num_microbatches is None:
@@ -184,7 +189,7 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        jobs = jobs_budget(st.config, st.captured.params, st.on_devices)[2]
+        jobs = jobs_budget(st.captured.params, st.on_devices, st.device_budget, len(st.config.devices))[2]
         st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards,
                               max_logit_bytes=max_logit_bytes(st.config, jobs), at=_lengths_at(st))
         st.lm_head = st.gm.meta.get("rp_lm_head")
@@ -208,14 +213,14 @@ def _lengths_at(st: CompileState) -> Optional[dict]:
     return dict.fromkeys(names, L) if names else None
 
 
-def jobs_budget(config, params, share) -> tuple:
-    """(Config.memory_budget in bytes or None, the bytes of it each device keeps for the
-    optimizer's share on the devices (Note [optimizer state on the devices] in
-    runtime/flat.py; None: not chosen yet, nothing), what is left for the stage jobs or None)."""
-    budget = _memory_budget(config)
+def jobs_budget(params, share, budget: Optional[int], num_devices: int) -> tuple:
+    """(each device's budget, `budget` (CompileState.device_budget: Note [device budget measured
+    once]), or None, the bytes of it each device keeps for the optimizer's share on the devices
+    (Note [optimizer state on the devices] in runtime/flat.py; None: not chosen yet, nothing),
+    what is left for the stage jobs or None)."""
     if budget is None:
         return None, 0, None
-    reserved = device_optimizer_bytes(params, share, len(config.devices)) if share else 0
+    reserved = device_optimizer_bytes(params, share, num_devices) if share else 0
     return budget, reserved, max(0, budget - reserved)
 
 
@@ -268,7 +273,8 @@ def _stages_compiled(config) -> bool:
 def solve_stages_pass(st: CompileState) -> CompileState:
     config = st.config
     # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
-    budget_set, st.reserved, st.budget = jobs_budget(config, st.captured.params, st.on_devices)
+    budget_set, st.reserved, st.budget = jobs_budget(st.captured.params, st.on_devices, st.device_budget,
+                                                     len(config.devices))
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
     N = len(config.devices)
@@ -454,7 +460,7 @@ def _host_at(st: CompileState, share: float, cut: Optional[int] = None):
 def _host_error(st: CompileState, hm, why: str):
     """host_memory_error for this plan's budget."""
     return host_memory_error(hm, st.host_budget, st.config.optimizer_mode, why, st.host_budget_given,
-                             st.host_only)
+                             st.host_only, st.host_first)
 
 
 def _least_host_share(st: CompileState, chooses: bool) -> float:
@@ -638,6 +644,7 @@ def describe_io(st: CompileState) -> CompileState:
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
     plan.replicas, plan.finer, plan.host_share = st.replicas, list(st.finer), st.host_share
+    plan.device_budget = st.device_budget
     plan.upload_wait_s = plan_upload_wait(st)
     st.plan = plan
     return st
@@ -648,6 +655,13 @@ def host_memory_pass(st: CompileState) -> CompileState:
     hm = st.plan.host_memory = host_memory(st.plan, config.compute_dtype, config.on_gpu, config.optimizer_mode,
                                            config.workers, st.plan.optimizer_share, st.host_budget)
     if st.host_budget is None:
+        return st
+    first = st.host_first
+    if first is not None:      # a later plan: its activations beside the first plan's buffers (Note [host room])
+        if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
+            raise _host_error(st, hm, f"at this call's sizes its activations and checkpoints take "
+                                      f"{_fmt_bytes(hm.activations)}, where the model's first train plan, which set "
+                                      f"the host's buffers, took {_fmt_bytes(first.activations)}")
         return st
     # (solve_stages fitted all but what the cut decides: the activations, the carried rows)
     if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
@@ -738,7 +752,8 @@ class PassTexts(Sequence):
 
 
 def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
-                  num_microbatches=None, split_finer=False, host_budget=None, host_only=None) -> Plan:
+                  num_microbatches=None, split_finer=False, host_budget=None, host_only=None, host_first=None,
+                  device_budget=None) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
     share on the devices to plan with (None: the plan chooses it; default: the config's).
@@ -746,17 +761,26 @@ def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices=
     chose); split_finer: the plan may split finer (Note [finer microbatches]). host_budget: bytes
     the plan's host memory may take (Note [host room] in passes/host_memory.py; None: unchecked,
     "config": Config.host_memory_budget or the host's available memory); host_only: the attached
-    optimizer's name where it steps on the host only (on_devices is then 0), for the host's errors."""
+    optimizer's name where it steps on the host only (on_devices is then 0), for the host's errors;
+    host_first: the HostMemory of the model's first train plan, where this is a later plan held
+    to that plan's budget (its buffers allocated: only the activations grow); device_budget: each
+    device's budget as an earlier plan of the model measured it (Plan.device_budget; Note [device
+    budget measured once])."""
     on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
-    given = host_budget == "config" and config.host_memory_budget is not None
-    if host_budget == "config":
+    given = (host_budget == "config" or host_first is not None) and config.host_memory_budget is not None
+    if host_first is not None:
+        host_budget = host_first.budget
+    elif host_budget == "config":
         host_budget = config.host_memory_budget if given else default_host_budget(cap.params)
+    if device_budget is None or config.memory_budget is not None:
+        device_budget = _memory_budget(config)
 
     def state(host_cut: int = 0) -> CompileState:      # (the passes fill one in)
         return CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
                             loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
                             num_microbatches=num_microbatches, split_finer=split_finer, host_budget=host_budget,
-                            host_budget_given=given, host_cut=host_cut, host_only=host_only)
+                            host_budget_given=given, host_cut=host_cut, host_only=host_only, host_first=host_first,
+                            device_budget=device_budget)
     held = 0
     for attempt in range(HOST_TRIES):
         try:
@@ -871,6 +895,14 @@ def _planned_microbatch(batch, num_microbatches: int) -> int:
     return max(1, math.ceil(batch.size / num_microbatches))
 
 
+# Note [device budget measured once]: by default (Config.memory_budget=None) a device's budget is
+# 0.9 of its free memory, measured when the model's first plan is made, and every later plan of
+# the model keeps that figure. Measured again, it would leave out what the model itself holds
+# by then (the optimizer's share, resident weights, the caching allocator's blocks): on one H200,
+# Llama-3.1-8B's train plan at 32 rows of 2048 tokens measured 125.6 GiB and put 60.4 GiB of
+# the optimizer there; a call at 4096 tokens, which that plan could not serve, measured 5.18 GiB
+# of free memory and stopped with a PlanningError that asked for memory_budget="88.35GiB" and
+# said no length fit at all, though 16 rows of 4096 tokens trained with the first plan.
 def _memory_budget(config):
     if config.memory_budget is not None:
         return config.memory_budget

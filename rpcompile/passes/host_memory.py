@@ -316,6 +316,15 @@ def host_values(st) -> list:
     return list(getattr(st, "grad_inputs", []))
 
 
+def host_activations(plan, steps_alive: int, bindings=None) -> int:
+    """Bytes the jobs of `steps_alive` steps of the plan write to the host (host_values), at the
+    plan's sizes or at `bindings` (a call at other sizes the plan serves: plan_cache.py)."""
+    by_name = {n.name: n for n in plan.gm.graph.nodes}
+    at = None if bindings is None else {**plan.bindings, **bindings}
+    per_micro = sum(plan.value_bytes(by_name.get(name), at) for st in plan.stages for name in host_values(st))
+    return int(per_micro) * plan.num_microbatches * steps_alive
+
+
 def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str, on_devices: float,
                    grad_dtype: torch.dtype, num_devices: int) -> HostMemory:
     """What a plan's host memory holds per parameter, whatever its stage cut: everything but
@@ -355,9 +364,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
                          plan.num_devices)
     layout = out.grad_layout = grad_layout(plan)
     out.grads = layout.nbytes(1, grad_dtype.itemsize)
-    by_name = {n.name: n for n in plan.gm.graph.nodes}
-    per_micro = sum(plan.value_bytes(by_name.get(name)) for st in plan.stages for name in host_values(st))
-    out.activations = int(per_micro) * plan.num_microbatches * out.steps_alive
+    out.activations = host_activations(plan, out.steps_alive)
     if optimizer_mode == "delayed":
         from ..runtime.submission import carried_rows
         out.carried_rows = grad_dtype.itemsize * sum(math.prod(shape) for shape in carried_rows(plan, layout).values())
@@ -385,6 +392,15 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 # optimizer's, which rpcompile does not allocate: it is warned of, not counted. A later plan
 # that does not fit beside a share the host needed (a longer sequence) stops with its
 # PlanningError instead of bringing the state home (CompiledModel._compile).
+# Later calls are held to the first train plan's budget: the buffers it sized are shared, but the
+# activations and checkpoints a step leaves on the host grow with its tokens (the step sets grow
+# to the largest step they served: Note [slot sets], runtime/shared.py). Planned on the CPU for one
+# H200 within this host's 103.4 GiB, Llama-3.1-8B's first plan (32 rows of 2048 tokens) puts 4.0
+# GiB of them there; the same rows at 4096 tokens 16.0 GiB (115.4 GiB in all), at 8192 88.0 GiB:
+# the system would have killed the process at the first longer batch, hours into a run. So a
+# plan serves other sizes only where its activations there fit (PlanCache._host_fits), a plan
+# made for them is checked as the first (host_memory_pass, `host_first`), and a call that fits
+# neither stops with a HostMemoryError before it runs; no share moves (the first plan fixed it).
 
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
 HOST_MARGIN = 8 << 30
@@ -465,22 +481,30 @@ class HostMemoryError(PlanningError):
 
 
 def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str, given: bool,
-                      host_only=None) -> HostMemoryError:
+                      host_only=None, first=None) -> HostMemoryError:
     """The error of a plan whose host memory does not fit the budget (Note [host room]); host_only:
-    the attached optimizer's name where it steps on the host only."""
+    the attached optimizer's name where it steps on the host only; first: the HostMemory of the
+    model's first train plan, where this is a later one (its sizes grew the activations)."""
     from ..plan import _fmt_bytes
+    now = "at the model's first train step" if first is not None else "now"
     origin = ("Config.host_memory_budget" if given else
-              f"what the host has available now with the parameters, less {_fmt_bytes(HOST_MARGIN)} and "
+              f"what the host had available {now} with the parameters, less {_fmt_bytes(HOST_MARGIN)} and "
               f"{HOST_SHARE:.0%} of the host's memory (Config.host_memory_budget=None)")
     state = hm.optimizer_state if optimizer_mode != "exact" else 0
     fixes = []
+    if first is not None:
+        fixes.append("shorter sequences or fewer of them a step (the activations and checkpoints on the host grow "
+                     "with the tokens a step)")
+        fixes.append("the longest batch as the first train step of a new compiled model (its plan sizes the host's "
+                     "buffers for it and, with optimizer_on_devices=None, moves what it must of the optimizer's state "
+                     "to the GPUs)")
     if optimizer_mode == "exact":
         fixes.append("optimizer_mode='delayed' or 'overlapped' with cm.attach_optimizer(opt): rpcompile then steps "
                      "the optimizer and can keep its state (12 B a parameter for AdamW) on the GPUs")
-    elif state and host_only:
+    elif state and host_only and first is None:
         fixes.append(f"an optimizer the plan can step on the GPUs (torch.optim.AdamW, Adam or SGD; {host_only} "
                      "is stepped parameter by parameter on the host)")
-    elif state:
+    elif state and first is None:
         fixes.append("optimizer_on_devices=None (the plan moves what it must of the optimizer's state to the GPUs) "
                      "or 1.0, with more GPU memory for it (Config.memory_budget, more GPUs)")
     if optimizer_mode == "delayed":
