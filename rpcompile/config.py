@@ -34,7 +34,7 @@ class Config:
         dtype on CPU devices and bfloat16 on GPUs. Host masters keep the model's own dtype.
     memory_budget: bytes (or "24GiB") a stage job may use on one device; None: 0.9 of the
         device's free memory when the model's first plan is made, kept by its later plans, on
-        GPUs; unlimited on CPU.
+        GPUs (set it where other code allocates on the devices later); unlimited on CPU.
     host_memory_budget: bytes (or "100GiB") of host memory the model's first train plan may
         take in all, its parameters included (what `cm.plan` prints as "host memory"). Where
         the plan would take more, more of the attached optimizer goes to the GPUs (where the

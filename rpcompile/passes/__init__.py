@@ -902,7 +902,8 @@ def _planned_microbatch(batch, num_microbatches: int) -> int:
 # Llama-3.1-8B's train plan at 32 rows of 2048 tokens measured 125.6 GiB and put 60.4 GiB of
 # the optimizer there; a call at 4096 tokens, which that plan could not serve, measured 5.18 GiB
 # of free memory and stopped with a PlanningError that asked for memory_budget="88.35GiB" and
-# said no length fit at all, though 16 rows of 4096 tokens trained with the first plan.
+# said no length fit at all, though 16 rows of 4096 tokens trained with the first plan. What
+# other code allocates on the devices after the first plan is not seen: Config.memory_budget then.
 def _memory_budget(config):
     if config.memory_budget is not None:
         return config.memory_budget
