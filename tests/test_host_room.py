@@ -3,6 +3,7 @@ host's available memory as the system and the cgroup say, the optimizer's share 
 chooses raised to what the host needs, and a clear error before anything is allocated where
 nothing fits."""
 import importlib
+import re
 
 import pytest
 import torch
@@ -227,8 +228,8 @@ def test_planning_again_holds_back_more_until_the_plan_fits(monkeypatch):
 def test_a_later_length_whose_activations_the_host_has_no_room_for_stops_before_it_runs():
     """The first train plan sets the host's buffers within the budget; a later call at a longer
     length (a train step or a forward call), whose activations and checkpoints would take the
-    host past that budget, stops with a HostMemoryError before it runs, and training at the
-    first length goes on as if it had not been tried."""
+    host past that budget, stops with a HostMemoryError before it runs, saying the longest
+    length that fits, and training at the first length goes on as if it had not been tried."""
     def compiled(host=None):
         model = _qwen(layers=2)
         cm = rpcompile.compile(model, rpcompile.Config(devices=DEVICES, num_microbatches=2, optimizer_mode="delayed",
@@ -259,6 +260,8 @@ def test_a_later_length_whose_activations_the_host_has_no_room_for_stops_before_
     assert e.value.budget == host < e.value.needed
     assert "shorter sequences" in str(e.value) and "at the model's first train step" not in str(e.value)
     assert "(Config.host_memory_budget)" in str(e.value)
+    longest = int(re.search(r"sequences of at most (\d+) tokens fit", str(e.value)).group(1))
+    assert 8 < longest < 64
     with torch.no_grad(), pytest.raises(rpcompile.HostMemoryError, match="activations and checkpoints"):
         cm(**long)
     cm.synchronize()
@@ -269,3 +272,5 @@ def test_a_later_length_whose_activations_the_host_has_no_room_for_stops_before_
     assert got == pytest.approx(losses, rel=1e-6)
     for p, r in zip(model.parameters(), reference):
         torch.testing.assert_close(p.detach(), r, rtol=1e-6, atol=1e-7)
+    # the longest length the error said fits trains
+    assert torch.isfinite(cm.train_step(**lm_batch(batch=4, seq=longest, vocab=256, seed=3)))

@@ -400,7 +400,9 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 # the system would have killed the process at the first longer batch, hours into a run. So a
 # plan serves other sizes only where its activations there fit (PlanCache._host_fits), a plan
 # made for them is checked as the first (host_memory_pass, `host_first`), and a call that fits
-# neither stops with a HostMemoryError before it runs; no share moves (the first plan fixed it).
+# neither stops with a HostMemoryError before it runs, saying the longest length at the call's
+# rows whose activations fit as that plan cuts the model (a bisection over host_activations);
+# no share moves (the first plan fixed it).
 
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
 HOST_MARGIN = 8 << 30
