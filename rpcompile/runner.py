@@ -177,6 +177,8 @@ class GraphRunner:
         of its own, Note [host gradient buffers])."""
         cap = plan.captured
         dtype = self.working_dtype(plan)
+        if host_weights is None and gate is None:       # a call (Note [calls read the newest copies])
+            host_weights = self.mode.call_weights(self, plan)
         rng_base = 0
         if any(st.random for st in plan.stages):
             rng_base = int(torch.randint(0, 2**62, (), generator=torch.default_generator))

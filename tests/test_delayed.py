@@ -173,6 +173,36 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     assert cm.runner.mode.copies.nbytes() == 2 * trainable + frozen_bytes
 
 
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_call_reads_the_newest_copies_and_a_parameter_written_in_place(workers):
+    """Note [calls read the newest copies]: after train steps a call reads each parameter's newest
+    working copy (no copy of the runner's HostWeights is made) and equals eager at the parameters
+    every optimizer step left; a parameter written in place since is read as it is now."""
+    model = qwen3(seed=3, layers=2)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   optimizer_mode="delayed", workers=workers))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    batch = lm_batch(seed=9)
+
+    def check(what):
+        with torch.no_grad():
+            got = cm(**batch).loss
+        cm.synchronize()
+        with torch.no_grad():
+            close(got, model(**batch).loss, 1e-5, 1e-6, what)
+    for t in range(3):
+        cm.train_step(**lm_batch(seed=t))
+    check("a call after 3 steps")
+    assert not cm.runner.host_weights._copies
+    written = model.model.layers[1].mlp.down_proj.weight
+    with torch.no_grad():
+        written.mul_(0.5)
+    check("a call after a parameter was written in place")
+    assert list(cm.runner.host_weights._copies) == [id(written)]
+    cm.train_step(**lm_batch(seed=3))
+    check("a call after one more step")
+
+
 def _first_uploads(monkeypatch, layers, **config):
     """Three delayed AdamW steps of an untied qwen3 on two CPU devices, the uploads of a next
     step's first job stood in for (CPU devices upload nothing: a thread waits as the uploader

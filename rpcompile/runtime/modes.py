@@ -93,6 +93,11 @@ class _Mode:
     def issued(self, runner, plan) -> None:
         """The step's jobs have been handed to the devices."""
 
+    def call_weights(self, runner, plan):
+        """Where a call (not a train step) reads its weights; None: the live parameters, through
+        the runner's HostWeights."""
+        return None
+
 
 class ExactMode(_Mode):
     """Gradients land in `param.grad` (fp32 on the host) when train_step returns.
@@ -271,6 +276,21 @@ class DelayedMode(OverlappedMode):
                     step.first_upload.append((dev, future))
         self.started += 1
         return step
+
+    def call_weights(self, runner, plan):
+        """Note [calls read the newest copies]: a call reads the parameters as every submitted
+        optimizer step left them, which delayed mode's copies hold already, each parameter in the
+        copy its last step wrote: a call through the runner's HostWeights instead made a third
+        working copy, pinned and kept (2 B a parameter the host plan does not count: 15 GiB for
+        Llama-3.1-8B, beside a plan the host budget fits to within its margin; on one H200 with
+        125.8 GiB of host, a process at 105.6 GiB ended at such a call, where reading the copies
+        adds nothing: benchmarks/runs/call_copies). A parameter whose copy does not equal it
+        (written in place since) is read through HostWeights as before; the check (a compare of
+        each copy with its parameter) runs once per optimizer write or in-place change."""
+        if self.copies is None or not self.copies.covers(plan.captured.params):
+            return None
+        self.optimizer.synchronize()
+        return self.copies.call_view(runner.host_weights)
 
     def abandon(self, step):
         if step.submission is not None:

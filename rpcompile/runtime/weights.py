@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,15 @@ def copy_params(dsts: list, params: list, copy_down=None) -> None:
             torch._foreach_copy_(*merge_adjacent([dsts[i] for i in rest], [params[i].detach() for i in rest]))
     if wait is not None:
         wait()
+
+
+def mark_upload(entry, event, stream=None) -> None:
+    """An upload from entry's copy ([_, copy, marks, lock]) was issued on `stream`; `event` marks
+    its end. It replaces the stream's older mark (a stream runs its copies in issue order, and
+    wait_for_uploads waits on the newest of each): a copy no optimizer step rewrites (a frozen
+    parameter's in delayed mode) keeps one mark a stream, not one for every upload."""
+    if event is not None:
+        entry[2][:] = [m for m in entry[2] if m[1] is not stream] + [upload_mark(event, stream)]
 
 
 def wait_for_uploads(marks) -> None:
@@ -97,11 +107,7 @@ class HostWeights:
                 entry[0] = param._version
             yield entry if rows is None else [entry[0], entry[1][rows[0]:rows[1]], entry[2], entry[3]]
 
-    @staticmethod
-    def mark_upload(entry, event, stream=None) -> None:
-        """An upload from entry's copy was issued on `stream`; `event` marks its end (it replaces
-        the stream's older mark: a stream runs its copies in issue order)."""
-        entry[2][:] = [m for m in entry[2] if m[1] is not stream] + [upload_mark(event, stream)]
+    mark_upload = staticmethod(mark_upload)
 
     def refresh_many(self, params, dtype, copy_down=None) -> None:
         """Rewrite the copies of the given (whole) parameters that changed, with one wait and one
@@ -169,6 +175,9 @@ class DelayedWeights:
             for k, (p, _) in enumerate(members):
                 slots = [[copy[k], [], threading.Lock()] for copy in views]
                 self._copies[id(p)] = slots * 2 if shared else slots
+        self._newest: dict = {}      # id(param) -> the slot its last write went to (0 before any)
+        self._writes: dict = {}      # (id(param), slot) -> writes so far
+        self._checked: dict = {}     # id(param) -> (its _version, slot, writes) when a call found the copy equal
 
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
@@ -194,9 +203,64 @@ class DelayedWeights:
             copy_params([s[0] for s in slots], list(params), copy_down)
             for s in slots:
                 s[1].clear()
+            for p in params:
+                self._newest[id(p)] = slot
+                self._writes[(id(p), slot)] = self._writes.get((id(p), slot), 0) + 1
+
+    def call_view(self, fallback) -> "_CallView":
+        """What a call reads once the optimizer has stepped every submission: each parameter's
+        newest copy (Note [calls read the newest copies] in runtime/modes.py), or `fallback`'s
+        (the runner's HostWeights) where that copy is not the parameter's value."""
+        return _CallView(self, fallback)
+
+    def _current(self, param, dtype) -> Optional[list]:
+        """The slot entry of param's newest copy where it equals the parameter in `dtype` (checked
+        once per write and in-place change: a call reads every parameter), else None."""
+        slot = self._newest.get(id(param), 0)
+        entry = self._copies[id(param)][slot]
+        if entry[0].dtype != dtype:
+            return None
+        key = (param._version, slot, self._writes.get((id(param), slot), 0))
+        if self._checked.get(id(param)) != key:
+            with entry[2]:
+                if not torch.equal(entry[0], param.detach().to(dtype)):
+                    return None
+            self._checked[id(param)] = key
+        return entry
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._flats)
+
+
+class _CallView:
+    """A call's weights in delayed mode: each parameter's newest copy (DelayedWeights.call_view),
+    else `fallback`'s (HostWeights), with HostWeights' upload interface."""
+
+    snapshot = True
+
+    def __init__(self, store: DelayedWeights, fallback: HostWeights):
+        self.store, self.fallback = store, fallback
+
+    @contextlib.contextmanager
+    def refreshed(self, param, dtype, rows=None):
+        entry = self.store._current(param, dtype)
+        if entry is None:
+            with self.fallback.refreshed(param, dtype, rows) as got:
+                yield got
+            return
+        tensor, marks, lock = entry
+        with lock:
+            yield [None, tensor if rows is None else tensor[rows[0]:rows[1]], marks, lock]
+
+    def copy_of(self, param, dtype) -> torch.Tensor:
+        """param's working copy, for worker processes (runtime/processes.py working_copy)."""
+        entry = self.store._current(param, dtype)
+        if entry is not None:
+            return entry[0]
+        with self.fallback.refreshed(param, dtype) as got:
+            return got[1]
+
+    mark_upload = staticmethod(mark_upload)
 
 
 @contextlib.contextmanager
@@ -238,7 +302,4 @@ class _SlotView:
         with _locked([s for s, _ in slots]):
             yield [(i, [None, s[0], s[1], s[2]]) for s, i in slots]
 
-    @staticmethod
-    def mark_upload(entry, event, stream=None) -> None:
-        if event is not None:
-            entry[2].append(upload_mark(event, stream))
+    mark_upload = staticmethod(mark_upload)
