@@ -99,8 +99,8 @@ class PlanCache:
             return False
         if all(plan.bindings.get(s) == v for s, v in at.items()):
             return True
-        if plan.memory_budget is not None and max(job_memory_at(plan, self.config, {**plan.bindings, **at})) > \
-                plan.memory_budget:
+        bindings = {**plan.bindings, **at}
+        if plan.memory_budget is not None and max(job_memory_at(plan, self.config, bindings)) > plan.memory_budget:
             return False
         return self._host_fits(plan, at)
 

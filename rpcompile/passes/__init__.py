@@ -920,7 +920,7 @@ def _planned_microbatch(batch, num_microbatches: int) -> int:
 # 0.9 of its free memory, measured when the model's first plan is made, and every later plan of
 # the model keeps that figure. Measured again, it would leave out what the model itself holds
 # by then (the optimizer's share, resident weights, the caching allocator's blocks): on one H200,
-# Llama-3.1-8B's train plan at 32 rows of 2048 tokens measured 125.6 GiB and put 60.4 GiB of
+# Llama-3.1-8B's train plan at 32 rows of 2048 tokens measured 125.2 GiB and put 60.4 GiB of
 # the optimizer there; a call at 4096 tokens, which that plan could not serve, measured 5.18 GiB
 # of free memory and stopped with a PlanningError that asked for memory_budget="88.35GiB" and
 # said no length fit at all, though 16 rows of 4096 tokens trained with the first plan. What
