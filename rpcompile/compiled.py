@@ -18,6 +18,7 @@ from .passes.host_memory import HostMemoryError
 from .plan_cache import PlanCache
 from .runner import GraphRunner
 from .runtime import timeline
+from .runtime.modes import releases_call_copies
 from .runtime.trace import write_chrome_trace
 
 _TARGET = LOSS_TARGET
@@ -130,7 +131,9 @@ class CompiledModel(torch.nn.Module):
         first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
                      host_budget="config" if first_train else None, host_only=host_only,
                      host_first=None if first_train else self._plans.host_first,
-                     device_budget=self._plans.device_budget)     # (Note [device budget measured once])
+                     device_budget=self._plans.device_budget,     # (Note [device budget measured once])
+                     # a call's copies, let go at the first train step (Note [calls read the newest copies])
+                     host_released=runner.host_weights.nbytes() if first_train and releases_call_copies(runner) else 0)
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)

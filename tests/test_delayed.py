@@ -3,6 +3,7 @@ steps 0..t-2 (Note [delayed optimizer]); checked against that recurrence written
 import copy
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -201,6 +202,43 @@ def test_a_call_reads_the_newest_copies_and_a_parameter_written_in_place(workers
     assert list(cm.runner.host_weights._copies) == [id(written)]
     cm.train_step(**lm_batch(seed=3))
     check("a call after one more step")
+
+
+def test_a_calls_copies_made_before_training_go_and_the_first_plan_counts_them_free(monkeypatch):
+    """The copies a call made through the runner's HostWeights before the first train step (a
+    GPU's pinned working copies; made here by hand, as CPU devices read the parameters) go when
+    delayed mode's copies are made, after the uploads from them, and the first train plan's
+    default host budget counts their bytes free (Note [calls read the newest copies])."""
+    import importlib
+    host_memory = importlib.import_module("rpcompile.passes.host_memory")
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: (100 << 30, 128 << 30))
+    waited = []
+
+    class Event:          # an upload from a copy, still running until the release waits for it
+        def synchronize(self):
+            waited.append(self)
+
+    def budget(with_copies):
+        model = qwen3(seed=3, layers=1)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                       optimizer_mode="delayed"))
+        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        held = 0
+        if with_copies:
+            hw = cm.runner.host_weights
+            for p in model.parameters():
+                with hw.refreshed(p, torch.bfloat16) as entry:
+                    hw.mark_upload(entry, Event(), "stream")
+            held = hw.nbytes()
+            copy = weakref.ref(next(iter(hw._copies.values()))[1])
+        cm.train_step(**lm_batch(seed=0))
+        if with_copies:
+            assert not cm.runner.host_weights._copies and copy() is None
+            assert len(waited) == len(list(model.parameters()))
+        return cm.plan.host_memory.budget, held
+    plain, _ = budget(False)
+    counted, held = budget(True)
+    assert held > 0 and counted == plain + held
 
 
 def _first_uploads(monkeypatch, layers, **config):

@@ -774,7 +774,7 @@ class PassTexts(Sequence):
 
 def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
                   num_microbatches=None, split_finer=False, host_budget=None, host_only=None, host_first=None,
-                  device_budget=None) -> Plan:
+                  device_budget=None, host_released=0) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
     share on the devices to plan with (None: the plan chooses it; default: the config's).
@@ -786,13 +786,14 @@ def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices=
     host_first: the HostMemory of the model's first train plan, where this is a later plan held
     to that plan's budget (its buffers allocated: only the activations grow); device_budget: each
     device's budget as an earlier plan of the model measured it (Plan.device_budget; Note [device
-    budget measured once])."""
+    budget measured once]); host_released: bytes the process holds now and lets go before the
+    plan's buffers are made, which the default host budget counts free."""
     on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
     given = (host_budget == "config" or host_first is not None) and config.host_memory_budget is not None
     if host_first is not None:
         host_budget = host_first.budget
     elif host_budget == "config":
-        host_budget = config.host_memory_budget if given else default_host_budget(cap.params)
+        host_budget = config.host_memory_budget if given else default_host_budget(cap.params, host_released)
     if device_budget is None or config.memory_budget is not None:
         device_budget = _memory_budget(config)
 

@@ -133,6 +133,17 @@ class HostWeights:
     def nbytes(self) -> int:
         return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None)
 
+    def release(self) -> None:
+        """Let every copy go, once the uploads from it have read it (delayed mode's copies take
+        over: Note [calls read the newest copies] in runtime/modes.py); a later refresh of a
+        parameter makes its copy again."""
+        with self._lock:
+            entries, self._copies = list(self._copies.values()), {}
+        for entry in entries:
+            with entry[3]:
+                wait_for_uploads(entry[2])
+                entry[1] = None
+
 
 class DelayedWeights:
     """Two host copies of every parameter for Config(optimizer_mode="delayed").
