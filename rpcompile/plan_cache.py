@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from .passes.at_sizes import job_memory_at
-from .passes.host_memory import checked_bytes, host_activations
+from .passes.host_memory import host_bytes_at
 from .shapes import InputShapes
 
 
@@ -107,11 +107,9 @@ class PlanCache:
     def _host_fits(self, plan, at: dict) -> bool:
         """Whether the plan's host memory at `at` fits the first train plan's host budget (Note
         [host room] in passes/host_memory.py): its activations grow with the sizes."""
-        hm, first = plan.host_memory, self.host_first
-        if first is None or hm is None:
+        if self.host_first is None or plan.host_memory is None:
             return True
-        grown = host_activations(plan, hm.steps_alive, at) - hm.activations
-        return checked_bytes(hm, self.config.optimizer_mode) + grown <= first.budget
+        return host_bytes_at(plan, self.config.optimizer_mode, at) <= self.host_first.budget
 
 
 def _batch_names(plan) -> set:

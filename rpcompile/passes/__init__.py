@@ -68,7 +68,7 @@ from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import (HostMemoryError, checked_bytes, default_host_budget, device_optimizer_bytes, host_activations,
+from .host_memory import (HostMemoryError, checked_bytes, default_host_budget, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
@@ -659,7 +659,7 @@ def host_memory_pass(st: CompileState) -> CompileState:
     first = st.host_first
     if first is not None:      # a later plan: its activations beside the first plan's buffers (Note [host room])
         if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
-            longest = _longest_host_length(st, hm)
+            longest = _longest_host_length(st)
             raise _host_error(st, hm, f"at this call's sizes its activations and checkpoints take "
                                       f"{_fmt_bytes(hm.activations)}, where the model's first train plan, which set "
                                       f"the host's buffers, took {_fmt_bytes(first.activations)}"
@@ -685,17 +685,16 @@ def host_memory_pass(st: CompileState) -> CompileState:
     return st
 
 
-def _longest_host_length(st: CompileState, hm) -> Optional[int]:
+def _longest_host_length(st: CompileState) -> Optional[int]:
     """The longest sequence length, at the call's rows, at which this plan's host memory fits its
-    budget (its activations at each length: host_activations), by bisection below the call's;
-    None where the length is no size symbol or not even one token fits."""
+    budget (host_bytes_at each length), by bisection below the call's; None where the length is
+    no size symbol or not even one token fits."""
     at = _lengths_at(st)
     if not at:
         return None
-    fixed = checked_bytes(hm, st.config.optimizer_mode) - hm.activations
 
     def fits(n: int) -> bool:
-        return fixed + host_activations(st.plan, hm.steps_alive, dict.fromkeys(at, n)) <= st.host_budget
+        return host_bytes_at(st.plan, st.config.optimizer_mode, dict.fromkeys(at, n)) <= st.host_budget
     lo, hi = 0, next(iter(at.values()))       # (hi does not fit: the call's own length)
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -325,6 +325,13 @@ def host_activations(plan, steps_alive: int, bindings=None) -> int:
     return int(per_micro) * plan.num_microbatches * steps_alive
 
 
+def host_bytes_at(plan, optimizer_mode: str, bindings: dict) -> int:
+    """checked_bytes of the plan's host memory at `bindings` (a later call's sizes): its buffers
+    as planned, its activations as they are there (Note [host room])."""
+    hm = plan.host_memory
+    return checked_bytes(hm, optimizer_mode) - hm.activations + host_activations(plan, hm.steps_alive, bindings)
+
+
 def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, workers: str, on_devices: float,
                    grad_dtype: torch.dtype, num_devices: int) -> HostMemory:
     """What a plan's host memory holds per parameter, whatever its stage cut: everything but
@@ -401,7 +408,7 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 # plan serves other sizes only where its activations there fit (PlanCache._host_fits), a plan
 # made for them is checked as the first (host_memory_pass, `host_first`), and a call that fits
 # neither stops with a HostMemoryError before it runs, saying the longest length at the call's
-# rows whose activations fit as that plan cuts the model (a bisection over host_activations);
+# rows whose activations fit as that plan cuts the model (a bisection over host_bytes_at);
 # no share moves (the first plan fixed it).
 
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory

@@ -187,8 +187,7 @@ class DelayedWeights:
                 slots = [[copy[k], [], threading.Lock()] for copy in views]
                 self._copies[id(p)] = slots * 2 if shared else slots
         self._newest: dict = {}      # id(param) -> the slot its last write went to (0 before any)
-        self._writes: dict = {}      # (id(param), slot) -> writes so far
-        self._checked: dict = {}     # id(param) -> (its _version, slot, writes) when a call found the copy equal
+        self._checked: dict = {}     # id(param) -> its _version when a call found that copy equal (a write forgets it)
 
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
@@ -216,7 +215,7 @@ class DelayedWeights:
                 s[1].clear()
             for p in params:
                 self._newest[id(p)] = slot
-                self._writes[(id(p), slot)] = self._writes.get((id(p), slot), 0) + 1
+                self._checked.pop(id(p), None)
 
     def call_view(self, fallback) -> "_CallView":
         """What a call reads once the optimizer has stepped every submission: each parameter's
@@ -227,16 +226,14 @@ class DelayedWeights:
     def _current(self, param, dtype) -> Optional[list]:
         """The slot entry of param's newest copy where it equals the parameter in `dtype` (checked
         once per write and in-place change: a call reads every parameter), else None."""
-        slot = self._newest.get(id(param), 0)
-        entry = self._copies[id(param)][slot]
+        entry = self._copies[id(param)][self._newest.get(id(param), 0)]
         if entry[0].dtype != dtype:
             return None
-        key = (param._version, slot, self._writes.get((id(param), slot), 0))
-        if self._checked.get(id(param)) != key:
+        if self._checked.get(id(param)) != param._version:
             with entry[2]:
                 if not torch.equal(entry[0], param.detach().to(dtype)):
                     return None
-            self._checked[id(param)] = key
+            self._checked[id(param)] = param._version
         return entry
 
     def nbytes(self) -> int:
@@ -252,16 +249,9 @@ class _CallView:
     def __init__(self, store: DelayedWeights, fallback: HostWeights):
         self.store, self.fallback = store, fallback
 
-    @contextlib.contextmanager
     def refreshed(self, param, dtype, rows=None):
         entry = self.store._current(param, dtype)
-        if entry is None:
-            with self.fallback.refreshed(param, dtype, rows) as got:
-                yield got
-            return
-        tensor, marks, lock = entry
-        with lock:
-            yield [None, tensor if rows is None else tensor[rows[0]:rows[1]], marks, lock]
+        return self.fallback.refreshed(param, dtype, rows) if entry is None else _held_slot(entry, rows)
 
     def copy_of(self, param, dtype) -> torch.Tensor:
         """param's working copy, for worker processes (runtime/processes.py working_copy)."""
@@ -272,6 +262,15 @@ class _CallView:
             return got[1]
 
     mark_upload = staticmethod(mark_upload)
+
+
+@contextlib.contextmanager
+def _held_slot(slot, rows=None):
+    """[None, copy (rows [start, stop) of it where given), upload marks, lock] of a delayed-mode
+    copy slot ([copy, marks, lock]), as HostWeights.refreshed yields, its lock held."""
+    tensor, marks, lock = slot
+    with lock:
+        yield [None, tensor if rows is None else tensor[rows[0]:rows[1]], marks, lock]
 
 
 @contextlib.contextmanager
@@ -297,11 +296,8 @@ class _SlotView:
     def __init__(self, store: DelayedWeights, slot: int):
         self.store, self.slot = store, slot
 
-    @contextlib.contextmanager
     def refreshed(self, param, dtype, rows=None):
-        tensor, marks, lock = self.store._copies[id(param)][self.slot]
-        with lock:
-            yield [None, tensor if rows is None else tensor[rows[0]:rows[1]], marks, lock]
+        return _held_slot(self.store._copies[id(param)][self.slot], rows)
 
     @contextlib.contextmanager
     def held(self, params):
