@@ -71,6 +71,14 @@ class GraphRunner:
         if start is not None:
             start(modules)
 
+    def release_call_copies(self) -> None:
+        """Let the HostWeights copies go (delayed mode's copies take over: Note [calls read the
+        newest copies] in runtime/modes.py), and with worker processes the files they are in."""
+        copies = self.host_weights.release()
+        forget = getattr(self.executor, "forget_copies", None)
+        if forget is not None:
+            forget(copies)
+
     @property
     def overlapped(self):
         """The attached optimizer's thread (runtime.optimizer.OverlappedOptimizer), or None."""

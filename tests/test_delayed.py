@@ -241,6 +241,48 @@ def test_a_calls_copies_made_before_training_go_and_the_first_plan_counts_them_f
     assert held > 0 and counted == plain + held
 
 
+def test_with_worker_processes_a_calls_copies_made_before_training_go_with_their_files(monkeypatch):
+    """With worker processes a call before the first train step makes the runner's HostWeights
+    copies in shared files (which CPU workers read too); they go when delayed mode's copies are
+    made: the files removed, no worker mapping them, the first train plan's default host budget
+    counting them free (Note [calls read the newest copies]); the steps and a later call train
+    on as the eager delayed recurrence does."""
+    import importlib
+    import os
+    host_memory = importlib.import_module("rpcompile.passes.host_memory")
+    monkeypatch.setattr(host_memory, "host_memory_now", lambda: (100 << 30, 128 << 30))
+    model = qwen3(seed=3, layers=1)
+    eager = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                   optimizer_mode="delayed", workers="processes"))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with torch.no_grad():
+        cm(**lm_batch(seed=5))
+    cm.synchronize()
+    hw, memory = cm.runner.host_weights, cm.runner.executor.memory
+    held = hw.nbytes()
+    files = {memory.ref(e[1]).file for e in hw._copies.values()}
+    procs = cm.runner.executor.hub.procs
+
+    def mapped():     # the copies' files some worker maps
+        names = {line.split()[5].rsplit("/", 1)[-1] for p in procs for line in open(f"/proc/{p.pid}/maps")
+                 if len(line.split()) > 5}
+        return files & names
+    assert held > 0 and files and mapped() == files
+    batches = [lm_batch(seed=t) for t in range(3)]
+    losses = [cm.train_step(**b) for b in batches]
+    cm.synchronize()
+    assert not hw._copies
+    assert not files & set(os.listdir(memory.directory)) and not mapped()
+    params = list(model.parameters())
+    assert cm.plan.host_memory.budget == host_memory.default_host_budget(params, held)
+    want, _ = _eager_delayed(eager, batches, lr=1e-3)
+    for t, (got, w) in enumerate(zip(losses, want)):
+        close(got, w, 1e-5, 1e-6, f"step {t}")
+    with torch.no_grad():
+        close(cm(**lm_batch(seed=5)).loss, model(**lm_batch(seed=5)).loss, 1e-5, 1e-6, "a call after the steps")
+
+
 def _first_uploads(monkeypatch, layers, **config):
     """Three delayed AdamW steps of an untied qwen3 on two CPU devices, the uploads of a next
     step's first job stood in for (CPU devices upload nothing: a thread waits as the uploader

@@ -247,7 +247,7 @@ class DelayedMode(OverlappedMode):
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
             if releases_call_copies(runner):    # (the first train plan's host budget counted them free)
-                runner.host_weights.release()
+                runner.release_call_copies()
             t0 = time.perf_counter()
             order = host_order(plan)
             self.optimizer.flatten(order, runner.optimizer_share)
@@ -289,9 +289,10 @@ class DelayedMode(OverlappedMode):
         adds nothing: benchmarks/runs/call_copies). A parameter whose copy does not equal it
         (written in place since) is read through HostWeights as before; the check (a compare of
         each copy with its parameter) runs once per optimizer write or in-place change. The
-        copies a call made before the first train step go when delayed mode's are made (worker
-        threads: releases_call_copies), and the first train plan's host budget counts them free:
-        measured with them taken, Llama-3.1-8B's on that host would be 88 GiB, where nothing fits."""
+        copies a call made before the first train step go when delayed mode's are made (with
+        worker processes, their shared files too), and the first train plan's host budget
+        counts them free: measured with them taken, Llama-3.1-8B's on that host would be 88 GiB,
+        where nothing fits."""
         if self.copies is None or not self.copies.covers(plan.captured.params):
             return None
         self.optimizer.synchronize()
@@ -402,10 +403,8 @@ class DelayedMode(OverlappedMode):
 def releases_call_copies(runner) -> bool:
     """Whether delayed mode lets the runner's HostWeights copies go when its own copies are made
     (Note [calls read the newest copies]): the copies a call made before the first train step
-    (2 B a parameter, pinned) would stay beside them for nothing. Not with worker processes,
-    whose shared copies the workers have mapped."""
-    return (runner.config.optimizer_mode == "delayed" and runner.overlapped is not None
-            and isinstance(runner.host_placement, bool))
+    (2 B a parameter, pinned or in shared files) would stay beside them for nothing."""
+    return runner.config.optimizer_mode == "delayed" and runner.overlapped is not None
 
 
 def _first_devices(runner, plan) -> list:

@@ -291,6 +291,19 @@ class ProcessExecutor:
             self._to_all(("table", key, list(refs)))
         return key
 
+    def forget_copies(self, copies) -> None:
+        """Remove the shared files of working copies let go (GraphRunner.release_call_copies),
+        once no run reads them: every process forgets them and the workers drop the weight
+        tables that view them, so that no mapping keeps their memory (Note [shared host memory])."""
+        names = {r.file for r in map(self.memory.ref, copies) if r is not None}
+        if not names:
+            return
+        stale = [refs for refs in self._tables if any(r.file in names for r in refs)]
+        keys = [self._tables.pop(refs) for refs in stale]
+        if self.hub is not None and self.broken is None:
+            self._to_all(("forget", sorted(names), keys))
+        self.memory.forget(sorted(names))
+
     def send_prefetch(self, worker: int, params: list, dtype, host_weights, before=None):
         """Have a worker upload the working copies of params [(index, parameter)] from the view
         host_weights now (the next step's first job's weights), once before() returned (it may

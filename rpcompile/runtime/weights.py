@@ -133,16 +133,21 @@ class HostWeights:
     def nbytes(self) -> int:
         return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None)
 
-    def release(self) -> None:
+    def release(self) -> list:
         """Let every copy go, once the uploads from it have read it (delayed mode's copies take
         over: Note [calls read the newest copies] in runtime/modes.py); a later refresh of a
-        parameter makes its copy again."""
+        parameter makes its copy again. Returns the copies let go (worker processes map their
+        shared files: GraphRunner.release_call_copies has them forgotten there)."""
         with self._lock:
             entries, self._copies = list(self._copies.values()), {}
+        copies = []
         for entry in entries:
             with entry[3]:
                 wait_for_uploads(entry[2])
+                if entry[1] is not None:
+                    copies.append(entry[1])
                 entry[1] = None
+        return copies
 
 
 class DelayedWeights:

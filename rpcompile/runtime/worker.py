@@ -477,7 +477,9 @@ class Worker:
                 self.steps.pop(msg[1], None)
                 self.early.pop(msg[1], None)
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
-        elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots])
+        elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots]), copies let go
+            for key in msg[2] if len(msg) > 2 else ():
+                self.tables.pop(key, None)
             self.memory.forget(msg[1])
         elif kind in ("done", "fail", "replica"):
             with self.step_lock:
