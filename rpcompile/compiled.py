@@ -127,13 +127,12 @@ class CompiledModel(torch.nn.Module):
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
         first_train = mode == "train" and runner.num_microbatches is None
         # the first train plan allocates the host buffers, later ones share them, held to its
-        # budget: only their activations grow (Note [host room])
+        # budget: only their activations grow (Note [host room]); a call's copies go at the first
+        # train step (Note [calls read the newest copies])
+        released = runner.host_weights.nbytes() if first_train and releases_call_copies(runner) else 0
+        budgets = self._plans.budgets
         first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
-                     host_budget="config" if first_train else None, host_only=host_only,
-                     host_first=None if first_train else self._plans.host_first,
-                     device_budget=self._plans.device_budget,     # (Note [device budget measured once])
-                     # a call's copies, let go at the first train step (Note [calls read the newest copies])
-                     host_released=runner.host_weights.nbytes() if first_train and releases_call_copies(runner) else 0)
+                     budgets=budgets.for_plan(cap.params, first_train, host_only, released))
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)
@@ -148,11 +147,9 @@ class CompiledModel(torch.nn.Module):
             if opt is not None:
                 self.synchronize()
                 opt.bring_home()
-        if self._plans.device_budget is None:
-            self._plans.device_budget = plan.device_budget
+        budgets.keep(plan, first_train)
         if first_train:
             runner.num_microbatches, runner.host_share = plan.num_microbatches, plan.host_share
-            self._plans.host_first = plan.host_memory if plan.host_memory.budget is not None else None
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:
                 self._plans.reserve(plan.optimizer_share)

@@ -180,7 +180,7 @@ class Plan:
     finer: list = field(default_factory=list)            # (microbatches, est. step s, recomputes) weighed by the first train plan (Note [finer microbatches])
     batch: Any = None                                    # passes.batch.BatchInfo: what is split, by which symbols
     host_memory: Any = None                              # passes.host_memory.HostMemory
-    device_budget: Optional[int] = None                  # each device's budget, the optimizer's share in it (Note [device budget measured once])
+    device_budget: Optional[int] = None                  # each device's budget, the optimizer's share in it (Note [device budget measured once] in passes/budgets.py)
     passes: list = field(default_factory=list)           # (pass name, printer, text): the state after each pass (passes.PassTexts)
     served: list = field(default_factory=list)           # {symbol: size} of the non-batch sizes calls ran it at
     compile_seconds: dict = field(default_factory=dict)  # seconds: "dynamo_capture" (a capture's first plan) and each pass

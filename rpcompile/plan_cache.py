@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from .passes.at_sizes import job_memory_at
+from .passes.budgets import ModelBudgets
 from .passes.host_memory import host_bytes_at
 from .shapes import InputShapes
 
@@ -38,10 +39,7 @@ class PlanCache:
         self.config = config
         self._groups: dict = {}      # key -> [_Capture]
         self.least_share = 0.0       # a plan made beside a smaller share of the optimizer no longer serves
-        # the first train plan's HostMemory (CompiledModel._compile): later plans are held to its budget
-        self.host_first = None
-        # each device's budget as the first plan measured it (Note [device budget measured once] in passes/__init__.py)
-        self.device_budget = None
+        self.budgets = ModelBudgets(config)   # what the model's plans are held to (passes/budgets.py)
 
     def reserve(self, share: float) -> None:
         """From now on the plans reserve `share` of the optimizer on the devices: those made beside
@@ -107,9 +105,10 @@ class PlanCache:
     def _host_fits(self, plan, at: dict) -> bool:
         """Whether the plan's host memory at `at` fits the first train plan's host budget (Note
         [host room] in passes/host_memory.py): its activations grow with the sizes."""
-        if self.host_first is None or plan.host_memory is None:
+        first = self.budgets.host_first
+        if first is None or plan.host_memory is None:
             return True
-        return host_bytes_at(plan, self.config.optimizer_mode, at) <= self.host_first.budget
+        return host_bytes_at(plan, self.config.optimizer_mode, at) <= first.budget
 
 
 def _batch_names(plan) -> set:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.passes.budgets import Budgets
 from models import lm_batch
 from test_optimizer_on_devices import DEVICES, _qwen
 
@@ -216,12 +217,12 @@ def test_planning_again_holds_back_more_until_the_plan_fits(monkeypatch):
         return "plan"
     monkeypatch.setattr(passes, "_run_passes", run)
     config = rpcompile.Config(devices=DEVICES)
-    assert passes.compile_graph(None, config, "train", host_budget=100) == "plan"
+    assert passes.compile_graph(None, config, "train", budgets=Budgets(host=100)) == "plan"
     assert held == [0, 8, 10, 12]
     held.clear()
     cuts[:] = [8 + k for k in range(passes.HOST_TRIES)]
     with pytest.raises(host_memory.HostMemoryError):
-        passes.compile_graph(None, config, "train", host_budget=100)
+        passes.compile_graph(None, config, "train", budgets=Budgets(host=100))
     assert len(held) == passes.HOST_TRIES
 
 

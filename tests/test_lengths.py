@@ -129,7 +129,7 @@ def test_a_later_plan_keeps_the_device_budget_the_first_plan_measured(monkeypatc
     is made (Note [device budget measured once]); a later plan at a length the first cannot serve
     keeps that figure, not the free memory left beside what the model holds by then (here a fiftieth
     of it, too little for any plan: a GPU's after its first steps)."""
-    from rpcompile import passes
+    from rpcompile.passes import budgets as passes_budgets
     model = qwen3(layers=2)
     short, long = lm_batch(batch=4, seq=16), lm_batch(batch=4, seq=48, seed=2)
     probe = rpcompile.compile(copy.deepcopy(model), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
@@ -142,7 +142,7 @@ def test_a_later_plan_keeps_the_device_budget_the_first_plan_measured(monkeypatc
     def free_memory(config):      # what a device has free: less once the model holds its part
         measured.append(budget if not measured else budget // 50)
         return measured[-1]
-    monkeypatch.setattr(passes, "_memory_budget", free_memory)
+    monkeypatch.setattr(passes_budgets, "free_memory_budget", free_memory)
     cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
     cm = train_both(model, [short, long, short], cfg, steps=3, check_every_step=True, min_stages=0)
     first, second = cm._plans.plans()

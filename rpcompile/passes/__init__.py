@@ -63,12 +63,13 @@ import torch.fx as fx
 from ..errors import CaptureError
 from ..plan import Plan, _fmt_bytes
 from .batch import attach_row_checks, check_splittable, find_batch
+from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
-from .host_memory import (HostMemoryError, checked_bytes, default_host_budget, device_optimizer_bytes, host_bytes_at,
+from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
@@ -120,18 +121,10 @@ class CompileState:
     plan: Optional[Plan] = None
     on_devices_arg: Optional[float] = None   # on_devices as compile_graph was given it (split_finer solves again)
     finer: list = field(default_factory=list)   # (microbatches, estimated pace, recomputes) of each count weighed
-    host_budget: Optional[int] = None  # bytes the plan's host memory may take (Note [host room]); None: unchecked
-    host_budget_given: bool = False    # it is Config.host_memory_budget (not the host's available memory)
+    budgets: Budgets = field(default_factory=Budgets)   # each device's and the host's (passes/budgets.py)
     host_cut: int = 0                  # host bytes an earlier try's cut took (activations, carried rows)
     chooses_share: bool = False        # solve_stages chose the optimizer's share (on_devices was None)
     host_share: float = 0.0            # the least share of the optimizer on the devices the host budget needs
-    # the attached optimizer's name where it steps on the host only (not elementwise: its share is 0)
-    host_only: Optional[str] = None
-    # the host memory of the model's first train plan, where this is a later plan held to its budget
-    host_first: Any = None
-    # each device's budget: Config.memory_budget, or as the model's first plan measured it (Note
-    # [device budget measured once]); None: unlimited (CPU devices)
-    device_budget: Optional[int] = None
 
     def __post_init__(self):
         if self.num_microbatches is None:
@@ -189,7 +182,7 @@ def causal_attention_pass(st: CompileState) -> CompileState:
 def split_lm_head_pass(st: CompileState) -> CompileState:
     if st.mode == "train" and st.config.lm_head_shards != 0:
         from .lm_head import split_lm_head
-        jobs = jobs_budget(st.captured.params, st.on_devices, st.device_budget, len(st.config.devices))[2]
+        jobs = jobs_budget(st.captured.params, st.on_devices, st.budgets.device, len(st.config.devices))[2]
         st.gm = split_lm_head(st.gm, num_shards=st.config.lm_head_shards,
                               max_logit_bytes=max_logit_bytes(st.config, jobs), at=_lengths_at(st))
         st.lm_head = st.gm.meta.get("rp_lm_head")
@@ -214,10 +207,10 @@ def _lengths_at(st: CompileState) -> Optional[dict]:
 
 
 def jobs_budget(params, share, budget: Optional[int], num_devices: int) -> tuple:
-    """(each device's budget, `budget` (CompileState.device_budget: Note [device budget measured
-    once]), or None, the bytes of it each device keeps for the optimizer's share on the devices
-    (Note [optimizer state on the devices] in runtime/flat.py; None: not chosen yet, nothing),
-    what is left for the stage jobs or None)."""
+    """(each device's budget, `budget` (CompileState.budgets.device: Note [device budget
+    measured once] in passes/budgets.py), or None, the bytes of it each device keeps for the
+    optimizer's share on the devices (Note [optimizer state on the devices] in runtime/flat.py;
+    None: not chosen yet, nothing), what is left for the stage jobs or None)."""
     if budget is None:
         return None, 0, None
     reserved = device_optimizer_bytes(params, share, num_devices) if share else 0
@@ -273,7 +266,7 @@ def _stages_compiled(config) -> bool:
 def solve_stages_pass(st: CompileState) -> CompileState:
     config = st.config
     # what the optimizer keeps on each device is not the jobs' (Note [optimizer state on the devices])
-    budget_set, st.reserved, st.budget = jobs_budget(st.captured.params, st.on_devices, st.device_budget,
+    budget_set, st.reserved, st.budget = jobs_budget(st.captured.params, st.on_devices, st.budgets.device,
                                                      len(config.devices))
     st.mutated_buffers = _mutated_buffers(st.gm)
     st.steps_overlap = _steps_overlap(st)
@@ -459,18 +452,17 @@ def _host_at(st: CompileState, share: float, cut: Optional[int] = None):
 
 def _host_error(st: CompileState, hm, why: str):
     """host_memory_error for this plan's budget."""
-    return host_memory_error(hm, st.host_budget, st.config.optimizer_mode, why, st.host_budget_given,
-                             st.host_only, st.host_first)
+    return host_memory_error(hm, st.budgets, st.config.optimizer_mode, why)
 
 
 def _least_host_share(st: CompileState, chooses: bool) -> float:
     """The least share of the optimizer on the devices whose host memory fits the plan's host
     budget (Note [host room] in passes/host_memory.py): 0 without a budget or where nothing need
     move; raises the host's PlanningError where no share the plan may take fits."""
-    if st.host_budget is None:
+    if st.budgets.host is None:
         return 0.0
     mode = st.config.optimizer_mode
-    least = least_host_share(lambda share: _host_at(st, share), mode, st.host_budget)
+    least = least_host_share(lambda share: _host_at(st, share), mode, st.budgets.host)
     fixed = st.on_devices or 0.0
     if least is not None and (chooses or least <= fixed):
         return least
@@ -485,7 +477,7 @@ def _least_host_share(st: CompileState, chooses: bool) -> float:
 
 
 def _needs_share(st: CompileState, least: float) -> str:
-    fixed = (f"{st.host_only} steps on the host only" if st.host_only else
+    fixed = (f"{st.budgets.host_only} steps on the host only" if st.budgets.host_only else
              f"Config.optimizer_on_devices={st.config.optimizer_on_devices!r}")
     return f"it would need a share of at least {least:g} of the optimizer on the devices ({fixed})"
 
@@ -644,7 +636,7 @@ def describe_io(st: CompileState) -> CompileState:
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
     plan.replicas, plan.finer, plan.host_share = st.replicas, list(st.finer), st.host_share
-    plan.device_budget = st.device_budget
+    plan.device_budget = st.budgets.device
     plan.upload_wait_s = plan_upload_wait(st)
     st.plan = plan
     return st
@@ -653,12 +645,12 @@ def describe_io(st: CompileState) -> CompileState:
 def host_memory_pass(st: CompileState) -> CompileState:
     config = st.config
     hm = st.plan.host_memory = host_memory(st.plan, config.compute_dtype, config.on_gpu, config.optimizer_mode,
-                                           config.workers, st.plan.optimizer_share, st.host_budget)
-    if st.host_budget is None:
+                                           config.workers, st.plan.optimizer_share, st.budgets.host)
+    if st.budgets.host is None:
         return st
-    first = st.host_first
+    first = st.budgets.host_first
     if first is not None:      # a later plan: its activations beside the first plan's buffers (Note [host room])
-        if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
+        if checked_bytes(hm, config.optimizer_mode) > st.budgets.host:
             longest = _longest_host_length(st)
             raise _host_error(st, hm, f"at this call's sizes its activations and checkpoints take "
                                       f"{_fmt_bytes(hm.activations)}, where the model's first train plan, which set "
@@ -667,19 +659,19 @@ def host_memory_pass(st: CompileState) -> CompileState:
                                          "this plan cuts the model)" if longest else ""))
         return st
     # (solve_stages fitted all but what the cut decides: the activations, the carried rows)
-    if checked_bytes(hm, config.optimizer_mode) > st.host_budget:
+    if checked_bytes(hm, config.optimizer_mode) > st.budgets.host:
         why, cut = "with its activations and checkpoints", hm.activations + hm.carried_rows
         if not st.chooses_share and config.optimizer_mode != "exact":
-            least = least_host_share(lambda share: _host_at(st, share, cut), config.optimizer_mode, st.host_budget)
+            least = least_host_share(lambda share: _host_at(st, share, cut), config.optimizer_mode, st.budgets.host)
             if least is not None and least > st.plan.optimizer_share:
                 why += "; " + _needs_share(st, least)
         e = _host_error(st, hm, why)
         if st.chooses_share and st.plan.optimizer_share < 1:
             e.cut = cut    # (compile_graph plans again, holding these back)
         raise e
-    if hm.total > st.host_budget:     # exact mode: what the user's optimizer's state would take (Note [host room])
+    if hm.total > st.budgets.host:     # exact mode: what the user's optimizer's state would take (Note [host room])
         warnings.warn(f"rpcompile: the plan's host memory is {_fmt_bytes(hm.total)} with AdamW's state (which your "
-                      f"optimizer allocates), more than the host budget of {_fmt_bytes(st.host_budget)}: an optimizer "
+                      f"optimizer allocates), more than the host budget of {_fmt_bytes(st.budgets.host)}: an optimizer "
                       "with less state, or optimizer_mode='delayed' or 'overlapped' with cm.attach_optimizer(opt) "
                       "(its state may then go to the GPUs), fits", stacklevel=2)
     return st
@@ -694,7 +686,7 @@ def _longest_host_length(st: CompileState) -> Optional[int]:
         return None
 
     def fits(n: int) -> bool:
-        return host_bytes_at(st.plan, st.config.optimizer_mode, dict.fromkeys(at, n)) <= st.host_budget
+        return host_bytes_at(st.plan, st.config.optimizer_mode, dict.fromkeys(at, n)) <= st.budgets.host
     lo, hi = 0, next(iter(at.values()))       # (hi does not fit: the call's own length)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -772,36 +764,22 @@ class PassTexts(Sequence):
 
 
 def compile_graph(cap, config, mode: str, loss_output=None, at=None, on_devices="config",
-                  num_microbatches=None, split_finer=False, host_budget=None, host_only=None, host_first=None,
-                  device_budget=None, host_released=0) -> Plan:
+                  num_microbatches=None, split_finer=False, budgets: Budgets = Budgets()) -> Plan:
     """Run PASSES over a Captured graph and return the Plan; plan.passes keeps what each printed.
     at: {symbol name: size} to plan at instead of the capture's sizes. on_devices: the optimizer's
     share on the devices to plan with (None: the plan chooses it; default: the config's).
     num_microbatches: what the batch is split into (None: the config's; a count an earlier plan
-    chose); split_finer: the plan may split finer (Note [finer microbatches]). host_budget: bytes
-    the plan's host memory may take (Note [host room] in passes/host_memory.py; None: unchecked,
-    "config": Config.host_memory_budget or the host's available memory); host_only: the attached
-    optimizer's name where it steps on the host only (on_devices is then 0), for the host's errors;
-    host_first: the HostMemory of the model's first train plan, where this is a later plan held
-    to that plan's budget (its buffers allocated: only the activations grow); device_budget: each
-    device's budget as an earlier plan of the model measured it (Plan.device_budget; Note [device
-    budget measured once]); host_released: bytes the process holds now and lets go before the
-    plan's buffers are made, which the default host budget counts free."""
+    chose); split_finer: the plan may split finer (Note [finer microbatches]). budgets: each
+    device's and the host's (passes/budgets.py: a model's plans get them from its ModelBudgets;
+    the default measures the devices' now and leaves the host unchecked)."""
     on_devices = config.optimizer_on_devices if on_devices == "config" else on_devices
-    given = (host_budget == "config" or host_first is not None) and config.host_memory_budget is not None
-    if host_first is not None:
-        host_budget = host_first.budget
-    elif host_budget == "config":
-        host_budget = config.host_memory_budget if given else default_host_budget(cap.params, host_released)
-    if device_budget is None or config.memory_budget is not None:
-        device_budget = _memory_budget(config)
+    budgets = dataclasses.replace(budgets, device=device_budget(config, budgets))
 
     def state(host_cut: int = 0) -> CompileState:      # (the passes fill one in)
         return CompileState(captured=cap, config=config, mode=mode, loss_output=loss_output, at=at,
                             loss_output_arg=loss_output, on_devices=on_devices, on_devices_arg=on_devices,
-                            num_microbatches=num_microbatches, split_finer=split_finer, host_budget=host_budget,
-                            host_budget_given=given, host_cut=host_cut, host_only=host_only, host_first=host_first,
-                            device_budget=device_budget)
+                            num_microbatches=num_microbatches, split_finer=split_finer, budgets=budgets,
+                            host_cut=host_cut)
     held = 0
     for attempt in range(HOST_TRIES):
         try:
@@ -914,24 +892,6 @@ def _planned_microbatch(batch, num_microbatches: int) -> int:
     if not batch.size or not batch.leaves:
         return batch.size or 1
     return max(1, math.ceil(batch.size / num_microbatches))
-
-
-# Note [device budget measured once]: by default (Config.memory_budget=None) a device's budget is
-# 0.9 of its free memory, measured when the model's first plan is made, and every later plan of
-# the model keeps that figure. Measured again, it would leave out what the model itself holds
-# by then (the optimizer's share, resident weights, the caching allocator's blocks): on one H200,
-# Llama-3.1-8B's train plan at 32 rows of 2048 tokens measured 125.2 GiB and put 60.4 GiB of
-# the optimizer there; a call at 4096 tokens, which that plan could not serve, measured 5.18 GiB
-# of free memory and stopped with a PlanningError that asked for memory_budget="88.35GiB" and
-# said no length fit at all, though 16 rows of 4096 tokens trained with the first plan. What
-# other code allocates on the devices after the first plan is not seen: Config.memory_budget then.
-def _memory_budget(config):
-    if config.memory_budget is not None:
-        return config.memory_budget
-    if config.on_gpu:
-        free = min(torch.cuda.mem_get_info(d)[0] for d in config.devices)
-        return int(free * 0.9)
-    return None
 
 
 def _describe_io(plan: Plan) -> None:

@@ -406,10 +406,10 @@ def host_memory(plan, compute_dtype, on_gpu: bool, optimizer_mode: str, workers:
 # GiB of them there; the same rows at 4096 tokens 16.0 GiB (115.4 GiB in all), at 8192 88.0 GiB:
 # the system would have killed the process at the first longer batch, hours into a run. So a
 # plan serves other sizes only where its activations there fit (PlanCache._host_fits), a plan
-# made for them is checked as the first (host_memory_pass, `host_first`), and a call that fits
-# neither stops with a HostMemoryError before it runs, saying the longest length at the call's
-# rows whose activations fit as that plan cuts the model (a bisection over host_bytes_at);
-# no share moves (the first plan fixed it).
+# made for them is checked as the first (host_memory_pass, with Budgets.host_first: passes/
+# budgets.py), and a call that fits neither stops with a HostMemoryError before it runs, saying
+# the longest length at the call's rows whose activations fit as that plan cuts the model (a
+# bisection over host_bytes_at); no share moves (the first plan fixed it).
 
 # what the default host budget leaves of the host: HOST_MARGIN, and HOST_SHARE of its memory
 HOST_MARGIN = 8 << 30
@@ -491,12 +491,12 @@ class HostMemoryError(PlanningError):
         self.cut = None     # (passes/__init__.py: bytes the cut took, where planning again may fit)
 
 
-def host_memory_error(hm: HostMemory, budget: int, optimizer_mode: str, why: str, given: bool,
-                      host_only=None, first=None) -> HostMemoryError:
-    """The error of a plan whose host memory does not fit the budget (Note [host room]); host_only:
-    the attached optimizer's name where it steps on the host only; first: the HostMemory of the
-    model's first train plan, where this is a later one (its sizes grew the activations)."""
+def host_memory_error(hm: HostMemory, budgets, optimizer_mode: str, why: str) -> HostMemoryError:
+    """The error of a plan whose host memory does not fit its budget (Note [host room]; budgets:
+    the plan's passes/budgets.Budgets, a later plan's with the first train plan's HostMemory,
+    whose sizes grew the activations)."""
     from ..plan import _fmt_bytes
+    budget, given, host_only, first = budgets.host, budgets.host_given, budgets.host_only, budgets.host_first
     now = "at the model's first train step" if first is not None else "now"
     origin = ("Config.host_memory_budget" if given else
               f"what the host had available {now} with the parameters, less {_fmt_bytes(HOST_MARGIN)} and "
