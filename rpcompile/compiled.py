@@ -18,7 +18,6 @@ from .passes.host_memory import HostMemoryError
 from .plan_cache import PlanCache
 from .runner import GraphRunner
 from .runtime import timeline
-from .runtime.modes import releases_call_copies
 from .runtime.trace import write_chrome_trace
 
 _TARGET = LOSS_TARGET
@@ -127,12 +126,12 @@ class CompiledModel(torch.nn.Module):
         # the first train plan may split finer; the plans after it split as it does (Note [finer microbatches])
         first_train = mode == "train" and runner.num_microbatches is None
         # the first train plan allocates the host buffers, later ones share them, held to its
-        # budget: only their activations grow (Note [host room]); a call's copies go at the first
-        # train step (Note [calls read the newest copies])
-        released = runner.host_weights.nbytes() if first_train and releases_call_copies(runner) else 0
+        # budget: only their activations grow (Note [host room]); the working copies a call made
+        # before it are the plan's, or go at its first step (Note [calls read the newest copies])
+        copies = runner.host_weights.nbytes() if first_train else 0
         budgets = self._plans.budgets
         first = dict(num_microbatches=runner.num_microbatches, split_finer=first_train,
-                     budgets=budgets.for_plan(cap.params, first_train, host_only, released))
+                     budgets=budgets.for_plan(cap.params, first_train, host_only, copies))
         try:
             plan = compile_graph(cap, self.config, mode, loss_output=loss_output, at=at,
                                  on_devices=None if again else runner.optimizer_share, **first)

@@ -204,11 +204,13 @@ def test_a_call_reads_the_newest_copies_and_a_parameter_written_in_place(workers
     check("a call after one more step")
 
 
-def test_a_calls_copies_made_before_training_go_and_the_first_plan_counts_them_free(monkeypatch):
+@pytest.mark.parametrize("mode", ["delayed", "overlapped", "exact"])
+def test_a_calls_copies_made_before_training_count_free_in_the_first_plan_and_go_in_delayed_mode(monkeypatch, mode):
     """The copies a call made through the runner's HostWeights before the first train step (a
-    GPU's pinned working copies; made here by hand, as CPU devices read the parameters) go when
-    delayed mode's copies are made, after the uploads from them, and the first train plan's
-    default host budget counts their bytes free (Note [calls read the newest copies])."""
+    GPU's pinned working copies; made here by hand, as CPU devices read the parameters): the
+    first train plan's default host budget counts their bytes free, as its own figure stands for
+    them (Note [calls read the newest copies]); delayed mode lets them go when its own copies are
+    made, after the uploads from them; the other modes train with them."""
     import importlib
     host_memory = importlib.import_module("rpcompile.passes.host_memory")
     monkeypatch.setattr(host_memory, "host_memory_now", lambda: (100 << 30, 128 << 30))
@@ -221,8 +223,9 @@ def test_a_calls_copies_made_before_training_go_and_the_first_plan_counts_them_f
     def budget(with_copies):
         model = qwen3(seed=3, layers=1)
         cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                       optimizer_mode="delayed"))
-        cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+                                                       optimizer_mode=mode))
+        if mode != "exact":
+            cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         held = 0
         if with_copies:
             hw = cm.runner.host_weights
@@ -232,9 +235,11 @@ def test_a_calls_copies_made_before_training_go_and_the_first_plan_counts_them_f
             held = hw.nbytes()
             copy = weakref.ref(next(iter(hw._copies.values()))[1])
         cm.train_step(**lm_batch(seed=0))
-        if with_copies:
+        if with_copies and mode == "delayed":
             assert not cm.runner.host_weights._copies and copy() is None
             assert len(waited) == len(list(model.parameters()))
+        elif with_copies:
+            assert cm.runner.host_weights.nbytes() == held and copy() is not None and not waited
         return cm.plan.host_memory.budget, held
     plain, _ = budget(False)
     counted, held = budget(True)

@@ -26,12 +26,12 @@ class Budgets:
     host_only: Optional[str] = None
 
     @classmethod
-    def of_host(cls, config, params, released: int = 0, **fields) -> "Budgets":
+    def of_host(cls, config, params, copies: int = 0, **fields) -> "Budgets":
         """A first train plan's: Config.host_memory_budget, or what the host has available now
-        (default_host_budget), `released` bytes the process lets go before the plan's buffers
-        are made counted free."""
+        (default_host_budget), with `copies` bytes of working copies the process holds, which
+        the plan counts, counted free."""
         given = config.host_memory_budget is not None
-        host = config.host_memory_budget if given else default_host_budget(params, released)
+        host = config.host_memory_budget if given else default_host_budget(params, copies)
         return cls(host=host, host_given=given, **fields)
 
 
@@ -44,12 +44,12 @@ class ModelBudgets:
         self.device: Optional[int] = None
         self.host_first = None       # the first train plan's HostMemory (None: none yet, or no host budget)
 
-    def for_plan(self, params, first_train: bool, host_only: Optional[str] = None, released: int = 0) -> Budgets:
-        """A new plan's budgets: the first train plan's host budget is measured (with `released`
-        bytes, a call's copies let go at its first step, counted free: Note [calls read the
+    def for_plan(self, params, first_train: bool, host_only: Optional[str] = None, copies: int = 0) -> Budgets:
+        """A new plan's budgets: the first train plan's host budget is measured (with `copies`
+        bytes, the working copies a call made before it, counted free: Note [calls read the
         newest copies] in runtime/modes.py); a later plan's is the first train plan's."""
         if first_train:
-            return Budgets.of_host(self.config, params, released, device=self.device, host_only=host_only)
+            return Budgets.of_host(self.config, params, copies, device=self.device, host_only=host_only)
         first = self.host_first
         return Budgets(device=self.device, host=None if first is None else first.budget,
                        host_given=first is not None and self.config.host_memory_budget is not None,

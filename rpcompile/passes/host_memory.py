@@ -456,15 +456,16 @@ def held_host_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values() if p.device.type == "cpu")
 
 
-def default_host_budget(params, released: int = 0) -> Optional[int]:
-    """Config.host_memory_budget's default (Note [host room]), with `released` bytes the process
-    holds now and lets go before the plan's buffers are made; None where the host's memory
-    cannot be read."""
+def default_host_budget(params, copies: int = 0) -> Optional[int]:
+    """Config.host_memory_budget's default (Note [host room]); `copies`: bytes of working copies
+    the process holds now (a call's, before the first train step), which the plan's own figure
+    stands for (Note [calls read the newest copies] in runtime/modes.py). None where the host's
+    memory cannot be read."""
     now = host_memory_now()
     if now is None:
         return None
     free, total = now
-    free += released
+    free += copies
     return free + held_host_bytes(params) - min(HOST_MARGIN + int(HOST_SHARE * total), free // 4)
 
 

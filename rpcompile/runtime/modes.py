@@ -246,8 +246,7 @@ class DelayedMode(OverlappedMode):
         params = plan.captured.params
         if self.copies is None or not self.copies.covers(params):
             self.optimizer.synchronize()
-            if releases_call_copies(runner):    # (the first train plan's host budget counted them free)
-                runner.release_call_copies()
+            runner.release_call_copies()    # (the first train plan's host budget counted them free)
             t0 = time.perf_counter()
             order = host_order(plan)
             self.optimizer.flatten(order, runner.optimizer_share)
@@ -290,9 +289,10 @@ class DelayedMode(OverlappedMode):
         (written in place since) is read through HostWeights as before; the check (a compare of
         each copy with its parameter) runs once per optimizer write or in-place change. The
         copies a call made before the first train step go when delayed mode's are made (with
-        worker processes, their shared files too), and the first train plan's host budget
-        counts them free: measured with them taken, Llama-3.1-8B's on that host would be 88 GiB,
-        where nothing fits."""
+        worker processes, their shared files too: they would stay beside them for nothing), and
+        the first train plan's host budget counts them free, in every mode (exact and overlapped
+        modes train with them: the plan's working copies): measured with them taken,
+        Llama-3.1-8B's on that host was 84.7 GiB, where nothing fits (benchmarks/runs/call_before)."""
         if self.copies is None or not self.copies.covers(plan.captured.params):
             return None
         self.optimizer.synchronize()
@@ -398,13 +398,6 @@ class DelayedMode(OverlappedMode):
             dev.prefetch(key, params, runner.working_dtype(plan), self.copies.view(t % 2),
                          before=lambda: opt.wait_completed(done, raise_errors=False))
         self.next_upload = (plan, devs, key)
-
-
-def releases_call_copies(runner) -> bool:
-    """Whether delayed mode lets the runner's HostWeights copies go when its own copies are made
-    (Note [calls read the newest copies]): the copies a call made before the first train step
-    (2 B a parameter, pinned or in shared files) would stay beside them for nothing."""
-    return runner.config.optimizer_mode == "delayed" and runner.overlapped is not None
 
 
 def _first_devices(runner, plan) -> list:
