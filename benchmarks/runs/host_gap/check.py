@@ -53,28 +53,33 @@ def snapshot(cm) -> dict:
     return out
 
 
-name = sys.argv[2] if len(sys.argv) > 2 else "qwen3-1.7b"
-spec = get_model(name)
-model = build_model(spec, device="cpu", init_device="cuda:0", max_positions=2048)
-res = {"model": spec.name, "start": {"mappings_gib": mappings()}, "steps": []}
-cm = rpcompile.compile(model, rpcompile.Config(devices=["cuda:0"], num_microbatches=4, dtype=torch.bfloat16,
-                                               optimizer_mode="delayed"))
-cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
-if sys.argv[3:] == ["call"]:
-    ids = batch_ids(spec.vocab, 8, 2048, step=99)
-    with torch.no_grad():
-        res["call_loss"] = float(cm(input_ids=ids, labels=ids).loss)
-    cm.synchronize()
-    res["after_call"] = snapshot(cm)
-    print(json.dumps(res["after_call"]), flush=True)
-for step in range(3):
-    ids = batch_ids(spec.vocab, 32, 2048, step=step)
-    t = time.perf_counter()
-    loss = float(cm.train_step(input_ids=ids, labels=ids))
-    cm.synchronize()
-    res["steps"].append({"seconds": time.perf_counter() - t, "loss": loss, **snapshot(cm)})
-    print(json.dumps(res["steps"][-1]), flush=True)
-    if step == 0:
-        res["plan_host"] = cm.plan.host_memory.summary()
-        res["plan_host_gib"] = cm.plan.host_memory.total / 2**30
-    json.dump(res, open(sys.argv[1], "w"), indent=1)
+def main():
+    name = sys.argv[2] if len(sys.argv) > 2 else "qwen3-1.7b"
+    spec = get_model(name)
+    model = build_model(spec, device="cpu", init_device="cuda:0", max_positions=2048)
+    res = {"model": spec.name, "start": {"mappings_gib": mappings()}, "steps": []}
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cuda:0"], num_microbatches=4, dtype=torch.bfloat16,
+                                                   optimizer_mode="delayed"))
+    cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
+    if sys.argv[3:] == ["call"]:
+        ids = batch_ids(spec.vocab, 8, 2048, step=99)
+        with torch.no_grad():
+            res["call_loss"] = float(cm(input_ids=ids, labels=ids).loss)
+        cm.synchronize()
+        res["after_call"] = snapshot(cm)
+        print(json.dumps(res["after_call"]), flush=True)
+    for step in range(3):
+        ids = batch_ids(spec.vocab, 32, 2048, step=step)
+        t = time.perf_counter()
+        loss = float(cm.train_step(input_ids=ids, labels=ids))
+        cm.synchronize()
+        res["steps"].append({"seconds": time.perf_counter() - t, "loss": loss, **snapshot(cm)})
+        print(json.dumps(res["steps"][-1]), flush=True)
+        if step == 0:
+            res["plan_host"] = cm.plan.host_memory.summary()
+            res["plan_host_gib"] = cm.plan.host_memory.total / 2**30
+        json.dump(res, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
