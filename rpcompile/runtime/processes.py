@@ -723,11 +723,10 @@ class RemoteError(RuntimeError):
 
 def working_copy(view, p, dtype) -> torch.Tensor:
     """The shared working copy of parameter p in a weight view."""
-    if hasattr(view, "copy_of"):         # a call's in delayed mode (runtime/weights.py _CallView)
-        return view.copy_of(p, working_dtype(p, dtype))
-    if hasattr(view, "store"):           # delayed mode's copies (runtime/weights.py _SlotView)
+    if hasattr(view, "slot"):            # delayed mode's copies (runtime/weights.py _SlotView)
         return view.store._copies[id(p)][view.slot][0]
-    with view.refreshed(p, working_dtype(p, dtype)) as entry:   # the runner's HostWeights, refreshed
+    # the runner's HostWeights, refreshed (or, for a call in delayed mode, _CallView: the newest copy)
+    with view.refreshed(p, working_dtype(p, dtype)) as entry:
         return entry[1]
 
 

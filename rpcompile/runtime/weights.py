@@ -258,14 +258,6 @@ class _CallView:
         entry = self.store._current(param, dtype)
         return self.fallback.refreshed(param, dtype, rows) if entry is None else _held_slot(entry, rows)
 
-    def copy_of(self, param, dtype) -> torch.Tensor:
-        """param's working copy, for worker processes (runtime/processes.py working_copy)."""
-        entry = self.store._current(param, dtype)
-        if entry is not None:
-            return entry[0]
-        with self.fallback.refreshed(param, dtype) as got:
-            return got[1]
-
     mark_upload = staticmethod(mark_upload)
 
 
