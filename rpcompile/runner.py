@@ -176,13 +176,15 @@ class GraphRunner:
             return loss_weights
         return self._row_weights(plan, micro)
 
-    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, shared_grads=True) -> StepState:
+    def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, shared_grads=True,
+                 backward=True) -> StepState:
         """The state of one step; host_weights: where its weights are read (delayed mode's
         copies), else the live parameters through the runner's pinned copies; gate(p) waits
         for p's pending optimizer step, ready(p) says whether it has none (overlapped mode;
         a call in delayed mode reads the live parameters, so it waits for them too);
         shared_grads: download into the host gradient buffer kept across steps (False: a set
-        of its own, Note [host gradient buffers])."""
+        of its own, Note [host gradient buffers]); backward=False: no backward job will run (a
+        call without autograd), so no gradient set at all."""
         cap = plan.captured
         dtype = self.working_dtype(plan)
         if host_weights is None and gate is None:       # a call (Note [calls read the newest copies])
@@ -199,7 +201,7 @@ class GraphRunner:
             # the plans share their gradient buffers (runtime/grads.py): another plan's step last
             # wrote this one, and the optimizer may still read its gradients
             self.overlapped.synchronize()
-        grads = (self.host_grads.set_for(layout, self.grad_dtype(plan)) if shared_grads
+        grads = (None if not backward else self.host_grads.set_for(layout, self.grad_dtype(plan)) if shared_grads
                  else self.host_grads.fresh(layout))
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
@@ -401,7 +403,8 @@ class GraphRunner:
     def call_forward(self, plan, leaves, keep_for_backward: bool):
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
-        step = self.new_step(plan, micro, shared_grads=False)   # autograd may keep what it is handed
+        # (a set of its own: autograd may keep what it is handed)
+        step = self.new_step(plan, micro, shared_grads=False, backward=keep_for_backward)
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
         self.run_jobs(plan, step, jobs)
         outputs = []

@@ -67,8 +67,9 @@ class GradSet:
     shared by the layouts of a compiled model), taken at its first use."""
 
     def __init__(self, layout, pin: bool, row_sums: dict, kind: str, storage=None, consumed=None,
-                 dtype=torch.float32):
+                 dtype=torch.float32, per_step: bool = False):
         self.layout, self.pin, self.kind, self.dtype = layout, pin, kind, dtype
+        self.per_step = per_step        # one step's own (a differentiable call's): it goes with the step
         # Note [one gradient set]: per stage piece, the optimizer submissions done with it
         self.submitted = 0              # optimizer submissions that read this set (main process)
         self.consumed = consumed if consumed is not None else host_empty(
@@ -188,7 +189,7 @@ class HostGrads:
         """A set nobody else uses (a differentiable call's): made per call, so pinned ones come from
         the caching host allocator, which serves the next call's from the blocks this one freed."""
         sums = {i: host_empty(shape, torch.float32, self.pin, "call gradients") for i, shape in layout.row_sums.items()}
-        return GradSet(layout, self.pin, sums, "call gradients")
+        return GradSet(layout, self.pin, sums, "call gradients", per_step=True)
 
 
 # Note [gradients stay on the device]: with the whole update on the device that accumulated the

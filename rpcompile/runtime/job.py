@@ -507,7 +507,9 @@ class JobContext:
         """This copy's slice of the gradients, summed over the copies of the job, comes down
         into its slice of the host piece (Note [replicas])."""
         ex, grads = self.exchange, self.step.grads
-        piece = grads.piece(self.stage.index) if self.stage.index in grads.layout.stages else None
+        # (none in a forward job, and a call without autograd has no gradient set at all)
+        here = grads is not None and self.stage.index in grads.layout.stages
+        piece = grads.piece(self.stage.index) if here else None
         if piece is not None:
             self._wait_piece_free()     # (before the copies meet: Note [replicas in worker processes])
         got = self.span("host", "wait_replicas", lambda: ex.share(self.replica, self.grad_flat, self.grad_got,

@@ -477,9 +477,10 @@ class Worker:
                 self.steps.pop(msg[1], None)
                 self.early.pop(msg[1], None)
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
-        elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots]), copies let go
-            for key in msg[2] if len(msg) > 2 else ():
+        elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots]), copies let go,
+            for key in msg[2] if len(msg) > 2 else ():      # a step's own gradient set
                 self.tables.pop(key, None)
+                self.grad_sets.pop(key, None)
             self.memory.forget(msg[1])
         elif kind in ("done", "fail", "replica"):
             with self.step_lock:
@@ -513,7 +514,7 @@ class Worker:
                 weights = self.tables[desc["weights"]]
                 micro = microbatches(desc["micro"])
                 step = WorkerStep(self, step_id, plan=plan, params=weights, buffers=desc["buffers"], micro=micro,
-                                  rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets[desc["grads"]],
+                                  rng_base=desc["rng_base"], dtype=desc["dtype"], grads=self.grad_sets.get(desc["grads"]),
                                   grad_need=desc["grad_need"],
                                   host_weights=_Snapshot(), param_index=plan.param_index,
                                   buffer_index=plan.buffer_index)
