@@ -12,7 +12,7 @@ import torch
 from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.host_memory import host_grad_dtype
-from .runtime.device import resolve
+from .runtime.device import Pending, resolve
 from .runtime.executor import Executor
 from .runtime.processes import ProcessExecutor
 from .runtime.grads import HostGrads
@@ -22,6 +22,7 @@ from .runtime.programs import ProgramCache
 from .runtime import timeline
 from .runtime.trace import Tracer
 from .runtime.modes import ExactMode, mode_for, sum_param_grads
+from .runtime.outputs import CallOutputs
 from .runtime.weights import HostWeights
 
 
@@ -405,24 +406,33 @@ class GraphRunner:
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
         # (a set of its own: autograd may keep what it is handed)
         step = self.new_step(plan, micro, shared_grads=False, backward=keep_for_backward)
+        if self.config.workers == "threads":     # (worker processes download into their slots)
+            step.call_outputs = CallOutputs([self._rows(plan, m) for m in micro],
+                                            [n for n, b in zip(plan.graph_outputs, plan.output_batched) if b],
+                                            pin=self.config.on_gpu)
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
         self.run_jobs(plan, step, jobs)
         outputs = []
         for i, name in enumerate(plan.graph_outputs):
-            outputs.append(self._gather_output(plan, micro, i, name, weights))
+            outputs.append(self._gather_output(plan, step, i, name, weights))
         step.loss_weights = weights
         return outputs, (step if keep_for_backward else None)
 
-    def _gather_output(self, plan, micro, i, name, weights):
-        vals = [resolve(m.outputs.get(name)) for m in micro]
+    def _gather_output(self, plan, step, i, name, weights):
+        micro = step.micro
+        batched = plan.output_batched[i]
+        # (a batched output's parts are copied once, into its whole, before the step's slots go)
+        vals = [v.landed() if batched and isinstance(v, Pending) else resolve(v)
+                for v in (m.outputs.get(name) for m in micro)]
         if any(v is None for v in vals):
             node = next(n for n in plan.gm.graph.nodes if n.name == name)
             if node.op == "placeholder" and node.meta.get("rp_kind") == "input":
                 vals = [m.leaves[node.meta["rp_index"]] for m in micro]
             else:
                 raise RuntimeError(f"output {name} was not produced by any stage")
-        if plan.output_batched[i]:
-            return torch.cat(vals, 0)
+        if batched:
+            whole = step.call_outputs and step.call_outputs.gather(name)
+            return torch.cat(vals, 0) if whole is None else whole
         if isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0:
             w = self._scalar_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)

@@ -244,3 +244,23 @@ def test_idle_compile_pools_are_shut():
         again = async_compile.AsyncCompile.process_pool()
         assert again is not pool and again.submit(int, "8").result(timeout=120) == 8
         async_compile.shutdown_compile_workers()
+
+
+def test_a_calls_batched_output_comes_down_into_the_one_tensor_the_caller_gets():
+    """Note [a call's outputs] (runtime/outputs.py): each microbatch's logits land in their rows of
+    one host buffer of exactly their size (no buffer per microbatch, no concatenation); the
+    rows are uneven (5 rows in 4 microbatches) and the head is split over the vocabulary."""
+    model = qwen3(vocab=VOCAB)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
+                                                   memory_budget="300KiB", lm_head_shards=3))
+    batch = lm_batch(vocab=VOCAB, seed=3)
+    with torch.no_grad():
+        want = model(**batch)
+        cm(**batch)                   # the first call compiles
+        before = host_buffers.snapshot()
+        got = cm(**batch)
+    nbytes, count = _counted_since(before)
+    assert count["outputs"] == 1 and nbytes["outputs"] == got.logits.numel() * got.logits.element_size()
+    assert got.logits.shape == want.logits.shape
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)

@@ -47,6 +47,12 @@ class Pending:
         self.event.synchronize()
         return self.tensor
 
+    def landed(self):
+        """The host tensor once its download completed, never a copy (a worker process's slot,
+        which `resolve` copies because a later step reuses it, read before then)."""
+        self.event.synchronize()
+        return self.tensor
+
 
 def resolve(value):
     """The host value behind a (tree of) Pending downloads, once they have completed."""
@@ -288,17 +294,21 @@ class DeviceRuntime:
         return (self.peer_transfers and other is not self and not other.is_cpu
                 and torch.cuda.can_device_access_peer(self.device, other.device))
 
-    def download(self, value, own: bool = False):
+    def download(self, value, own: bool = False, into=None):
         """Device value to host memory (detached); on a GPU a Pending pinned copy, in the job's
         slots (`host_slots`, reused by a later step: Note [slot sets]) or, own=True, in a buffer
-        of its own (a value the caller may keep: a call's outputs)."""
+        of its own (a value the caller may keep: a call's outputs); into(shape, dtype): the host
+        tensor a tensor lands in, where it gives one (Note [a call's outputs], runtime/outputs.py),
+        on a CPU "device" too."""
         def move(t):
             if not isinstance(t, torch.Tensor):
                 return t
             t = t.detach()
-            if self.is_cpu:
-                return t
-            host = (self.own_slots if own else self.host_slots)(t.shape, t.dtype)
+            host = into(t.shape, t.dtype) if into is not None else None
+            if host is None:
+                if self.is_cpu:
+                    return t
+                host = (self.own_slots if own else self.host_slots)(t.shape, t.dtype)
             return self.download_into(t, host)
         return _map(move, value)
 

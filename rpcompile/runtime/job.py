@@ -69,6 +69,7 @@ class StepState:
     submission: Optional[int] = None                   # delayed mode: the optimizer's count once its submission is done
     buffer_index: dict = field(default_factory=dict)
     exchanges: dict = field(default_factory=dict)      # job index -> replicas.GradExchange (Note [replicas])
+    call_outputs: Any = None                           # a call's: runtime.outputs.CallOutputs, where its outputs land
     device_grads: Any = None                           # grads.DeviceGrads (Note [gradients stay on the device])
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -364,7 +365,9 @@ class JobContext:
                                                    value=name, bytes=nbytes(value))
 
     def output(self, mb, name, value):
-        self.step.micro[mb].outputs[name] = self.dev.download(value, own=True)
+        outs = self.step.call_outputs
+        self.step.micro[mb].outputs[name] = self.dev.download(value, own=True,
+                                                              into=outs and outs.into(mb, name))
 
     def offload_grad(self, mb, name, value):
         if value is None:

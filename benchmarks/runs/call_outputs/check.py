@@ -5,8 +5,8 @@ benchmarks/runs/host_gap/README.md). Delayed mode, 2 train steps (32 x 2048 toke
 AdamW), then CALLS calls under no_grad on ROWS x 2048 tokens, each keeping only the loss; after
 each: its seconds, the resident memory by mapping and torch's caching host allocator. From the
 repository root, on the GPU machine:
-`python benchmarks/runs/call_outputs/check.py OUT.json [MODEL [ROWS [CALLS]]]` (defaults
-qwen3-1.7b, 8, 10). Run it on main before and after a change to the outputs' path."""
+`python benchmarks/runs/call_outputs/check.py OUT.json [MODEL [ROWS [CALLS [WORKERS]]]]` (defaults
+qwen3-1.7b, 8, 10, threads). Run it on main before and after a change to the outputs' path."""
 import json
 import sys
 import time
@@ -18,14 +18,14 @@ import rpcompile  # noqa: E402
 from benchmarks.common import batch_ids, build_model, get_model  # noqa: E402
 from benchmarks.runs.host_gap.check import host_allocator, mappings  # noqa: E402
 
-args = sys.argv[2:] + [None] * 3
-name, rows, calls = args[0] or "qwen3-1.7b", int(args[1] or 8), int(args[2] or 10)
+args = sys.argv[2:] + [None] * 4
+name, rows, calls, workers = args[0] or "qwen3-1.7b", int(args[1] or 8), int(args[2] or 10), args[3] or "threads"
 spec = get_model(name)
 model = build_model(spec, device="cpu", init_device="cuda:0", max_positions=2048)
 cm = rpcompile.compile(model, rpcompile.Config(devices=["cuda:0"], num_microbatches=4, dtype=torch.bfloat16,
-                                               optimizer_mode="delayed"))
+                                               optimizer_mode="delayed", workers=workers))
 cm.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
-res = {"model": spec.name, "rows": rows, "steps": [], "calls": []}
+res = {"model": spec.name, "workers": workers, "rows": rows, "steps": [], "calls": []}
 for step in range(2):
     ids = batch_ids(spec.vocab, 32, 2048, step=step)
     t = time.perf_counter()
