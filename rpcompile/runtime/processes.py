@@ -738,17 +738,15 @@ class RemoteError(RuntimeError):
 
 
 def working_copy(view, p, dtype) -> torch.Tensor:
-    """The shared working copy of parameter p in a weight view."""
-    if hasattr(view, "slot"):            # delayed mode's copies (runtime/weights.py _SlotView)
-        return view.store._copies[id(p)][view.slot][0]
-    # the runner's HostWeights, refreshed (or, for a call in delayed mode, _CallView: the newest copy)
-    with view.refreshed(p, working_dtype(p, dtype)) as entry:
-        return entry[1]
+    """The shared working copy of parameter p in a weight view: the runner's HostWeights,
+    refreshed; delayed mode's copies of a step's parity (_SlotView) or a call's newest
+    (_CallView), runtime/weights.py."""
+    return view.shared_copy(p, working_dtype(p, dtype))
 
 
 def weight_table(step) -> list:
     """The shared working copy of every parameter, in parameter order, for a step's jobs."""
-    if step.gate is not None and not hasattr(step.host_weights, "store"):
-        for p in step.params:            # a parameter's pending optimizer step first
+    if step.gate is not None and not step.host_weights.snapshot:
+        for p in step.params:            # a parameter's pending optimizer step first (live parameters only)
             step.gate(p)
     return [working_copy(step.host_weights, p, step.dtype) for p in step.params]

@@ -71,6 +71,8 @@ class HostWeights:
     whole by one job and by rows by others has one copy, not two.
     """
 
+    snapshot = False     # CPU devices read the live parameters
+
     def __init__(self, pin: bool = True):
         self._copies: dict = {}      # id(param) -> [version, pinned tensor, upload marks (newest per stream), lock]
         self._lock = threading.Lock()
@@ -86,6 +88,12 @@ class HostWeights:
     @staticmethod
     def _stale(entry, param, dtype) -> bool:
         return entry[0] != param._version or entry[1] is None or entry[1].dtype != dtype
+
+    def shared_copy(self, param, dtype) -> torch.Tensor:
+        """The whole working copy of `param` in `dtype`, refreshed: what worker processes read
+        (its file shared with them: Note [shared host memory])."""
+        with self.refreshed(param, dtype) as entry:
+            return entry[1]
 
     @contextlib.contextmanager
     def refreshed(self, param: torch.Tensor, dtype: torch.dtype, rows=None):
@@ -258,6 +266,7 @@ class _CallView:
         entry = self.store._current(param, dtype)
         return self.fallback.refreshed(param, dtype, rows) if entry is None else _held_slot(entry, rows)
 
+    shared_copy = HostWeights.shared_copy
     mark_upload = staticmethod(mark_upload)
 
 
@@ -295,6 +304,10 @@ class _SlotView:
 
     def refreshed(self, param, dtype, rows=None):
         return _held_slot(self.store._copies[id(param)][self.slot], rows)
+
+    def shared_copy(self, param, dtype) -> torch.Tensor:
+        """This parity's copy of `param` (made in its working dtype)."""
+        return self.store._copies[id(param)][self.slot][0]
 
     @contextlib.contextmanager
     def held(self, params):
