@@ -300,9 +300,10 @@ class ProcessExecutor:
             return
         stale = [refs for refs in self._tables if any(r.file in names for r in refs)]
         keys = [self._tables.pop(refs) for refs in stale]
-        if self.hub is not None and self.broken is None:
-            self._to_all(("forget", sorted(names), keys))
-        self.memory.forget(sorted(names))
+        if self.hub is not None:
+            self.hub.forget(sorted(names), keys)
+        else:
+            self.memory.forget(sorted(names))
 
     def send_prefetch(self, worker: int, params: list, dtype, host_weights, before=None):
         """Have a worker upload the working copies of params [(index, parameter)] from the view
@@ -609,12 +610,8 @@ class _Hub:
                 mine[:] = [r for r in mine if r.file not in gone] + info["chunks"]   # Note [outgrown slots]
             if wake:
                 record.outstanding -= 1
-        if gone and self.broken is None and not self.stopping:
-            try:
-                self.to_all(("forget", gone))
-            except OSError:
-                pass
-            self.memory.forget(gone)
+        if gone:
+            self.forget(gone)
         # released before waking the waiter too: a next step issued once this landing was seen
         # (delayed mode: after the optimizer step that waited for it) finds the slot set free
         self.maybe_release(record)
@@ -634,13 +631,21 @@ class _Hub:
         if self.broken is None and not self.stopping:
             try:
                 self.to_all(("release", record.step_id))
-                if record.forget is not None:
-                    self.to_all(("forget", *record.forget))
             except OSError:
                 return
             self.slot_sets.give(record.slots)
             if record.forget is not None:
-                self.memory.forget(record.forget[0])
+                self.forget(*record.forget)
+
+    def forget(self, names, keys=()) -> None:
+        """Every process lets go of the shared files `names` (the owner removes them), the workers
+        also of the weight tables and gradient sets keyed `keys` that view them."""
+        if self.broken is None and not self.stopping:
+            try:
+                self.to_all(("forget", names, list(keys)))
+            except OSError:
+                pass
+        self.memory.forget(names)
 
 
 class _StepRecord:
