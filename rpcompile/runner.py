@@ -202,8 +202,12 @@ class GraphRunner:
             # the plans share their gradient buffers (runtime/grads.py): another plan's step last
             # wrote this one, and the optimizer may still read its gradients
             self.overlapped.synchronize()
-        grads = (None if not backward else self.host_grads.set_for(layout, self.grad_dtype(plan)) if shared_grads
-                 else self.host_grads.fresh(layout))
+        if not backward:
+            grads = None
+        elif shared_grads:
+            grads = self.host_grads.set_for(layout, self.grad_dtype(plan))
+        else:
+            grads = self.host_grads.fresh(layout)
         return StepState(plan, cap.params, cap.buffers, micro, rng_base=rng_base, dtype=dtype, grads=grads,
                          host_weights=host_weights or self.host_weights, gate=gate, ready=ready,
                          param_index={n: i for i, n in enumerate(cap.param_names)},

@@ -43,15 +43,15 @@ class Pending:
     def wait_on(self, stream):
         stream.wait_event(self.event)
 
-    def resolve(self):
-        self.event.synchronize()
-        return self.tensor
-
     def landed(self):
         """The host tensor once its download completed, never a copy (a worker process's slot,
         which `resolve` copies because a later step reuses it, read before then)."""
         self.event.synchronize()
         return self.tensor
+
+    def resolve(self):
+        """The host value the download's reader keeps."""
+        return self.landed()
 
 
 def resolve(value):

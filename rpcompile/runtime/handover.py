@@ -121,6 +121,6 @@ class Flagged(Pending):
     def wait_on(self, stream):
         self.flags.wait_on(stream, self.producer, self.number)
 
-    def resolve(self):
+    def landed(self):
         self.flags.wait_host(self.producer, self.number)
         return self.tensor
