@@ -22,7 +22,7 @@ from .runtime.programs import ProgramCache
 from .runtime import timeline
 from .runtime.trace import Tracer
 from .runtime.modes import ExactMode, mode_for, sum_param_grads
-from .runtime.outputs import CallOutputs
+from .runtime.outputs import CallOutputs, release as release_call_outputs
 from .runtime.weights import HostWeights
 
 
@@ -52,7 +52,7 @@ class GraphRunner:
         self._counters: dict = {}
         self._warned_static = False
         self.host_weights = HostWeights(pin=self.host_placement)
-        self.host_grads = HostGrads(pin=self.host_placement)
+        self.host_grads = HostGrads(pin=self.host_placement, drop=getattr(self.executor, "forget_shared", None))
         self.last_tracer = None
         self.recent_tracers: list = []   # the last steps' tracers (recent_traces)
         self.pending = None              # _PendingStep: a step whose backward jobs may still run
@@ -76,9 +76,16 @@ class GraphRunner:
         """Let the HostWeights copies go (delayed mode's copies take over: Note [calls read the
         newest copies] in runtime/modes.py), and with worker processes the files they are in."""
         copies = self.host_weights.release()
-        forget = getattr(self.executor, "forget_copies", None)
+        forget = getattr(self.executor, "forget_shared", None)
         if forget is not None:
             forget(copies)
+
+    def release_call_buffers(self) -> None:
+        """At a train step: what calls before it kept for the next call and nobody holds (their
+        outputs' and gradient sets' memory: Notes [a call's outputs] and [call gradient sets]) goes;
+        no plan counts it, so it is not kept into the training."""
+        release_call_outputs()
+        self.host_grads.calls.release()
 
     @property
     def overlapped(self):
@@ -309,6 +316,7 @@ class GraphRunner:
         """Forward and backward over all microbatches; gradients added into param.grad (exact
         mode) or handed to the attached optimizer. In delayed mode train_step returns once the
         loss is known, while the step's backward jobs still run (Note [overlapped steps])."""
+        self.release_call_buffers()
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro)
         for mbatch, w in zip(micro, weights):
@@ -416,6 +424,8 @@ class GraphRunner:
                                             pin=self.config.on_gpu)
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
         self.run_jobs(plan, step, jobs)
+        if step.grads is not None:     # (its backward may never come: the set may serve the next call)
+            step.grads.settle(True)
         outputs = []
         for i, name in enumerate(plan.graph_outputs):
             outputs.append(self._gather_output(plan, step, i, name, weights))
@@ -462,6 +472,7 @@ class GraphRunner:
         step.done_events.clear()
         step.param_grads.clear()
         jobs = [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
+        step.grads.settle(False)
         self.run_jobs(plan, step, jobs)
         input_grads = {}
         for n in plan.gm.graph.nodes:
@@ -470,7 +481,9 @@ class GraphRunner:
                 if all(p is not None for p in parts):
                     i = n.meta["rp_index"]
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
-        return sum_param_grads(step.param_grads, step.grads.row_sums), input_grads
+        param_grads = sum_param_grads(step.param_grads, step.grads.row_sums)
+        step.grads.settle(True)
+        return param_grads, input_grads
 
 
 class _PendingStep:

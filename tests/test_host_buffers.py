@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.runtime import host_buffers
+from rpcompile.runtime import host_buffers, outputs
 
 from models import lm_batch, qwen3
 
@@ -249,18 +249,55 @@ def test_idle_compile_pools_are_shut():
 def test_a_calls_batched_output_comes_down_into_the_one_tensor_the_caller_gets():
     """Note [a call's outputs] (runtime/outputs.py): each microbatch's logits land in their rows of
     one host buffer of exactly their size (no buffer per microbatch, no concatenation); the
-    rows are uneven (5 rows in 4 microbatches) and the head is split over the vocabulary."""
+    rows are uneven (5 rows in 4 microbatches) and the head is split over the vocabulary. Once the
+    caller lets a call's logits go, the next call's come down into the same memory (Note [reused
+    host buffers]); logits the caller still holds, or a view of them, are never written again;
+    a train step gives the free memory back."""
     model = qwen3(vocab=VOCAB)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=4,
                                                    memory_budget="300KiB", lm_head_shards=3))
-    batch = lm_batch(vocab=VOCAB, seed=3)
+    batches = [lm_batch(vocab=VOCAB, seed=s) for s in (3, 4, 5)]
+    outputs.release()                 # (what calls of earlier tests in this process left)
     with torch.no_grad():
-        want = model(**batch)
-        cm(**batch)                   # the first call compiles
+        want = [model(**b) for b in batches]
         before = host_buffers.snapshot()
-        got = cm(**batch)
-    nbytes, count = _counted_since(before)
-    assert count["outputs"] == 1 and nbytes["outputs"] == got.logits.numel() * got.logits.element_size()
-    assert got.logits.shape == want.logits.shape
-    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        cm(**batches[0])              # the first call compiles; its logits are let go
+        nbytes, count = _counted_since(before)
+        assert count["outputs"] == 1 and nbytes["outputs"] == want[0].logits.numel() * want[0].logits.element_size()
+        before = host_buffers.snapshot()
+        got = cm(**batches[1])
+        assert +_counted_since(before)[1] == {}, "the second call did not come down into the first's memory"
+        assert got.logits.shape == want[1].logits.shape
+        torch.testing.assert_close(got.logits, want[1].logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.loss, want[1].loss, rtol=1e-5, atol=1e-6)
+        kept = got.logits[-2:]         # a view outlives the caller's tensor: its memory stays the caller's
+        del got
+        third = cm(**batches[2])
+        assert _counted_since(before)[1]["outputs"] == 1
+        torch.testing.assert_close(kept, want[1].logits[-2:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(third.logits, want[2].logits, rtol=1e-5, atol=1e-5)
+        del kept, third
+    assert len(outputs.buffers.free) == 2
+    cm.train_step(**batches[0])
+    assert outputs.buffers.free == []
+
+def test_reused_regions_are_lent_again_only_when_free_and_settled():
+    """Note [reused host buffers]: a region is lent again once its tensor's storage is gone and
+    its writes were settled; an unsettled one goes to `drop`, as do free regions beyond twice
+    the largest lease and every free one at `release`."""
+    dropped = []
+    lender = host_buffers.Reused("test", drop=lambda regions: dropped.extend(r.data_ptr() for r in regions))
+    held = [lender.lend((256,), torch.float32, False) for _ in range(4)]
+    regions = {t.data_ptr() for t, _ in held}
+    for k in range(3):
+        held[k][1][0] = True
+    storage = held[0][0][7:9].untyped_storage()       # a caller's storage keeps its region lent
+    held.clear()
+    assert len(lender.free) == 2 and dropped == []
+    t, settled = lender.lend((16, 16), torch.float32, False)   # the unsettled one goes now
+    assert t.data_ptr() in regions and len(dropped) == 1 and dropped[0] in regions
+    assert t.data_ptr() != storage.data_ptr() and len(lender.free) == 1
+    del storage
+    small = lender.lend((2,), torch.float32, False)[0]        # under half a region: a new one
+    assert small.data_ptr() not in regions
+    assert lender.release() == 2 * 1024 and lender.free == [] and len(dropped) == 3

@@ -198,6 +198,42 @@ def test_gradients_the_user_holds_survive_the_next_step():
     check_grads(model, ref)
 
 
+def test_a_calls_gradient_set_is_lent_again_once_let_go():
+    """Note [call gradient sets]: `loss = cm(...).loss; loss.backward(); opt.step();
+    opt.zero_grad()` with worker threads: once a call's gradients are let go, the next call's set
+    is the same memory (an untied head split over the vocabulary: row sums too); a gradient the
+    user keeps past zero_grad keeps its buffer, unchanged by the calls after; a train step lets
+    the spare sets go. Parameters after SGD with momentum as eager's."""
+    from rpcompile.runtime import host_buffers
+    model = qwen3(tied=False, vocab=VOCAB, seed=4)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB",
+                                                   lm_head_shards=3, workers="threads"))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+    made = []                           # call gradient buffers allocated by each step
+    for s in range(4):
+        before = host_buffers.snapshot()[1]["call gradients"]
+        batch = _batch(s)
+        for m, opt in ((cm, opts[0]), (ref, opts[1])):
+            loss = m(**batch).loss
+            loss.backward()
+            if s == 1 and m is cm:          # a gradient kept past zero_grad(): its set stays the user's
+                kept = model.model.layers[0].mlp.down_proj.weight.grad
+                kept_value = kept.clone()
+            opt.step()
+            opt.zero_grad()
+        made.append(host_buffers.snapshot()[1]["call gradients"] - before)
+    assert made[0] > 0 and made[1] == 0, f"the second call made a gradient set of its own: {made}"
+    # (the kept gradient's flat buffer is made anew; the set's other buffers were let go and lent again)
+    assert made[2] == 1 and made[3] == 0, f"a kept gradient's set was lent again, or none was: {made}"
+    close(kept, kept_value, 0.0, 0.0, "a kept gradient after two more calls")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-5, "parameters after 4 steps")
+    assert cm.runner.host_grads.calls.free
+    cm.train_step(**_batch(5))
+    assert cm.runner.host_grads.calls.free == []
+
+
 def _layout(stage_keys, shapes):
     """The GradLayout of stages with the given gradient keys, over parameters of `shapes`."""
     from types import SimpleNamespace

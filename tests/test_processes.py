@@ -83,16 +83,21 @@ def test_exact_mode_in_worker_processes_matches_eager():
 
 def test_calls_in_worker_processes_leave_no_gradient_set_behind():
     """`loss.backward(); opt.step()` on calls (an untied head split over the vocabulary: row
-    sums too): each call's gradient set of its own is shared files, which every process forgets
-    once the call's step is gone (before, each call left a whole fp32 gradient set in /dev/shm:
-    6.4 GiB for Qwen3-1.7B); a call under no_grad makes none. Parameters after SGD with momentum
-    as eager's."""
+    sums too): a call's gradient set of its own is shared files, lent again to the next call
+    once let go (Note [call gradient sets]: no new file after the first call, which each worker
+    mapped and pinned; before, each call left a whole fp32 gradient set in /dev/shm: 6.4 GiB for
+    Qwen3-1.7B); a call under no_grad makes none; a train step lets the spare set go, in every
+    process. Parameters after SGD with momentum as eager's."""
+    from rpcompile.runtime import host_buffers
     model = qwen3(tied=False, layers=1, seed=4)
     ref = copy.deepcopy(model)
     cm = rpcompile.compile(model, _config(lm_head_shards=3))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
     memory = cm.runner.executor.memory
-    files = []
+
+    def files():
+        return {f: os.path.getsize(os.path.join(memory.directory, f)) for f in os.listdir(memory.directory)}
+    seen = []
     for s in range(4):
         batch = lm_batch(seed=s)
         for m, opt, run in ((cm, opts[0], True), (ref, opts[1], False)):
@@ -104,17 +109,20 @@ def test_calls_in_worker_processes_leave_no_gradient_set_behind():
                 got = loss.detach()
             else:
                 close(got, loss.detach(), 1e-5, 1e-6, f"loss {s}")
-        files.append({f: os.path.getsize(os.path.join(memory.directory, f)) for f in os.listdir(memory.directory)})
+        seen.append((files(), host_buffers.snapshot()[1]["call gradients"]))
     with torch.no_grad():
         close(cm(**lm_batch(seed=9)).loss, ref(**lm_batch(seed=9)).loss, 1e-5, 1e-6, "a call under no_grad")
-    assert files[1] == files[2] == files[3] == {f: os.path.getsize(os.path.join(memory.directory, f))
-                                                for f in os.listdir(memory.directory)}
+    assert seen[1] == seen[2] == seen[3] == (files(), host_buffers.snapshot()[1]["call gradients"])
+    for p, q in zip(model.parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-5, "parameters after 4 steps")
+    spare = {memory.ref(r).file for _, r in cm.runner.host_grads.calls.free}
+    assert spare and spare <= set(files())
+    cm.train_step(**lm_batch(seed=5))
+    assert not spare & set(files())
     # no process maps a removed file of the run (the workers dropped the sets; zero_grad the views)
     for pid in [os.getpid()] + [p.pid for p in cm.runner.executor.hub.procs]:
         deleted = [line for line in open(f"/proc/{pid}/maps") if memory.directory in line and "(deleted)" in line]
         assert not deleted, f"process {pid} maps removed files: {deleted[:3]}"
-    for p, q in zip(model.parameters(), ref.parameters()):
-        close(p.detach(), q.detach(), 1e-4, 1e-5, "parameters after 4 steps")
 
 
 def test_shared_memory_that_is_too_small_says_how_to_fix_it(monkeypatch):

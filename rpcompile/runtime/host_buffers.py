@@ -16,6 +16,7 @@ cudaHostRegister and unregistered before it is freed.
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import warnings
@@ -92,3 +93,80 @@ def snapshot() -> tuple:
     """(bytes by kind, buffers by kind) so far, to compare with a later snapshot."""
     with _lock:
         return Counter(allocated_bytes), Counter(allocations)
+
+
+
+
+class Reused:
+    """Note [reused host buffers]: host tensors of exactly their size, lent out of regions that
+    are kept and lent again once the tensor is gone. A lent tensor is `torch.frombuffer` over a
+    ctypes array on its region; its storage holds that array until the storage dies (the tensor,
+    every view of it and a caller's `untyped_storage()` too), and the array's finalizer hands
+    the region back. A region serves a request of at most its size and at least half of it, in
+    the same placement (`pin`: pinned or not, or the SharedMemory of worker processes); the free
+    regions beyond twice the largest lease (the longest free first) go at the next lend, so a
+    caller that held many tensors at once and let them go does not leave them all kept. A lease
+    that was not settled when it died (a failed call: writes may still be in flight) is not lent
+    again: it goes to `drop` (shared files: every process forgets them), as do the free regions
+    at `release`, both from the thread that lends or releases next (a finalizer may run in any
+    thread, holding any lock). For a call's outputs (runtime/outputs.py) and a differentiable
+    call's gradient set (runtime/grads.py)."""
+
+    def __init__(self, kind: str, drop=None):
+        self.kind = kind
+        self.drop = drop                 # regions -> None, for those let go (None: they just die)
+        self.free: list = []             # (pin, region) back from their lease, settled
+        self.dropped: list = []          # regions back unsettled
+        self.largest = 0                 # bytes of the largest lease
+        self._take = threading.Lock()    # (a finalizer never takes it)
+
+    def lend(self, shape, dtype: torch.dtype, pin):
+        """(a host tensor of `shape` and `dtype` placed as host_empty places it, a one-item list to
+        set True while nothing writes the tensor)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        settled = [False]
+        self.largest = max(self.largest, nbytes)
+        self._let_go(self._beyond(2 * self.largest))
+        with self._take:
+            fits = [i for i, r in enumerate(self.free) if r[0] is pin and nbytes <= r[1].numel() <= 2 * nbytes]
+            # (by position: a finalizer only appends, and tensors do not compare as booleans)
+            found = self.free.pop(min(fits, key=lambda i: self.free[i][1].numel())) if fits else None
+        region = found[1] if found is not None else host_empty((max(nbytes, 1),), torch.uint8, pin, self.kind,
+                                                               exact=True)
+        array = (ctypes.c_uint8 * max(nbytes, 1)).from_address(region.data_ptr())
+        weakref.finalize(array, self._back, pin, region, settled)
+        return torch.frombuffer(array, dtype=torch.uint8)[:nbytes].view(dtype).view(shape), settled
+
+    def _back(self, pin, region, settled):
+        # (list appends only: a finalizer takes no lock)
+        (self.free.append((pin, region)) if settled[0] else self.dropped.append(region))
+
+    def release(self) -> int:
+        """Let the free regions go (unpinned, or forgotten by every process); their bytes."""
+        regions = []
+        with self._take:
+            while self.free:        # (pop, not a swap: a finalizer may append meanwhile)
+                regions.append(self.free.pop()[1])
+        self._let_go(regions)
+        return sum(r.numel() for r in regions)
+
+    def _beyond(self, keep: int) -> list:
+        """Take the free regions past `keep` bytes out of the free list, the newest kept."""
+        out, kept, total = [], [], 0     # (kept: newest first)
+        with self._take:
+            while self.free:        # (pop, not a swap: a finalizer may append meanwhile)
+                kept.append(self.free.pop())
+            for i, r in enumerate(kept):
+                total += r[1].numel()
+                if total > keep:
+                    out = [r[1] for r in kept[i:]]
+                    del kept[i:]
+                    break
+            self.free.extend(reversed(kept))
+        return out
+
+    def _let_go(self, regions):
+        while self.dropped:
+            regions.append(self.dropped.pop())
+        if self.drop is not None and regions:
+            self.drop(regions)

@@ -1,26 +1,28 @@
 """Where a call's outputs land on the host.
 
 Note [a call's outputs]: a batched output of a call (the logits) comes down microbatch by
-microbatch straight into its rows of the one host tensor the caller gets, allocated when its
-first microbatch comes down, of exactly its size. Before, each microbatch's output came into a
-pinned block of torch's caching host allocator, rounded up to a power of two and kept by that
-allocator after the call, and the caller got their concatenation: Qwen3-1.7B's call on 8 x 2048
-tokens (4.6 GiB of bf16 logits) left 8.0 GiB of pinned blocks beside the caller's 4.6 GiB, memory
-no plan counts, held into the training after it (benchmarks/runs/host_gap). Measured on one
-H200 (benchmarks/runs/call_outputs: 8 calls after 2 delayed train steps, one run each): resident
-memory after the calls 18.5 GiB against 26.7 (no pinned blocks left), a call 1.13 s against 0.78
-(the median): pinning 4.6 GiB of exactly sized memory each call costs more than the
-concatenation it saves, but the memory goes with the caller's tensor. Pageable rows (no pinning)
-took 4.2 s a call: a download into pageable memory blocks the worker thread until it is done.
-An output that is not batched, or whose microbatch does not fit its rows (another shape or
-dtype), still comes into a buffer of its own. With worker processes a call's outputs come down
+microbatch straight into its rows of the one host tensor the caller gets, of exactly its size,
+lent by `buffers` (Note [reused host buffers], runtime/host_buffers.py): once the caller lets a
+call's tensor go, the next call's outputs come down into the same page-locked memory; memory
+still held by a caller is never lent. A train step gives the free memory back (`release`): it is
+not counted by the plan, so it is not kept into the training after an evaluation. Measured on one
+H200 (benchmarks/runs/call_outputs: Qwen3-1.7B, 8 calls of 8 x 2048 tokens, 4.6 GiB of bf16
+logits, after 2 delayed train steps): 0.20 s a call, where pinning a new exact tensor each call
+took 1.08 s, downloading into pinned blocks of torch's caching host allocator and concatenating
+them 0.78 s (and the allocator kept 8.0 GiB of blocks rounded up to powers of two into the
+training), and pageable rows 4.2 s (a download into pageable memory blocks the worker thread).
+Training through `loss.backward()` on calls (benchmarks/runs/call_grads): 1.47 s a step against
+2.7-2.8 s. An output that is not batched, or whose microbatch does not fit its rows (another shape
+or dtype), still comes into a buffer of its own. With worker processes a call's outputs come down
 into the step's slots, each copied once into the caller's tensor (GraphRunner._gather_output).
 """
 from __future__ import annotations
 
 import threading
 
-from .host_buffers import host_empty
+from .host_buffers import Reused
+
+buffers = Reused("outputs")
 
 
 class CallOutputs:
@@ -33,6 +35,7 @@ class CallOutputs:
         self.pin = pin
         self.whole: dict = {}           # output name -> the host tensor of every microbatch's rows
         self.served: dict = {}          # output name -> the microbatches downloaded into it
+        self.settled: list = []         # each tensor's flag: its downloads are done
         self._lock = threading.Lock()
 
     def into(self, mb: int, name: str):
@@ -48,8 +51,9 @@ class CallOutputs:
             return None
         whole = self.whole.get(name)
         if whole is None:
-            whole = self.whole[name] = host_empty((sum(self.rows),) + shape[1:], dtype, self.pin, "outputs",
-                                                  exact=True)
+            whole, settled = buffers.lend((sum(self.rows),) + shape[1:], dtype, self.pin)
+            self.whole[name] = whole
+            self.settled.append(settled)
         elif whole.shape[1:] != shape[1:] or whole.dtype != dtype:
             return None
         self.served.setdefault(name, set()).add(mb)
@@ -60,5 +64,13 @@ class CallOutputs:
         downloads completed); else None."""
         if len(self.served.get(name, ())) != len(self.rows):
             return None
+        for settled in self.settled:
+            settled[0] = True
         return self.whole[name]
+
+
+def release() -> int:
+    """At a train step: the memory the calls before it had for their outputs, and that no caller
+    holds, goes back (unpinned). Returns its bytes."""
+    return buffers.release()
 

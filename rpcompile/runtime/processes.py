@@ -291,11 +291,12 @@ class ProcessExecutor:
             self._to_all(("table", key, list(refs)))
         return key
 
-    def forget_copies(self, copies) -> None:
-        """Remove the shared files of working copies let go (GraphRunner.release_call_copies),
-        once no run reads them: every process forgets them and the workers drop the weight
-        tables that view them, so that no mapping keeps their memory (Note [shared host memory])."""
-        names = {r.file for r in map(self.memory.ref, copies) if r is not None}
+    def forget_shared(self, tensors) -> None:
+        """Remove the shared files of host tensors let go (working copies: GraphRunner.release_call_copies;
+        spare call gradient sets: Note [call gradient sets]), once no run reads them: every process
+        forgets them and the workers drop the weight tables that view them, so that no mapping
+        keeps their memory (Note [shared host memory])."""
+        names = {r.file for r in map(self.memory.ref, tensors) if r is not None}
         if not names:
             return
         stale = [refs for refs in self._tables if any(r.file in names for r in refs)]
@@ -320,9 +321,9 @@ class ProcessExecutor:
 
     def _grads_key(self, grads, record) -> Optional[int]:
         """The key of the gradient set the step's jobs write, sent once per set (None: the step
-        has none). A step's own set (a differentiable call's) goes with the step's record
-        (_Hub.maybe_release): every process forgets its files and the workers the set, else each
-        call would leave a whole fp32 gradient set in shared memory (6.4 GiB for Qwen3-1.7B)."""
+        has none). The workers drop a step's own set (a differentiable call's) with the step's
+        record (_Hub.maybe_release); its files stay mapped for the next call's set, lent the same
+        memory (Note [call gradient sets]), until the runner lets them go (forget_shared)."""
         if grads is None:
             return None
         known = self._grad_sets.get(id(grads))
@@ -331,9 +332,8 @@ class ProcessExecutor:
         key = next(self._ids)
         flat, consumed = self.memory.ref(grads.flat()), self.memory.ref(grads.consumed)
         self._to_all(("grads", key, grads.layout, flat, consumed))
-        if grads.per_step:     # (its row sums too: buffers of their own, which only this process reads)
-            refs = [flat, consumed, *map(self.memory.ref, grads._row_sums.values())]
-            record.forget = (sorted({r.file for r in refs if r is not None}), [key])
+        if grads.per_step:
+            record.forget = ([], [key])
         else:
             self._grad_sets[id(grads)] = (key, grads)
         return key

@@ -37,12 +37,16 @@ def shm_gib() -> float:
 res = {"model": spec.name, "workers": workers, "rows": rows, "steps": [], "calls": []}
 for step in range(steps):
     ids = batch_ids(spec.vocab, rows, 2048, step=step)
-    t = time.perf_counter()
+    t = [time.perf_counter()]
     loss = cm(input_ids=ids, labels=ids).loss
+    t.append(time.perf_counter())
     loss.backward()
+    t.append(time.perf_counter())
     opt.step()
     opt.zero_grad()
-    res["steps"].append({"seconds": time.perf_counter() - t, "loss": float(loss), "shm_gib": shm_gib()})
+    t.append(time.perf_counter())
+    res["steps"].append({"seconds": t[-1] - t[0], "call": t[1] - t[0], "backward": t[2] - t[1],
+                         "optimizer": t[3] - t[2], "loss": float(loss), "shm_gib": shm_gib()})
     print(json.dumps(res["steps"][-1]), flush=True)
 for k in range(calls):
     ids = batch_ids(spec.vocab, rows, 2048, step=100 + k)

@@ -42,3 +42,11 @@ for k in range(calls):
                          "host_allocator": host_allocator()})
     print(json.dumps(res["calls"][-1]), flush=True)
     json.dump(res, open(sys.argv[1], "w"), indent=1)
+ids = batch_ids(spec.vocab, 32, 2048, step=2)     # a train step after the calls: what they left
+t = time.perf_counter()
+loss = float(cm.train_step(input_ids=ids, labels=ids))
+cm.synchronize()
+res["after"] = {"seconds": time.perf_counter() - t, "loss": loss, "mappings_gib": mappings(),
+                "host_allocator": host_allocator()}
+print(json.dumps(res["after"]), flush=True)
+json.dump(res, open(sys.argv[1], "w"), indent=1)
