@@ -22,7 +22,7 @@ from .runtime.programs import ProgramCache
 from .runtime import timeline
 from .runtime.trace import Tracer
 from .runtime.modes import ExactMode, mode_for, sum_param_grads
-from .runtime.outputs import CallOutputs, release as release_call_outputs
+from .runtime.outputs import CallOutputs, concatenated, release as release_call_outputs
 from .runtime.weights import HostWeights
 
 
@@ -446,7 +446,7 @@ class GraphRunner:
                 raise RuntimeError(f"output {name} was not produced by any stage")
         if batched:
             whole = step.call_outputs and step.call_outputs.gather(name)
-            return torch.cat(vals, 0) if whole is None else whole
+            return concatenated(vals) if whole is None else whole
         if isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0:
             w = self._scalar_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)

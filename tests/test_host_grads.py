@@ -203,7 +203,8 @@ def test_a_calls_gradient_set_is_lent_again_once_let_go():
     opt.zero_grad()` with worker threads: once a call's gradients are let go, the next call's set
     is the same memory (an untied head split over the vocabulary: row sums too); a gradient the
     user keeps past zero_grad keeps its buffer, unchanged by the calls after; a train step lets
-    the spare sets go. Parameters after SGD with momentum as eager's."""
+    the spare sets go. The logits (lent memory too) may be written in place. Parameters after
+    SGD with momentum as eager's."""
     from rpcompile.runtime import host_buffers
     model = qwen3(tied=False, vocab=VOCAB, seed=4)
     ref = copy.deepcopy(model)
@@ -215,7 +216,10 @@ def test_a_calls_gradient_set_is_lent_again_once_let_go():
         before = host_buffers.snapshot()[1]["call gradients"]
         batch = _batch(s)
         for m, opt in ((cm, opts[0]), (ref, opts[1])):
-            loss = m(**batch).loss
+            out = m(**batch)
+            out.logits.mul_(1.0)            # an output written in place, as eager's may be
+            loss = out.loss
+            del out
             loss.backward()
             if s == 1 and m is cm:          # a gradient kept past zero_grad(): its set stays the user's
                 kept = model.model.layers[0].mlp.down_proj.weight.grad

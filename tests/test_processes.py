@@ -81,14 +81,20 @@ def test_exact_mode_in_worker_processes_matches_eager():
     assert all(torch.equal(a, p) and torch.equal(g, p.grad) for (a, g), p in zip(params, cm.model.parameters()))
 
 
+def _lent(host_buffers) -> tuple:
+    counts = host_buffers.snapshot()[1]
+    return counts["call gradients"], counts["outputs"]
+
+
 def test_calls_in_worker_processes_leave_no_gradient_set_behind():
     """`loss.backward(); opt.step()` on calls (an untied head split over the vocabulary: row
     sums too): a call's gradient set of its own is shared files, lent again to the next call
     once let go (Note [call gradient sets]: no new file after the first call, which each worker
     mapped and pinned; before, each call left a whole fp32 gradient set in /dev/shm: 6.4 GiB for
-    Qwen3-1.7B); a call under no_grad makes none; a train step lets the spare set go, in every
+    Qwen3-1.7B), as is the memory of its logits (Note [a call's outputs]); a call under no_grad
+    makes no gradient set; a train step lets the spare set go, in every
     process. Parameters after SGD with momentum as eager's."""
-    from rpcompile.runtime import host_buffers
+    from rpcompile.runtime import host_buffers, outputs
     model = qwen3(tied=False, layers=1, seed=4)
     ref = copy.deepcopy(model)
     cm = rpcompile.compile(model, _config(lm_head_shards=3))
@@ -97,7 +103,8 @@ def test_calls_in_worker_processes_leave_no_gradient_set_behind():
 
     def files():
         return {f: os.path.getsize(os.path.join(memory.directory, f)) for f in os.listdir(memory.directory)}
-    seen = []
+    outputs.release()                 # (what calls of earlier tests in this process left)
+    seen, before = [], _lent(host_buffers)
     for s in range(4):
         batch = lm_batch(seed=s)
         for m, opt, run in ((cm, opts[0], True), (ref, opts[1], False)):
@@ -109,10 +116,11 @@ def test_calls_in_worker_processes_leave_no_gradient_set_behind():
                 got = loss.detach()
             else:
                 close(got, loss.detach(), 1e-5, 1e-6, f"loss {s}")
-        seen.append((files(), host_buffers.snapshot()[1]["call gradients"]))
+        seen.append((files(), _lent(host_buffers)))
     with torch.no_grad():
         close(cm(**lm_batch(seed=9)).loss, ref(**lm_batch(seed=9)).loss, 1e-5, 1e-6, "a call under no_grad")
-    assert seen[1] == seen[2] == seen[3] == (files(), host_buffers.snapshot()[1]["call gradients"])
+    assert seen[0][1][0] > before[0] and seen[0][1][1] > before[1], "the first call lent no memory"
+    assert seen[1] == seen[2] == seen[3] == (files(), _lent(host_buffers))
     for p, q in zip(model.parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-4, 1e-5, "parameters after 4 steps")
     spare = {memory.ref(r).file for _, r in cm.runner.host_grads.calls.free}

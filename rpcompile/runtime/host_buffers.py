@@ -95,8 +95,6 @@ def snapshot() -> tuple:
         return Counter(allocated_bytes), Counter(allocations)
 
 
-
-
 class Reused:
     """Note [reused host buffers]: host tensors of exactly their size, lent out of regions that
     are kept and lent again once the tensor is gone. A lent tensor is `torch.frombuffer` over a
@@ -135,7 +133,10 @@ class Reused:
                                                                exact=True)
         array = (ctypes.c_uint8 * max(nbytes, 1)).from_address(region.data_ptr())
         weakref.finalize(array, self._back, pin, region, settled)
-        return torch.frombuffer(array, dtype=torch.uint8)[:nbytes].view(dtype).view(shape), settled
+        # (a tensor of its own on that storage, not a view: the output of an autograd Function
+        # may then be written in place, as a concatenation's could)
+        storage = torch.frombuffer(array, dtype=torch.uint8).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape)), settled
 
     def _back(self, pin, region, settled):
         # (list appends only: a finalizer takes no lock)

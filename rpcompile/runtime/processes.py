@@ -662,7 +662,7 @@ class _StepRecord:
         self.tracers: dict = {}      # run -> Tracer
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
-        self.forget = None           # (files, keys) of its own gradient set, forgotten with it
+        self.forget = None           # (files, keys) forgotten with it: its own gradient set's key
 
     def new_run(self, jobs, tracer) -> int:
         """A run of `jobs` (a job named once per copy); its number."""
