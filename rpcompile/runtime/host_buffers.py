@@ -144,12 +144,10 @@ class Reused:
 
     def release(self) -> int:
         """Let the free regions go (unpinned, or forgotten by every process); their bytes."""
-        regions = []
-        with self._take:
-            while self.free:        # (pop, not a swap: a finalizer may append meanwhile)
-                regions.append(self.free.pop()[1])
+        regions = self._beyond(0)
+        nbytes = sum(r.numel() for r in regions)
         self._let_go(regions)
-        return sum(r.numel() for r in regions)
+        return nbytes
 
     def _beyond(self, keep: int) -> list:
         """Take the free regions past `keep` bytes out of the free list, the newest kept."""

@@ -333,7 +333,7 @@ class ProcessExecutor:
         flat, consumed = self.memory.ref(grads.flat()), self.memory.ref(grads.consumed)
         self._to_all(("grads", key, grads.layout, flat, consumed))
         if grads.per_step:
-            record.forget = ([], [key])
+            record.own_grads = key
         else:
             self._grad_sets[id(grads)] = (key, grads)
         return key
@@ -634,8 +634,8 @@ class _Hub:
             except OSError:
                 return
             self.slot_sets.give(record.slots)
-            if record.forget is not None:
-                self.forget(*record.forget)
+            if record.own_grads is not None:    # (its files stay, lent to the next call's set)
+                self.forget([], [record.own_grads])
 
     def forget(self, names, keys=()) -> None:
         """Every process lets go of the shared files `names` (the owner removes them), the workers
@@ -662,7 +662,7 @@ class _StepRecord:
         self.tracers: dict = {}      # run -> Tracer
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
-        self.forget = None           # (files, keys) forgotten with it: its own gradient set's key
+        self.own_grads = None        # the key of its own gradient set (a call's), dropped with it
 
     def new_run(self, jobs, tracer) -> int:
         """A run of `jobs` (a job named once per copy); its number."""

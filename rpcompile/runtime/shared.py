@@ -135,9 +135,7 @@ class SharedMemory:
         self._locked: dict = {}       # name -> base: the files `page_lock` registered in this process
         self._lock_failed: set = set()   # names of the files it could not register
         weakref.finalize(self, _unlock, self._locked)
-        # (reentrant: a step's own gradient set is forgotten when its step is collected, which a
-        # garbage collection may do in a thread already in here: _Hub.maybe_release)
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self.created_bytes = 0
 
     def close(self):

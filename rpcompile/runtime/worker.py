@@ -478,7 +478,7 @@ class Worker:
                 self.early.pop(msg[1], None)
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
         elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots]), copies let go,
-            for key in msg[2] if len(msg) > 2 else ():      # a step's own gradient set
+            for key in msg[2]:                                 # a step's own gradient set
                 self.tables.pop(key, None)
                 self.grad_sets.pop(key, None)
             self.memory.forget(msg[1])
