@@ -1,6 +1,7 @@
 """Every host buffer of the runtime comes from runtime/host_buffers.py, which counts them
 (Note [planned host memory]): warm steps allocate none, and what the runtime allocated agrees
 with the host bytes `cm.plan` states."""
+import threading
 import warnings
 
 import pytest
@@ -99,6 +100,13 @@ def test_slot_sets_are_reused_once_their_copies_completed():
     again = SlotPool(Chunks, first[(0, "fwd")])      # the next step's same job: the same slots
     assert again.empty((1000,), torch.float32).data_ptr() == a.data_ptr()
     assert again.empty((300 << 10,), torch.uint8).data_ptr() == b.data_ptr() and not again.created
+    # a set is given back by a step's finalizer, which may run in a thread holding the sets'
+    # lock (Note [finalizers take no lock]): it returns at once, and the set is free after
+    given = threading.Thread(target=lambda: [sets._lock.acquire(), sets.give(first), sets._lock.release()],
+                             daemon=True)
+    given.start()
+    given.join(10)
+    assert not given.is_alive() and sets.free_sets() == [first] and sets.take() is first
 
 
 def test_exact_pinned_buffers_are_registered_pageable_memory_of_their_size(monkeypatch):

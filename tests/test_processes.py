@@ -565,3 +565,59 @@ def test_a_landing_carries_the_spans_of_its_own_job_not_the_next_ones():
     landed = [m for m in sent if m[0] == "landed"]
     assert [m[0] for m in sent] == ["ended", "landed"] and [s["job"] for s in landed[0][4]["spans"]] == [0]
     assert [s["job"] for s in tracer.resolve(tracer.detach())] == [1]
+
+
+def test_a_step_collected_while_its_thread_holds_the_hubs_lock_is_released_after_without_a_hang():
+    """Note [finalizers take no lock] (shared.py): a step's finalizer may run in a thread that
+    holds the hub's lock (a garbage collection); it queues the record, and the receiver thread,
+    woken, releases it: the workers are told and the slot set is free again. Dropped while the
+    receiver is not reading, the step is released when a slot set is next counted or taken."""
+    import multiprocessing
+    import threading
+    import weakref
+    from rpcompile.runtime.processes import _Hub
+    from rpcompile.runtime.shared import SlotSets
+
+    class Step:
+        pass
+    ours, theirs = multiprocessing.Pipe()
+    sets = SlotSets()
+    hub = _Hub(["cpu"], [], [ours], sets, None)
+    sets.gather = hub.release_gone
+    told = []
+    hub.to_all = told.append
+
+    def issue(step_id):
+        slots = {(1, 0, 0): [f"chunk of step {step_id}"]}
+        steps = [Step()]
+        weakref.finalize(steps[0], hub.step_gone, hub.record(step_id, slots))
+        return steps, slots
+
+    def drop_holding_the_lock(steps):
+        def drop():
+            with hub.lock:
+                steps.clear()           # the finalizer runs here
+        t = threading.Thread(target=drop, daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the finalizer waited for a lock its own thread held"
+
+    steps, slots = issue(7)
+    drop_holding_the_lock(steps)
+    assert 7 in hub.records and told == []          # queued, not released under the lock
+    assert sets.free_sets() == [slots] and 7 not in hub.records and told == [("release", 7)]
+
+    receiver = threading.Thread(target=hub.receive, daemon=True)
+    receiver.start()
+    steps, slots = issue(8)
+    drop_holding_the_lock(steps)
+    deadline = time.monotonic() + 10
+    while 8 in hub.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 8 not in hub.records and told[-1] == ("release", 8)       # the receiver released it
+    assert sets.take() in ({(1, 0, 0): ["chunk of step 7"]}, slots) and len(sets.free_sets()) == 1
+    hub.stopping = True
+    theirs.close()                  # the receiver ends, and closes its wake-up sockets
+    receiver.join(10)
+    assert not receiver.is_alive() and hub._wake.fileno() == -1
+    hub.step_gone(hub.record(9, {}))               # a finalizer after the hub stopped: no error

@@ -14,6 +14,7 @@ import itertools
 import os
 import queue
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -211,6 +212,7 @@ class ProcessExecutor:
             conns[i] = conn
         hub = _Hub(config.devices, procs, [conns[i] for i in range(len(config.devices))], self.slot_sets,
                    self.memory)
+        self.slot_sets.gather = hub.release_gone      # Note [finalizers take no lock] (shared.py)
         # one hand-over counter per worker (Note [hand-over flags], runtime/handover.py)
         self.counters = self.memory.empty((len(config.devices),), torch.int32).zero_()
         counters = self.memory.ref(self.counters)
@@ -529,6 +531,10 @@ class _Hub:
         self.failed = weakref.WeakSet()  # landed events of jobs that failed or were stopped
         self.pinned: dict = {}           # worker index -> (its device, its caching host allocator's bytes), last reported
         self.device_peaks: dict = {}     # worker index -> (its device, peak bytes allocated, reserved), last reported
+        self.gone: queue.SimpleQueue = queue.SimpleQueue()   # records of steps collected, not yet released
+        self._wake, self._woken = socket.socketpair()       # a finalizer wakes the receiver thread
+        self._wake.setblocking(False)
+        self._releasing = threading.Lock()
 
     def to_all(self, msg):
         for conn, lock in zip(self.conns, self.locks):
@@ -541,8 +547,15 @@ class _Hub:
         return r
 
     def receive(self):
+        try:
+            self._receive()
+        finally:
+            self._wake.close()
+            self._woken.close()
+
+    def _receive(self):
         while True:
-            ready = wait_connections(self.conns, timeout=5.0)
+            ready = wait_connections(self.conns + [self._woken], timeout=5.0)
             if not ready:
                 dead = [i for i, p in enumerate(self.procs) if p.poll() is not None]
                 if dead and not self.stopping:
@@ -551,6 +564,10 @@ class _Hub:
                     return
                 continue
             for conn in ready:
+                if conn is self._woken:
+                    self._woken.recv(1 << 12)
+                    self.release_gone()
+                    continue
                 try:
                     msg = recv(conn)
                 except (EOFError, OSError):
@@ -614,14 +631,34 @@ class _Hub:
             self.forget(gone)
         # released before waking the waiter too: a next step issued once this landing was seen
         # (delayed mode: after the optimizer step that waited for it) finds the slot set free
+        self.release_gone()
         self.maybe_release(record)
         record.outputs_landed(run_no, job, info.get("replica", 0)).set()     # (if no "outputs" came first)
         if wake:
             ev.set()
 
     def step_gone(self, record):
-        record.gone = True
-        self.maybe_release(record)
+        """The finalizer of a step's StepState (Note [finalizers take no lock]): it queues the
+        record for release_gone and wakes the receiver thread, which calls it."""
+        self.gone.put(record)
+        try:
+            self._wake.send(b"\0")
+        except OSError:      # (a wake is pending already, or the hub stopped)
+            pass
+
+    def release_gone(self):
+        """Release the steps whose StepState was collected (in a thread that may take locks):
+        the receiver thread when woken, before a landing wakes its waiter, and before a slot
+        set is taken or counted (SlotSets.gather). One thread at a time: a caller returns once
+        what was queued before it is released, whichever thread took it."""
+        with self._releasing:
+            while True:
+                try:
+                    record = self.gone.get_nowait()
+                except queue.Empty:
+                    return
+                record.gone = True
+                self.maybe_release(record)
 
     def maybe_release(self, record):
         with self.lock:

@@ -24,6 +24,7 @@ import fcntl
 import itertools
 import math
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -31,6 +32,7 @@ import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -249,6 +251,19 @@ class SharedMemory:
         return base[ref.offset:ref.offset + n].view(ref.dtype).view(ref.shape)
 
 
+# Note [finalizers take no lock]: a step gives its slot set back from the finalizer of its
+# StepState (runtime/executor.py; processes.py's _Hub.step_gone, which also has the workers drop
+# the step). A finalizer runs where the last reference goes, or in a garbage collection that any
+# allocation may start: in any thread, in the middle of any code, perhaps one holding the lock
+# the finalizer would take (a plain Lock: a hang), or halfway through a message written to a
+# worker's connection (a reentrant lock: a garbled message). So the finalizer only puts the set
+# or record in a queue.SimpleQueue (whose put is safe there) and, with worker processes, wakes
+# the receiver thread through a socket pair; the sets are sorted, and the steps released, by
+# code that may take locks: the receiver thread, a landing, and SlotSets.take/free_sets
+# (SlotSets.gather), so a step issued after the last one was dropped still finds its set free.
+# Reused (runtime/host_buffers.py) is built the same way: its finalizer only appends.
+
+
 class SlotSets:
     """Note [slot sets]: the shared files a step's downloads land in (activations, checkpoints,
     gradients of activations, outputs), per job of the step, reused by a later step's same job
@@ -285,11 +300,24 @@ class SlotSets:
     def __init__(self):
         self._free: list = []
         self._pending: list = []      # (set, events): given back, free once the events completed
+        self._given: queue.SimpleQueue = queue.SimpleQueue()   # (set, events) given back, not yet sorted
         self._lock = threading.Lock()
         self.made = 0
+        self.gather: Optional[Callable[[], None]] = None   # gives back what the owner's finalizers queued
+
+    def _sort_given(self) -> None:
+        """(under the lock) The sets given back since, into the pending ones."""
+        while True:
+            try:
+                self._pending.append(self._given.get_nowait())
+            except queue.Empty:
+                return
 
     def take(self) -> dict:
+        if self.gather is not None:
+            self.gather()
         with self._lock:
+            self._sort_given()
             done = [all(e.query() for e in events) for _, events in self._pending]
             self._free += [slots for (slots, _), d in zip(self._pending, done) if d]
             self._pending = [p for p, d in zip(self._pending, done) if not d]
@@ -300,17 +328,17 @@ class SlotSets:
 
     def give(self, slots: dict, events=()) -> None:
         """A set no step uses; free once `events` (each device's streams as the step was dropped:
-        with worker threads a copy may still read its slots then) have completed."""
-        with self._lock:
-            if events:
-                self._pending.append((slots, list(events)))
-            else:
-                self._free.append(slots)
+        with worker threads a copy may still read its slots then) have completed. Called from a
+        step's finalizer (Note [finalizers take no lock]): it only queues the set."""
+        self._given.put((slots, list(events)))
 
     def free_sets(self) -> list:
-        """The sets no step holds now (what a benchmark reports of them)."""
+        """The sets no step holds now, whatever their events (what a benchmark reports of them)."""
+        if self.gather is not None:
+            self.gather()
         with self._lock:
-            return list(self._free)
+            self._sort_given()
+            return list(self._free) + [slots for slots, _ in self._pending]
 
 
 class SlotPool:
