@@ -1,8 +1,9 @@
 """Compiled plan pieces (stage programs, compute graphs, whole `Stage`s) as bytes for another
 process: `dumps(obj)`, `loads(data)`.
 
-Why: stage jobs are to run in one worker process per device, spawned (a fresh interpreter, not
-a fork), so the plan's pieces must pickle. Plain pickle fails on them: torch.fx unpickles a
+Why: stage jobs are to run in one worker process per device, which holds nothing of the main
+process's (forked from a launcher that only imported rpcompile: Note [worker launcher]), so the
+plan's pieces must pickle. Plain pickle fails on them: torch.fx unpickles a
 GraphModule by re-tracing its code symbolically, and our programs call plain Python functions
 (`ops.compute(job, mb, graph, ...)`, `ops.fetch_value`) that cannot run on Proxies; torch 2.13
 pickles no `OpOverload` (aten ops, our `torch.ops.rpcompile.*`); node meta holds fake tensors.

@@ -29,6 +29,7 @@ import torch
 from ..errors import RPCompileError, StageError, StepAbandoned
 from . import portable, timeline, warmup
 from .device import Pending
+from .launcher import start_worker
 from .programs import compiles_stages
 from .schedule import Schedule
 from .shared import SharedMemory, SlotSets
@@ -138,8 +139,8 @@ class ProcessExecutor:
     def prestart(self, modules=()) -> None:
         """Note [early workers]: the first call captures and plans the model in this process
         (seconds: Qwen3-1.7B's capture took 11 s on an H200 host) before its first run starts
-        the worker processes, and each worker then imports torch and rpcompile before it
-        connects (2.5 s on a 2-core sandbox, four at once on a GPU host). So the first call
+        the worker processes, and the first workers of a process wait for their launcher to
+        import torch and rpcompile (2.5 s on a 2-core sandbox; Note [worker launcher]). So the first call
         starts them before it captures; they connect and wait for their part, which the first
         run sends (`_start`). Processes never given a part are killed with this executor.
         A plan names none of the model's classes (runtime/portable.py), so a worker imports
@@ -165,8 +166,7 @@ class ProcessExecutor:
                 env["RPCOMPILE_WORKER_COMPILES"] = d.type      # Note [compile stack imported early] (worker.py)
             # Inductor's compile pool is per process: share the cores instead of 32 pools of 32
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(config.devices))))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", "from rpcompile.runtime.worker import main; main()"], env=env))
+            procs.append(start_worker(env))      # Note [worker launcher] (launcher.py)
         timeline.mark("workers spawned")
         return server, path, token, procs, weakref.finalize(self, _kill_unconnected, procs, server, path)
 

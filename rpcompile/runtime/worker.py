@@ -3,8 +3,9 @@
 Note [worker processes]: with worker threads, four GPUs are driven from one interpreter and
 their kernel launches take turns under its lock (a launch probe on 4x H100 measured four
 threads together 0.71x as fast as one; one process per GPU 3.15x). So each device gets a
-process of its own, started as a fresh interpreter that calls `worker.main()` (never a fork, and never
-a re-import of the user's script as multiprocessing's spawn does), seeing only its GPU
+process of its own that calls `worker.main()`, forked from a launcher that imported this module
+once (Note [worker launcher] in runtime/launcher.py; never a fork of the main process, and
+never a re-import of the user's script as multiprocessing's spawn does), seeing only its GPU
 (CUDA_VISIBLE_DEVICES), so every process compiles the same code and one on-disk Inductor
 cache serves them all. What crosses between processes:
 

@@ -10,7 +10,9 @@ process can wait for a worker's mark made before any job, instead of holding a g
 import os
 import sys
 
-if os.environ.get("RPCOMPILE_WORKER_INDEX") is not None:     # in a worker process only
+# in a worker process only, or the launcher that forks them (Note [worker launcher]), whose
+# children keep what it set up here
+if os.environ.get("RPCOMPILE_WORKER_INDEX") is not None or os.environ.get("RPCOMPILE_LAUNCHER_FDS"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, for parity
     import torch
 

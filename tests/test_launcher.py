@@ -1,0 +1,75 @@
+"""Note [worker launcher]: worker processes are forked from one launcher per environment, which
+imported them once; their handles say how each ended, and nothing outlives the main process."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rpcompile.runtime import launcher, worker
+
+TOKEN = bytes(16)
+
+
+def _stat(pid):
+    """(state, parent pid) of a process, or None once it is gone (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return None if fields[0] in "ZX" else (fields[0], int(fields[1]))
+
+
+def _env(tmp_path):
+    """(this test's own environment: a launcher of its own, not one other tests' workers came from)"""
+    return {**os.environ, "RPCOMPILE_WORKER_DIR": str(tmp_path), "RPCOMPILE_WORKER_TOKEN": TOKEN.hex(),
+            "RPCOMPILE_TEST_LAUNCHER": str(tmp_path)}
+
+
+def test_workers_fork_from_one_launcher_and_say_how_they_ended(tmp_path):
+    server = worker.serve_socket(str(tmp_path / "main.sock"))
+    env = _env(tmp_path)
+    procs = [launcher.start_worker({**env, "RPCOMPILE_WORKER_INDEX": str(i), "CUDA_VISIBLE_DEVICES": str(i)})
+             for i in range(2)]
+    (key, first), = launcher._launchers.items()       # one launcher for both (each worker's own variables aside)
+    assert {_stat(p.pid)[1] for p in procs} == {first.proc.pid}
+    conns = [worker.accept(server, TOKEN, timeout=60) for _ in procs]     # they connected, and wait for their part
+    assert sorted(worker.recv(c)[1] for c in conns) == [0, 1]
+    assert [p.poll() for p in procs] == [None, None]
+    procs[0].kill()
+    assert procs[0].wait(timeout=30) == -signal.SIGKILL and procs[0].returncode == -signal.SIGKILL
+    conns[1].close()          # the main process gone before the worker's part came: it fails
+    assert procs[1].wait(timeout=30) == 1
+    failed = launcher.start_worker(env)      # no index: it fails as it starts
+    assert failed.wait(timeout=30) == 1 and launcher._launchers[key] is first
+    # another environment (what an interpreter reads as it starts): another launcher; the last
+    # one, asked for no more workers, ends once its children have
+    other = launcher.start_worker({**env, "RPCOMPILE_TEST_OTHER_ENVIRONMENT": "1"})
+    assert other.wait(timeout=60) == 1 and first.proc.wait(timeout=30) == 0
+    assert list(launcher._launchers.values()) != [first]
+    server.close()
+
+
+def test_the_launcher_and_its_workers_end_with_the_main_process(tmp_path):
+    """A main process that exits (here without a word to its workers) leaves neither its
+    workers nor their launcher behind."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import os, sys\n"
+        "from rpcompile.runtime import launcher, worker\n"
+        f"server = worker.serve_socket({str(tmp_path / 'main.sock')!r})\n"
+        f"p = launcher.start_worker({{**os.environ, 'RPCOMPILE_WORKER_DIR': {str(tmp_path)!r}, "
+        f"'RPCOMPILE_WORKER_TOKEN': {TOKEN.hex()!r}, 'RPCOMPILE_WORKER_INDEX': '0'}})\n"
+        f"conn = worker.accept(server, {TOKEN!r}, timeout=60)\n"
+        "(l,) = launcher._launchers.values()\n"
+        "print(p.pid, l.proc.pid, flush=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    pids = [int(x) for x in res.stdout.split()]
+    deadline = time.monotonic() + 30
+    while any(map(_stat, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_stat, pids)), [_stat(p) for p in pids]
