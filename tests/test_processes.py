@@ -621,3 +621,33 @@ def test_a_step_collected_while_its_thread_holds_the_hubs_lock_is_released_after
     receiver.join(10)
     assert not receiver.is_alive() and hub._wake.fileno() == -1
     hub.step_gone(hub.record(9, {}))               # a finalizer after the hub stopped: no error
+
+
+def test_a_models_finalizer_run_while_its_thread_writes_to_a_worker_does_not_hang():
+    """Note [finalizers take no lock] (shared.py): the executor's finalizer (processes._stop) may
+    run in a thread halfway through a message to a worker, holding that connection's lock: it
+    sends that worker no "stop" (a worker ends at its connection's end as well), tells the
+    others, closes every connection and returns."""
+    import multiprocessing
+    import threading
+    from rpcompile.runtime import processes
+    from rpcompile.runtime.shared import SlotSets
+
+    class Memory:
+        closed = False
+
+        def close(self):
+            self.closed = True
+    (ours, theirs), (other, others) = multiprocessing.Pipe(), multiprocessing.Pipe()
+    hub, memory = processes._Hub(["cpu", "cpu"], [], [ours, other], SlotSets(), None), Memory()
+
+    def collected_mid_message():
+        with hub.locks[0]:
+            processes._stop(hub, memory)
+    t = threading.Thread(target=collected_mid_message, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and memory.closed and hub.stopping
+    with pytest.raises(EOFError):
+        theirs.recv()
+    assert others.recv() == ("stop",)

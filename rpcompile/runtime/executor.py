@@ -26,7 +26,9 @@ from .shared import SlotPool, SlotSets
 class _Worker:
     def __init__(self, dev: DeviceRuntime, name: str):
         self.dev = dev
-        self.jobs: queue.Queue = queue.Queue()
+        # (a SimpleQueue: the executor's finalizer puts the end here, from any thread, in the
+        # middle of anything: Note [finalizers take no lock] in shared.py)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 

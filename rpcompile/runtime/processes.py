@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import pickle
 import queue
 import secrets
 import socket
@@ -88,10 +89,17 @@ def _kill_unconnected(procs, server, path):
 def _stop(hub, memory):
     hub.stopping = True
     for conn, lock in zip(hub.conns, hub.locks):
+        # A finalizer, so its thread may be the one holding `lock`, halfway through a message (Note
+        # [finalizers take no lock] in shared.py): then no "stop"; the worker ends as well when its
+        # connection closes below.
+        if not lock.acquire(timeout=1.0):
+            continue
         try:
-            send(conn, lock, ("stop",))
+            conn.send_bytes(pickle.dumps(("stop",)))
         except OSError:
             pass
+        finally:
+            lock.release()
     deadline = time.monotonic() + 10
     for p in hub.procs:
         try:

@@ -261,7 +261,10 @@ class SharedMemory:
 # the receiver thread through a socket pair; the sets are sorted, and the steps released, by
 # code that may take locks: the receiver thread, a landing, and SlotSets.take/free_sets
 # (SlotSets.gather), so a step issued after the last one was dropped still finds its set free.
-# Reused (runtime/host_buffers.py) is built the same way: its finalizer only appends.
+# Reused (runtime/host_buffers.py) is built the same way: its finalizer only appends. The
+# executors' own finalizers (`_stop`, when a compiled model goes) likewise: worker threads take
+# their end from a SimpleQueue; worker processes are told "stop" only where the connection's
+# lock comes free within a second (else the worker ends at its connection's close, as on "stop").
 
 
 class SlotSets:
