@@ -146,6 +146,15 @@ def _three_layer_overlapped():
     return model, ref, cm, opt, torch.optim.AdamW(ref.parameters(), lr=1e-3)
 
 
+def _new_steps_alive(before=frozenset()) -> set:
+    """ids of the StepStates alive now but not in `before` (what an earlier test left alive, say
+    a differentiable call's output whose autograd graph holds its step, is not this test's)."""
+    import gc
+
+    from rpcompile.runtime.job import StepState
+    return {id(o) for o in gc.get_objects() if type(o) is StepState} - set(before)
+
+
 def _steps_free_their_state(cm, opt, mode, steps=3):
     """Runs `steps` steps (lm_batch(seed=t)) with the cyclic garbage collector off: every
     finished step is freed all the same. In overlapped mode, also: one submission per step,
@@ -153,17 +162,16 @@ def _steps_free_their_state(cm, opt, mode, steps=3):
     step]): its timings are kept per submission."""
     import gc
 
-    from rpcompile.runtime.job import StepState
-
     gc.collect()
     gc.disable()
     try:
+        before = _new_steps_alive()
         for step in range(steps):
             cm.train_step(**lm_batch(seed=step))
             if mode == "exact":
                 opt.step(), opt.zero_grad()
         cm.synchronize()
-        alive = sum(type(o) is StepState for o in gc.get_objects())
+        alive = len(_new_steps_alive(before))
     finally:
         gc.enable()
     assert alive == 0, f"{alive} finished steps are still alive"
@@ -235,8 +243,6 @@ def test_the_optimizer_holds_gradients_not_the_step(mode):
     import gc
     import threading
 
-    from rpcompile.runtime.job import StepState
-
     release = threading.Event()
 
     class BlockedSGD(torch.optim.SGD):
@@ -257,12 +263,13 @@ def test_the_optimizer_holds_gradients_not_the_step(mode):
     gc.collect()
     gc.disable()
     try:
+        before = _new_steps_alive()
         cm.train_step(**lm_batch(seed=0))
         if mode == "delayed":   # step 0 is handed to the optimizer as step 1 runs (Note [overlapped steps])
             cm.train_step(**lm_batch(seed=1))
         assert cm.runner.overlapped._completed == 0, "the optimizer step should still be blocked"
         running = 1 if cm.runner.pending is not None else 0     # delayed: step 1's backward jobs
-        alive = sum(type(o) is StepState for o in gc.get_objects())
+        alive = len(_new_steps_alive(before))
     finally:
         release.set()
         gc.enable()
