@@ -52,12 +52,11 @@ class Forked:
 
     def __init__(self, launcher: "Launcher", seq: int):
         self._launcher, self._seq = launcher, seq
-        self._killed = False
 
     @property
     def pid(self) -> int:
         """(waits until the launcher has forked it)"""
-        pid = self._launcher.pid_of(self._seq, timeout=None)
+        pid = self._launcher.pid_of(self._seq)
         if pid is None:
             raise ProcessLookupError(f"the worker launcher ended before it forked this worker "
                                      f"(exit code {self._launcher.proc.poll()})")
@@ -79,7 +78,6 @@ class Forked:
         return self.returncode
 
     def kill(self) -> None:
-        self._killed = True
         self._launcher.kill(self._seq)
 
 
@@ -108,7 +106,7 @@ class Launcher:
         with self._send:
             self._seqs += 1
             seq = self._seqs
-            self._req.send(("fork", {k: v for k, v in env.items() if k != _FDS}, os.getcwd()))
+            self._req.send(("fork", env, os.getcwd()))
         return Forked(self, seq)
 
     def close(self) -> None:
@@ -139,18 +137,17 @@ class Launcher:
                 self.gone = True
                 self._forked.notify_all()
 
-    def pid_of(self, seq: int, timeout: Optional[float]) -> Optional[int]:
+    def pid_of(self, seq: int) -> Optional[int]:
         with self._forked:
-            self._forked.wait_for(lambda: seq in self.pids or self.gone, timeout)
+            self._forked.wait_for(lambda: seq in self.pids or self.gone)
             return self.pids.get(seq)
 
     def returncode_of(self, seq: int) -> Optional[int]:
         # (no lock: a finalizer may ask)
         pid = self.pids.get(seq)
-        if pid is None:
-            if self.gone or self.proc.poll() is not None:     # never forked: the launcher's end says why
-                return self.proc.poll() if self.proc.poll() is not None else -signal.SIGKILL
-            return None
+        if pid is None:         # never forked (yet): the launcher's end says why
+            code = self.proc.poll()
+            return code if code is not None or not self.gone else -signal.SIGKILL
         code = self.ended.get(seq)
         if code is None and self.gone:        # its end unreported: the launcher died first
             try:

@@ -33,7 +33,7 @@ from .device import Pending
 from .launcher import start_worker
 from .programs import compiles_stages
 from .schedule import Schedule
-from .shared import SharedMemory, SlotSets
+from .shared import SharedMemory, SlotSets, drained
 from .weights import working_dtype
 from .worker import accept, decode, micro_desc, recv, send, serve_socket
 
@@ -660,11 +660,7 @@ class _Hub:
         set is taken or counted (SlotSets.gather). One thread at a time: a caller returns once
         what was queued before it is released, whichever thread took it."""
         with self._releasing:
-            while True:
-                try:
-                    record = self.gone.get_nowait()
-                except queue.Empty:
-                    return
+            for record in drained(self.gone):
                 record.gone = True
                 self.maybe_release(record)
 

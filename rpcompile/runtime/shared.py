@@ -267,6 +267,15 @@ class SharedMemory:
 # lock comes free within a second (else the worker ends at its connection's close, as on "stop").
 
 
+def drained(q: queue.SimpleQueue):
+    """The items queued in `q` so far, taken out one by one."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
+
+
 class SlotSets:
     """Note [slot sets]: the shared files a step's downloads land in (activations, checkpoints,
     gradients of activations, outputs), per job of the step, reused by a later step's same job
@@ -310,11 +319,7 @@ class SlotSets:
 
     def _sort_given(self) -> None:
         """(under the lock) The sets given back since, into the pending ones."""
-        while True:
-            try:
-                self._pending.append(self._given.get_nowait())
-            except queue.Empty:
-                return
+        self._pending.extend(drained(self._given))
 
     def take(self) -> dict:
         if self.gather is not None:
