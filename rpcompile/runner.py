@@ -429,6 +429,12 @@ class GraphRunner:
         outputs = []
         for i, name in enumerate(plan.graph_outputs):
             outputs.append(self._gather_output(plan, step, i, name, weights))
+        # The step lets go of what it returns: autograd gives the outputs a node whose context
+        # holds the step, and a cycle through that node is one the collector cannot see (a call
+        # never differentiated kept its step, activations and all, for good).
+        step.call_outputs = None
+        for m in step.micro:
+            m.outputs.clear()
         step.loss_weights = weights
         return outputs, (step if keep_for_backward else None)
 

@@ -131,6 +131,33 @@ def test_differentiable_call_matches_eager_and_a_no_grad_call_returns_outputs():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_call_never_differentiated_frees_its_step():
+    """A differentiable call's outputs dropped without a backward free its step (activations
+    and all) at once: the step held its outputs, whose autograd node holds the step, a cycle
+    through autograd's C++ that not even the collector frees (it kept every such step)."""
+    import gc
+
+    from rpcompile.runtime.job import StepState
+
+    def steps_alive():
+        return {id(o) for o in gc.get_objects() if type(o) is StepState}
+
+    cm = rpcompile.compile(qwen3(tied=False, layers=1),
+                           rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB"))
+    cm(**lm_batch(seed=0)).loss.backward()      # (the first call compiles)
+    before = steps_alive()
+    gc.disable()
+    try:
+        out = cm(**lm_batch(seed=1))
+        assert out.logits.requires_grad and len(steps_alive() - before) == 1
+        del out
+        left = len(steps_alive() - before)
+    finally:
+        gc.enable()
+    gc.collect()
+    assert left == 0 and len(steps_alive() - before) == 0
+
+
 def test_torch_compile_backend_string_and_config():
     """backend="rpcompile" (entry point) and backend=rpcompile.backend(cfg): loss.backward, opt.step."""
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB")
