@@ -6,6 +6,7 @@
     python benchmarks/gpu_check.py speed --gpus 1 --steps 3 --out $OUT/speed.json
     python benchmarks/gpu_check.py lmhead --out $OUT/lmhead.json
     python benchmarks/gpu_check.py peaks --seq-len 65536 --budget 24GiB --out $OUT/peaks.json
+    python benchmarks/gpu_check.py call --out $OUT/call.json
 
 Writes JSON (and prints it). Not a test: CI has no GPU.
 """
@@ -147,6 +148,60 @@ def parity(args):
                         "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step4": perr, "optimizer": args.optimizer,
                         "peer_fetches": peer_fetches}
             print(key, json.dumps(res[key]), flush=True)
+    return res
+
+
+def call(args):
+    """The differentiable call on CUDA: cm(**b).loss.backward() against eager (gradients at step 0,
+    parameters after 3 SGD steps), in fp32 and bf16 (eager under autocast), on GPU 0 as two
+    devices (copies of the chain on one GPU, each job handing over on its device, where the
+    call's backward once found no host copy of the forward's boundaries); then calls whose
+    outputs are dropped undifferentiated: each frees its step (GraphRunner.call_forward), so no
+    StepState stays and the device memory they took comes back."""
+    import gc
+
+    from rpcompile.runtime.job import StepState
+    res = {}
+    dev = "cuda:0"
+    gpus = max(2, torch.cuda.device_count())   # (one GPU: two jobs' devices on it)
+    for (dtype_name, dtype), workers in [(d, w) for d in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                                         for w in ("threads", "processes")]:
+        model = tiny_qwen3(tied=False)
+        ref = copy.deepcopy(model).to(dev)
+        cm = rpcompile.compile(model, rpcompile.Config(
+            devices=[f"cuda:{i % torch.cuda.device_count()}" for i in range(gpus)], num_microbatches=3,
+            memory_budget="6MiB", workers=workers, dtype=dtype))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        losses, grad_err = [], None
+        for step in range(3):
+            b = batch(6, 64, 512, seed=step)
+            loss = cm(**b).loss
+            loss.backward()
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+                lr_ = ref(**{k: v.to(dev) for k, v in b.items()}).loss
+            lr_.backward()
+            if step == 0:
+                grad_err = max(rel(p.grad, q.grad.cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+            losses.append((loss.item(), lr_.item()))
+            opt.step(), opt.zero_grad(), opt_ref.step(), opt_ref.zero_grad()
+        cm.synchronize()
+        perr = max(rel(p.detach(), q.detach().cpu()) for p, q in zip(model.parameters(), ref.parameters()))
+        gc.collect()
+        steps = lambda: sum(type(o) is StepState for o in gc.get_objects())   # noqa: E731
+        before, cuda_before = steps(), torch.cuda.memory_allocated(0)
+        for seed in range(5):   # differentiable calls never differentiated
+            out = cm(**batch(6, 64, 512, seed=10 + seed))
+            assert out.loss.requires_grad
+            del out
+        cm.synchronize()
+        key = f"{dtype_name}_{workers}"
+        res[key] = {"stages": len(cm.plan.stages), "replicas": cm.plan.replicas, "losses": losses,
+                    "max_rel_grad_err_step0": grad_err, "max_rel_param_err_step3": perr,
+                    "steps_left_after_5_dropped_calls": steps() - before,
+                    "cuda0_allocated_delta_bytes": torch.cuda.memory_allocated(0) - cuda_before}
+        print(key, json.dumps(res[key]), flush=True)
+        del cm
     return res
 
 
@@ -397,7 +452,7 @@ def peaks(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -429,7 +484,7 @@ def main():
     if args.hang_s:
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
-    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks}[args.what](args)
+    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

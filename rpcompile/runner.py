@@ -262,25 +262,26 @@ class GraphRunner:
             return None
         return lambda params: self.host_weights.refresh_many(params, dtype, self.overlapped.stepper.copy_down)
 
-    def run_jobs(self, plan, step, jobs):
+    def run_jobs(self, plan, step, jobs, then=()):
         """Run [(job index, stage, role), ...] as a chain: its schedule is built first
-        (runtime/schedule.py, continuing the rotation), then executed."""
-        self.issue_jobs(plan, step, jobs).wait()
+        (runtime/schedule.py, continuing the rotation), then executed. `then`: the jobs a later
+        run of the step will run (what they read goes to the host)."""
+        self.issue_jobs(plan, step, jobs, then).wait()
 
-    def issue_jobs(self, plan, step, jobs):
+    def issue_jobs(self, plan, step, jobs, then=()):
         """Hand the chain to the devices; the returned run waits for its jobs (or some)."""
         if step.tracer is None:
             # (worker processes trace their own devices: the main process touches no GPU)
             step.tracer = Tracer(self.config.devices if self.config.workers == "threads" else [])
         self.last_tracer = step.tracer
         self.recent_tracers = (self.recent_tracers + [step.tracer])[-3:]
-        return self.executor.issue(step, self._schedule(plan, jobs, len(step.micro)),
+        return self.executor.issue(step, self._schedule(plan, jobs, len(step.micro), then),
                                    lambda st, role, dev: self.program_for(plan, st, role, dev))
 
-    def _schedule(self, plan, jobs, num_microbatches: int):
+    def _schedule(self, plan, jobs, num_microbatches: int, then=()):
         """The schedule the next run of `jobs` gets (its first job on the executor's offset)."""
         return build_schedule(jobs, len(self.executor.workers), self.executor.offset, plan.replicas,
-                              num_microbatches)
+                              num_microbatches, then)
 
     def last_trace(self):
         """Spans of the last step (or call), with the device each job ran on."""
@@ -423,7 +424,8 @@ class GraphRunner:
                                             [n for n, b in zip(plan.graph_outputs, plan.output_batched) if b],
                                             pin=self.config.on_gpu)
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
-        self.run_jobs(plan, step, jobs)
+        backward = [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
+        self.run_jobs(plan, step, jobs, then=backward if keep_for_backward else ())
         if step.grads is not None:     # (its backward may never come: the set may serve the next call)
             step.grads.settle(True)
         outputs = []

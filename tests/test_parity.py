@@ -131,6 +131,24 @@ def test_differentiable_call_matches_eager_and_a_no_grad_call_returns_outputs():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("devices,data_parallel", [(["cpu"], None), (["cpu", "cpu"], True)],
+                         ids=["one-device", "replicas"])
+def test_differentiable_call_where_jobs_hand_over_on_the_device(devices, data_parallel):
+    """cm(...).loss.backward() where each job hands its outputs to the next on its own device
+    (one device; copies of the chain, Note [replicas]): the call's backward reads the
+    forward's boundaries from the host (its backward failed with a KeyError: the forward's
+    schedule had not counted the backward's reads)."""
+    cfg = rpcompile.Config(devices=devices, num_microbatches=2, memory_budget=TIGHT, data_parallel=data_parallel)
+
+    def via_call(cm, b):
+        out = cm(**b)
+        out.loss.backward()
+        return out.loss
+
+    cm = train_both(qwen3(tied=False), [lm_batch(seed=s) for s in range(2)], cfg, call=via_call, steps=2)
+    assert cm.plan.replicas == (2 if data_parallel else 1)
+
+
 def test_a_call_never_differentiated_frees_its_step():
     """A differentiable call's outputs dropped without a backward free its step (activations
     and all) at once: the step held its outputs, whose autograd node holds the step, a cycle

@@ -95,6 +95,24 @@ def test_links_of_a_nine_job_chain_on_four_devices():
         assert s.stage(4) is jobs[4][1]
 
 
+def test_a_later_run_s_reads_count_as_read_later():
+    """A differentiable call runs its forward jobs, and its backward jobs in a later run: what
+    the backward reads must reach the host, even from the last forward job, and on one device
+    (where the next job would otherwise take a value on the device only)."""
+    kinds = ["fwd"] * 2 + ["fused"] + ["bwd"] * 2
+    inputs = [["h0"], ["h1"], ["h2"], ["h1", "g2"], ["h0", "g1"]]
+    jobs = _chain(kinds, inputs)
+    forward = [(k, st, "fwd") for k, st, kind in jobs if kind != "bwd"]
+    backward = [(k, st, "bwd") for k, st, kind in jobs if kind != "fwd"]
+    for n, replicas in ((1, 1), (2, 1), (2, 2)):
+        s = build_schedule(forward, n, 0, replicas, 4, then=backward)
+        alone = build_schedule(forward, n, 0, replicas, 4)
+        assert [str(a) for a in s.actions] == [str(a) for a in alone.actions]
+        assert alone.actions[-1].later_reads == frozenset()
+        for a, b in zip(alone.actions, s.actions):
+            assert b.later_reads == a.later_reads | {"h0", "h1", "h2", "g1", "g2"}
+
+
 def test_links_match_the_rotation_formula():
     """The links the executor used to compute inline: next on device k + N, next device (k + 1)."""
     for n_jobs in (1, 2, 5, 9, 12):

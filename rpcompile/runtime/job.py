@@ -347,6 +347,9 @@ class JobContext:
     # jobs. At the default share on 2 GPUs the jobs had no such gaps (51st session's trace). Kept
     # for the traffic it saves on the host link that the devices share (2 x 134 MB a step a
     # device there); not measured at 4 GPUs (benchmarks/runs/microbatches/README.md).
+    # A differentiable call's backward jobs run later, as a run of their own: what they read
+    # counts as read later (build_schedule's `then`), or its forward on one device left them
+    # no host copy of the boundaries they recompute from.
     def offload(self, mb, name, value):
         links = self.links
         if isinstance(value, torch.Tensor) and name in links.next_reads and (

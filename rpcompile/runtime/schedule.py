@@ -79,19 +79,22 @@ class Schedule:
 
 
 def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
-                   num_microbatches: Optional[int] = None) -> Schedule:
+                   num_microbatches: Optional[int] = None, then=()) -> Schedule:
     """The schedule of a chain of jobs [(job index, stage, role), ...] over `num_devices`
     workers, its first job on worker `offset` (mod num_devices); with `replicas` > 1, a copy
     of the chain on each of workers 0..replicas-1, over consecutive shares of the
-    `num_microbatches` (Note [replicas]). Pure: runs nothing.
+    `num_microbatches` (Note [replicas]). `then`: the jobs of a later run of the same step (a
+    differentiable call's backward): what they read counts as read later, so it reaches the
+    host. Pure: runs nothing.
     A stage needs `.index` and `.inputs` (the names it reads)."""
     if num_devices < 1:
         raise ValueError(f"a schedule needs at least one device, got {num_devices}")
     jobs = list(jobs)
-    if replicas > 1:
-        return _replicated(jobs, num_devices, offset, replicas, num_microbatches)
-    devices = [(offset + k) % num_devices for k in range(len(jobs))]
     reads = [_reads(stage, role) for _, stage, role in jobs]
+    after = frozenset().union(*(_reads(stage, role) for _, stage, role in then))
+    if replicas > 1:
+        return _replicated(jobs, reads, after, num_devices, offset, replicas, num_microbatches)
+    devices = [(offset + k) % num_devices for k in range(len(jobs))]
     actions = []
     for k, (job, stage, role) in enumerate(jobs):
         same = next((i for i in range(k + 1, len(jobs)) if devices[i] == devices[k]), None)
@@ -101,7 +104,7 @@ def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
             next_on_device=jobs[same][0] if same is not None else None,
             next_device=devices[k + 1] if k + 1 < len(jobs) else None,
             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
-            later_reads=frozenset().union(*reads[k + 2:])))
+            later_reads=frozenset().union(*reads[k + 2:], after)))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})
 
 
@@ -124,14 +127,15 @@ def microbatch_shares(num_microbatches: int, replicas: int) -> list:
     return out
 
 
-def _replicated(jobs, num_devices: int, offset: int, replicas: int, num_microbatches: Optional[int]) -> Schedule:
+def _replicated(jobs, reads, after, num_devices: int, offset: int, replicas: int,
+                num_microbatches: Optional[int]) -> Schedule:
     """Every worker runs the chain over its share of the microbatches; a job's copies are
-    listed together, in worker order (Note [replicas])."""
+    listed together, in worker order (Note [replicas]). `reads`: what each job reads; `after`:
+    what a later run reads."""
     if replicas > num_devices:
         raise ValueError(f"{replicas} replicas need as many devices, got {num_devices}")
     if num_microbatches is None:
         raise ValueError("a schedule of replicas needs the number of microbatches")
-    reads = [_reads(stage, role) for _, stage, role in jobs]
     shares = microbatch_shares(num_microbatches, replicas)
     actions = []
     for k, (job, stage, role) in enumerate(jobs):
@@ -142,7 +146,7 @@ def _replicated(jobs, num_devices: int, offset: int, replicas: int, num_microbat
                 next_on_device=jobs[k + 1][0] if k + 1 < len(jobs) else None,
                 next_device=r if k + 1 < len(jobs) else None,
                 next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
-                later_reads=frozenset().union(*reads[k + 2:]),
+                later_reads=frozenset().union(*reads[k + 2:], after),
                 replica=r, microbatches=shares[r]))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs},
                     replicas)
