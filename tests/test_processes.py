@@ -35,6 +35,22 @@ def test_exact_mode_in_worker_processes_matches_eager():
         cm.model.zero_grad()
         cm.train_step(**lm_batch(seed=s))
     assert set(os.listdir(cm.runner.executor.memory.directory)) == files
+    # a user who keeps each step's gradients past zero_grad: each step writes a new set, and
+    # every process forgets the last one's files (the workers kept them: /dev/shm grew by a
+    # gradient set a step); the kept gradients read as they were, and their memory goes with them
+    kept = []
+    for s in range(3):
+        cm.model.zero_grad()
+        cm.train_step(**lm_batch(seed=s))
+        kept.append([(p.grad, p.grad.clone()) for p in cm.model.parameters()])
+    assert len(os.listdir(cm.runner.executor.memory.directory)) == len(files)
+    assert all(torch.equal(g, value) for grads in kept for g, value in grads)
+    del kept
+    cm.model.zero_grad()
+    directory = cm.runner.executor.memory.directory
+    for pid in [os.getpid()] + [p.pid for p in cm.runner.executor.hub.procs]:
+        deleted = [line for line in open(f"/proc/{pid}/maps") if directory in line and "(deleted)" in line]
+        assert not deleted, f"process {pid} maps removed files: {deleted[:3]}"
     # Note [setup timeline]: each worker's marks came back, in the order its first steps went
     timeline = cm.setup_timeline
     assert [r["t"] for r in timeline] == sorted(r["t"] for r in timeline)

@@ -145,6 +145,7 @@ class HostGrads:
 
     def __init__(self, pin: bool, drop=None):
         self.pin = pin
+        self.drop = drop               # host tensors -> None: buffers let go (shared files: every process forgets them)
         self.calls = Reused("call gradients", drop)   # what differentiable calls' sets are lent from
         self._sets: dict = {}       # layout signature -> GradSet
         self.flat = None            # the buffer the sets view
@@ -166,10 +167,15 @@ class HostGrads:
 
     def renew(self) -> None:
         """New buffers for the next set; the old ones stay with whoever holds views of them
-        (Note [lent gradients] in runtime/modes.py)."""
+        (Note [lent gradients] in runtime/modes.py). Worker processes forget their files (no run
+        reads them: an exact-mode step has ended), which go once the views die; kept by the
+        workers, a user who kept each step's gradients filled /dev/shm by a set a step."""
         with self._lock:
+            old = [self.flat, *self._sums.values(), *(gs.consumed for gs in self._sets.values())]
             self.flat, self._sums = None, {}
             self._sets.clear()
+        if self.drop is not None:
+            self.drop([t for t in old if t is not None])
 
     def switches(self, layout) -> bool:
         """Whether the buffer was last used by another layout (whose gradients the optimizer

@@ -109,7 +109,8 @@ class ExactMode(_Mode):
     zero_grad, as in accumulation over calls, or zero_grad(set_to_none=False)) gets a copy, to
     which the step then adds, as eager's backward adds into `.grad`; a reference of the user's
     (the tensor kept past zero_grad()) keeps the memory, and the set moves to new memory
-    (worker processes: a new shared file, the old one kept until the model is freed). With
+    (worker processes: a new shared file; every process forgets the old one, whose memory goes
+    with the user's views: HostGrads.renew). With
     zero_grad() every step writes the same memory.
     """
 

@@ -125,7 +125,7 @@ class ProcessExecutor:
         self._ids = itertools.count(1)
         self._plans: dict = {}         # id(plan) -> (plan key, plan): sent to the workers
         self._tables: dict = {}        # tuple of Refs -> table key
-        self._grad_sets: dict = {}     # id(GradSet) -> (key, GradSet)
+        self._grad_sets: dict = {}     # id(GradSet) -> (key, GradSet, the names of its files)
         self.hub: Optional[_Hub] = None    # started at the first run: a model that never runs costs no process
         self._early = None                 # (server, path, token, procs, finalizer): processes started by `prestart`
         self.counters: Optional[torch.Tensor] = None   # the workers' hand-over counters (runtime/handover.py)
@@ -311,6 +311,8 @@ class ProcessExecutor:
             return
         stale = [refs for refs in self._tables if any(r.file in names for r in refs)]
         keys = [self._tables.pop(refs) for refs in stale]
+        sets = [i for i, (_, _, files) in self._grad_sets.items() if files & names]   # (HostGrads.renew)
+        keys += [self._grad_sets.pop(i)[0] for i in sets]
         if self.hub is not None:
             self.hub.forget(sorted(names), keys)
         else:
@@ -345,7 +347,7 @@ class ProcessExecutor:
         if grads.per_step:
             record.own_grads = key
         else:
-            self._grad_sets[id(grads)] = (key, grads)
+            self._grad_sets[id(grads)] = (key, grads, {flat.file, consumed.file})
         return key
 
     # --- runs ---------------------------------------------------------------------------------
