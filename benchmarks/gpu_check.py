@@ -7,6 +7,7 @@
     python benchmarks/gpu_check.py lmhead --out $OUT/lmhead.json
     python benchmarks/gpu_check.py peaks --seq-len 65536 --budget 24GiB --out $OUT/peaks.json
     python benchmarks/gpu_check.py call --out $OUT/call.json
+    python benchmarks/gpu_check.py users --out $OUT/users.json
 
 Writes JSON (and prints it). Not a test: CI has no GPU.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -202,6 +204,89 @@ def call(args):
                     "cuda0_allocated_delta_bytes": torch.cuda.memory_allocated(0) - cuda_before}
         print(key, json.dumps(res[key]), flush=True)
         del cm
+    return res
+
+
+def _against_eager(make_model, batches, cfg, via, dev="cuda:0", tight=False):
+    """Train make_model() with rpcompile (`via`: "step" for train_step, "call" for
+    cm(**b).loss.backward(), "backend" for torch.compile(backend=rpcompile.backend(cfg))) and a
+    copy eagerly on `dev`, 3 SGD-with-momentum steps: the largest loss difference, the gradients'
+    largest difference at step 0 relative to the largest gradient (as tests/parity.py), and the
+    parameters' after the steps relative to the largest parameter."""
+    if tight:   # 20% above the smallest budget a plan fits (the PlanningError of a 1-byte budget says)
+        import re
+        try:
+            _against_eager(make_model, batches[:1], dataclasses.replace(cfg, memory_budget=1), via, dev)
+        except Exception as e:
+            cfg = dataclasses.replace(cfg, memory_budget=int(1.2 * int(re.search(
+                r"the smallest budget a plan fits is [\d.]+ GiB \((\d+) bytes\)", str(e)).group(1))))
+        torch._dynamo.reset()
+    model = make_model()
+    ref = copy.deepcopy(model).to(dev)
+    if via == "backend":
+        compiled = torch.compile(model, backend=rpcompile.backend(cfg), dynamic=True)
+    else:
+        cm = rpcompile.compile(model, cfg)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    ref_trained = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trained, lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref_trained, lr=0.1, momentum=0.9)
+    loss_err, grad_err = 0.0, None
+    for step, b in enumerate(batches):
+        if via == "step":
+            loss = cm.train_step(**b)
+        else:
+            loss = (compiled if via == "backend" else cm)(**b).loss
+            loss.backward()
+        lr_ = ref(**{k: v.to(dev) for k, v in b.items()}).loss
+        lr_.backward()
+        loss_err = max(loss_err, abs(loss.item() - lr_.item()))
+        if step == 0:
+            scale = max(q.grad.abs().max().item() for q in ref_trained)
+            grad_err = max((p.grad - q.grad.cpu()).abs().max().item() for p, q in zip(trained, ref_trained)) / scale
+        opt.step(), opt.zero_grad(), opt_ref.step(), opt_ref.zero_grad()
+    scale = max(q.abs().max().item() for q in ref_trained)
+    perr = max((p.detach() - q.detach().cpu()).abs().max().item() for p, q in zip(trained, ref_trained)) / scale
+    plan = None if via == "backend" else cm.plan
+    return {"loss_abs_err": loss_err, "grad_err_rel_largest": grad_err, "param_err_rel_largest": perr,
+            "memory_budget": cfg.memory_budget, "stage_jobs": None if plan is None else len(plan.stages),
+            "replicas": None if plan is None else plan.replicas}
+
+
+def users(args):
+    """What users run, on CUDA, fp32, against eager (_against_eager): a Mixture-of-Experts model,
+    a padded batch with its attention mask, torch.compile with the rpcompile backend, a LoRA
+    adapter (peft, where installed), each on one GPU given once (a one-device plan) and twice
+    (two devices' jobs on it), with train_step and with the differentiable call. (Without a GPU:
+    the same on CPU devices, to try the check.)"""
+    from models import qwen3
+    from test_batching import padded_batch
+    from test_moe import qwen3_moe
+    res = {}
+
+    def lora():
+        from peft import LoraConfig, get_peft_model
+        return get_peft_model(tiny_qwen3(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    cases = {"moe": (lambda: qwen3_moe(4), [batch(6, 16, 64, seed=s) for s in range(3)]),
+             "padded": (lambda: qwen3(tied=False), [padded_batch(6, 16, side, seed=s)
+                                                     for s, side in enumerate(("right", "left", "one_token"))]),
+             "tiny_qwen3": (lambda: tiny_qwen3(tied=False), [batch(6, 64, 512, seed=s) for s in range(3)]),
+             "lora": (lora, [batch(6, 64, 512, seed=s) for s in range(3)])}
+    for name, (make, batches) in cases.items():
+        if args.cases and name not in args.cases.split(","):
+            continue
+        for gpus in (1, 2):
+            for via in ("step", "call", "backend") if name == "tiny_qwen3" else ("step", "call"):
+                key = f"{name}_{gpus}dev_{via}{'_processes' if args.workers == 'processes' else ''}"
+                dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+                cfg = rpcompile.Config(devices=[dev] * gpus, num_microbatches=3, dtype=torch.float32,
+                                       memory_budget=args.budget or 1, workers=args.workers)
+                torch._dynamo.reset()
+                try:
+                    res[key] = _against_eager(make, batches, cfg, via, dev, tight=not args.budget)
+                except Exception as e:   # (peft missing, or a failure: recorded, the next case runs)
+                    res[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
+                print(key, json.dumps(res[key]), flush=True)
     return res
 
 
@@ -452,7 +537,7 @@ def peaks(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -478,13 +563,14 @@ def main():
                          "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
+    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,padded,tiny_qwen3,lora)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
     if args.hang_s:
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
-    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call}[args.what](args)
+    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
