@@ -51,6 +51,16 @@ def test_workers_fork_from_one_launcher_and_say_how_they_ended(tmp_path):
     server.close()
 
 
+def test_a_worker_whose_model_went_before_it_started_ends_quietly(tmp_path, capfd):
+    """Note [early workers]: a model whose first call failed at once (a PlanningError) removes its
+    directory, and a worker the launcher forks after that ends at once, code 0, and says nothing
+    (it printed a FileNotFoundError's traceback: seen on an H200, whose launcher imports slower)."""
+    gone = tmp_path / "gone"
+    proc = launcher.start_worker({**_env(gone), "RPCOMPILE_WORKER_INDEX": "0"})
+    assert proc.wait(timeout=60) == 0
+    assert "Error" not in capfd.readouterr().err
+
+
 def test_the_launcher_and_its_workers_end_with_the_main_process(tmp_path):
     """A main process that exits (here without a word to its workers) leaves neither its
     workers nor their launcher behind."""

@@ -784,8 +784,16 @@ def main():
     timeline.set_where(f"worker {index}")
     timeline.mark_long_collections()
     timeline.mark("imported")
-    server = serve_socket(os.path.join(directory, f"w{index}.sock"))
-    main_conn = connect(os.path.join(directory, "main.sock"), token)
+    try:
+        server = serve_socket(os.path.join(directory, f"w{index}.sock"))
+        main_conn = connect(os.path.join(directory, "main.sock"), token)
+    except OSError:
+        if os.path.isdir(directory):
+            raise
+        # Its model went before it started (Note [early workers]: a first call that failed at once,
+        # before the launcher forked it, removed the directory), and the kill sent after the fork
+        # had not come yet: nobody waits for it (it printed a FileNotFoundError's traceback).
+        return
     send(main_conn, threading.Lock(), ("hello", index))
     importing = _import_compile_stack(os.environ.get("RPCOMPILE_WORKER_COMPILES"))
     _, init = recv(main_conn)
