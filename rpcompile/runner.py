@@ -424,8 +424,7 @@ class GraphRunner:
                                             [n for n, b in zip(plan.graph_outputs, plan.output_batched) if b],
                                             pin=self.config.on_gpu)
         jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
-        backward = [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
-        self.run_jobs(plan, step, jobs, then=backward if keep_for_backward else ())
+        self.run_jobs(plan, step, jobs, then=_call_backward_jobs(plan) if keep_for_backward else ())
         if step.grads is not None:     # (its backward may never come: the set may serve the next call)
             step.grads.settle(True)
         outputs = []
@@ -479,9 +478,8 @@ class GraphRunner:
                     m.grads[name] = part if name not in m.grads else m.grads[name] + part
         step.done_events.clear()
         step.param_grads.clear()
-        jobs = [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
         step.grads.settle(False)
-        self.run_jobs(plan, step, jobs)
+        self.run_jobs(plan, step, _call_backward_jobs(plan))
         input_grads = {}
         for n in plan.gm.graph.nodes:
             if n.op == "placeholder" and n.meta.get("rp_kind") == "input":
@@ -492,6 +490,11 @@ class GraphRunner:
         param_grads = sum_param_grads(step.param_grads, step.grads.row_sums)
         step.grads.settle(True)
         return param_grads, input_grads
+
+
+def _call_backward_jobs(plan) -> list:
+    """The jobs a differentiable call's backward runs (the forward's schedule counts their reads)."""
+    return [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
 
 
 class _PendingStep:
