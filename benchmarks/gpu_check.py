@@ -254,8 +254,9 @@ def _against_eager(make_model, batches, cfg, via, dev="cuda:0", tight=False):
 
 
 def users(args):
-    """What users run, on CUDA, fp32, against eager (_against_eager): a Mixture-of-Experts model,
-    a padded batch with its attention mask, torch.compile with the rpcompile backend, a LoRA
+    """What users run, on CUDA, fp32, against eager (_against_eager): a Mixture-of-Experts model
+    (and one whose loss adds its load-balancing loss, on padded rows), a padded batch with its
+    attention mask, torch.compile with the rpcompile backend, a LoRA
     adapter (peft, where installed), each on one GPU given once (a one-device plan) and twice
     (two devices' jobs on it), with train_step and with the differentiable call. (Without a GPU:
     the same on CPU devices, to try the check.)"""
@@ -267,7 +268,12 @@ def users(args):
     def lora():
         from peft import LoraConfig, get_peft_model
         return get_peft_model(tiny_qwen3(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    from test_loss_terms import _qwen3_moe
     cases = {"moe": (lambda: qwen3_moe(4), [batch(6, 16, 64, seed=s) for s in range(3)]),
+             # its loss adds the load-balancing loss (times 0: eager's whole-batch one differs from
+             # the microbatches') to the cross-entropy (Note [cross-entropy terms])
+             "moe_aux": (lambda: _qwen3_moe(0.0), [padded_batch(6, 16, side, seed=s)
+                                                   for s, side in enumerate(("right", "left", "one_token"))]),
              "padded": (lambda: qwen3(tied=False), [padded_batch(6, 16, side, seed=s)
                                                      for s, side in enumerate(("right", "left", "one_token"))]),
              "tiny_qwen3": (lambda: tiny_qwen3(tied=False), [batch(6, 64, 512, seed=s) for s in range(3)]),
@@ -563,7 +569,7 @@ def main():
                          "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
-    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,padded,tiny_qwen3,lora)")
+    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,tiny_qwen3,lora)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()

@@ -115,6 +115,29 @@ class _SwapToCopies:
         self._undo.clear()
 
 
+# Note [recorded outputs]: transformers (5.x) records hidden states, attentions and MoE router
+# logits (output_router_logits, which an MoE's load-balancing loss reads) with forward hooks that
+# a model's first call asking for them installs, under a threading.Lock that TorchDynamo cannot
+# trace: torch.compile(model, fullgraph=True) of a fresh model fails there, and works once the
+# model has run eagerly. rpcompile never runs the model eagerly (it may not fit), so before a
+# capture that asks for recorded outputs (an output_* argument of the call or of a config) it
+# installs those hooks as that first call would; they do nothing unless a call records.
+def _install_output_recorders(model: torch.nn.Module, kwargs) -> None:
+    import sys
+    recorders = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(recorders, "maybe_install_capturing_hooks", None)
+    pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if install is None or pretrained is None:
+        return
+    models = [m for m in model.modules() if isinstance(m, pretrained)]
+    asked = any(k.startswith("output_") and v is True for k, v in kwargs.items()) or any(
+        k.startswith("output_") and v is True for m in models for k, v in vars(getattr(m, "config", None) or
+                                                                               types.SimpleNamespace()).items())
+    if asked:
+        for m in models:
+            install(m)
+
+
 def _sym_expr(x) -> Optional[sympy.Expr]:
     return x.node.expr if isinstance(x, torch.SymInt) else None
 
@@ -312,6 +335,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     n = next(_capture_ids)
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
+    _install_output_recorders(model, kwargs if isinstance(kwargs, dict) else {})
     with _SwapToCopies(model, copies) as swap, _capture_config():
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)

@@ -142,31 +142,37 @@ class GraphRunner:
             micro.append(Microbatch(mleaves, syms, rows=rows))
         return micro
 
-    def _counter(self, plan):
-        c = self._counters.get(id(plan))
+    def _counted(self, plan, counter, micro) -> float:
+        """The counted targets of a loss counter over the whole batch (Note [whole-batch loss])."""
+        c = self._counters.get((id(plan), id(counter)))
         if c is None:
-            c = retarget(plan.loss_scale.counter, {plan.captured.capture_device.type: torch.device("cpu")})
-            self._counters[id(plan)] = c
-        return c
+            c = retarget(counter, {plan.captured.capture_device.type: torch.device("cpu")})
+            self._counters[id(plan), id(counter)] = c
+        names = [n for n in c.graph.nodes if n.op == "placeholder"]
+        total = 0.0
+        for mbatch in micro:
+            try:
+                total += float(c.forward(*[_counter_arg(plan, mbatch, n) for n in names]))
+            except RuntimeError as e:   # a target out of bounds: said before any job runs
+                raise InputError(str(e).strip()) from None
+        return total
 
     def loss_weights(self, plan, micro) -> list:
-        """d(batch loss)/d(microbatch loss output) per microbatch (Note [whole-batch loss])."""
+        """d(batch loss)/d(microbatch loss output) per microbatch (Note [whole-batch loss]); each
+        microbatch's scales of a loss's cross-entropy terms are set here too (Note
+        [cross-entropy terms] in passes/normalize_loss.py)."""
         scale = plan.loss_scale
         if scale is not None and scale.kind == "sum":
             return [1.0] * len(micro)
         if scale is not None and scale.kind == "tokens":
-            counter = self._counter(plan)
-            names = [n for n in counter.graph.nodes if n.op == "placeholder"]
-            counts = []
-            for mbatch in micro:
-                args = [_counter_arg(plan, mbatch, n) for n in names]
-                try:
-                    counts.append(float(counter.forward(*args)))
-                except RuntimeError as e:   # a target out of bounds: said before any job runs
-                    raise InputError(str(e).strip()) from None
-            total = sum(counts)
+            total = self._counted(plan, scale.counter, micro)
             return [1.0 / total if total else float("nan")] * len(micro)
-        return self._row_weights(plan, micro)
+        weights = self._row_weights(plan, micro)
+        if scale is not None and scale.terms:
+            totals = [self._counted(plan, counter, micro) for counter in scale.terms]
+            for mbatch, w in zip(micro, weights):
+                mbatch.scales = tuple(1.0 / (total * w) if total else float("nan") for total in totals)
+        return weights
 
     @staticmethod
     def _rows(plan, mbatch) -> int:

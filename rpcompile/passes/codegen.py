@@ -312,6 +312,8 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
             vals[name] = op(rp.upload_input, rp.input_value, name, job, mb, st.input_leaf[name])
         elif kind == "sym":
             vals[name] = g.call_function(rp.sym, (job, mb, name))
+        elif kind == "loss_scale":
+            vals[name] = g.call_function(rp.loss_scale, (job, mb, st.input_leaf[name]))
         elif kind == "param":
             vals[name] = g.call_function(rp.upload_weight, (job, st.fqn[name]))
         elif kind == "param_slice":

@@ -11,6 +11,19 @@ weight[target]), which is what F.cross_entropy's mean divides by; label smoothin
 the same count. A cross-entropy with reduction="sum" adds up over microbatches as it is.
 Any other scalar loss is taken as a mean over rows and weighted by rows per microbatch.
 
+Note [cross-entropy terms]: a loss that adds something to a mean cross-entropy (an MoE's
+load-balancing loss: `loss = ce + coef * aux_loss`; a user's loss_fn with a regularizer) is a
+mean over rows as a whole, and before this its cross-entropy part was each microbatch's token
+mean weighted by rows: with ignored labels spread unevenly, gradients 4% off eager's (the
+largest; Qwen3-MoE, 2 microbatches). Where the loss reaches each mean cross-entropy only
+through sums, casts and products with numbers (it is affine in them), each becomes its token
+*sum* times a scale the runtime gives every microbatch, 1 / (T_k * w_m) (a placeholder of kind
+"loss_scale", index k: T_k the counted tokens of the whole batch, w_m the microbatch's share of
+the rows, which weighs the loss output), so the cross-entropy adds up to the whole batch's
+token mean and the rest of the loss to its row mean. What else the loss holds is computed per
+microbatch: a whole-batch statistic (the load-balancing loss's expert fractions) is each
+microbatch's, as under gradient accumulation.
+
 Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` with any of its arguments
 positional or by keyword, and the `nn.CrossEntropyLoss(weight=..., ignore_index=...,
 reduction=..., label_smoothing=...)` module, which dynamo traces into that call (the legacy
@@ -18,6 +31,7 @@ size_average/reduce arguments are resolved into a reduction).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +49,8 @@ class LossScale:
     output: int = 0                          # which graph output is the loss
     counter: Optional[fx.GraphModule] = None  # tokens: counts one microbatch's counted tokens
     ignore_index: int = -100
+    terms: tuple = ()                        # rows: the counter of each cross-entropy term's scale
+                                             # placeholder (Note [cross-entropy terms])
 
 
 def cross_entropy_reduction(bound: dict) -> Optional[str]:
@@ -145,7 +161,7 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     weight = bound["weight"] if found else None
     counter = _counter_graph(gm, found[1], found[2], weight, _classes(found[0])) if found else None
     if counter is None:
-        gm.meta["rp_loss"] = LossScale("rows", output=loss_output)
+        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=_scale_terms(gm, loss))
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -153,3 +169,73 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# ops through which a loss stays affine in a term: x + y, x - y, -x, x * c, x / c (c a number)
+_SUMS = {operator.add, operator.iadd, torch.add, operator.sub, operator.isub, torch.sub}
+_SCALES = {operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div}
+_SIGNS = {operator.neg, torch.neg}
+_METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg,
+            "to": "cast", "float": "cast", "double": "cast", "type": "cast"}
+
+
+def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
+    """The mean cross-entropies `loss` is an affine function of through `node` (Note
+    [cross-entropy terms]), each with one user; every node between them and the loss too."""
+    if node is not loss and len(node.users) != 1:
+        return []
+    if mean_cross_entropy(node) is not None:
+        return [node] if node is not loss else []
+    t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
+    if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
+        return []
+    if t in _SUMS or t in _SIGNS or t == "cast":
+        operands = args if t in _SUMS else args[:1]
+    elif t in _SCALES and len(args) == 2 and isinstance(args[1], (int, float)):
+        operands = args[:1]
+    elif t in _SCALES and t not in (operator.truediv, operator.itruediv, torch.div) and len(args) == 2 \
+            and isinstance(args[0], (int, float)):
+        operands = args[1:]
+    else:
+        return []
+    return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss)]
+
+
+def _scale_terms(gm: fx.GraphModule, loss) -> tuple:
+    """Rewrite each mean cross-entropy term of `loss` into its token sum times a scale
+    placeholder (Note [cross-entropy terms]); the counters of the scales, in placeholder order."""
+    if not isinstance(loss, fx.Node):
+        return ()
+    counters = []
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for ce in _affine_terms(loss, loss):
+        bound = bind_cross_entropy(ce)
+        counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"], _classes(bound["input"]))
+        if counter is None:
+            continue
+        value = ce.meta.get("example_value")
+        with gm.graph.inserting_after(last):
+            last = scale = gm.graph.placeholder(f"loss_scale_{len(counters)}")
+        scale.meta.update(rp_kind="loss_scale", rp_index=len(counters))
+        _rewrite_reduction(ce, bound, "sum")
+        ce.meta["rp_loss"] = "token_sum"
+        with gm.graph.inserting_after(ce):
+            scaled = product = gm.graph.call_function(operator.mul, (ce, scale))
+        if isinstance(value, torch.Tensor):
+            scale.meta["example_value"] = torch.empty_like(value, dtype=torch.float32)
+            product_dtype = torch.promote_types(value.dtype, torch.float32)
+            scaled.meta["example_value"] = torch.empty_like(value, dtype=product_dtype)
+            if value.dtype != product_dtype:     # (a bf16 loss: the product in fp32, the loss in bf16)
+                with gm.graph.inserting_after(scaled):
+                    cast = gm.graph.call_method("to", (scaled, value.dtype))
+                cast.meta["example_value"] = value
+                scaled = cast
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in ce.meta:
+                scaled.meta[key] = ce.meta[key]
+        ce.replace_all_uses_with(scaled, delete_user_cb=lambda user, product=product: user is not product)
+        counters.append(counter)
+    if counters:
+        gm.graph.lint()
+        gm.recompile()
+    return tuple(counters)

@@ -118,6 +118,7 @@ class DryRunJob:
 
     sym = JobContext.sym                 # (read the step's microbatch only)
     loss_seed = JobContext.loss_seed
+    loss_scale = JobContext.loss_scale
 
     def rng_key(self, mb):
         raise RuntimeError("a random stage is not dry-run")

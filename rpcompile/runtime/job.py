@@ -38,6 +38,7 @@ class Microbatch:
     syms: dict                        # size symbol name -> value
     rows: Optional[int] = None        # dim 0 of the batched inputs' slices (None: nothing is split)
     seed: float = 1.0                 # d(batch loss) / d(this microbatch's loss output)
+    scales: tuple = ()                # its scale of each cross-entropy term (Note [cross-entropy terms])
     acts: dict = field(default_factory=dict)      # activations and checkpoints on the host
     grads: dict = field(default_factory=dict)     # gradients of activations on the host
     outputs: dict = field(default_factory=dict)   # values the model returns
@@ -328,6 +329,9 @@ class JobContext:
 
     def loss_seed(self, mb):
         return torch.full((), self.step.micro[mb].seed, dtype=torch.float32, device=self.dev.device)
+
+    def loss_scale(self, mb, term):
+        return torch.full((), self.step.micro[mb].scales[term], dtype=torch.float32, device=self.dev.device)
 
     # --- outputs ---------------------------------------------------------------------------
     # Note [hand-overs on the device]: a copy's jobs (Note [replicas]), or those of a plan for

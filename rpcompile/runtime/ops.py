@@ -119,6 +119,12 @@ def loss_seed(job: int, mb: int) -> Tensor:
     return _job(job).loss_seed(mb)
 
 
+@_op("loss_scale", _fake("seed"))
+def loss_scale(job: int, mb: int, term: int) -> Tensor:
+    """Microbatch mb's scale of cross-entropy term `term` (Note [cross-entropy terms])."""
+    return _job(job).loss_scale(mb, term)
+
+
 # --- downloads ----------------------------------------------------------------------------
 @_op("offload", _nothing)
 def offload(job: int, mb: int, name: str, value: Tensor) -> None:

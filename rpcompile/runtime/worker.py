@@ -166,12 +166,12 @@ class _Snapshot:
 
 def micro_desc(micro) -> list:
     """A step's microbatches as a run (or a warm-up) sends them to the workers."""
-    return [(m.leaves, m.syms, m.rows, m.seed) for m in micro]
+    return [(m.leaves, m.syms, m.rows, m.seed, m.scales) for m in micro]
 
 
 def microbatches(desc) -> list:
     """The Microbatches `micro_desc` sent."""
-    return [Microbatch(leaves, syms, rows=rows, seed=seed) for leaves, syms, rows, seed in desc]
+    return [Microbatch(leaves, syms, rows=rows, seed=seed, scales=scales) for leaves, syms, rows, seed, scales in desc]
 
 
 class _Warm:

@@ -1,0 +1,119 @@
+"""Losses that add something to a mean cross-entropy (Note [cross-entropy terms] in
+passes/normalize_loss.py): the cross-entropy is the whole batch's token mean, as eager's, and the
+rest a mean over rows; an MoE that asks for its router logits is captured fresh (Note [recorded
+outputs] in capture.py)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rpcompile
+from models import lm_batch, qwen3
+from parity import check_grads, close, train_both
+
+
+def _uneven(seed):
+    """4 rows, row 0 counting one token and the others all theirs: a microbatch's token mean
+    weighed by its rows is not the batch's."""
+    b = lm_batch(batch=4, seed=seed)
+    b["labels"] = b["input_ids"].clone()
+    b["labels"][0, :] = -100
+    b["labels"][0, 5] = b["input_ids"][0, 5]
+    return b
+
+
+def _regularized(out, labels):
+    """A loss_fn: twice the token mean of the cross-entropy, less a mean over rows (of the logits'
+    squares), through a cast and a product with a number."""
+    logits = out.logits
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return 2 * ce - (-0.1 * logits.float().pow(2).mean()).to(ce.dtype)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_loss_that_adds_to_a_cross_entropy_trains_as_eager(workers):
+    """Before, the loss was taken as a mean over rows as a whole: gradients 4% (of the largest)
+    off eager's with these labels."""
+    def eager(m, b):
+        loss = _regularized(m(input_ids=b["input_ids"]), b["labels"])
+        loss.backward()
+        return loss
+
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, loss_fn=_regularized, workers=workers)
+    cm = train_both(qwen3(layers=1), [_uneven(s) for s in range(3)], cfg, eager_step=eager,
+                    call=lambda cm, b: cm.train_step(input_ids=b["input_ids"], target=b["labels"]))
+    assert [n.name for n in cm.plan.gm.graph.nodes if n.meta.get("rp_kind") == "loss_scale"] == ["loss_scale_0"]
+
+
+class _Head(nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.lin, self.loss = nn.Linear(8, 5), loss
+
+    def forward(self, x, y):
+        logits = self.lin(x)
+        return self.loss(F.cross_entropy(logits, y), logits.pow(2).mean())
+
+
+@pytest.mark.parametrize("loss,terms", [
+    (lambda ce, reg: ce, None),                     # the cross-entropy alone: its own kind ("tokens")
+    (lambda ce, reg: ce + reg, 1),
+    (lambda ce, reg: 2 * ce - reg / 3, 1),
+    (lambda ce, reg: reg - ce.float() * 0.5, 1),
+    (lambda ce, reg: torch.neg(ce).add(reg), 1),
+    (lambda ce, reg: ce * ce + reg, 0),             # not affine in it: the loss stays a row mean
+    (lambda ce, reg: torch.exp(ce) + reg, 0),
+    (lambda ce, reg: ce * reg, 0),
+    (lambda ce, reg: ce + reg * ce, 0),             # (the cross-entropy has two users)
+])
+def test_cross_entropy_terms_are_found_where_the_loss_is_affine_in_them(loss, terms):
+    from rpcompile.capture import capture_call
+    from rpcompile.passes.normalize_loss import normalize_loss
+    g = torch.Generator().manual_seed(0)
+    cap = capture_call(_Head(loss), (torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g)), {},
+                       dtype=None)
+    gm = normalize_loss(cap.gm, 0)
+    scale = gm.meta["rp_loss"]
+    scales = [n for n in gm.graph.nodes if n.meta.get("rp_kind") == "loss_scale"]
+    if terms is None:
+        assert scale.kind == "tokens" and not scales and not scale.terms
+    else:
+        assert scale.kind == "rows" and len(scales) == len(scale.terms) == terms
+
+
+def _qwen3_moe(coef):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=coef))
+
+
+def test_an_moe_with_its_load_balancing_loss_trains_on_the_whole_batchs_cross_entropy():
+    """Qwen3-MoE with output_router_logits (loss = cross-entropy + coef * load-balancing loss),
+    never run eagerly: captured (it failed in transformers' hook lock before), its cross-entropy
+    the batch's token mean, its load-balancing loss each microbatch's, weighed by rows (the
+    expert fractions are a microbatch's, as under gradient accumulation). Loss, the call's
+    aux_loss and gradients as eager computes exactly that."""
+    coef = 0.1
+    model = _qwen3_moe(coef)
+    ref = copy.deepcopy(model)
+    b = _uneven(0)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    loss = cm.train_step(**b)
+    out = ref(**b)
+    halves = [ref(input_ids=b["input_ids"][i:i + 2], labels=b["labels"][i:i + 2]).aux_loss for i in (0, 2)]
+    aux = (halves[0] + halves[1]) / 2
+    expected = out.loss - coef * out.aux_loss + coef * aux
+    expected.backward()
+    close(loss.detach(), expected.detach(), 1e-5, 1e-6, "loss")
+    check_grads(model, ref, 1e-4)
+    assert not torch.allclose(out.aux_loss, aux, rtol=1e-5)   # (the batch's own differs: the check below tells)
+    with torch.no_grad():
+        called = cm(**b)
+    close(called.loss, expected.detach(), 1e-5, 1e-6, "the call's loss")
+    close(called.aux_loss, aux.detach(), 1e-5, 1e-6, "the call's aux_loss")
+
