@@ -167,6 +167,7 @@ class Plan:
     sym_sources: dict = field(default_factory=dict)    # sym name -> (leaf index, dim) or int
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
+                                                        # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     steps_overlap: bool = False                          # delayed mode's train steps may overlap (passes._steps_overlap)

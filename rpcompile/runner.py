@@ -473,8 +473,9 @@ class GraphRunner:
         for i, (name, g) in enumerate(zip(plan.graph_outputs, grads_of_outputs)):
             if g is None or name is None:
                 continue
-            if plan.output_batched[i]:
-                parts = torch.split(g, sizes, 0)
+            if plan.output_batched[i]:      # (dim 0 is rows, or rows times a factor: Plan.output_batched)
+                factor = g.shape[0] // sum(sizes)
+                parts = torch.split(g, [s * factor for s in sizes], 0)
             elif g.dim() == 0:
                 parts = [g * wi for wi in self._scalar_weights(plan, micro, i, step.loss_weights)]
             else:

@@ -242,6 +242,30 @@ def test_fixed_batch_sized_input_is_an_error_unless_unbatched():
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+class _SeqFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.transpose(0, 1), h.flatten(0, 1)     # (seq, batch, 6) and (batch * seq, 6)
+
+
+def test_a_calls_output_with_its_batch_elsewhere_than_dim_0_is_an_error():
+    """A call's outputs come together from its microbatches along dim 0: an output whose batch
+    size lies in another dim (here sequence-first) is refused with what to do (before, the call
+    returned the first microbatch's part of it alone); rows times a factor in dim 0 (a view of
+    (batch, seq, ...) as (batch * seq, ...)) comes together, and one microbatch takes any."""
+    x = torch.randn(4, 3, 6)
+    with pytest.raises(rpcompile.CaptureError, match=r"transpose of shape \(s\d+, s\d+, 6\).*dim 0.*num_microbatches=1"):
+        rpcompile.compile(_SeqFirst(), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))(x)
+    model = _SeqFirst()
+    seq_first, rows = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1))(x)
+    want = model(x)
+    assert torch.allclose(seq_first, want[0]) and torch.allclose(rows, want[1])
+
+
 def test_non_contiguous_inputs():
     """ids[:4, :s] of a wider tensor (strides of the wide one) trains like its contiguous copy."""
     wide = lm_batch(batch=6, seq=16)

@@ -117,3 +117,19 @@ def test_an_moe_with_its_load_balancing_loss_trains_on_the_whole_batchs_cross_en
     close(called.loss, expected.detach(), 1e-5, 1e-6, "the call's loss")
     close(called.aux_loss, aux.detach(), 1e-5, 1e-6, "the call's aux_loss")
 
+
+def test_a_calls_router_logits_are_every_microbatchs():
+    """The router logits (rows * seq, experts) per layer: every microbatch's rows, in order (the
+    first microbatch's alone before), and a gradient through them reaches each microbatch."""
+    model = _qwen3_moe(0.0)
+    ref = copy.deepcopy(model)
+    b = _uneven(1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    out, want = cm(**b), ref(**b)
+    assert len(out.router_logits) == len(want.router_logits) == 2
+    weights = torch.randn(want.router_logits[0].shape, generator=torch.Generator().manual_seed(0))
+    for got, exp in zip(out.router_logits, want.router_logits):
+        close(got.detach(), exp.detach(), 1e-5, 1e-6, "router logits")
+    (out.router_logits[1] * weights).sum().backward()
+    (want.router_logits[1] * weights).sum().backward()
+    check_grads(model, ref, 1e-4)

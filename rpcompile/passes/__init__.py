@@ -911,7 +911,14 @@ def _describe_io(plan: Plan) -> None:
             raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
                                "returns tensors only: return it as a tensor or compute it outside the model")
         plan.graph_outputs.append(v.name)
-        plan.output_batched.append(ev.dim() >= 1 and batch.is_batch_dim(ev.shape[0]))
+        batched = ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
+        if not batched and plan.num_microbatches > 1 and any(map(batch.mentions, ev.shape)):
+            # (an output of another layout would come back as its first microbatch's alone)
+            raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose size depends on the "
+                               f"batch size elsewhere than in dim 0: rpcompile puts a call's outputs together from "
+                               f"its microbatches along dim 0 (the rows). Return it batch-first, or call with "
+                               f"Config(num_microbatches=1)")
+        plan.output_batched.append(batched)
 
 
 def _sym_source(gm, expr):

@@ -48,6 +48,23 @@ class BatchInfo:
         """Whether a size (int or SymInt) of a value is a batch symbol."""
         return isinstance(size, torch.SymInt) and size.node.expr in self.symbols
 
+    def rows_dim(self, size) -> bool:
+        """Whether a size is a batch symbol times a factor free of it: the rows of the batch, each
+        the same number of entries, one after another (a view of (batch, seq, ...) as (batch *
+        seq, ...): an MoE's router logits), which microbatches' values concatenate into."""
+        if not isinstance(size, torch.SymInt):
+            return False
+        expr = size.node.expr
+        for s in self.symbols & expr.free_symbols:
+            factor = sympy.cancel(expr / s)
+            if s not in factor.free_symbols and factor.is_polynomial():
+                return True
+        return False
+
+    def mentions(self, size) -> bool:
+        """Whether a size depends on the batch size."""
+        return isinstance(size, torch.SymInt) and bool(self.symbols & size.node.expr.free_symbols)
+
 
 LOSS_TARGET = "__rp_target__"     # the keyword train_step passes a loss_fn's target under
 
