@@ -283,17 +283,21 @@ def test_row_gradients_of_one_stage_are_the_whole_gradient_in_place():
 def test_plans_share_the_gradient_buffers():
     """Two layouts (two plans of one model) view one buffer, as large as the larger; a larger
     layout's set replaces the buffer, and the smaller layout's set is made anew on it; a switch
-    of layout is said, so the runner can wait for the optimizer first."""
+    of layout is said, so the runner can wait for the optimizer first. The replaced buffer and
+    the counters of the sets on it are let go (worker processes forget their files), once."""
     from rpcompile.runtime import host_buffers
     from rpcompile.runtime.grads import HostGrads
     small, large = _layout([[0], [1]], [(3, 2), (4,)]), _layout([[0, 1]], [(3, 2), (8,)])
-    hg = HostGrads(pin=False)
+    dropped = []
+    hg = HostGrads(pin=False, drop=dropped.extend)
     before = host_buffers.snapshot()[0]
     a0 = hg.set_for(small)
     a0.flat()
     assert not hg.switches(small) and hg.switches(large)
     b0 = hg.set_for(large)
+    assert not dropped
     assert b0.flat().numel() == large.numel and b0.flat().data_ptr() != a0.flat().data_ptr()
+    assert [t.data_ptr() for t in dropped] == [a0.flat().data_ptr(), a0.consumed.data_ptr()]
     c0 = hg.set_for(small)            # the small layout's set, anew on the larger buffer
     assert c0 is not a0 and c0.flat().data_ptr() == b0.flat().data_ptr()
     assert hg.set_for(small) is c0
@@ -301,3 +305,10 @@ def test_plans_share_the_gradient_buffers():
     assert grown["gradients"] == 4 * (small.numel + large.numel)
     hg.set_for(large).flat()          # a smaller layout never allocates again, nor does the larger
     assert host_buffers.snapshot()[0] - before == grown
+    assert len(dropped) == 2
+    # a set in another dtype replaces the layout's set: its counters go, then the buffer
+    d0 = hg.set_for(small, torch.bfloat16)
+    assert [id(t) for t in dropped[2:]] == [id(c0.consumed)]
+    d0.flat()
+    assert d0.flat().dtype == torch.bfloat16
+    assert [t.data_ptr() for t in dropped[3:]] == [b0.flat().data_ptr(), b0.consumed.data_ptr()]

@@ -1,6 +1,7 @@
 """Worker processes (Config(workers="processes"), Note [worker processes]): the same results as
 eager PyTorch and as worker threads, errors raised in the caller, nothing changed by a failed step."""
 import copy
+import dataclasses
 import os
 import time
 import warnings
@@ -45,6 +46,20 @@ def test_exact_mode_in_worker_processes_matches_eager():
         kept.append([(p.grad, p.grad.clone()) for p in cm.model.parameters()])
     assert len(os.listdir(cm.runner.executor.memory.directory)) == len(files)
     assert all(torch.equal(g, value) for grads in kept for g, value in grads)
+    # a larger layout (another plan's) replaces the gradient buffer: every process forgets the
+    # old one's files (they stayed mapped in the workers for as long as the model lived), and the
+    # next step writes the same gradients into the new one
+    last = [p.grad.clone() for p in cm.model.parameters()]
+    layout = cm.plan.host_memory.grad_layout
+    old_file = cm.runner.executor.memory.ref(cm.runner.host_grads.flat).file
+    larger = dataclasses.replace(layout, keys={**layout.keys, -1: []}, numel=layout.numel + 64)
+    cm.runner.host_grads.set_for(larger).flat()
+    assert not cm.runner.executor._grad_sets
+    assert old_file not in os.listdir(cm.runner.executor.memory.directory)
+    cm.model.zero_grad()
+    cm.train_step(**lm_batch(seed=2))
+    assert all(torch.equal(p.grad, g) for p, g in zip(cm.model.parameters(), last))
+    assert len(os.listdir(cm.runner.executor.memory.directory)) == len(files)
     del kept
     cm.model.zero_grad()
     directory = cm.runner.executor.memory.directory

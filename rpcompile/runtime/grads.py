@@ -154,16 +154,28 @@ class HostGrads:
         self._lock = threading.Lock()
 
     def _storage(self, numel, dtype):
+        old = []
         with self._lock:
             if self.flat is None or self.flat.numel() < numel or self.flat.dtype != dtype:
-                # a larger layout (or another dtype: an optimizer attached): a new buffer; the
-                # sets that view the old one are made anew at their next use (a step that holds
-                # one keeps it alive)
+                # a larger layout (or another dtype): a new buffer; the sets that view the old
+                # one are made anew at their next use (a step that holds one keeps it alive)
+                if self.flat is not None:
+                    old.append(self.flat)
                 self.flat = host_empty((numel,), dtype, self.pin, "gradients", exact=True)
                 for sig, gs in list(self._sets.items()):
                     if gs._flat is not None:
+                        old.append(gs.consumed)
                         del self._sets[sig]
-            return self.flat
+            flat = self.flat
+        self._let_go(old)
+        return flat
+
+    def _let_go(self, tensors) -> None:
+        """Buffers no set uses now: worker processes forget their files (a layout switch waited
+        for the optimizer first: runner.new_step), which go once the views die; kept, every
+        process mapped the old buffer for as long as the model lived."""
+        if self.drop is not None and tensors:
+            self.drop(tensors)
 
     def renew(self) -> None:
         """New buffers for the next set; the old ones stay with whoever holds views of them
@@ -174,8 +186,7 @@ class HostGrads:
             old = [self.flat, *self._sums.values(), *(gs.consumed for gs in self._sets.values())]
             self.flat, self._sums = None, {}
             self._sets.clear()
-        if self.drop is not None:
-            self.drop([t for t in old if t is not None])
+        self._let_go([t for t in old if t is not None])
 
     def switches(self, layout) -> bool:
         """Whether the buffer was last used by another layout (whose gradients the optimizer
@@ -184,9 +195,11 @@ class HostGrads:
 
     def set_for(self, layout, dtype=torch.float32) -> GradSet:
         """The set of `layout`, in `dtype` (Note [working-dtype gradients])."""
+        old = []
         with self._lock:
             gs = self._sets.get(layout.signature)
             if gs is not None and gs.dtype != dtype:
+                old.append(gs.consumed)
                 gs = None
             if gs is None:
                 sums = {}
@@ -197,7 +210,8 @@ class HostGrads:
                 gs = self._sets[layout.signature] = GradSet(layout, self.pin, sums, "gradients", storage=self._storage,
                                                             dtype=dtype)
             self._last = layout.signature
-            return gs
+        self._let_go(old)
+        return gs
 
     def fresh(self, layout) -> GradSet:
         """A set nobody else uses (a differentiable call's: autograd may keep the gradients it is
