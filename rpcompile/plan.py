@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from .passes.cost import _tensor_bytes, evaluate
+from .passes.graph_utils import module_path
 from .passes.host_memory import host_values
 
 
@@ -61,11 +62,8 @@ def _clean_path(path: str) -> str:
 
 def _module_path(node) -> str:
     """The innermost module a node was traced in, as the model names it (`model.layers.3.mlp`)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1]
-    return _clean_path(str(path[0] if isinstance(path, tuple) else path))
+    path = module_path(node)
+    return "" if path is None else _clean_path(path)
 
 
 class _ModuleNames:

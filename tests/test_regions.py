@@ -108,6 +108,53 @@ def test_split_graph_gives_the_same_values_and_gradients():
         torch.testing.assert_close(g, h, rtol=1e-6, atol=1e-7)
 
 
+class _Rotate(torch.nn.Module):
+    """A function as a module the modeling file holds (transformers 5.25 wraps
+    apply_rotary_pos_emb so): dynamo records it as `G['_ROTATE']` inside the layer's stack."""
+
+    def forward(self, x):
+        return torch.cat([-x[..., 4:], x[..., :4]], dim=-1) * 0.5 + x
+
+
+_ROTATE = _Rotate()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = _ROTATE(torch.tanh(self.a(x)))
+        return x + self.b(torch.relu(h) * h.sigmoid() + h.pow(2).mean(-1, keepdim=True))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_held_outside_the_model_counts_in_its_layer():
+    """Nodes traced in a module the model does not hold (Note [module path] in graph_utils.py)
+    belong to the layer that called it: one piece per layer, and the plan names layers. Before,
+    transformers 5.25's rotary module cut each Qwen3 layer in three (11 pieces for 5)."""
+    cm = rpcompile.compile(_Stack(), rpcompile.Config(devices=["cpu"], loss_fn=F.mse_loss))
+    cm.train_step(torch.randn(4, 8), target=torch.randn(4, 8))
+    body = body_nodes(cm.plan.gm)
+    rotated = [n for n in body if any("_ROTATE" in str(e[0]) for e in (n.meta.get("nn_module_stack") or {}).values())]
+    assert rotated and {block_of(n) for n in rotated} == {("L['model'].layers", k) for k in range(3)}
+    split = split_regions(cm.plan.gm)
+    blocks = [{block_of(n) for n in body_nodes(p)} for p in _pieces(split)]
+    assert blocks == [{("L['model'].layers", k)} for k in range(3)] + [{None}]     # (the loss)
+    assert "layers.0-2" in str(cm.plan), str(cm.plan)
+
+
 def test_graph_without_repeated_blocks_stays_one_piece():
     # A ModuleList of single Linears is no decoder: its blocks are too small to cut out.
     cm = rpcompile.compile(MLP(depth=4), rpcompile.Config(devices=["cpu"], loss_fn=F.mse_loss))

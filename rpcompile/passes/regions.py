@@ -9,16 +9,16 @@ Qwen3-1.7B-shaped model on an H200: first step 99 s -> 49 s as one stage of all 
 126 s -> 84 s as 12 stage jobs on 2 GPUs; steady-state steps unchanged.
 
 A node's block is the first index on its module path (`node.meta["nn_module_stack"]`, which
-dynamo fills and the stage graphs keep), e.g. `model.layers.3`; only the container most nodes
-belong to counts, and runs shorter than MIN_BLOCK_NODES do not (a ModuleList of single Linears
-is not worth cutting: it would only lose fusion). Where the memory rule set the LM head's shard
-count (passes/lm_head.py), each shard is a block of its own too: the shards exist to bound the
-logits live at once, and in one compiled graph Inductor scheduled them together (Note [one
-piece per shard]). What lies between blocks
+dynamo fills and the stage graphs keep; Note [module path] in graph_utils.py), e.g.
+`model.layers.3`; only the container most nodes belong to counts, and runs shorter than
+MIN_BLOCK_NODES do not (a ModuleList of single Linears is not worth cutting: it would only lose
+fusion). Where the memory rule set the LM head's shard count (passes/lm_head.py), each shard is
+a block of its own too: the shards exist to bound the logits live at once, and in one compiled
+graph Inductor scheduled them together (Note [one piece per shard]). What lies between blocks
 (embedding, masks, final norm, loss, a layer cut short by the stage) forms its own pieces. A
-graph without blocks stays whole. Every piece is a contiguous run of the
-topological order, so the pieces called in order compute the graph; the backward chains through
-each compiled piece's autograd function like through any other op.
+graph without blocks stays whole. Every piece is a contiguous run of the topological order, so
+the pieces called in order compute the graph; the backward chains through each compiled piece's
+autograd function like through any other op.
 
 Pieces and sequence lengths (Note [dynamic lengths] in lengths.py): one plan serves every length,
 so its programs and pieces do too, and the runner compiles each piece symbolic in the length
@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from .graph_utils import graph_module
+from .graph_utils import graph_module, module_path
 
 # A run of one block shorter than this is not cut out (a decoder layer has ~50-100 nodes).
 MIN_BLOCK_NODES = 8
@@ -56,12 +56,9 @@ _INDEX = re.compile(r"""(.*?)(?:\.(\d+)(?=[.\[]|$)|\[['"]?(\d+)['"]?\])""")
 
 def block_of(node: fx.Node) -> Optional[tuple]:
     """(container path, index) of the repeated block the node was traced in, or None."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
+    path = module_path(node)
+    if path is None:
         return None
-    path = list(stack.values())[-1]
-    path = path[0] if isinstance(path, tuple) else path
-    path = str(path)
     root = _ROOT.match(path)
     m = _INDEX.match(path, root.end() if root else 0)
     if m is None:
