@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import rpcompile
 from models import lm_batch, qwen3
-from parity import check_grads, close, train_both
+from parity import TIGHT, check_grads, close, scalar_loss_step, train_both
 
 
 def _uneven(seed):
@@ -51,22 +51,29 @@ class _Head(nn.Module):
     def __init__(self, loss):
         super().__init__()
         self.lin, self.loss = nn.Linear(8, 5), loss
+        self.log_var = nn.Parameter(torch.tensor(0.3))
+        self.register_buffer("weight", torch.tensor(2.0))
 
     def forward(self, x, y):
         logits = self.lin(x)
-        return self.loss(F.cross_entropy(logits, y), logits.pow(2).mean())
+        return self.loss(F.cross_entropy(logits, y), logits.pow(2).mean(), self)
 
 
 @pytest.mark.parametrize("loss,terms", [
-    (lambda ce, reg: ce, None),                     # the cross-entropy alone: its own kind ("tokens")
-    (lambda ce, reg: ce + reg, 1),
-    (lambda ce, reg: 2 * ce - reg / 3, 1),
-    (lambda ce, reg: reg - ce.float() * 0.5, 1),
-    (lambda ce, reg: torch.neg(ce).add(reg), 1),
-    (lambda ce, reg: ce * ce + reg, 0),             # not affine in it: the loss stays a row mean
-    (lambda ce, reg: torch.exp(ce) + reg, 0),
-    (lambda ce, reg: ce * reg, 0),
-    (lambda ce, reg: ce + reg * ce, 0),             # (the cross-entropy has two users)
+    (lambda ce, reg, m: ce, None),                     # the cross-entropy alone: its own kind ("tokens")
+    (lambda ce, reg, m: ce + reg, 1),
+    (lambda ce, reg, m: 2 * ce - reg / 3, 1),
+    (lambda ce, reg, m: reg - ce.float() * 0.5, 1),
+    (lambda ce, reg, m: torch.neg(ce).add(reg), 1),
+    (lambda ce, reg, m: ce * ce + reg, 0),             # not affine in it: the loss stays a row mean
+    (lambda ce, reg, m: torch.exp(ce) + reg, 0),
+    (lambda ce, reg, m: ce * reg, 0),
+    (lambda ce, reg, m: ce + reg * ce, 0),             # (the cross-entropy has two users)
+    (lambda ce, reg, m: ce * m.weight + reg, 1),       # a product with a buffer: the same in every microbatch
+    (lambda ce, reg, m: ce / m.log_var.exp() + m.log_var, 1),   # a learned uncertainty weight
+    (lambda ce, reg, m: m.log_var * ce / m.weight - reg, 1),
+    (lambda ce, reg, m: reg / ce, 0),                  # not affine in it
+    (lambda ce, reg, m: ce * (m.weight + reg), 0),     # a product with a batch's value
 ])
 def test_cross_entropy_terms_are_found_where_the_loss_is_affine_in_them(loss, terms):
     from rpcompile.capture import capture_call
@@ -81,6 +88,31 @@ def test_cross_entropy_terms_are_found_where_the_loss_is_affine_in_them(loss, te
         assert scale.kind == "tokens" and not scales and not scale.terms
     else:
         assert scale.kind == "rows" and len(scales) == len(scale.terms) == terms
+
+
+class _UncertaintyWeighted(nn.Module):
+    """A Qwen3 whose loss is its cross-entropy weighed by a buffer and a learned log-variance
+    (Kendall et al.'s uncertainty weighting): affine in the cross-entropy, with a coefficient the
+    same in every microbatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = qwen3(layers=1)
+        self.log_var = nn.Parameter(torch.tensor(0.3))
+        self.register_buffer("weight", torch.tensor(1.5))
+
+    def forward(self, input_ids, labels):
+        logits = self.lm(input_ids=input_ids).logits
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return ce * self.weight * torch.exp(-self.log_var) + self.log_var / 2
+
+
+def test_a_loss_weighed_by_parameters_trains_on_the_whole_batchs_cross_entropy():
+    """Before, a product with anything but a number made the loss a mean over rows as a whole:
+    with these labels the first step's loss was 2.3e-4 off eager's (checked)."""
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT)
+    cm = train_both(_UncertaintyWeighted(), [_uneven(s) for s in range(3)], cfg, eager_step=scalar_loss_step)
+    assert [n.name for n in cm.plan.gm.graph.nodes if n.meta.get("rp_kind") == "loss_scale"] == ["loss_scale_0"]
 
 
 def _qwen3_moe(coef):

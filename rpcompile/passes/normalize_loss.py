@@ -16,7 +16,8 @@ load-balancing loss: `loss = ce + coef * aux_loss`; a user's loss_fn with a regu
 mean over rows as a whole, and before this its cross-entropy part was each microbatch's token
 mean weighted by rows: with ignored labels spread unevenly, gradients 4% off eager's (the
 largest; Qwen3-MoE, 2 microbatches). Where the loss reaches each mean cross-entropy only
-through sums, casts and products with numbers (it is affine in them), each becomes its token
+through sums, casts and products with numbers or with values of the parameters and buffers
+alone (a loss weight, a learned uncertainty weight: it is affine in them), each becomes its token
 *sum* times a scale the runtime gives every microbatch, 1 / (T_k * w_m) (a placeholder of kind
 "loss_scale", index k: T_k the counted tokens of the whole batch, w_m the microbatch's share of
 the rows, which weighs the loss output), so the cross-entropy adds up to the whole batch's
@@ -171,12 +172,33 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     return gm
 
 
-# ops through which a loss stays affine in a term: x + y, x - y, -x, x * c, x / c (c a number)
+# ops through which a loss stays affine in a term: x + y, x - y, -x, x * c, x / c (c a number
+# or computed from parameters and buffers alone: _batch_free)
 _SUMS = {operator.add, operator.iadd, torch.add, operator.sub, operator.isub, torch.sub}
 _SCALES = {operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div}
 _SIGNS = {operator.neg, torch.neg}
 _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg,
             "to": "cast", "float": "cast", "double": "cast", "type": "cast"}
+
+
+def _batch_free(value) -> bool:
+    """A number, or a node computed from parameters, buffers and constants alone: the same in
+    every microbatch of a step (a loss weight, a learned log-variance), so a product with it
+    keeps the loss affine in a term. Not a size (rows per microbatch differ)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if not isinstance(v, fx.Node):
+            if not isinstance(v, (int, float)):
+                return False
+            continue
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.op == "placeholder" and v.meta.get("rp_kind") not in ("param", "buffer"):
+            return False
+        stack.extend(v.all_input_nodes)
+    return True
 
 
 def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
@@ -191,10 +213,10 @@ def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
         return []
     if t in _SUMS or t in _SIGNS or t == "cast":
         operands = args if t in _SUMS else args[:1]
-    elif t in _SCALES and len(args) == 2 and isinstance(args[1], (int, float)):
+    elif t in _SCALES and len(args) == 2 and _batch_free(args[1]):
         operands = args[:1]
     elif t in _SCALES and t not in (operator.truediv, operator.itruediv, torch.div) and len(args) == 2 \
-            and isinstance(args[0], (int, float)):
+            and _batch_free(args[0]):
         operands = args[1:]
     else:
         return []
