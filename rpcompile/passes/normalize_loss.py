@@ -83,6 +83,17 @@ def mean_cross_entropy(node: fx.Node):
     return bound["input"], bound["target"], bound["ignore_index"]
 
 
+def _ancestors(node: fx.Node) -> set:
+    """`node` and every node it is computed from."""
+    found, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
+
+
 def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weight,
                    classes: Optional[int] = None) -> Optional[fx.GraphModule]:
     """A graph from the inputs to the count of targets != ignore_index, or with class weights
@@ -90,22 +101,11 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
     (the weight may be a buffer or parameter: the runtime passes the host tensor). It refuses a
     counted target outside [0, classes), as F.cross_entropy does (a vocabulary-split head would
     otherwise give a finite, wrong loss); it runs on the host before the step's jobs."""
-    needed, stack = set(), [target]
-    while stack:
-        n = stack.pop()
-        if n in needed:
-            continue
-        if n.op == "placeholder" and n.meta.get("rp_kind") in ("param", "buffer"):
-            return None
-        needed.add(n)
-        stack.extend(n.all_input_nodes)
+    needed = _ancestors(target)
+    if any(n.op == "placeholder" and n.meta.get("rp_kind") in ("param", "buffer") for n in needed):
+        return None
     if isinstance(weight, fx.Node):
-        stack = [weight]
-        while stack:
-            n = stack.pop()
-            if n not in needed:
-                needed.add(n)
-                stack.extend(n.all_input_nodes)
+        needed |= _ancestors(weight)
     g = fx.Graph()
     env = {}
     for n in gm.graph.nodes:
@@ -185,20 +185,9 @@ def _batch_free(value) -> bool:
     """A number, or a node computed from parameters, buffers and constants alone: the same in
     every microbatch of a step (a loss weight, a learned log-variance), so a product with it
     keeps the loss affine in a term. Not a size (rows per microbatch differ)."""
-    stack, seen = [value], set()
-    while stack:
-        v = stack.pop()
-        if not isinstance(v, fx.Node):
-            if not isinstance(v, (int, float)):
-                return False
-            continue
-        if v in seen:
-            continue
-        seen.add(v)
-        if v.op == "placeholder" and v.meta.get("rp_kind") not in ("param", "buffer"):
-            return False
-        stack.extend(v.all_input_nodes)
-    return True
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float))
+    return all(n.op != "placeholder" or n.meta.get("rp_kind") in ("param", "buffer") for n in _ancestors(value))
 
 
 def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
