@@ -1,5 +1,7 @@
 """Tests of the cost annotation pass (rpcompile/passes/cost.py)."""
 
+import warnings
+
 import pytest
 import sympy
 import torch
@@ -118,6 +120,49 @@ def test_every_call_node_costed(mlp_gm):
     for n in mlp_gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             assert "rp_cost" not in n.meta
+
+
+class _FrozenTop(nn.Module):
+    """fc1 trains, fc2 is frozen: a gradient flows through fc2's input only (as through a LoRA
+    base layer); fc0 is trainable and reads the user input, which needs no gradient."""
+    def __init__(self):
+        super().__init__()
+        self.fc0 = nn.Linear(D_IN, D_IN, bias=False)
+        self.fc1 = nn.Linear(D_IN, D_HID)
+        self.fc2 = nn.Linear(D_HID, D_OUT).requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(self.fc0(x))))
+
+
+def test_linears_on_3d_inputs_of_symbolic_sizes_past_a_frozen_weight():
+    """Note [linear on rows]: on torch 2.11 the frozen fc2 on a (batch, seq, d) input failed to
+    measure and was costed 0 FLOPs (with a warning)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, D_IN)
+    torch._dynamo.mark_dynamic(x, 1)
+    gm = capture(_FrozenTop(), x)
+    for n in gm.graph.find_nodes(op="placeholder"):   # as capture marks them: frozen is a param
+        ev = n.meta["example_value"]
+        n.meta["rp_kind"] = ("sym" if not isinstance(ev, torch.Tensor)
+                             else "param" if "parameters" in n.name else "input")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        annotate_costs(gm)
+    syms = graph_symbols(gm)
+    assert len(syms) == 2
+    rows = sympy.Mul(*syms.values())
+    fc0, fc1, fc2 = [n for n in calls(gm) if n.target is torch._C._nn.linear]
+    c0, c1, c2 = (n.meta["rp_cost"] for n in (fc0, fc1, fc2))
+    assert sympy.simplify(c2.fwd_flops - 2 * rows * D_HID * D_OUT) == 0
+    assert sympy.simplify(c2.bwd_flops - c2.fwd_flops) == 0      # the input's gradient alone
+    assert c2.saved_bytes == 0 and c2.saved_values == ()         # a frozen weight needs no input
+    assert sympy.simplify(c1.bwd_flops - 2 * c1.fwd_flops) == 0
+    assert sympy.simplify(c0.fwd_flops - 2 * rows * D_IN * D_IN) == 0
+    assert sympy.simplify(c0.bwd_flops - c0.fwd_flops) == 0      # the weight's gradient alone
+    (value, saved), = c0.saved_values                            # its input, by the input's name
+    assert value == (fc0.args[0].name, 0) and sympy.simplify(saved - 4 * rows * D_IN) == 0
+    assert [tuple(fc0.meta["example_value"].shape)[-1], fc0.meta["example_value"].dim()] == [D_IN, 3]
 
 
 def test_rp_kind_is_respected():

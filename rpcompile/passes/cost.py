@@ -354,6 +354,15 @@ _FP = torch._functorch.predispatch
 _STATE_TARGETS |= FUNCTORCH_ENTER | FUNCTORCH_LEAVE | {getattr(_FP, "lazy_load_decompositions", None)} - {None}
 _BATCH_DIM_MOVES = {getattr(_FP, n) for n in ("_add_batch_dim", "_remove_batch_dim") if hasattr(_FP, n)}
 _DETACH = {"detach", torch.detach, torch.Tensor.detach}
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+
+# Note [linear on rows]: a linear is measured on its input flattened to rows (2-D). torch 2.11's
+# matmul folds a 3-D input times a weight that needs no gradient through numel(), which fails
+# on symbolic sizes ("Cannot call numel() on tensor with symbolic sizes/strides"): every frozen
+# weight a gradient flows past (LoRA's base layers, the frozen layers above trainable ones) was
+# costed 0 FLOPs. On rows the same kernel runs (addmm/mm of the folded input), with the same
+# FLOPs forward and backward, and the rows are a view of the input, so a saved input is still
+# found as that input (tests/test_cost.py checks a frozen linear's costs).
 
 # Meta fakes are measured as CPU fakes: on meta, SDPA dispatches to its math decomposition while
 # on CPU (as on CUDA) it runs a fused kernel, whose FLOPs and saved tensors are the ones a real
@@ -733,6 +742,9 @@ class _Annotator:
 
     def _call(self, node, args, kwargs):
         if node.op == "call_function":
+            if node.target in _LINEAR and args and args[0].dim() > 2:
+                # Note [linear on rows]
+                args = (args[0].flatten(0, -2), *args[1:])
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             self_arg, *rest = args
