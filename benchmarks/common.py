@@ -96,8 +96,9 @@ def hf_config(spec: ModelSpec, max_positions: int = 4096):
 
 
 def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_device=None,
-                max_positions: int = 4096, seed: int = 0) -> torch.nn.Module:
-    """The model with random weights (no download), in `dtype` on `device`, in train mode.
+                max_positions: int = 4096, seed: int = 0, lora: int = 0) -> torch.nn.Module:
+    """The model with random weights (no download), in `dtype` on `device`, in train mode; with
+    `lora` > 0, LoRA adapters of that rank on its linear layers (add_lora).
 
     Weights are drawn on `init_device` (a GPU draws 8B parameters in well under a second; the
     host would take minutes) and then moved to `device`.
@@ -113,6 +114,8 @@ def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_devi
     with torch.no_grad():
         for p in model.parameters():              # parameters only: buffers (rotary inv_freq) stay fp32
             p.data = p.data.to(dtype)
+    if lora:
+        model = add_lora(model, lora)
     model.to(device)
     if init.type == "cuda" and torch.device(device).type != "cuda":
         torch.cuda.synchronize(init)
@@ -120,6 +123,17 @@ def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_devi
     model.config.use_cache = False
     model.train()
     return model
+
+
+def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """LoRA adapters of `rank` on every linear layer but the LM head (peft's "all-linear", alpha
+    16, as RoundPipe's own LoRA benchmark sets them), in the base weights' dtype; only the
+    adapters train. The model keeps its class (peft's LoraModel, not a PeftModel wrapper), so
+    every system wraps it as it wraps the full model."""
+    from peft import LoraConfig, LoraModel, TaskType
+
+    cfg = LoraConfig(r=rank, lora_alpha=16, target_modules="all-linear", task_type=TaskType.CAUSAL_LM)
+    return LoraModel(model, cfg, "default").model
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
@@ -231,6 +245,11 @@ class RunSpec:
     @property
     def spec(self) -> ModelSpec:
         return get_model(self.model)
+
+    @property
+    def lora(self) -> int:
+        """`--option lora=R`: LoRA adapters of rank R on every system's model (0: full fine-tuning)."""
+        return int(self.options.get("lora", 0))
 
     @property
     def max_positions(self) -> int:

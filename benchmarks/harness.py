@@ -465,7 +465,9 @@ class Harness:
             return {"status": "skipped", "reason": f"skipped: {name} is the one-GPU resident baseline"}
         if sysm.env == "roundpipe" and not os.path.isdir(os.path.join(a.rp_site, "roundpipe")):
             return {"status": "failed", "reason": f"RoundPipe is not installed in {a.rp_site}: run benchmarks/setup_device.sh"}
-        if not a.no_fit_check:
+        # (the bytes per parameter are full fine-tuning's; a LoRA run's frozen weights need no
+        # gradient or Adam state: not checked)
+        if not a.no_fit_check and not a.options.get("lora"):
             card = min(m["total"][: a.gpus])
             cap = min(card, a.mem_cap_gib * GiB) if a.max_seq_search else card
             need = self.n_params * sysm.gpu_bytes_per_param

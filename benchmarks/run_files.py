@@ -30,11 +30,12 @@ def _slug(text) -> str:
 
 
 def run_file_name(meta: dict) -> str:
-    """<started>_<card>_x<gpus>_<model>[_<mode>].json, e.g. 20261126T101703Z_NVIDIA-H200_x4_qwen3-1.7b.json."""
-    mode = meta.get("mode") or "throughput"
-    name = (f"{started_stamp(meta)}_{_slug(meta.get('card'))}_x{meta.get('gpus')}_"
-            f"{_slug((meta.get('settings') or {}).get('model'))}")
-    return name + ("" if mode == "throughput" else f"_{mode}") + ".json"
+    """<started>_<card>_x<gpus>_<model>[_lora<R>][_<mode>].json, e.g.
+    20261126T101703Z_NVIDIA-H200_x4_qwen3-1.7b.json."""
+    mode, settings = meta.get("mode") or "throughput", meta.get("settings") or {}
+    name = f"{started_stamp(meta)}_{_slug(meta.get('card'))}_x{meta.get('gpus')}_{_slug(settings.get('model'))}"
+    lora = (settings.get("options") or {}).get("lora")
+    return name + (f"_lora{_slug(lora)}" if lora else "") + ("" if mode == "throughput" else f"_{mode}") + ".json"
 
 
 def write_run(directory: str, run: dict) -> str:

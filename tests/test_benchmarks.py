@@ -181,6 +181,31 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     assert md.startswith("# Benchmark results") and "| rpcompile | ok |" in md and "| eager | ok |" in md
 
 
+def test_harness_runs_lora_on_every_system(tmp_path):
+    """--option lora=R gives every system the model with LoRA adapters of rank R on its linear
+    layers (benchmarks.common.add_lora): only they train, and rpcompile's losses are eager's."""
+    spec = common.get_model("tiny")
+    model = common.build_model(spec, lora=4)
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert not any("lm_head" in n for n in trainable) and type(model).__name__ == "Qwen3ForCausalLM"
+    q, kv, h, i = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.hidden, spec.intermediate
+    per_layer = 4 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))    # r (in + out) per linear
+    assert sum(trainable.values()) == spec.layers * per_layer
+    res, md, meta = _harness(tmp_path, "--gpus", "2", "--seq-len", "32", "--tokens-per-step", "256",
+                             "--microbatches", "2", "--steps", "2", "--warmup", "1", "--timeout", "120",
+                             "--systems", "rpcompile-delayed,eager", "--option", "lora=4")
+    for name in ("rpcompile-delayed", "eager"):
+        r = res[name]
+        assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
+        assert r["n_params"] == common.param_count(spec) + spec.layers * per_layer
+        assert len(r["losses"]) == 3 and r["losses_finite"]
+    # the same starting weights (adapters' B = 0: the base model's loss), bf16 compute both ways;
+    # tests/test_zoo.py checks LoRA training against eager peft's step by step, in fp32
+    assert res["rpcompile-delayed"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=1e-3)
+    assert meta["settings"]["options"] == {"lora": "4"}
+
+
 def test_harness_traces_the_optimizers_work_on_the_devices_beside_the_steps(tmp_path):
     """With a trace directory the last steps' file holds the update's spans on the devices
     (Note [optimizer spans], runtime/optimizer.py) under each device's worker."""
@@ -262,6 +287,8 @@ def test_run_file_names():
     assert run_files.run_file_name(meta) == "20261126T1017Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b.json"
     meta.update(started_utc="2026-11-26T10:17:03Z", mode="losscurve")
     assert run_files.run_file_name(meta) == "20261126T101703Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b_losscurve.json"
+    meta["settings"]["options"] = {"lora": "32"}
+    assert run_files.run_file_name(meta) == "20261126T101703Z_NVIDIA-H100-80GB-HBM3_x4_llama3.1-8b_lora32_losscurve.json"
 
 
 @pytest.mark.parametrize("how", ["exit_on_oom", "restart_after_oom"])

@@ -15,7 +15,7 @@ class EagerTrainer(Trainer):
     def __init__(self, spec, rank=0, world=1):
         self.dev = torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu")
         self.model = build_model(spec.spec, dtype=torch.float32, device=self.dev,
-                                 max_positions=spec.max_positions, seed=spec.seed)
+                                 max_positions=spec.max_positions, seed=spec.seed, lora=spec.lora)
         enable_checkpointing(self.model)
         self.n_params = count_params(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)

@@ -27,7 +27,7 @@ class FSDP2Trainer(Trainer):
         # built on the GPU: fully_shard moves every state to the mesh device anyway, then the
         # offload policy moves the fp32 shards to pinned host memory
         model = build_model(spec.spec, dtype=torch.float32, device=self.dev, max_positions=spec.max_positions,
-                            seed=spec.seed)
+                            seed=spec.seed, lora=spec.lora)
         self.n_params = count_params(model)
         enable_checkpointing(model)
         kwargs = {"mesh": init_device_mesh(self.dev.type, (world,)),

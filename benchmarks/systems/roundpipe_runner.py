@@ -57,7 +57,7 @@ class RoundPipeTrainer(Trainer):
         from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
 
         model = build_model(spec.spec, dtype=torch.bfloat16, device="cpu", init_device="cuda:0",
-                            max_positions=spec.max_positions, seed=spec.seed)
+                            max_positions=spec.max_positions, seed=spec.seed, lora=spec.lora)
         self.n_params = count_params(model)
         self.m = spec.microbatches if spec.mode != "maxseq" else 1
         self.model = wrap_model_to_roundpipe(model, optim_dtype=torch.float32, use_sequential_preset=True,

@@ -116,7 +116,7 @@ class RPCompileTrainer(Trainer):
         on_gpu = spec.device == "cuda"
         self.model = build_model(spec.spec, dtype=torch.float32, device="cpu",
                                  init_device="cuda:0" if on_gpu else "cpu",
-                                 max_positions=spec.max_positions, seed=spec.seed)
+                                 max_positions=spec.max_positions, seed=spec.seed, lora=spec.lora)
         self.n_params = count_params(self.model)
         devices = [f"cuda:{i}" for i in range(spec.gpus)] if on_gpu else ["cpu"] * spec.gpus
         extra = {}
