@@ -200,6 +200,9 @@ def test_harness_runs_lora_on_every_system(tmp_path):
         assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
         assert r["n_params"] == common.param_count(spec) + spec.layers * per_layer
         assert len(r["losses"]) == 3 and r["losses_finite"]
+    # the adapters' gradients alone come down (bf16 or fp32), not every weight's
+    down = res["rpcompile-delayed"]["info"]["plan_grad_download_bytes_per_step_est"]
+    assert down in (2 * sum(trainable.values()), 4 * sum(trainable.values())), down
     # the same starting weights (adapters' B = 0: the base model's loss), bf16 compute both ways;
     # tests/test_zoo.py checks LoRA training against eager peft's step by step, in fp32
     assert res["rpcompile-delayed"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=1e-3)

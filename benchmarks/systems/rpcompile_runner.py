@@ -190,9 +190,9 @@ class RPCompileTrainer(Trainer):
                        plan_job_est_s=[float(r["est_time_s"]) for r in rows],
                        # each stage job uploads its weights once per step (DESIGN.md)
                        plan_weight_upload_bytes_per_step=int(sum(r["param_bytes"] for r in rows)),
-                       # gradients come down once per backward/fused stage job (same dtype assumed)
-                       plan_grad_download_bytes_per_step_est=int(sum(r["param_bytes"] for r in rows
-                                                                      if r["kind"] in ("bwd", "fused"))))
+                       # the plan's: the gradients of the parameters that train, in the host set's dtype
+                       # (a LoRA model's adapters alone; before, every parameter's weight bytes)
+                       plan_grad_download_bytes_per_step_est=int(plan.host_link_bytes(rows)["grads_down"]))
         out["host_memory_by_process"] = process_tree_memory()   # at the end: the steady state
         memory = getattr(self.cm.runner.executor, "memory", None)
         cuda = [d for d in self.config.devices if torch.device(d).type == "cuda"]
