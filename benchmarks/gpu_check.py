@@ -268,6 +268,10 @@ def users(args):
     def lora():
         from peft import LoraConfig, get_peft_model
         return get_peft_model(tiny_qwen3(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+
+    def moe_lora():   # the experts' 3-D parameters and the router through target_parameters (Note [LoRA on parameters])
+        from peft import LoraConfig, get_peft_model
+        return get_peft_model(qwen3_moe(4), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
     from test_loss_terms import _qwen3_moe
     cases = {"moe": (lambda: qwen3_moe(4), [batch(6, 16, 64, seed=s) for s in range(3)]),
              # its loss adds the load-balancing loss (times 0: eager's whole-batch one differs from
@@ -277,7 +281,8 @@ def users(args):
              "padded": (lambda: qwen3(tied=False), [padded_batch(6, 16, side, seed=s)
                                                      for s, side in enumerate(("right", "left", "one_token"))]),
              "tiny_qwen3": (lambda: tiny_qwen3(tied=False), [batch(6, 64, 512, seed=s) for s in range(3)]),
-             "lora": (lora, [batch(6, 64, 512, seed=s) for s in range(3)])}
+             "lora": (lora, [batch(6, 64, 512, seed=s) for s in range(3)]),
+             "moe_lora": (moe_lora, [batch(6, 16, 64, seed=s) for s in range(3)])}
     for name, (make, batches) in cases.items():
         if args.cases and name not in args.cases.split(","):
             continue
@@ -569,7 +574,7 @@ def main():
                          "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
-    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,tiny_qwen3,lora)")
+    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,tiny_qwen3,lora,moe_lora)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()

@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError
+from .lora_params import traceable_lora_params
 
 _capture_ids = itertools.count()
 
@@ -336,7 +337,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
     _install_output_recorders(model, kwargs if isinstance(kwargs, dict) else {})
-    with _SwapToCopies(model, copies) as swap, _capture_config():
+    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params():
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:

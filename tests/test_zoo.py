@@ -9,7 +9,7 @@ import torch
 import rpcompile
 
 from parity import TIGHT, train_both
-from zoo import CASES, LoopMoELM, _hf_eager, lm_batch, plain_eager, qwen2
+from zoo import CASES, LoopMoELM, _hf_eager, lm_batch, plain_eager, qwen2, qwen3_moe
 
 LAYOUTS = [(2, 3), (3, 4)]    # (devices, microbatches) of 5 rows: 2+2+1 and 2+1+1+1
 
@@ -33,18 +33,22 @@ def _lora(model, **kwargs):
 @pytest.mark.parametrize("make,targets", [
     (qwen2, ["q_proj", "v_proj", "down_proj"]),
     (LoopMoELM, ["gate", "w1", "w2", "w3"]),      # the router and every expert
-], ids=["decoder", "moe"])
+    (qwen3_moe, "all-linear"),                     # + the experts' 3-D parameters and the router's
+], ids=["decoder", "moe", "transformers_moe"])
 def test_lora_through_peft(make, targets):
     """Only the adapters train: the base weights stay frozen, and the adapters' gradients and
     steps equal eager peft's (init_lora_weights=False: B is not zero, so every adapter weight
     gets a gradient from the first step). The MoE's adapters sit on its router and on every
-    expert, whose tokens are picked by data-dependent routing. (peft's target_parameters, for
-    experts stored as one 3-D parameter as in transformers' MoE models, registers a
-    parametrization in every forward, which torch.compile(fullgraph=True) cannot capture.)"""
+    expert, whose tokens are picked by data-dependent routing. On transformers' Qwen3-MoE,
+    "all-linear" adapts the experts' stacked 3-D parameters and the router's weight through
+    peft's target_parameters, whose parametrization is applied functionally while capturing
+    (Note [LoRA on parameters]; a CaptureError before)."""
     torch.manual_seed(0)
     model = _lora(make(), target_modules=targets)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+    if make is qwen3_moe:
+        assert any(".experts." in n for n in trainable) and any(".mlp.gate." in n for n in trainable)
     cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=3)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     cm = train_both(model, [lm_batch(s) for s in range(3)], cfg, eager_step=lambda m, b: plain_eager(m, b, 3))
