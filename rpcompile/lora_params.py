@@ -30,7 +30,7 @@ def _adapted_weight(layer, wrapper, adapters):
     param = wrapper.get_param()
     low = any(getattr(torch, n, None) == param.dtype for n in getattr(layer, "UPCAST_DTYPES", ()))
     factors = getattr(layer, "_LoraFactorsProxy", None)
-    if factors is not None and len(adapters) == 1 and wrapper.num_experts > 1 and not low:
+    if factors is not None and len(adapters) == 1 and getattr(wrapper, "num_experts", 1) > 1 and not low:
         return factors(*wrapper.get_delta_factors(adapters[0]))(param)
     delta = None
     for name in adapters:
