@@ -163,6 +163,41 @@ def test_lora_saves_adapter_the_peft_way(tmp_path, captured):
     assert frozen.keys() == fresh.keys() and all(torch.equal(frozen[k], fresh[k]) for k in fresh)
 
 
+def test_lora_on_a_mixture_of_experts_adapts_its_experts(tmp_path):
+    """--lora on a transformers MoE adapts the stacked expert weights too (peft target_parameters,
+    captured by Note [LoRA on parameters]): it trains pipelined, and the saved adapter reloads
+    onto a fresh base with the same logits."""
+    import rpcompile
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def base():
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  moe_intermediate_size=16, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                  num_experts=4, num_experts_per_tok=2, max_position_embeddings=32))
+
+    assert models.expert_parameters(base()) == ["experts.down_proj", "experts.gate_up_proj"]
+    model = models.apply_lora(base(), 4)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".experts." in n for n in trainable) and any(".q_proj." in n for n in trainable)
+    assert all("lora_" in n for n in trainable)
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    cm = rpcompile.compile(model, config=rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        cm.train_step(input_ids=ids, labels=ids)
+        opt.step()
+        opt.zero_grad()
+    assert all(not torch.equal(p, before[n]) for n, p in trainable.items() if ".experts." in n)
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = models.load_lora(base(), tmp_path / "adapter")
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-6)
+
+
 def test_ctrl_c_with_save_finishes_the_step_saves_and_resumes(tmp_path):
     """SIGINT (Ctrl-C) to the command as a user runs it: the step in flight finishes, the
     checkpoint is written atomically, the command says where; the checkpoint resumes."""

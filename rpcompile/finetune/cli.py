@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype on the devices; master weights stay fp32 (default: fp32 "
                         "on cpu, bf16 on cuda)")
     p.add_argument("--lora", metavar="R", type=_positive_int,
-                   help="train a rank-R LoRA adapter on the attention and MLP projections (peft); "
-                        "the base stays frozen")
+                   help="train a rank-R LoRA adapter on the attention and MLP projections (peft; "
+                        "a mixture of experts' experts too); the base stays frozen")
     p.add_argument("--save", metavar="DIR", type=Path,
                    help="write the checkpoint (HuggingFace layout), loss.png and schedule.png here, "
                         "atomically")

@@ -113,14 +113,28 @@ def check_model_tokenizer(model, tokenizer, spec: str, seq_len: int) -> None:
         raise UsageError(f"--seq-len {seq_len}: longer than the model's max_position_embeddings ({max_pos})")
 
 
+def expert_parameters(model) -> list:
+    """The stacked expert weights of a mixture of experts (3-D parameters of a module named
+    `experts`, as transformers 5 keeps them: `experts.gate_up_proj`, `experts.down_proj`), by
+    the names peft's target_parameters matches."""
+    return sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters()
+                   if p.dim() == 3 and n.split(".")[-2:-1] == ["experts"]})
+
+
 def apply_lora(model, rank: int):
-    """LoRA (rank r, alpha 2r) on the attention and MLP projections; the base is frozen."""
+    """LoRA (rank r, alpha 2r) on the attention and MLP projections, a mixture of experts' stacked
+    expert weights among them (peft's target_parameters: Note [LoRA on parameters]); the base is
+    frozen."""
     from peft import LoraConfig, get_peft_model
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     targets = [t for t in LORA_TARGETS if t in names] or "all-linear"
+    extra = {}
+    experts = expert_parameters(model)
+    if experts and isinstance(targets, list) and "target_parameters" in LoraConfig.__dataclass_fields__:
+        extra["target_parameters"] = experts      # (all-linear adds them itself, peft >= 0.21)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
-                        task_type="CAUSAL_LM")
+                        task_type="CAUSAL_LM", **extra)
     with _quiet_peft():
         return get_peft_model(model, config)  # records model.name_or_path as the adapter's base
 
