@@ -45,6 +45,7 @@ def _traceable_forward(layer, original):
         if self.disable_adapters or self.merged or not adapters or kwargs.get("adapter_names") is not None:
             return original(self, x, *args, **kwargs)
         self._check_forward_args(x, *args, **kwargs)
+        kwargs.pop("adapter_names", None)
         path, inner = [], self.base_layer        # the parameter's place below self.base_layer
         while inner is not self.get_base_layer():
             path.append("base_layer")
