@@ -31,8 +31,8 @@ def _lora(model, **kwargs):
 
 
 @pytest.mark.parametrize("make,targets", [
-    (qwen2, ["q_proj", "v_proj", "down_proj"]),
-    (LoopMoELM, ["gate", "w1", "w2", "w3"]),      # the router and every expert
+    (qwen2, {"target_modules": ["q_proj", "v_proj", "down_proj"]}),
+    (LoopMoELM, {"target_modules": ["gate", "w1", "w2", "w3"]}),      # the router and every expert
     (qwen3_moe, {"target_modules": ["q_proj", "v_proj"],    # + the experts' 3-D parameters, the router's
                  "target_parameters": ["experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight"]}),
 ], ids=["decoder", "moe", "transformers_moe"])
@@ -46,7 +46,7 @@ def test_lora_through_peft(make, targets):
     parametrization is applied functionally while capturing (Note [LoRA on parameters]; a
     CaptureError before)."""
     torch.manual_seed(0)
-    model = _lora(make(), **(targets if isinstance(targets, dict) else {"target_modules": targets}))
+    model = _lora(make(), **targets)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     if make is qwen3_moe:
