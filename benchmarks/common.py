@@ -33,10 +33,10 @@ WEIGHT_DECAY = 0.01                  # torch.optim.AdamW's default, decoupled; R
 # --- models -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a decoder-only causal LM (transformers' Qwen3 or Llama classes)."""
+    """The shape of a decoder-only causal LM (transformers' Qwen3, Llama or Qwen3-MoE classes)."""
 
     name: str
-    family: str              # "qwen3" or "llama"
+    family: str              # "qwen3", "llama" or "qwen3_moe" (every layer's MLP a mixture of experts)
     hidden: int
     layers: int
     heads: int
@@ -45,6 +45,9 @@ class ModelSpec:
     intermediate: int
     vocab: int
     tied: bool
+    experts: int = 0         # qwen3_moe: experts a layer, top_k of them per token, each of moe_intermediate
+    top_k: int = 0
+    moe_intermediate: int = 0
 
 
 MODELS = {
@@ -56,11 +59,18 @@ MODELS = {
     # H200 measures the microbatch shapes of a 4-GPU Llama-3.1-8B plan (runs/two_row_microbatches/)
     "llama3.1-8b-16l": ModelSpec("llama3.1-8b-16l", "llama", hidden=4096, layers=16, heads=32, kv_heads=8,
                                  head_dim=128, intermediate=14336, vocab=128256, tied=False),
+    # Qwen3-30B-A3B's layers, 6 of its 48 (4.4B parameters, 0.95B of them active a token): a one-GPU
+    # host (128 GiB) holds its full fine-tuning, so one H200 measures a mixture of experts' layers
+    "qwen3-30b-a3b-6l": ModelSpec("qwen3-30b-a3b-6l", "qwen3_moe", hidden=2048, layers=6, heads=32, kv_heads=4,
+                                  head_dim=128, intermediate=6144, vocab=151936, tied=False, experts=128, top_k=8,
+                                  moe_intermediate=768),
     # smoke tests: the same classes, a few hundred thousand parameters
     "tiny": ModelSpec("tiny", "qwen3", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                       intermediate=128, vocab=512, tied=True),
     "tiny-llama": ModelSpec("tiny-llama", "llama", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
                             intermediate=128, vocab=512, tied=False),
+    "tiny-moe": ModelSpec("tiny-moe", "qwen3_moe", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16,
+                          intermediate=128, vocab=512, tied=False, experts=4, top_k=2, moe_intermediate=32),
 }
 MODELS["llama-3.1-8b"] = MODELS["llama3.1-8b"]
 
@@ -72,27 +82,39 @@ def get_model(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}: choose from {', '.join(sorted(MODELS))}") from None
 
 
-def param_count(spec: ModelSpec) -> int:
-    """Parameters of the model, a tied LM head counted once (what model.parameters() yields)."""
+def param_count(spec: ModelSpec, active: bool = False) -> int:
+    """Parameters of the model, a tied LM head counted once (what model.parameters() yields);
+    `active`: those one token computes with (a mixture of experts' top_k experts, not all)."""
     h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     attention = h * q + 2 * h * kv + q * h                     # q, k, v, o projections (no biases)
-    mlp = 3 * h * spec.intermediate                             # gate, up, down
-    norms = 2 * h + (2 * spec.head_dim if spec.family == "qwen3" else 0)   # + Qwen3's q_norm, k_norm
+    if spec.experts:                                            # router + each expert's gate, up, down
+        mlp = spec.experts * h + (spec.top_k if active else spec.experts) * 3 * h * spec.moe_intermediate
+    else:
+        mlp = 3 * h * spec.intermediate                         # gate, up, down
+    norms = 2 * h + (2 * spec.head_dim if spec.family != "llama" else 0)   # + Qwen3's q_norm, k_norm
     embeddings = spec.vocab * h * (1 if spec.tied else 2)
     return embeddings + spec.layers * (attention + mlp + norms) + h     # + final norm
 
 
-def hf_config(spec: ModelSpec, max_positions: int = 4096):
-    """A transformers config of the spec (works with transformers 4.57 and 5.x)."""
+def _families():
     import transformers
 
+    return {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM)}
+
+
+def hf_config(spec: ModelSpec, max_positions: int = 4096):
+    """A transformers config of the spec (works with transformers 4.57 and 5.x)."""
     kwargs = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
                   num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
                   num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
                   max_position_embeddings=max(int(max_positions), 4096), tie_word_embeddings=spec.tied,
                   use_cache=False, attn_implementation="sdpa")
-    cls = transformers.Qwen3Config if spec.family == "qwen3" else transformers.LlamaConfig
-    return cls(**kwargs)
+    if spec.experts:         # no router loss (output_router_logits=False): every system's loss the same
+        kwargs.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k, norm_topk_prob=True,
+                      moe_intermediate_size=spec.moe_intermediate, output_router_logits=False)
+    return _families()[spec.family][0](**kwargs)
 
 
 def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_device=None,
@@ -103,10 +125,8 @@ def build_model(spec: ModelSpec, *, dtype=torch.float32, device="cpu", init_devi
     Weights are drawn on `init_device` (a GPU draws 8B parameters in well under a second; the
     host would take minutes) and then moved to `device`.
     """
-    import transformers
-
     cfg = hf_config(spec, max_positions)
-    cls = transformers.Qwen3ForCausalLM if spec.family == "qwen3" else transformers.LlamaForCausalLM
+    cls = _families()[spec.family][1]
     init = torch.device(init_device or device)
     torch.manual_seed(seed)
     with torch.device(init):
@@ -160,8 +180,9 @@ def flops_per_token(n_params: int, layers: int, heads: int, head_dim: int, seq_l
 
 def utilisation(tokens_per_s: float, spec: ModelSpec, seq_len: int, gpus: int,
                 n_params: Optional[int] = None, peak_flops: float = PEAK_FLOPS_PER_GPU) -> dict:
-    """MFU and share of the recompute-inclusive ceiling for a measured throughput."""
-    n = n_params or param_count(spec)
+    """MFU and share of the recompute-inclusive ceiling for a measured throughput (a mixture of
+    experts' FLOPs count the experts a token is routed to, not all of them)."""
+    n = (n_params or param_count(spec)) - (param_count(spec) - param_count(spec, active=True))
     model = flops_per_token(n, spec.layers, spec.heads, spec.head_dim, seq_len)
     hardware = flops_per_token(n, spec.layers, spec.heads, spec.head_dim, seq_len, recompute=True)
     ceiling = peak_flops * gpus / hardware

@@ -30,7 +30,19 @@ def test_param_count_by_hand():
     assert common.param_count(common.get_model("llama3.1-8b")) == 2 * 128256 * 4096 + 32 * layer + 4096 == 8_030_261_248
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_moe_param_counts_by_hand():
+    # Qwen3-30B-A3B's layers: q 2048x4096, k and v 2048x512, o 4096x2048; a router 2048x128 and 128
+    # experts of gate/up/down 3 x 2048x768, 8 of them a token; q_norm/k_norm; untied head.
+    attention, norms = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 2048 + 2 * 128, 2 * 151936 * 2048 + 2048
+    spec = common.get_model("qwen3-30b-a3b-6l")
+    assert common.param_count(spec) == norms + 6 * (attention + 128 * 2048 + 128 * 3 * 2048 * 768) == 4_361_055_744
+    assert common.param_count(spec, active=True) == norms + 6 * (attention + 128 * 2048 + 8 * 3 * 2048 * 768)
+    u = common.utilisation(1000.0, spec, 2048, gpus=1, n_params=common.param_count(spec) + 5)   # + 5 LoRA weights
+    assert u["model_flops_per_token"] == common.flops_per_token(common.param_count(spec, active=True) + 5, 6, 32,
+                                                                128, 2048)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-moe"])
 def test_param_count_matches_the_built_model(name):
     spec = common.get_model(name)
     model = common.build_model(spec)
@@ -123,9 +135,9 @@ def test_render_json_appends_every_run(tmp_path):
 
 
 # --- the harness end to end on CPU -------------------------------------------------------------
-def _harness(tmp_path, *args):
+def _harness(tmp_path, *args, model="tiny"):
     out, js = tmp_path / "RESULTS.md", tmp_path / "results.json"
-    harness.main(["--model", "tiny", "--device", "cpu", "--out", str(out), "--json", str(js), *args])
+    harness.main(["--model", model, "--device", "cpu", "--out", str(out), "--json", str(js), *args])
     runs = json.loads(js.read_text())
     return {r["system"]: r for r in runs[-1]["results"]}, out.read_text(), runs[-1]["meta"]
 
@@ -179,6 +191,17 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
         assert res[name]["status"] == "skipped" and res[name]["reason"] == "skipped: needs CUDA"
     assert meta["card"] == "CPU" and meta["settings"]["microbatches"] == 2
     assert md.startswith("# Benchmark results") and "| rpcompile | ok |" in md and "| eager | ok |" in md
+
+
+def test_harness_trains_a_mixture_of_experts_on_cpu(tmp_path):
+    """The MoE shape (transformers' Qwen3-MoE, no router loss) in rpcompile and eager: the same losses."""
+    res, _, _ = _harness(tmp_path, "--gpus", "2", "--seq-len", "16", "--tokens-per-step", "128", "--microbatches", "2",
+                         "--steps", "2", "--warmup", "1", "--timeout", "120", "--systems", "rpcompile-delayed,eager",
+                         model="tiny-moe")
+    for r in res.values():
+        assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
+        assert r["n_params"] == common.param_count(common.get_model("tiny-moe"))
+    assert res["rpcompile-delayed"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], rel=1e-4)   # same weights
 
 
 def test_harness_runs_lora_on_every_system(tmp_path):
