@@ -169,7 +169,7 @@ class GraphRunner:
             return [1.0 / total if total else float("nan")] * len(micro)
         weights = self._row_weights(plan, micro)
         if scale is not None and scale.terms:
-            totals = [self._counted(plan, counter, micro) for counter in scale.terms]
+            totals = [1.0 if counter is None else self._counted(plan, counter, micro) for counter in scale.terms]
             for mbatch, w in zip(micro, weights):
                 mbatch.scales = tuple(1.0 / (total * w) if total else float("nan") for total in totals)
         return weights

@@ -90,6 +90,43 @@ def test_cross_entropy_terms_are_found_where_the_loss_is_affine_in_them(loss, te
         assert scale.kind == "rows" and len(scales) == len(scale.terms) == terms
 
 
+class _SumHead(nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.lin, self.loss = nn.Linear(8, 5), loss
+
+    def forward(self, x, y, count):
+        return self.loss(F.cross_entropy(self.lin(x), y, reduction="sum"), count)
+
+
+@pytest.mark.parametrize("loss,terms", [
+    (lambda ce, count: ce / 7, (None,)),                   # a token sum over a number ...
+    (lambda ce, count: ce / count.sum(), (None,)),         # ... or over a 0-d input: the same in every microbatch
+    (lambda ce, count: ce / count.sum() + 1.0, (None,)),
+    (lambda ce, count: ce / count.float().mean(), ()),     # over a batched input's mean: a row mean as a whole
+])
+def test_cross_entropy_sums_over_a_count_are_terms(loss, terms):
+    from rpcompile.capture import capture_call
+    from rpcompile.passes.normalize_loss import normalize_loss
+    g = torch.Generator().manual_seed(0)
+    count = torch.tensor(40) if terms else torch.full((6,), 40)
+    cap = capture_call(_SumHead(loss), (torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g), count),
+                       {}, dtype=None)
+    scale = normalize_loss(cap.gm, 0).meta["rp_loss"]
+    assert scale.kind == "rows" and scale.terms == terms
+
+
+@pytest.mark.parametrize("items", [torch.tensor, int])
+def test_a_loss_over_num_items_in_batch_adds_up_over_microbatches(items):
+    """transformers' loss given num_items_in_batch (its Trainer's count of the counted tokens of
+    every accumulated batch) is a token sum over that count (Note [sums over a batch count]):
+    before, taken as a mean over rows, the loss and gradients were 1/M of eager's (checked)."""
+    batches = [dict(_uneven(s), num_items_in_batch=items(n)) for s, n in ((0, 50), (1, 61), (2, 45))]
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT)
+    cm = train_both(qwen3(layers=1), batches, cfg)
+    assert cm.plan.loss_scale.kind == "rows" and cm.plan.loss_scale.terms == (None,)
+
+
 class _UncertaintyWeighted(nn.Module):
     """A Qwen3 whose loss is its cross-entropy weighed by a buffer and a learned log-variance
     (Kendall et al.'s uncertainty weighting): affine in the cross-entropy, with a coefficient the
@@ -124,16 +161,20 @@ def _qwen3_moe(coef):
         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=coef))
 
 
-def test_an_moe_with_its_load_balancing_loss_trains_on_the_whole_batchs_cross_entropy():
+@pytest.mark.parametrize("items", [None, 40])
+def test_an_moe_with_its_load_balancing_loss_trains_on_the_whole_batchs_cross_entropy(items):
     """Qwen3-MoE with output_router_logits (loss = cross-entropy + coef * load-balancing loss),
     never run eagerly: captured (it failed in transformers' hook lock before), its cross-entropy
     the batch's token mean, its load-balancing loss each microbatch's, weighed by rows (the
     expert fractions are a microbatch's, as under gradient accumulation). Loss, the call's
-    aux_loss and gradients as eager computes exactly that."""
+    aux_loss and gradients as eager computes exactly that. With num_items_in_batch the
+    cross-entropy is a token sum over it (Note [sums over a batch count])."""
     coef = 0.1
     model = _qwen3_moe(coef)
     ref = copy.deepcopy(model)
     b = _uneven(0)
+    if items is not None:
+        b["num_items_in_batch"] = torch.tensor(items)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
     loss = cm.train_step(**b)
     out = ref(**b)

@@ -25,6 +25,14 @@ token mean and the rest of the loss to its row mean. What else the loss holds is
 microbatch: a whole-batch statistic (the load-balancing loss's expert fractions) is each
 microbatch's, as under gradient accumulation.
 
+Note [sums over a batch count]: transformers' losses given `num_items_in_batch` (what its
+Trainer passes under gradient accumulation: the counted tokens of every accumulated batch) are
+`cross_entropy(..., reduction="sum") / num_items_in_batch`, a token sum over a count that is the
+same in every microbatch (a number, or a 0-d tensor the split passes whole). Taken as a mean over
+rows, each microbatch's loss was weighted by its rows: the loss and gradients 1/M of eager's. A
+sum cross-entropy the loss is affine in is a term too, its scale 1 / w_m alone (no counter): it
+adds up over microbatches as it is, and the rest of the loss keeps its row mean.
+
 Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` with any of its arguments
 positional or by keyword, and the `nn.CrossEntropyLoss(weight=..., ignore_index=...,
 reduction=..., label_smoothing=...)` module, which dynamo traces into that call (the legacy
@@ -51,7 +59,8 @@ class LossScale:
     counter: Optional[fx.GraphModule] = None  # tokens: counts one microbatch's counted tokens
     ignore_index: int = -100
     terms: tuple = ()                        # rows: the counter of each cross-entropy term's scale
-                                             # placeholder (Note [cross-entropy terms])
+                                             # placeholder (Note [cross-entropy terms]); None for a
+                                             # sum term (Note [sums over a batch count])
 
 
 def cross_entropy_reduction(bound: dict) -> Optional[str]:
@@ -181,21 +190,34 @@ _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.d
             "to": "cast", "float": "cast", "double": "cast", "type": "cast"}
 
 
+def _whole(placeholder: fx.Node) -> bool:
+    """A parameter, a buffer, or a 0-d tensor input (the microbatch split passes it whole)."""
+    ev = placeholder.meta.get("example_value")
+    return placeholder.meta.get("rp_kind") in ("param", "buffer") or (isinstance(ev, torch.Tensor) and ev.dim() == 0)
+
+
 def _batch_free(value) -> bool:
-    """A number, or a node computed from parameters, buffers and constants alone: the same in
-    every microbatch of a step (a loss weight, a learned log-variance), so a product with it
-    keeps the loss affine in a term. Not a size (rows per microbatch differ)."""
+    """A number, or a node computed from parameters, buffers, 0-d inputs and constants alone: the
+    same in every microbatch of a step (a loss weight, a learned log-variance, a batch's token
+    count), so a product with it keeps the loss affine in a term. Not a size (rows per
+    microbatch differ)."""
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float))
-    return all(n.op != "placeholder" or n.meta.get("rp_kind") in ("param", "buffer") for n in _ancestors(value))
+    return all(n.op != "placeholder" or _whole(n) for n in _ancestors(value))
+
+
+def _sum_cross_entropy(node: fx.Node) -> bool:
+    bound = bind_cross_entropy(node)
+    return bound is not None and cross_entropy_reduction(bound) == "sum"
 
 
 def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
-    """The mean cross-entropies `loss` is an affine function of through `node` (Note
-    [cross-entropy terms]), each with one user; every node between them and the loss too."""
+    """The mean and sum cross-entropies `loss` is an affine function of through `node` (Note
+    [cross-entropy terms], Note [sums over a batch count]), each with one user; every node
+    between them and the loss too."""
     if node is not loss and len(node.users) != 1:
         return []
-    if mean_cross_entropy(node) is not None:
+    if mean_cross_entropy(node) is not None or _sum_cross_entropy(node):
         return [node] if node is not loss else []
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
@@ -214,16 +236,21 @@ def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
 
 def _scale_terms(gm: fx.GraphModule, loss) -> tuple:
     """Rewrite each mean cross-entropy term of `loss` into its token sum times a scale
-    placeholder (Note [cross-entropy terms]); the counters of the scales, in placeholder order."""
+    placeholder (Note [cross-entropy terms]), and scale each sum term (Note [sums over a batch
+    count]); the counters of the scales (None for a sum's), in placeholder order."""
     if not isinstance(loss, fx.Node):
         return ()
     counters = []
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for ce in _affine_terms(loss, loss):
         bound = bind_cross_entropy(ce)
-        counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"], _classes(bound["input"]))
-        if counter is None:
-            continue
+        if cross_entropy_reduction(bound) == "sum":
+            counter = None          # scale 1 / w_m: added up as it is (Note [sums over a batch count])
+        else:
+            counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"],
+                                     _classes(bound["input"]))
+            if counter is None:
+                continue
         value = ce.meta.get("example_value")
         with gm.graph.inserting_after(last):
             last = scale = gm.graph.placeholder(f"loss_scale_{len(counters)}")
