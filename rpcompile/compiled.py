@@ -39,6 +39,7 @@ class CompiledModel(torch.nn.Module):
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
         self._last_plan = None
+        self._first_params = None       # (name, parameter, shape, dtype) the first call found
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -51,7 +52,45 @@ class CompiledModel(torch.nn.Module):
             kwargs = {**kwargs, "use_cache": False}
         return kwargs
 
-    def _key(self, mode, leaves, spec, extra):
+    # Note [parameters replaced after the first call]: the plans, the host buffers (gradient sets,
+    # working copies, flat masters) and the devices' copies are made for the parameters the first
+    # call found. A module or Parameter replaced after it (`model.lm_head = ...`,
+    # `load_state_dict(..., assign=True)`, `resize_token_embeddings`) or a parameter given another
+    # shape or dtype (`model.to(torch.bfloat16)`) went unnoticed: the old plan kept training the
+    # old tensors, which the user no longer sees (a silently wrong loss, no gradient on the new
+    # parameters), or failed inside a stage job. So each call compares the parameters with the first
+    # call's, by identity, shape and dtype, and a change is an InputError that says to compile the
+    # model again (a new CompiledModel starts from the parameters as they are).
+    def _check_parameters(self, params) -> None:
+        now = [(name, p, p.shape, p.dtype) for name, p in params]
+        if self._first_params is None:
+            self._first_params = now
+            return
+        old = self._first_params
+        if len(now) == len(old) and all(a[1] is b[1] and a[2] == b[2] and a[3] == b[3] for a, b in zip(now, old)):
+            return
+        before = {name: (p, shape, dtype) for name, p, shape, dtype in old}
+        changes: dict = {}          # what changed -> the names it changed for
+        for name, p, shape, dtype in now:
+            q, qshape, qdtype = before.pop(name, (None, None, None))
+            what = ("is new" if q is None else "is a new Parameter" if p is not q else
+                    f"changed shape {tuple(qshape)} -> {tuple(shape)}" if shape != qshape else
+                    f"changed dtype {qdtype} -> {dtype}" if dtype != qdtype else None)
+            if what:
+                changes.setdefault(what, []).append(name)
+        for name in before:
+            changes.setdefault("is gone", []).append(name)
+        said = [f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} {what}"
+                for what, names in changes.items()]
+        more = f"; and {len(said) - 4} more changes" if len(said) > 4 else ""
+        raise InputError(
+            f"the model's parameters changed since the first call of this compiled model: {'; '.join(said[:4])}"
+            f"{more}. Its plans, host buffers and device copies are made for the parameters that call found "
+            "(a module or Parameter replaced, load_state_dict(..., assign=True), resize_token_embeddings or "
+            "model.to(dtype) after it). Compile the model again, rpcompile.compile(model, config), and give the "
+            "optimizer the new parameters; or make such changes before the first call.")
+
+    def _key(self, mode, leaves, spec, extra, params):
         # Sizes are not part of the key: the captures of a key check them (Note [plans per length]).
         sig = []
         for leaf in leaves:
@@ -60,7 +99,7 @@ class CompiledModel(torch.nn.Module):
             else:
                 sig.append(("C", repr(leaf)))
         # Freezing or unfreezing parameters changes which gradients the stages compute.
-        trainable = tuple(p.requires_grad for p in self.model.parameters())
+        trainable = tuple(p.requires_grad for _, p in params)
         return (mode, spec, tuple(sig), self.model.training, trainable, extra)
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
@@ -69,8 +108,10 @@ class CompiledModel(torch.nn.Module):
             timeline.mark_long_collections()
             # worker processes start beside the capture, told the model's modules (Note [early workers])
             self.runner.prestart(sorted({type(m).__module__ for m in self.model.modules()} - {"__main__"}))
+        params = list(self.model.named_parameters())
+        self._check_parameters(params)
         leaves, spec = flatten_call(args, kwargs)
-        key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None)
+        key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None, params)
         config = self.config
 
         captured_s = []

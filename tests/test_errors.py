@@ -176,3 +176,40 @@ def test_process_exits_cleanly_with_live_workers(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split("\n") == ["trained", "exit status 0"] * 3 + [""], (res.stdout, res.stderr[-2000:])
     assert "terminate called" not in res.stderr
+
+
+def test_parameters_replaced_after_the_first_call_are_an_error_until_compiled_again():
+    """Note [parameters replaced after the first call] (compiled.py): before, a replaced module or
+    Parameter kept training the old tensors (a wrong loss, no gradient on the new ones) and
+    model.to(bfloat16) failed in a stage job. Now each is an InputError naming what changed, the
+    parameters and gradients as they were; a model compiled again trains as eager."""
+    model = qwen3(layers=1)
+    b = lm_batch(batch=4)
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
+    cm = rpcompile.compile(model, cfg)
+    cm.train_step(**b)
+    torch.manual_seed(1)
+    model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)   # (untied)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(rpcompile.InputError, match=r"lm_head.weight is new.*Compile the model again"):
+        cm.train_step(**b)
+    with pytest.raises(rpcompile.InputError, match="lm_head.weight is new"):
+        cm(**b)                                           # a call too
+    for name, p in model.named_parameters():
+        assert torch.equal(p, values[name]) and (p.grad is None) == (name not in grads)
+        assert p.grad is None or torch.equal(p.grad, grads[name])
+    model.zero_grad()
+    ref = copy.deepcopy(model)
+    again = rpcompile.compile(model, cfg)
+    loss = again.train_step(**b)
+    loss_ref = ref(**b).loss
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    from parity import check_grads
+    check_grads(model, ref)
+    assert model.lm_head.weight.grad is not None
+    model.to(torch.bfloat16)
+    with pytest.raises(rpcompile.InputError, match=r"model.embed_tokens.weight and 13 more changed dtype torch.float32 -> "
+                                                   r"torch.bfloat16\. Its plans"):
+        again.train_step(**b)
