@@ -180,6 +180,24 @@ def _log_calls() -> set:
     return fns
 
 
+# Note [model's own checkpointing]: `model.gradient_checkpointing_enable()`, common in
+# fine-tuning scripts, makes a transformers layer run under torch.utils.checkpoint, which dynamo
+# traces as a higher-order op that refuses the layer's side effects ("HOP: Unsafe side effect"):
+# a CaptureError that never named the checkpointing. rpcompile plans its own recompute, so the
+# capture traces the layers as they run without it (each module's `gradient_checkpointing` flag,
+# transformers 4 and 5, off while tracing and set back after); the values are the same.
+@contextlib.contextmanager
+def _checkpointing_off(model):
+    on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    for m in on:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in on:
+            m.gradient_checkpointing = True
+
+
 # Note [log calls]: dynamo stops at a call of logging.Logger methods, logging.warning,
 # warnings.warn or print (a graph break), and model code is full of them, often in a library
 # (transformers' loss_function logs with logger.warning_once). The capture traces the model on
@@ -337,7 +355,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
     _install_output_recorders(model, kwargs if isinstance(kwargs, dict) else {})
-    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params():
+    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(), _checkpointing_off(model):
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
