@@ -90,6 +90,23 @@ class CompiledModel(torch.nn.Module):
             "model.to(dtype) after it). Compile the model again, rpcompile.compile(model, config), and give the "
             "optimizer the new parameters; or make such changes before the first call.")
 
+    # Note [no ambient autocast]: a call under the caller's torch.autocast was captured under it
+    # (the graph's dtypes autocast's) while the stage jobs ran in worker threads and processes,
+    # which a thread's autocast does not reach, and the plan served later calls whatever their
+    # autocast: a plain call after an autocast one returned autocast's logits, one after a plain
+    # call ignored it, train_step landed between the two. rpcompile casts on its own
+    # (Config(dtype=...): bf16 on GPUs by default, fp32 masters), so autocast around a call is an
+    # InputError that says so.
+    @staticmethod
+    def _check_no_autocast() -> None:
+        on = [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
+        if on:
+            raise InputError(
+                f"the compiled model was called under torch.autocast ({', '.join(on)}): its stage jobs run in "
+                "worker threads and processes, which your thread's autocast does not reach. rpcompile casts on its "
+                "own: Config(dtype=torch.bfloat16) computes in bf16 (the default on GPUs) beside fp32 master "
+                "weights. Call the model outside torch.autocast.")
+
     def _key(self, mode, leaves, spec, extra, params):
         # Sizes are not part of the key: the captures of a key check them (Note [plans per length]).
         sig = []
@@ -108,6 +125,7 @@ class CompiledModel(torch.nn.Module):
             timeline.mark_long_collections()
             # worker processes start beside the capture, told the model's modules (Note [early workers])
             self.runner.prestart(sorted({type(m).__module__ for m in self.model.modules()} - {"__main__"}))
+        self._check_no_autocast()
         params = list(self.model.named_parameters())
         self._check_parameters(params)
         leaves, spec = flatten_call(args, kwargs)

@@ -213,3 +213,19 @@ def test_parameters_replaced_after_the_first_call_are_an_error_until_compiled_ag
     with pytest.raises(rpcompile.InputError, match=r"model.embed_tokens.weight and 13 more changed dtype torch.float32 -> "
                                                    r"torch.bfloat16\. Its plans"):
         again.train_step(**b)
+
+
+def test_a_call_under_autocast_is_an_error_saying_rpcompile_casts_itself():
+    """Note [no ambient autocast] (compiled.py): before, the first call's autocast state served
+    every later call (a plain call after an autocast one returned autocast's logits)."""
+    model = qwen3(layers=1)
+    b = lm_batch(batch=4)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    for first in (True, False):                        # before and after the first plan
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(rpcompile.InputError, match=r"torch.autocast \(cpu\).*Config\(dtype=torch.bfloat16\)"):
+                cm.train_step(**b)
+            with pytest.raises(rpcompile.InputError, match="torch.autocast"):
+                cm(**b)
+        assert all(p.grad is None for p in model.parameters())
+        cm(**b)
