@@ -1,7 +1,9 @@
 """CompiledModel: what `rpcompile.compile(model)` returns."""
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import weakref
 from typing import Callable, Optional
@@ -40,6 +42,7 @@ class CompiledModel(torch.nn.Module):
         self._plans = PlanCache(self.config)
         self._last_plan = None
         self._first_params = None       # (name, parameter, shape, dtype) the first call found
+        self._calling = threading.Lock()  # held for a call (Note [one call at a time])
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -311,6 +314,22 @@ class CompiledModel(torch.nn.Module):
             self.runner.overlapped.synchronize()
 
     # --- running ---------------------------------------------------------------------------
+    # Note [one call at a time]: a step's state (the plan's runner, its host gradient set, the
+    # step's microbatches) is the compiled model's, one at a time. Two threads calling train_step
+    # at once ran without an error and lost one batch's gradients (the other's came out twice). A
+    # call that finds another running is an InputError; calls one after another from any thread
+    # are fine.
+    @contextlib.contextmanager
+    def _one_call(self):
+        if not self._calling.acquire(blocking=False):
+            raise InputError("a call of this compiled model is already running (in another thread, or this call "
+                             "came from inside it): train_step and calls run one at a time. Call it from one "
+                             "thread, or hold a lock of your own around the calls.")
+        try:
+            yield
+        finally:
+            self._calling.release()
+
     def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, grad_scale=None,
                    **kwargs) -> torch.Tensor:
         """Forward and backward of one batch; gradients are added into `.grad`. Returns the loss.
@@ -329,18 +348,20 @@ class CompiledModel(torch.nn.Module):
         if self.config.optimizer_mode != "exact" and self.runner.overlapped is None:
             raise InputError(f"Config(optimizer_mode={self.config.optimizer_mode!r}) needs "
                              "cm.attach_optimizer(optimizer) before train_step")
-        plan, leaves = self._plan("train", args, kwargs, loss_fn)
-        if grad_scale is None:
-            grad_scale = 1.0
-        elif hasattr(grad_scale, "scale"):   # a GradScaler: scale() also starts its bookkeeping
-            grad_scale = float(grad_scale.scale(torch.ones(())))
-        return self.runner.train_step(plan, leaves, grad_scale=float(grad_scale))
+        with self._one_call():
+            plan, leaves = self._plan("train", args, kwargs, loss_fn)
+            if grad_scale is None:
+                grad_scale = 1.0
+            elif hasattr(grad_scale, "scale"):   # a GradScaler: scale() also starts its bookkeeping
+                grad_scale = float(grad_scale.scale(torch.ones(())))
+            return self.runner.train_step(plan, leaves, grad_scale=float(grad_scale))
 
     def forward(self, *args, **kwargs):
         """Run the model; differentiable w.r.t. its parameters (`out.loss.backward()` fills .grad)."""
         kwargs = self._call_kwargs(kwargs)
-        plan, leaves = self._plan("call", args, kwargs)
-        return self._rebuild(plan, self.runner.call(plan, leaves))
+        with self._one_call():
+            plan, leaves = self._plan("call", args, kwargs)
+            return self._rebuild(plan, self.runner.call(plan, leaves))
 
     @staticmethod
     def _rebuild(plan, outputs):

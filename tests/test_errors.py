@@ -229,3 +229,36 @@ def test_a_call_under_autocast_is_an_error_saying_rpcompile_casts_itself():
                 cm(**b)
         assert all(p.grad is None for p in model.parameters())
         cm(**b)
+
+
+def test_a_call_while_another_thread_runs_one_is_an_error():
+    """Note [one call at a time] (compiled.py): two threads' train_steps at once lost one batch's
+    gradients, silently. The second is an InputError, the first completes as it would alone."""
+    import threading
+    model = qwen3(layers=1)
+    ref = copy.deepcopy(model)
+    b = lm_batch(batch=4)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    inside, go = threading.Event(), threading.Event()
+    run = cm.runner.train_step
+
+    def held(*a, **k):
+        inside.set()
+        assert go.wait(60)
+        return run(*a, **k)
+
+    cm.runner.train_step = held
+    first = threading.Thread(target=lambda: cm.train_step(**b))
+    first.start()
+    assert inside.wait(120)
+    with pytest.raises(rpcompile.InputError, match="already running"):
+        cm.train_step(**lm_batch(batch=4, seed=1))
+    with pytest.raises(rpcompile.InputError, match="already running"):
+        cm(**b)
+    go.set()
+    first.join(120)
+    ref(**b).loss.backward()
+    from parity import check_grads
+    check_grads(model, ref)
+    cm.runner.train_step = run
+    cm.train_step(**b)                                   # the next call, from this thread
