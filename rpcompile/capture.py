@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .errors import CaptureError, InputError
+from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
 
 _capture_ids = itertools.count()
@@ -254,13 +254,41 @@ def _where(frame) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}(){line}"
 
 
-def _explain_dynamo_error(err: Exception) -> CaptureError:
+def _raised_by_model(err: Exception) -> Optional[str]:
+    """What the model's own code raised while dynamo traced it ("ValueError('...')"), or None.
+
+    Note [the model's own exceptions]: a model that raises on its arguments (transformers'
+    "You must specify exactly one of input_ids or inputs_embeds" for a misspelt `input_id=`) made
+    dynamo stop with "Observed exception", which the capture explained as a graph break in a
+    library to report there. Dynamo keeps the raised exception, as text, in the context of its
+    error: the capture says that the model raised it and where, and that the call's arguments
+    are what to check (an InputError)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, torch._dynamo.exc.ObservedException):
+            text = str(err).strip()
+            return text[len("raised exception "):] if text.startswith("raised exception ") else (text or None)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
     """A CaptureError that says where the capture stopped, whether that is the user's code or a
-    library's, and what rpcompile needs there."""
+    library's, and what rpcompile needs there; an InputError where the model itself raised
+    (Note [the model's own exceptions]). `names`: the call's keyword arguments."""
     msg = str(err).strip()
     kind = type(err).__name__
     gb_type = getattr(err, "gb_type", None)
     frames = _model_frames(err)
+    raised = _raised_by_model(err) if gb_type == "Observed exception" else None
+    if raised:
+        where = f" at {_where(frames[-1])}" if frames else ""
+        called = f" (called with {', '.join(f'{n}=' for n in names)})" if names else ""
+        return InputError(f"the model raised {raised}{where} while rpcompile traced this call{called}. The model's "
+                          "own code raised it, as it would when called eagerly with these arguments: check them "
+                          "(their names, shapes and dtypes). If the same call runs eagerly, please report it to "
+                          "rpcompile.")
     mine = [f for f in frames if _library_of(f.filename) is None]
     need = ("rpcompile captures the forward (and the loss) as one graph, as torch.compile(model, "
             "fullgraph=True) does, so every line it runs must be traceable: no .item() or Python branch on "
@@ -311,7 +339,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     dynamic_lengths, so is every dim of the sequence length's size (Note [dynamic lengths] in
     lengths.py)."""
     from .lengths import length_dims
-    from .passes.batch import is_unbatched, leaf_names
+    from .passes.batch import LOSS_TARGET, is_unbatched, leaf_names
     leaves, in_spec = flatten_call(args, kwargs)
     labels = leaf_names(args, kwargs)
     batch = batch_size_of(leaves)
@@ -355,13 +383,14 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
     _install_output_recorders(model, kwargs if isinstance(kwargs, dict) else {})
+    names = [k for k in (kwargs if isinstance(kwargs, dict) else {}) if k != LOSS_TARGET]
     with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(), _checkpointing_off(model):
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
-            raise _explain_dynamo_error(e) from None
+            raise _explain_dynamo_error(e, names) from None
         except Exception as e:  # errors raised by model code while tracing
-            raise _explain_dynamo_error(e) from e
+            raise _explain_dynamo_error(e, names) from e
     if "gm" not in got:
         raise CaptureError("dynamo returned without calling the rpcompile backend (the model produced no graph)")
     gm, example_inputs = got["gm"], got["inputs"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import time
@@ -138,6 +139,7 @@ class CompiledModel(torch.nn.Module):
         captured_s = []
 
         def capture():
+            _check_binds(self.model, args, kwargs)
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
             t0 = time.perf_counter()
             cap = capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
@@ -368,6 +370,20 @@ class CompiledModel(torch.nn.Module):
         cap = plan.captured
         values = [outputs[idx] if kind == "out" else idx for kind, idx in cap.out_leaves]
         return pytree.tree_unflatten(values, cap.out_spec)
+
+
+def _check_binds(model, args, kwargs) -> None:
+    """The call's arguments bind to the model's forward, as Python checks an eager call (dynamo's
+    trace of `model(ids, input_ids=ids)` ran, where eager raises a TypeError)."""
+    kwargs = {k: v for k, v in kwargs.items() if k != _TARGET}
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):      # no signature to check against (a C function, say)
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(f"{type(model).__name__}.forward does not take these arguments: {e}") from None
 
 
 def _with_loss(loss_fn):

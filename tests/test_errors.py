@@ -262,3 +262,20 @@ def test_a_call_while_another_thread_runs_one_is_an_error():
     check_grads(model, ref)
     cm.runner.train_step = run
     cm.train_step(**b)                                   # the next call, from this thread
+
+
+def test_arguments_the_model_refuses_are_input_errors_naming_them():
+    """Note [the model's own exceptions] (capture.py): a misspelt keyword made transformers raise
+    while dynamo traced, which read as a graph break to report to transformers; an argument given
+    positionally and by name (a TypeError eagerly) trained. Both are InputErrors now."""
+    model = qwen3(layers=1)
+    b = lm_batch(batch=4)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match=r"the model raised ValueError\('You must specify exactly one of "
+                                                   r"input_ids or inputs_embeds'\) at .*called with input_id=, labels="):
+        cm.train_step(input_id=b["input_ids"], labels=b["labels"])
+    with pytest.raises(rpcompile.InputError, match="forward does not take these arguments: multiple values for "
+                                                   "argument 'input_ids'"):
+        cm.train_step(b["input_ids"], input_ids=b["input_ids"], labels=b["labels"])
+    assert all(p.grad is None for p in model.parameters())
+    cm.train_step(b["input_ids"], labels=b["labels"])    # positionally, as eager takes it
