@@ -603,7 +603,9 @@ class _Annotator:
         try:
             sig = []
             for a in flat_args:
-                if isinstance(a, fx.Node):
+                if isinstance(a, fx.Node) and a.op == "get_attr" and node_value(a) is None:
+                    sig.append(("body", str(self._attr(a).graph)))    # Note [bodies of higher-order ops]
+                elif isinstance(a, fx.Node):
                     sig.append(tuple(_sig(v) for v in _flat(node_value(a))))
                 else:
                     sig.append(_sig(a))
@@ -680,6 +682,9 @@ class _Annotator:
                 if not isinstance(a, fx.Node):
                     call_args.append(a)
                     continue
+                if a.op == "get_attr" and node_value(a) is None:
+                    call_args.append(self._attr(a))       # Note [bodies of higher-order ops]
+                    continue
                 ev = node_value(a)
                 vals, vspec = tree_flatten(ev)
                 new = []
@@ -739,6 +744,18 @@ class _Annotator:
                 elif k in outputs:
                     saved_out.append((outputs[k], b))
         return fwd, bwd, saved_bytes, tuple(saved_in), tuple(saved_out), out_rg
+
+    # Note [bodies of higher-order ops]: a higher-order op (torch.utils.checkpoint's
+    # tag_activation_checkpoint, a wrap) takes its body as a get_attr of a GraphModule, which has
+    # no fake value: it was measured with None for its body, failed, and was costed 0 FLOPs with a
+    # warning (a model checkpointing its own blocks was planned as if they cost nothing). The body
+    # itself is passed, and its code is part of the measurement's key (bodies of the same inputs
+    # may compute different things).
+    def _attr(self, node):
+        obj = self.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj
 
     def _call(self, node, args, kwargs):
         if node.op == "call_function":

@@ -117,8 +117,24 @@ def is_impure(node: fx.Node) -> bool:
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop nodes whose values nobody reads, keeping in-place updates of buffers."""
-    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+    """Drop nodes whose values nobody reads, keeping in-place updates, here and in the bodies of
+    higher-order ops the graph calls.
+
+    Note [dead code in bodies]: torch's Graph.eliminate_dead_code takes our purity test for the
+    graph itself but recurses into the bodies it reaches by get_attr (a torch.utils.checkpoint's
+    `wrap_body_0`) with its own, for which `x.copy_(y)` is pure: a checkpointed block that filled
+    a `new_empty` buffer by `copy_` lost the copies, and trained on uninitialised memory (loss
+    8.7e32 against eager's 1.3; DeepSeek-V3's attention builds its keys so). So each body gets the
+    same test."""
+    graph = gm.graph
+    graph.lint()
+    for node in reversed(graph.nodes):
+        if not node.users and not is_impure(node):
+            graph.erase_node(node)
+    bodies = {n.target for n in graph.find_nodes(op="get_attr")}
+    for name, child in gm.named_children():
+        if name in bodies and isinstance(child, fx.GraphModule):
+            eliminate_dead_code(child)
     gm.recompile()
     return gm
 
