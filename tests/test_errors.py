@@ -279,3 +279,19 @@ def test_arguments_the_model_refuses_are_input_errors_naming_them():
         cm.train_step(b["input_ids"], input_ids=b["input_ids"], labels=b["labels"])
     assert all(p.grad is None for p in model.parameters())
     cm.train_step(b["input_ids"], labels=b["labels"])    # positionally, as eager takes it
+
+
+def test_a_size_returned_says_what_to_do():
+    """A model returning a size computed in forward (a SymInt: what a sliding-window transformers
+    cache holds when called with use_cache=True) is an error that names that case."""
+    class Sized(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).pow(2).mean(), x.shape[0] * 2
+
+    cm = rpcompile.compile(Sized(), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.CaptureError, match=r"non-tensor value .*call it with use_cache=False"):
+        cm(torch.randn(4, 4))

@@ -909,7 +909,10 @@ def _describe_io(plan: Plan) -> None:
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
             raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
-                               "returns tensors only: return it as a tensor or compute it outside the model")
+                               "returns tensors only: return it as a tensor or compute it outside the model (a "
+                               "transformers model called with use_cache=True, its config's default, returns its "
+                               "cache, whose sliding-window layers hold lengths: call it with use_cache=False, as "
+                               "rpcompile.compile does unless told otherwise)")
         plan.graph_outputs.append(v.name)
         batched = ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
         if not batched and plan.num_microbatches > 1 and any(map(batch.mentions, ev.shape)):
