@@ -195,6 +195,41 @@ def qwen2_moe():
                                               max_position_embeddings=32))
 
 
+def deepseek_v3():
+    """Multi-head latent attention (low-rank q and kv, a rope part and a nope part), a dense first
+    layer, then routed experts in groups (top-1 of 2 groups) beside a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32, moe_intermediate_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5))
+
+
+def gpt_oss():
+    """Mixture of experts with biases and a clamped SwiGLU, attention sinks, a sliding-window layer
+    beside a full one (eager attention: the sinks)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, layer_types=["sliding_attention", "full_attention"]))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def gemma2():
+    """Attention-logit and final-logit softcapping, a sliding-window layer beside a full one, four
+    norms a layer (eager attention: sdpa has no softcapping)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=4,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0))
+    model.config._attn_implementation = "eager"
+    return model
+
+
 def batchnorm_eager(model, batch, M):
     """Eager gradient accumulation over the same microbatches: BatchNorm normalises each
     microbatch by its own statistics, as a pipelined step does."""
@@ -347,6 +382,9 @@ CASES = [
     Case("resnet", _seeded(resnet), lambda s: image_batch(s, size=16), eager=batchnorm_eager, tight=True),
     Case("qwen3_moe", _seeded(qwen3_moe), lm_batch),
     Case("qwen2_moe", _seeded(qwen2_moe), lm_batch),
+    Case("deepseek_v3", _seeded(deepseek_v3), lm_batch),
+    Case("gpt_oss", _seeded(gpt_oss), lm_batch),
+    Case("gemma2", _seeded(gemma2), lm_batch),
     Case("loop_moe", _seeded(LoopMoELM), lm_batch, eager=plain_eager),
     Case("tuple_output", _seeded(TupleOutput), tuple_batch, eager=tuple_eager, loss_fn=tuple_loss,
          call=lambda cm, b: cm.train_step(b["x"], target=b["target"])),
