@@ -268,7 +268,9 @@ def _raised_by_model(err: Exception) -> Optional[str]:
         seen.add(id(err))
         if isinstance(err, torch._dynamo.exc.ObservedException):
             text = str(err).strip()
-            return text[len("raised exception "):] if text.startswith("raised exception ") else (text or None)
+            text = text[len("raised exception "):] if text.startswith("raised exception ") else text
+            # torch 2.11 keeps the class alone: "ExceptionVariable(<class 'ValueError'>)"
+            return re.sub(r"^ExceptionVariable\(<class '(?:[\w.]*\.)?(\w+)'>\)$", r"\1", text) or None
         err = err.__cause__ or err.__context__
     return None
 

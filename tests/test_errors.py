@@ -271,8 +271,9 @@ def test_arguments_the_model_refuses_are_input_errors_naming_them():
     model = qwen3(layers=1)
     b = lm_batch(batch=4)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
-    with pytest.raises(rpcompile.InputError, match=r"the model raised ValueError\('You must specify exactly one of "
-                                                   r"input_ids or inputs_embeds'\) at .*called with input_id=, labels="):
+    # (torch 2.11 keeps the exception's class alone: the line raising it says the rest)
+    with pytest.raises(rpcompile.InputError, match=r"the model raised ValueError.* at .*You must specify exactly one "
+                                                   r"of input_ids or inputs_embeds.*called with input_id=, labels="):
         cm.train_step(input_id=b["input_ids"], labels=b["labels"])
     with pytest.raises(rpcompile.InputError, match="forward does not take these arguments: multiple values for "
                                                    "argument 'input_ids'"):
