@@ -280,6 +280,10 @@ def users(args):
                                                    for s, side in enumerate(("right", "left", "one_token"))]),
              "padded": (lambda: qwen3(tied=False), [padded_batch(6, 16, side, seed=s)
                                                      for s, side in enumerate(("right", "left", "one_token"))]),
+             # transformers' loss over num_items_in_batch, a 0-d tensor (Note [sums over a batch count])
+             "num_items": (lambda: qwen3(tied=False), [dict(padded_batch(6, 16, side, seed=s),
+                                                            num_items_in_batch=torch.tensor(40 + s))
+                                                       for s, side in enumerate(("right", "left", "one_token"))]),
              "tiny_qwen3": (lambda: tiny_qwen3(tied=False), [batch(6, 64, 512, seed=s) for s in range(3)]),
              "lora": (lora, [batch(6, 64, 512, seed=s) for s in range(3)]),
              "moe_lora": (moe_lora, [batch(6, 16, 64, seed=s) for s in range(3)])}
@@ -574,7 +578,8 @@ def main():
                          "masters spread over both devices and the host)")
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
-    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,tiny_qwen3,lora,moe_lora)")
+    ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,num_items,tiny_qwen3,lora,"
+                    "moe_lora)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
