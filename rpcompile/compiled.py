@@ -1,10 +1,7 @@
 """CompiledModel: what `rpcompile.compile(model)` returns."""
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
-import threading
 import time
 import weakref
 from typing import Callable, Optional
@@ -12,6 +9,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from .call_checks import FirstParameters, OneCall, binds, no_autocast
 from .capture import capture_call, flatten_call
 from .config import Config
 from .errors import InputError
@@ -42,8 +40,8 @@ class CompiledModel(torch.nn.Module):
         self.runner = GraphRunner(self.config)
         self._plans = PlanCache(self.config)
         self._last_plan = None
-        self._first_params = None       # (name, parameter, shape, dtype) the first call found
-        self._calling = threading.Lock()  # held for a call (Note [one call at a time])
+        self._parameters_seen = FirstParameters()
+        self._one_call = OneCall()
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
@@ -55,61 +53,6 @@ class CompiledModel(torch.nn.Module):
         if cfg is not None and getattr(cfg, "use_cache", None) is not None and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
         return kwargs
-
-    # Note [parameters replaced after the first call]: the plans, the host buffers (gradient sets,
-    # working copies, flat masters) and the devices' copies are made for the parameters the first
-    # call found. A module or Parameter replaced after it (`model.lm_head = ...`,
-    # `load_state_dict(..., assign=True)`, `resize_token_embeddings`) or a parameter given another
-    # shape or dtype (`model.to(torch.bfloat16)`) went unnoticed: the old plan kept training the
-    # old tensors, which the user no longer sees (a silently wrong loss, no gradient on the new
-    # parameters), or failed inside a stage job. So each call compares the parameters with the first
-    # call's, by identity, shape and dtype, and a change is an InputError that says to compile the
-    # model again (a new CompiledModel starts from the parameters as they are).
-    def _check_parameters(self, params) -> None:
-        now = [(name, p, p.shape, p.dtype) for name, p in params]
-        if self._first_params is None:
-            self._first_params = now
-            return
-        old = self._first_params
-        if len(now) == len(old) and all(a[1] is b[1] and a[2] == b[2] and a[3] == b[3] for a, b in zip(now, old)):
-            return
-        before = {name: (p, shape, dtype) for name, p, shape, dtype in old}
-        changes: dict = {}          # what changed -> the names it changed for
-        for name, p, shape, dtype in now:
-            q, qshape, qdtype = before.pop(name, (None, None, None))
-            what = ("is new" if q is None else "is a new Parameter" if p is not q else
-                    f"changed shape {tuple(qshape)} -> {tuple(shape)}" if shape != qshape else
-                    f"changed dtype {qdtype} -> {dtype}" if dtype != qdtype else None)
-            if what:
-                changes.setdefault(what, []).append(name)
-        for name in before:
-            changes.setdefault("is gone", []).append(name)
-        said = [f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} {what}"
-                for what, names in changes.items()]
-        more = f"; and {len(said) - 4} more changes" if len(said) > 4 else ""
-        raise InputError(
-            f"the model's parameters changed since the first call of this compiled model: {'; '.join(said[:4])}"
-            f"{more}. Its plans, host buffers and device copies are made for the parameters that call found "
-            "(a module or Parameter replaced, load_state_dict(..., assign=True), resize_token_embeddings or "
-            "model.to(dtype) after it). Compile the model again, rpcompile.compile(model, config), and give the "
-            "optimizer the new parameters; or make such changes before the first call.")
-
-    # Note [no ambient autocast]: a call under the caller's torch.autocast was captured under it
-    # (the graph's dtypes autocast's) while the stage jobs ran in worker threads and processes,
-    # which a thread's autocast does not reach, and the plan served later calls whatever their
-    # autocast: a plain call after an autocast one returned autocast's logits, one after a plain
-    # call ignored it, train_step landed between the two. rpcompile casts on its own
-    # (Config(dtype=...): bf16 on GPUs by default, fp32 masters), so autocast around a call is an
-    # InputError that says so.
-    @staticmethod
-    def _check_no_autocast() -> None:
-        on = [t for t in ("cpu", "cuda") if torch.is_autocast_enabled(t)]
-        if on:
-            raise InputError(
-                f"the compiled model was called under torch.autocast ({', '.join(on)}): its stage jobs run in "
-                "worker threads and processes, which your thread's autocast does not reach. rpcompile casts on its "
-                "own: Config(dtype=torch.bfloat16) computes in bf16 (the default on GPUs) beside fp32 master "
-                "weights. Call the model outside torch.autocast.")
 
     def _key(self, mode, leaves, spec, extra, params):
         # Sizes are not part of the key: the captures of a key check them (Note [plans per length]).
@@ -129,9 +72,9 @@ class CompiledModel(torch.nn.Module):
             timeline.mark_long_collections()
             # worker processes start beside the capture, told the model's modules (Note [early workers])
             self.runner.prestart(sorted({type(m).__module__ for m in self.model.modules()} - {"__main__"}))
-        self._check_no_autocast()
+        no_autocast()
         params = list(self.model.named_parameters())
-        self._check_parameters(params)
+        self._parameters_seen.check(params)
         leaves, spec = flatten_call(args, kwargs)
         key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None, params)
         config = self.config
@@ -139,7 +82,7 @@ class CompiledModel(torch.nn.Module):
         captured_s = []
 
         def capture():
-            _check_binds(self.model, args, kwargs)
+            binds(self.model, args, {k: v for k, v in kwargs.items() if k != _TARGET})
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
             t0 = time.perf_counter()
             cap = capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
@@ -316,22 +259,6 @@ class CompiledModel(torch.nn.Module):
             self.runner.overlapped.synchronize()
 
     # --- running ---------------------------------------------------------------------------
-    # Note [one call at a time]: a step's state (the plan's runner, its host gradient set, the
-    # step's microbatches) is the compiled model's, one at a time. Two threads calling train_step
-    # at once ran without an error and lost one batch's gradients (the other's came out twice). A
-    # call that finds another running is an InputError; calls one after another from any thread
-    # are fine.
-    @contextlib.contextmanager
-    def _one_call(self):
-        if not self._calling.acquire(blocking=False):
-            raise InputError("a call of this compiled model is already running (in another thread, or this call "
-                             "came from inside it): train_step and calls run one at a time. Call it from one "
-                             "thread, or hold a lock of your own around the calls.")
-        try:
-            yield
-        finally:
-            self._calling.release()
-
     def train_step(self, *args, target=None, loss_fn: Optional[Callable] = None, grad_scale=None,
                    **kwargs) -> torch.Tensor:
         """Forward and backward of one batch; gradients are added into `.grad`. Returns the loss.
@@ -350,7 +277,7 @@ class CompiledModel(torch.nn.Module):
         if self.config.optimizer_mode != "exact" and self.runner.overlapped is None:
             raise InputError(f"Config(optimizer_mode={self.config.optimizer_mode!r}) needs "
                              "cm.attach_optimizer(optimizer) before train_step")
-        with self._one_call():
+        with self._one_call:
             plan, leaves = self._plan("train", args, kwargs, loss_fn)
             if grad_scale is None:
                 grad_scale = 1.0
@@ -361,7 +288,7 @@ class CompiledModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         """Run the model; differentiable w.r.t. its parameters (`out.loss.backward()` fills .grad)."""
         kwargs = self._call_kwargs(kwargs)
-        with self._one_call():
+        with self._one_call:
             plan, leaves = self._plan("call", args, kwargs)
             return self._rebuild(plan, self.runner.call(plan, leaves))
 
@@ -370,20 +297,6 @@ class CompiledModel(torch.nn.Module):
         cap = plan.captured
         values = [outputs[idx] if kind == "out" else idx for kind, idx in cap.out_leaves]
         return pytree.tree_unflatten(values, cap.out_spec)
-
-
-def _check_binds(model, args, kwargs) -> None:
-    """The call's arguments bind to the model's forward, as Python checks an eager call (dynamo's
-    trace of `model(ids, input_ids=ids)` ran, where eager raises a TypeError)."""
-    kwargs = {k: v for k, v in kwargs.items() if k != _TARGET}
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):      # no signature to check against (a C function, say)
-        return
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        raise InputError(f"{type(model).__name__}.forward does not take these arguments: {e}") from None
 
 
 def _with_loss(loss_fn):

@@ -179,7 +179,7 @@ def test_process_exits_cleanly_with_live_workers(tmp_path):
 
 
 def test_parameters_replaced_after_the_first_call_are_an_error_until_compiled_again():
-    """Note [parameters replaced after the first call] (compiled.py): before, a replaced module or
+    """Note [parameters replaced after the first call] (call_checks.py): before, a replaced module or
     Parameter kept training the old tensors (a wrong loss, no gradient on the new ones) and
     model.to(bfloat16) failed in a stage job. Now each is an InputError naming what changed, the
     parameters and gradients as they were; a model compiled again trains as eager."""
@@ -216,7 +216,7 @@ def test_parameters_replaced_after_the_first_call_are_an_error_until_compiled_ag
 
 
 def test_a_call_under_autocast_is_an_error_saying_rpcompile_casts_itself():
-    """Note [no ambient autocast] (compiled.py): before, the first call's autocast state served
+    """Note [no ambient autocast] (call_checks.py): before, the first call's autocast state served
     every later call (a plain call after an autocast one returned autocast's logits)."""
     model = qwen3(layers=1)
     b = lm_batch(batch=4)
@@ -232,7 +232,7 @@ def test_a_call_under_autocast_is_an_error_saying_rpcompile_casts_itself():
 
 
 def test_a_call_while_another_thread_runs_one_is_an_error():
-    """Note [one call at a time] (compiled.py): two threads' train_steps at once lost one batch's
+    """Note [one call at a time] (call_checks.py): two threads' train_steps at once lost one batch's
     gradients, silently. The second is an InputError, the first completes as it would alone."""
     import threading
     model = qwen3(layers=1)
