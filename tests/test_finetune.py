@@ -7,7 +7,9 @@ plain-PyTorch stand-in instead (the default engine is always the one meant).
 from __future__ import annotations
 
 import errno
+import importlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -20,7 +22,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from rpcompile.finetune import checkpoint, data, models, plots, train
+from rpcompile.finetune import checkpoint, cli, data, models, plots, train
 from rpcompile.finetune.cli import main
 from rpcompile.finetune.tokenizer import ByteTokenizer
 
@@ -104,7 +106,15 @@ def test_default_run_loss_falls_and_checkpoint_reloads(tmp_path, captured, capsy
     assert (out / "loss.png").stat().st_size > 0 and (out / "schedule.png").stat().st_size > 0
 
 
-def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("full", [
+    lambda f: OSError(errno.ENOSPC, "No space left on device", f),
+    # what torch.save and safetensors raise on a full disk: a traceback before
+    lambda f: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos: No space left on device"),
+], ids=["oserror", "runtimeerror"])
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, capsys, full):
+    # (imported before the patch: a module imported under it binds the dying save_file for good,
+    # and a later test's save_pretrained died with it)
+    importlib.import_module("transformers.modeling_utils")
     out = tmp_path / "ckpt"
     real_save_file, calls = safetensors.torch.save_file, []
 
@@ -114,7 +124,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, caps
             return real_save_file(tensors, filename, metadata=metadata)
         blob = safetensors.torch.save(tensors, metadata=metadata)
         Path(filename).write_bytes(blob[: len(blob) // 2])  # half the file, then the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device", filename)
+        raise full(filename)
 
     monkeypatch.setattr(safetensors.torch, "save_file", save_file_that_dies)
     assert run("--steps", 4, "--save-every", 2, "--save", out, *SMALL) == 1
@@ -258,6 +268,80 @@ def test_ctrl_c_without_save_says_nothing_was_saved(tmp_path, monkeypatch, capsy
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # handler put back
     finally:
         signal.signal(signal.SIGINT, outer)
+
+
+def test_sigterm_finishes_the_step_and_saves(tmp_path, monkeypatch, capsys):
+    """SIGTERM (what a job scheduler sends before it kills a job) as a first Ctrl-C: the step in
+    flight finishes and is saved (before, the run ended at once, nothing saved, nothing said)."""
+    real = train.compile_model
+
+    def terminated_at_step_2(*args, **kwargs):
+        cm = real(*args, **kwargs)
+        step, calls = cm.train_step, []
+
+        def train_step(**batch):
+            calls.append(1)
+            if len(calls) == 2:
+                signal.raise_signal(signal.SIGTERM)
+            return step(**batch)
+
+        cm.train_step = train_step
+        return cm
+
+    monkeypatch.setattr(train, "compile_model", terminated_at_step_2)
+    out = tmp_path / "ckpt"
+    assert run("--steps", 50, "--save", out, *SMALL) == 143
+    err = capsys.readouterr().err
+    assert "SIGTERM: finishing step 2" in err and "stopped after step 2 of 50 (SIGTERM)" in err
+    assert checkpoint.read_state(out)["step"] == 2
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL      # handler put back
+
+
+def test_a_diverged_loss_stops_the_run_before_it_is_saved(tmp_path, capsys):
+    """A loss that is not finite stops the run with one line, before the step is applied or
+    saved: a checkpoint of NaN weights replaced the good one before."""
+    out = tmp_path / "ckpt"
+    assert run("--lr", "1e9", "--steps", 8, "--save-every", 1, "--save", out, *SMALL) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "training diverged" in errors[0] and "--lr" in errors[0], err
+    state = checkpoint.read_state(out)
+    assert f"is at step {state['step']}" in errors[0]
+    assert all(math.isfinite(x) for x in state["losses"]) and len(state["losses"]) == state["step"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_save_refuses_another_runs_checkpoint_unless_resumed(tmp_path, capsys, exact_run):
+    """--save over another run's checkpoint without --resume replaced it without a word."""
+    done, _ = exact_run
+    assert run("--steps", 2, "--save", done, *SMALL) == 2
+    err = capsys.readouterr().err
+    assert f"holds the checkpoint of another run (step {EXACT_STEPS}); continue it with --resume {done}" in err
+    assert checkpoint.read_state(done)["step"] == EXACT_STEPS
+
+
+def test_devices_as_a_run_prints_them():
+    assert cli.parse_devices("cpu:0,cpu:1") == ["cpu", "cpu"]
+
+
+def test_a_local_model_without_its_tokenizer_is_refused(tmp_path, capsys):
+    """A local checkpoint with no tokenizer trained on byte ids, which mean other tokens to it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)).save_pretrained(tmp_path)
+    assert run("--model", tmp_path, "--steps", 1, *SMALL) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer there" in err and "Traceback" not in err
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    assert run("--model", tmp_path, "--steps", 1, *SMALL) == 2
+    assert "its tokenizer does not load" in capsys.readouterr().err
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"text": "hello"}\n{"text": "world"}\n')
+    assert data.read_documents(path).texts == ["hello", "world"]
 
 
 def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it():

@@ -45,8 +45,10 @@ def is_checkpoint(directory) -> bool:
     return Path(directory, STATE_FILE).is_file()
 
 
-def check_save_target(directory) -> Path:
-    """Refuse early (before training) a --save path we must not replace."""
+def check_save_target(directory, resume=None) -> Path:
+    """Refuse early (before training) a --save path we must not replace: anything but an empty
+    directory or the checkpoint this run resumes (another run's checkpoint, replaced by a run that
+    forgot --resume, was lost without a word)."""
     directory = Path(directory)
     recover(directory)
     if directory.exists() and not directory.is_dir():
@@ -54,6 +56,10 @@ def check_save_target(directory) -> Path:
     if directory.is_dir() and any(directory.iterdir()) and not is_checkpoint(directory):
         raise UsageError(f"--save {directory}: exists and is not an rpcompile checkpoint; "
                          f"refusing to replace it (pick a new or empty directory)")
+    if is_checkpoint(directory) and (resume is None or Path(resume).resolve() != directory.resolve()):
+        raise UsageError(f"--save {directory}: holds the checkpoint of another run (step "
+                         f"{read_state(directory)['step']}); continue it with --resume {directory} --save "
+                         f"{directory}, or pick a new or empty directory")
     try:  # find out now, not after the training, whether the directory beside it is writable
         directory.absolute().parent.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=f".{directory.name}.probe-", dir=directory.absolute().parent))

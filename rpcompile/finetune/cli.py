@@ -135,11 +135,11 @@ def parse_devices(text: str | None) -> list[str]:
         raise UsageError(f"--devices {text!r}: expected a comma-separated list such as cpu,cpu or cuda:0,cuda:1")
     devices = []
     for item in items:
-        m = re.fullmatch(r"cpu|cuda(?::(\d+))?", item)
+        m = re.fullmatch(r"cpu(?::\d+)?|cuda(?::(\d+))?", item)
         if not m:
             raise UsageError(f"--devices {text}: {item!r} is not a device (expected cpu or cuda:N)")
-        if item == "cpu":
-            devices.append(item)
+        if item.startswith("cpu"):      # cpu:1 as a run prints its devices: one more CPU device
+            devices.append("cpu")
             continue
         if not torch.cuda.is_available():
             raise UsageError(f"--devices {text}: CUDA is not available on this machine (try --devices cpu)")
@@ -169,7 +169,7 @@ def parse_args(argv=None) -> Options:
     # checkpoint itself, so its original directory need not exist any more)
     model = a.model if state else models.check_model_spec(a.model or models.TINY)
     if a.save is not None:
-        checkpoint.check_save_target(a.save)
+        checkpoint.check_save_target(a.save, a.resume)
 
     batch_size = a.batch_size or DEFAULT_BATCH
     microbatches = a.microbatches or min(batch_size, max(2, len(devices) + 1))

@@ -54,7 +54,7 @@ def read_documents(path=None) -> Documents:
     except OSError as e:
         raise UsageError(f"--data {path}: cannot read it ({e.strerror or e})") from None
     try:
-        content = raw.decode("utf-8")
+        content = raw.decode("utf-8-sig")   # (a byte-order mark is not text)
     except UnicodeDecodeError as e:
         raise UsageError(f"--data {path}: not UTF-8 text (bad byte at offset {e.start})") from None
     docs = Documents(source=str(path))

@@ -116,31 +116,37 @@ def too_slow_hint(devices: list[str], total_s: float) -> str | None:
 # -- Ctrl-C ----------------------------------------------------------------------------------
 
 class StopRequest:
-    """While active (a `with` block in the main thread): the first Ctrl-C asks the loop to stop
-    after the step in flight (`requested`), a second one stops at once (KeyboardInterrupt)."""
+    """While active (a `with` block in the main thread): the first Ctrl-C, or a SIGTERM (what a job
+    scheduler sends before it kills a job), asks the loop to stop after the step in flight
+    (`requested`, `reason` names the signal), a second one stops at once (KeyboardInterrupt)."""
+
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self, message):
-        self.message = message   # message() -> the line printed at the first Ctrl-C
+        self.message = message   # message(reason) -> the line printed at the first signal
         self.requested = False
-        self._installed, self._previous = False, None
+        self.reason = None
+        self._previous: dict = {}
 
     def _handler(self, signum, frame):
         if self.requested:
             self._restore()
             raise KeyboardInterrupt
-        self.requested = True
-        print(self.message(), file=sys.stderr, flush=True)
+        self.requested, self.reason = True, self.SIGNALS.get(signum, "a signal")
+        print(self.message(self.reason), file=sys.stderr, flush=True)
 
     def _restore(self):
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
-            self._installed = False
+        for signum, previous in self._previous.items():
+            default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+            signal.signal(signum, previous if previous is not None else default)
+        self._previous = {}
 
     def __enter__(self):
-        # (a process started with Ctrl-C ignored, as a shell's background job is, keeps ignoring it)
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
+        # (a process started with a signal ignored, as a shell's background job is with Ctrl-C, keeps ignoring it)
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handler)
         return self
 
     def __exit__(self, *exc):

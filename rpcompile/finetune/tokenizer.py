@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from .errors import UsageError
+
 BYTE_TOKENIZER_FILE = "rpcompile_tokenizer.json"
 
 
@@ -56,17 +58,21 @@ class HFTokenizer:
 
 
 def load_tokenizer(directory) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer stored in a checkpoint directory; the byte tokenizer when it has none."""
+    """The tokenizer stored in a model or checkpoint directory (rpcompile's byte tokenizer or a
+    transformers one). A directory without one, or with one that does not load, is a UsageError:
+    falling back to the byte tokenizer trained a pretrained model on ids that mean other tokens
+    to it, without a word."""
     directory = Path(directory)
     if (directory / BYTE_TOKENIZER_FILE).is_file():
         return ByteTokenizer()
     hf_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if any((directory / f).is_file() for f in hf_files):
-        try:
-            from transformers import AutoTokenizer
+    if not any((directory / f).is_file() for f in hf_files):
+        raise UsageError(f"{directory}: no tokenizer there (none of {', '.join(hf_files)}); save the model's "
+                         f"tokenizer beside it (tokenizer.save_pretrained(...)): the model trains on its own tokens")
+    try:
+        from transformers import AutoTokenizer
 
-            return HFTokenizer(AutoTokenizer.from_pretrained(os.fspath(directory), local_files_only=True))
-        except Exception as e:  # a broken or unsupported tokenizer: say so, fall back to bytes
-            print(f"rpcompile-finetune: note: could not load the tokenizer in {directory} "
-                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the byte tokenizer")
-    return ByteTokenizer()
+        return HFTokenizer(AutoTokenizer.from_pretrained(os.fspath(directory), local_files_only=True))
+    except Exception as e:
+        raise UsageError(f"{directory}: its tokenizer does not load ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})") from None

@@ -1,6 +1,7 @@
 """The fine-tuning loop: model + data -> compiled model -> steps -> checkpoints and plots."""
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -81,6 +82,9 @@ def run(opts: Options) -> int:
         saving = step
         if stepped_by_rpcompile:
             cm.synchronize()          # the optimizer's pending step, before reading its state
+        if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
+            # (the loss is finite until the step after the update that broke the weights)
+            raise RunError(_diverged(step, "finite", opts, saved_step, stepped_by_rpcompile, weights=True))
         notes: list[str] = []
         payload = {"step": step, "cursor": sampler.cursor, "losses": list(losses),
                    "optimizer": opt.state_dict(), "rng": _rng_state(), "run": run_info}
@@ -88,28 +92,29 @@ def run(opts: Options) -> int:
         try:
             checkpoint.save_checkpoint(opts.save, model, tokenizer, payload,
                                        extra_writer=lambda d: notes.extend(plots.write_plots(d, losses, cm)))
-        except OSError as e:
+        except Exception as e:     # (a full disk: OSError from a file, RuntimeError from torch.save, safetensors')
             keep = "the previous checkpoint there is intact" if existed else "nothing was written there"
-            raise RunError(f"saving the step-{step} checkpoint to {opts.save} failed "
-                           f"({e.strerror or e}); {keep}") from None
+            why = (getattr(e, "strerror", None) or str(e).strip().splitlines()[0] if str(e).strip()
+                   else type(e).__name__)
+            raise RunError(f"saving the step-{step} checkpoint to {opts.save} failed ({why[:300]}); {keep}") from None
         saved_step, saving = step, None
         for note in notes:
             if note not in notes_shown:
                 notes_shown.add(note)
                 say(f"{PROG}: note: {note}")
 
-    def on_ctrl_c() -> str:
+    def on_stop(reason: str) -> str:
         if saving is not None:
-            return (f"\n{PROG}: Ctrl-C: finishing the save of step {saving} to {opts.save}. Press Ctrl-C "
+            return (f"\n{PROG}: {reason}: finishing the save of step {saving} to {opts.save}. Press Ctrl-C "
                     f"again to stop at once (the checkpoint there stays as it was).")
         what = (f"then saving the checkpoint to {opts.save}" if opts.save
                 else "then stopping; nothing will be saved (no --save)")
-        return (f"\n{PROG}: Ctrl-C: finishing step {step + 1}, {what}. "
+        return (f"\n{PROG}: {reason}: finishing step {step + 1}, {what}. "
                 f"Press Ctrl-C again to stop at once{', without saving it' if opts.save else ''}.")
 
     progress = None  # made after the first step, which prints the plan (rpcompile plans at the first call)
     started, first_step, first_step_s, steady_s, steady_tokens = time.perf_counter(), step + 1, None, 0.0, 0
-    stop = report.StopRequest(on_ctrl_c)
+    stop = report.StopRequest(on_stop)
     try:
         with stop:
             while step < opts.steps and not stop.requested:
@@ -120,6 +125,8 @@ def run(opts: Options) -> int:
                     loss = cm.train_step(**batch)
                 except compiler_errors as e:  # the compiler's own errors name the stage, device, fix
                     raise RunError(f"rpcompile could not run step {step + 1}: {type(e).__name__}: {e}") from e
+                if not math.isfinite(float(loss)):
+                    raise RunError(_diverged(step + 1, float(loss), opts, saved_step, stepped_by_rpcompile))
                 if not stepped_by_rpcompile:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -179,13 +186,25 @@ def run(opts: Options) -> int:
         print("  nothing saved: pass --save DIR to keep the model, the loss curve and the schedule picture")
     if interrupted:
         if opts.save and saved_step == step:
-            print(f"{PROG}: stopped after step {step} of {opts.steps} (Ctrl-C); the checkpoint in {opts.save} is "
+            print(f"{PROG}: stopped after step {step} of {opts.steps} ({stop.reason}); the checkpoint in {opts.save} is "
                   f"at step {step}. Continue with: {PROG} --resume {opts.save} --save {opts.save}", file=sys.stderr)
         else:
-            print(f"{PROG}: stopped after step {step} of {opts.steps} (Ctrl-C); nothing was saved, so this "
+            print(f"{PROG}: stopped after step {step} of {opts.steps} ({stop.reason}); nothing was saved, so this "
                   f"progress is lost (pass --save DIR to keep a run you may stop)", file=sys.stderr)
-        return 130
+        return 130 if stop.reason == "Ctrl-C" else 143     # (as the shell reports a process the signal ended)
     return 0
+
+
+def _diverged(step: int, loss, opts: Options, saved_step, stepped_by_rpcompile: bool, weights=False) -> str:
+    """The line a loss or weights that are not finite stop the run with: such a step is neither
+    applied (exact mode) nor saved, so a checkpoint of a diverged model never replaces a good one."""
+    kept = (f"the checkpoint in {opts.save} is at step {saved_step}" if opts.save and saved_step
+            else "nothing was saved" if opts.save else "nothing to save (no --save)")
+    applied = ("" if not stepped_by_rpcompile or weights
+               else f" (with --optimizer {opts.optimizer} its gradients may have reached the model; not saved)")
+    what = (f"the weights after step {step} are not finite (its loss was)" if weights
+            else f"the loss is {loss} at step {step}")
+    return f"{what}: training diverged{applied}; stopped, {kept}. Try a lower --lr (now {opts.lr:g})"
 
 
 def _estimate_before_first_step(opts: Options, model, remaining: int) -> None:
