@@ -296,3 +296,43 @@ def test_a_size_returned_says_what_to_do():
     cm = rpcompile.compile(Sized(), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
     with pytest.raises(rpcompile.CaptureError, match=r"non-tensor value .*call it with use_cache=False"):
         cm(torch.randn(4, 4))
+
+
+class _Checked(torch.nn.Module):
+    """Checks its input with torch._assert_async, in forward and in a custom Function's backward."""
+
+    class _CheckedGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            torch._assert_async(torch.isfinite(g).all() & (g.abs().amax() < 1e6), "gradient check failed")
+            return g
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, scale):
+        torch._assert_async((x.abs() < 100).all(), "input check failed")
+        h = self._CheckedGrad.apply(torch.tanh(self.a(x)) * scale)
+        return self.b(h).pow(2).mean()
+
+
+@pytest.mark.parametrize("x,scale,said", [(1e3, 1.0, "input check failed"), (1.0, 1e9, "gradient check failed")],
+                         ids=["forward", "backward"])
+def test_a_models_own_checks_run(x, scale, said):
+    """torch._assert_async in forward or in a custom Function's backward raised eagerly and was
+    dropped as dead code by rpcompile (no error, training went on)."""
+    model = _Checked()
+    b = {"x": torch.full((4, 8), x), "scale": torch.tensor(scale)}
+    with pytest.raises(RuntimeError, match=said):
+        model(**b).backward()
+    model.zero_grad()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.StageError, match=said):
+        cm.train_step(**b)
+    assert all(p.grad is None for p in model.parameters())
+    cm.train_step(x=torch.ones(4, 8), scale=torch.tensor(1.0))           # checks that pass

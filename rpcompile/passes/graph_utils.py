@@ -47,6 +47,10 @@ def bind_cross_entropy(node: fx.Node):
 
 
 _SETITEM = {operator.setitem, torch.Tensor.__setitem__}
+# Checks a model makes of its values (`torch._assert_async(cond, msg)`): nothing reads their value,
+# their effect is the error; dropped as dead code, a model's own check never ran.
+_CHECKS = {torch._assert_async, torch._assert, torch.ops.aten._assert_async.default,
+           torch.ops.aten._assert_async.msg, torch.ops.aten._assert_scalar.default}
 _IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                        operator.ilshift, operator.irshift, operator.imatmul}
@@ -98,6 +102,8 @@ def is_impure(node: fx.Node) -> bool:
         return True
     if node.op == "call_function" and node.target in _SETITEM:
         return True   # x[i] = v: its value is None, its effect is on x (MoE layers invert a permutation so)
+    if node.op == "call_function" and node.target in _CHECKS:
+        return True
     if node.op == "call_function" and (node.target in FUNCTORCH_ENTER or node.target in FUNCTORCH_LEAVE):
         return True   # Note [functorch regions]
     if node.op == "call_method":
