@@ -81,7 +81,15 @@ class CompiledModel(torch.nn.Module):
 
         captured_s = []
 
+        # Note [no planning beside a step's jobs]: in delayed mode a train step returns before its
+        # backward jobs end, and a capture or plan made meanwhile (a call at a new length to
+        # evaluate, a new length to train) ran its cost pass's FlopCounterMode, whose module
+        # tracker hooks every module of the process, while worker threads ran those jobs' autograd:
+        # a job failed ("A leaf node was passed to _will_engine_execute_node ...") and the step was
+        # lost. So a new capture or plan waits for the step's jobs first (a failure of theirs is
+        # raised here, as by any next call); calls that reuse a plan do not wait.
         def capture():
+            self.runner.settle()
             binds(self.model, args, {k: v for k, v in kwargs.items() if k != _TARGET})
             wrap = _with_loss(loss_fn) if loss_fn is not None else None
             t0 = time.perf_counter()
@@ -94,6 +102,7 @@ class CompiledModel(torch.nn.Module):
             return cap
 
         def compile(cap, at):
+            self.runner.settle()        # Note [no planning beside a step's jobs]
             t0 = time.perf_counter()
             plan = self._compile(cap, mode, 0 if loss_fn is not None else None, at)
             timeline.mark("planned", time.perf_counter() - t0)

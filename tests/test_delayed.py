@@ -516,3 +516,48 @@ def test_a_failure_after_the_early_submission_says_what_was_stepped(monkeypatch)
     cm.synchronize()
     assert all(torch.isfinite(x) for x in losses)
     assert not torch.equal(model.get_parameter("model.embed_tokens.weight"), before["model.embed_tokens.weight"])
+
+
+def test_a_new_plan_between_steps_waits_for_the_steps_jobs():
+    """Note [no planning beside a step's jobs] (compiled.py): a call at a new length, planned while
+    the last train step's backward jobs ran in worker threads, could make one of them fail (the
+    cost pass's FlopCounterMode hooks every module) and lose the step. A held optimizer keeps step
+    1's backward jobs waiting (Note [one gradient set]): a call at a new length now waits for them
+    (before, it was captured and planned beside them: checked), then runs; nothing is lost."""
+    import threading
+    release = threading.Event()
+
+    class HeldSGD(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            HeldSGD.calls += 1
+            if HeldSGD.calls == 2:
+                release.wait(30)
+            return super().step(closure)
+
+    def train(evaluate):
+        torch.manual_seed(0)
+        model = qwen3(layers=1)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                       optimizer_mode="delayed", dynamic_lengths=False))
+        cm.attach_optimizer(HeldSGD(model.parameters(), lr=0.05) if evaluate else
+                            torch.optim.SGD(model.parameters(), lr=0.05))
+        for t in range(3):
+            b = lm_batch(batch=4, seed=t)
+            cm.train_step(**b)
+            if evaluate and t == 1:          # step 1's backward jobs wait for the held optimizer
+                b4 = {k: v[:, :4] for k, v in b.items()}
+                call = threading.Thread(target=lambda: cm(**b4))
+                call.start()
+                call.join(1.0)
+                assert call.is_alive(), "the call's capture and plan ran beside step 1's jobs"
+                release.set()
+                call.join(60)
+                assert not call.is_alive()
+        cm.synchronize()
+        return model
+
+    plain, evaluated = train(False), train(True)
+    for (name, p), q in zip(evaluated.named_parameters(), plain.parameters()):
+        close(p.detach(), q.detach(), 1e-6, 1e-7, name)
