@@ -234,7 +234,8 @@ class CompiledModel(torch.nn.Module):
         [overlapped optimizer]), or in delayed mode not at all (Note [delayed optimizer]). Clipping by
         global norm (`max_grad_norm`) and `lr_scheduler.step()` happen there too, so do not
         call them (or `optimizer.step()`) yourself; call `cm.synchronize()` before reading
-        parameters or optimizer state."""
+        parameters or optimizer state, or changing `optimizer.param_groups` (a learning rate set
+        right after train_step returns may reach that step's update, for some parameters)."""
         from .runtime.optimizer import OverlappedOptimizer
         if self.config.optimizer_mode == "exact":
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "
