@@ -240,6 +240,14 @@ class CompiledModel(torch.nn.Module):
         if self.config.optimizer_mode == "exact":
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "
                              "mode call optimizer.step() yourself after train_step")
+        # (driven from a thread, a chunk at a time, with no closure and no metric: refused here
+        # rather than failing a step later in a stage job's name)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise InputError("attach_optimizer: LBFGS steps with a closure that re-evaluates the model, which the "
+                             "optimizer thread cannot give; use optimizer_mode='exact' and call optimizer.step(closure)")
+        if isinstance(lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise InputError("attach_optimizer: ReduceLROnPlateau steps on a metric the optimizer thread does not "
+                             "have; call its step(metric) yourself after cm.synchronize() instead of attaching it")
         self.synchronize()
         self.runner.attach(OverlappedOptimizer(optimizer, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm,
                                                chunks=chunks, state_devices=self.config.devices))
@@ -287,6 +295,11 @@ class CompiledModel(torch.nn.Module):
         if self.config.optimizer_mode != "exact" and self.runner.overlapped is None:
             raise InputError(f"Config(optimizer_mode={self.config.optimizer_mode!r}) needs "
                              "cm.attach_optimizer(optimizer) before train_step")
+        if self.runner.overlapped is not None and grad_scale is not None and grad_scale != 1:
+            # the attached optimizer would step the scaled gradients: nothing unscales them
+            raise InputError(f"grad_scale with Config(optimizer_mode={self.config.optimizer_mode!r}): the attached "
+                             "optimizer steps the gradients as they land, so scaled ones would be applied as they "
+                             "are. Loss scaling (fp16) needs optimizer_mode='exact' with scaler.step(optimizer)")
         with self._one_call:
             plan, leaves = self._plan("train", args, kwargs, loss_fn)
             if grad_scale is None:

@@ -336,3 +336,25 @@ def test_a_models_own_checks_run(x, scale, said):
         cm.train_step(**b)
     assert all(p.grad is None for p in model.parameters())
     cm.train_step(x=torch.ones(4, 8), scale=torch.tensor(1.0))           # checks that pass
+
+
+def test_what_the_optimizer_thread_cannot_drive_is_refused_when_attached():
+    """LBFGS (a closure), ReduceLROnPlateau (a metric) failed a step later in a stage job's name;
+    grad_scale with an attached optimizer had it step the scaled gradients (1024x eager's)."""
+    model = qwen3(layers=1)
+    b = lm_batch(batch=4)
+    for mode in ("overlapped", "delayed"):
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, optimizer_mode=mode))
+        with pytest.raises(rpcompile.InputError, match="LBFGS steps with a closure"):
+            cm.attach_optimizer(torch.optim.LBFGS(model.parameters()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with pytest.raises(rpcompile.InputError, match="ReduceLROnPlateau steps on a metric"):
+            cm.attach_optimizer(opt, lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+        cm.attach_optimizer(opt)
+        before = [p.detach().clone() for p in model.parameters()]
+        for scale in (torch.amp.GradScaler("cpu", init_scale=1024.0), 2.0):
+            with pytest.raises(rpcompile.InputError, match="grad_scale with Config"):
+                cm.train_step(**b, grad_scale=scale)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        cm.train_step(**b, grad_scale=1.0)
+        cm.synchronize()
