@@ -309,7 +309,9 @@ def test_delayed_mode_equals_threads_and_a_failed_step_changes_nothing(delayed_r
     losses_t, params_t = delayed_reference
     losses_p, params_p = delayed_run("processes", fail_at=2, fail=fail)
     for t, (a, b) in enumerate(zip(losses_t, losses_p, strict=True)):
-        close(b, a, 1e-6, 1e-7, f"loss at step {t}")
+        # (1e-5 as train_both's losses: one suite run read 5.25e-6 apart at step 0, fp32 sums of a
+        # loss near 5 in two processes' thread pools; alone, and in the run before, it passed at 1e-6)
+        close(b, a, 1e-5, 1e-7, f"loss at step {t}")
     for a, b in zip(params_t, params_p, strict=True):
         close(b, a, 1e-6, 1e-7, "parameter after 3 delayed steps")
 
