@@ -603,8 +603,9 @@ class _Annotator:
         try:
             sig = []
             for a in flat_args:
-                if isinstance(a, fx.Node) and a.op == "get_attr" and node_value(a) is None:
-                    sig.append(("body", str(self._attr(a).graph)))    # Note [bodies of higher-order ops]
+                body = self._body(a)
+                if body is not None:
+                    sig.append(("body", str(body.graph)))
                 elif isinstance(a, fx.Node):
                     sig.append(tuple(_sig(v) for v in _flat(node_value(a))))
                 else:
@@ -682,8 +683,9 @@ class _Annotator:
                 if not isinstance(a, fx.Node):
                     call_args.append(a)
                     continue
-                if a.op == "get_attr" and node_value(a) is None:
-                    call_args.append(self._attr(a))       # Note [bodies of higher-order ops]
+                body = self._body(a)
+                if body is not None:
+                    call_args.append(body)
                     continue
                 ev = node_value(a)
                 vals, vspec = tree_flatten(ev)
@@ -751,11 +753,12 @@ class _Annotator:
     # warning (a model checkpointing its own blocks was planned as if they cost nothing). The body
     # itself is passed, and its code is part of the measurement's key (bodies of the same inputs
     # may compute different things).
-    def _attr(self, node):
-        obj = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
-        return obj
+    def _body(self, arg):
+        """The GraphModule a higher-order op's argument `arg` names (a get_attr without a fake
+        value), or None."""
+        if isinstance(arg, fx.Node) and arg.op == "get_attr" and node_value(arg) is None:
+            return self.gm.get_submodule(arg.target)
+        return None
 
     def _call(self, node, args, kwargs):
         if node.op == "call_function":
