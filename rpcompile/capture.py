@@ -384,8 +384,9 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     n = next(_capture_ids)
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
-    _install_output_recorders(model, kwargs if isinstance(kwargs, dict) else {})
-    names = [k for k in (kwargs if isinstance(kwargs, dict) else {}) if k != LOSS_TARGET]
+    named = kwargs if isinstance(kwargs, dict) else {}
+    _install_output_recorders(model, named)
+    names = [k for k in named if k != LOSS_TARGET]
     with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(), _checkpointing_off(model):
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)

@@ -84,7 +84,7 @@ def run(opts: Options) -> int:
             cm.synchronize()          # the optimizer's pending step, before reading its state
         if not all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad):
             # (the loss is finite until the step after the update that broke the weights)
-            raise RunError(_diverged(step, "finite", opts, saved_step, stepped_by_rpcompile, weights=True))
+            raise RunError(_diverged(step, None, opts, saved_step, stepped_by_rpcompile))
         notes: list[str] = []
         payload = {"step": step, "cursor": sampler.cursor, "losses": list(losses),
                    "optimizer": opt.state_dict(), "rng": _rng_state(), "run": run_info}
@@ -94,8 +94,7 @@ def run(opts: Options) -> int:
                                        extra_writer=lambda d: notes.extend(plots.write_plots(d, losses, cm)))
         except Exception as e:     # (a full disk: OSError from a file, RuntimeError from torch.save, safetensors')
             keep = "the previous checkpoint there is intact" if existed else "nothing was written there"
-            why = (getattr(e, "strerror", None) or str(e).strip().splitlines()[0] if str(e).strip()
-                   else type(e).__name__)
+            why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise RunError(f"saving the step-{step} checkpoint to {opts.save} failed ({why[:300]}); {keep}") from None
         saved_step, saving = step, None
         for note in notes:
@@ -195,14 +194,15 @@ def run(opts: Options) -> int:
     return 0
 
 
-def _diverged(step: int, loss, opts: Options, saved_step, stepped_by_rpcompile: bool, weights=False) -> str:
-    """The line a loss or weights that are not finite stop the run with: such a step is neither
-    applied (exact mode) nor saved, so a checkpoint of a diverged model never replaces a good one."""
+def _diverged(step: int, loss, opts: Options, saved_step, stepped_by_rpcompile: bool) -> str:
+    """The line a loss (or, with loss None, weights) that is not finite stops the run with: such a
+    step is neither applied (exact mode) nor saved, so a checkpoint of a diverged model never
+    replaces a good one."""
     kept = (f"the checkpoint in {opts.save} is at step {saved_step}" if opts.save and saved_step
             else "nothing was saved" if opts.save else "nothing to save (no --save)")
-    applied = ("" if not stepped_by_rpcompile or weights
+    applied = ("" if not stepped_by_rpcompile or loss is None
                else f" (with --optimizer {opts.optimizer} its gradients may have reached the model; not saved)")
-    what = (f"the weights after step {step} are not finite (its loss was)" if weights
+    what = (f"the weights after step {step} are not finite (its loss was)" if loss is None
             else f"the loss is {loss} at step {step}")
     return f"{what}: training diverged{applied}; stopped, {kept}. Try a lower --lr (now {opts.lr:g})"
 
