@@ -235,7 +235,12 @@ class CompiledModel(torch.nn.Module):
         global norm (`max_grad_norm`) and `lr_scheduler.step()` happen there too, so do not
         call them (or `optimizer.step()`) yourself; call `cm.synchronize()` before reading
         parameters or optimizer state, or changing `optimizer.param_groups` (a learning rate set
-        right after train_step returns may reach that step's update, for some parameters)."""
+        right after train_step returns may reach that step's update, for some parameters).
+        It is stepped a chunk of parameters at a time (`chunks` in overlapped mode, the gradient
+        buffer's pieces in delayed mode), with only the step's gradients (what `.grad` holds is
+        neither applied nor cleared): an optimizer whose update of one parameter reads others'
+        gradients (a norm over all of them) sees its chunk's only; step such an optimizer in
+        exact mode."""
         from .runtime.optimizer import OverlappedOptimizer
         if self.config.optimizer_mode == "exact":
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "

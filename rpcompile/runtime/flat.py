@@ -335,6 +335,28 @@ class FlatStepper:
         self._ctor_keys = [k for k in sig if k not in ("self", "params")]
 
     # -- per parameter -------------------------------------------------------------------------
+    def _step_alone(self, pairs) -> None:
+        """The user's optimizer stepped with `pairs` [(p, g)] as the only gradients it sees.
+
+        Note [held gradients]: `optimizer.step()` steps every parameter whose `.grad` is set, and
+        a user's `.grad` may hold gradients of their own (a differentiable call's backward between
+        train steps). Left there, each chunk's step applied them again (the lm_head moved 25x its
+        gradient with SGD, overlapped mode), and the chunk's own parameters lost theirs. They are
+        held aside around the step and put back: an attached optimizer steps the step's
+        gradients, and `.grad` is the user's."""
+        held = [(p, p.grad) for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for p, _ in held:
+            p.grad = None
+        try:
+            for p, g in pairs:     # (g may be on a device: Note [gradients stay on the device])
+                p.grad = g.to(device=p.device, dtype=p.dtype)
+            self.optimizer.step()
+        finally:
+            for p, _ in pairs:
+                p.grad = None
+            for p, g in held:
+                p.grad = g
+
     def _per_param(self, pairs) -> None:
         """Step pairs with the user's optimizer itself, a slice of about PIECE elements at a time,
         and move the state it made into the flat buffers after each slice: the state of a first
@@ -348,11 +370,8 @@ class FlatStepper:
                 if not self._first_in_slices(p, g, settle):
                     piece.append((p, g))
                 if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
-                    for q, h in piece:     # (h may be on a device: Note [gradients stay on the device])
-                        q.grad = h.to(device=q.device, dtype=q.dtype)
-                    self.optimizer.step()
+                    self._step_alone(piece)
                     for q, _ in piece:
-                        q.grad = None
                         if id(q) in self.masters.where:
                             self._stepped.add(id(q))
                             if id(q) not in self._views:
@@ -813,11 +832,7 @@ class FlatStepper:
         copies]); "kept", at masters_down() when something reads them (Note [masters kept on the
         devices]); the caller calls it."""
         if not self.elementwise:
-            for p, g in zip(params, grads):
-                p.grad = g.to(device=p.device, dtype=p.dtype)
-            self.optimizer.step()
-            for p in params:
-                p.grad = None
+            self._step_alone(list(zip(params, grads)))
             return
         group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
         groups = self.optimizer.param_groups
