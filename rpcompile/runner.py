@@ -75,10 +75,13 @@ class GraphRunner:
     def release_call_copies(self) -> None:
         """Let the HostWeights copies go (delayed mode's copies take over: Note [calls read the
         newest copies] in runtime/modes.py), and with worker processes the files they are in."""
-        copies = self.host_weights.release()
+        self.forget_shared(self.host_weights.release())
+
+    def forget_shared(self, tensors) -> None:
+        """With worker processes: host tensors let go, whose shared files the workers map."""
         forget = getattr(self.executor, "forget_shared", None)
         if forget is not None:
-            forget(copies)
+            forget(tensors)
 
     def release_call_buffers(self) -> None:
         """At a train step: what calls before it kept for the next call and nobody holds (their

@@ -561,3 +561,74 @@ def test_a_new_plan_between_steps_waits_for_the_steps_jobs():
     plain, evaluated = train(False), train(True)
     for (name, p), q in zip(evaluated.named_parameters(), plain.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-7, name)
+
+
+def _eager_delayed_with_changes(model, batches, lr, changes):
+    """The delayed recurrence (as _eager_delayed, SGD with momentum) with `changes[t](model)` made
+    before step t, as a user makes them after cm.synchronize(); it returns the names of frozen
+    parameters it wrote in place, which reach the next step at once (Note [changes between
+    delayed steps] in runtime/weights.py)."""
+    live, work = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.SGD(live.parameters(), lr=lr, momentum=0.9)
+    snapshots = [copy.deepcopy(live.state_dict()), copy.deepcopy(live.state_dict())]
+    losses = []
+    for t, batch in enumerate(batches):
+        if t in changes:
+            for name in changes[t](live):
+                for snap in snapshots[t:]:
+                    snap[name] = live.state_dict()[name].clone()
+        for p, q in zip(work.parameters(), live.parameters()):
+            p.requires_grad_(q.requires_grad)
+        work.load_state_dict(snapshots[t])
+        work.zero_grad()
+        loss = work(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+        for p, q in zip(live.parameters(), work.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        snapshots.append(copy.deepcopy(live.state_dict()))
+    return losses, live
+
+
+def _freeze(name, flag=False):
+    def change(model):
+        model.get_parameter(name).requires_grad_(flag)
+        return []
+    return change
+
+
+def _write_frozen(name):
+    def change(model):
+        p = model.get_parameter(name)
+        with torch.no_grad():
+            p.mul_(1.5)
+        return [name]
+    return change
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(workers):
+    """A parameter frozen mid-run keeps its delay until both copies hold its last value (it used
+    to keep two copies apart for ever: losses alternated at lr 0); one unfrozen mid-run gets its
+    delay (it kept one copy for both parities); a frozen parameter written in place reaches the
+    next step (its one copy was never written again)."""
+    up, gate, embed = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight", "model.embed_tokens.weight"
+    model = qwen3(tied=False, layers=1)
+    for name in (gate, embed):
+        model.get_parameter(name).requires_grad_(False)
+    changes = {3: _freeze(up), 5: _freeze(gate, True), 6: _write_frozen(embed)}
+    batches = [lm_batch(seed=s) for s in range(9)]
+    ref_losses, ref = _eager_delayed_with_changes(model, batches, 0.2, changes)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB",
+                                                   optimizer_mode="delayed", workers=workers))
+    cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), chunks=3)
+    for t, batch in enumerate(batches):
+        if t in changes:
+            cm.synchronize()
+            changes[t](model)
+        close(cm.train_step(**batch), ref_losses[t], 1e-6, 1e-6, f"loss at step {t}")
+    cm.synchronize()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-6, 1e-6, name)

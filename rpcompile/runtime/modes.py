@@ -242,28 +242,51 @@ class DelayedMode(OverlappedMode):
         return plan.steps_overlap
 
     def _copies(self, runner, plan) -> DelayedWeights:
-        """The two copies, made from the parameters as they are when the first step (or a step
-        with parameters the copies lack) starts."""
+        """The two copies, made from the parameters as they are when the first step starts, made
+        again where the parameters changed (Note [changes between delayed steps], weights.py)."""
         params = plan.captured.params
-        if self.copies is None or not self.copies.covers(params):
-            self.optimizer.synchronize()
-            runner.release_call_copies()    # (the first train plan's host budget counted them free)
-            t0 = time.perf_counter()
-            order = host_order(plan)
-            self.optimizer.flatten(order, runner.optimizer_share)
-            timeline.mark("flat masters made", time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            self.copies = DelayedWeights(order, runner.working_dtype(plan), pin=runner.host_placement)
-            timeline.mark("working copies made", time.perf_counter() - t0)
+        if self.copies is not None and not self.copies.needs_new_copies(params):
+            written = self.copies.written_since(params)
+            if written:
+                self.copies.rewrite_shared(written)
+            return self.copies
+        self.optimizer.synchronize()
+        runner.release_call_copies()    # (the first train plan's host budget counted them free)
+        t0 = time.perf_counter()
+        order = host_order(plan)
+        self.optimizer.flatten(order, runner.optimizer_share)
+        timeline.mark("flat masters made", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        previous, self.copies = self.copies, None
+        self.copies = DelayedWeights(order, runner.working_dtype(plan), pin=runner.host_placement, previous=previous)
+        if previous is not None:
+            runner.forget_shared(previous.buffers)
+        timeline.mark("working copies made", time.perf_counter() - t0)
         return self.copies
+
+    def _changed(self, plan) -> bool:
+        """Whether the copies must change before the next step (Note [changes between delayed
+        steps]): no step may read them then."""
+        params = plan.captured.params
+        return self.copies is not None and (self.copies.needs_new_copies(params)
+                                            or bool(self.copies.written_since(params)))
 
     def start(self, runner, plan, micro):
         t = self.started
+        changed = self._changed(plan)
+        if changed:
+            runner.settle()      # (the step behind reads the copies: its end queues the next uploads)
         pending, self.next_upload = self.next_upload, None
         waited = time.perf_counter()
         self.optimizer.wait_completed(t - 1 + self.skipped)
         # seconds each step's start waited for the optimizer step it reads (benchmarks read them)
         self.start_waits = (self.start_waits + [time.perf_counter() - waited])[-16:]
+        if changed and pending is not None:     # read from the copies as they were: let them land unused
+            for dev in pending[1]:
+                future = dev.prefetched.pop(pending[2], None)
+                if future is not None:
+                    future.result()
+            pending = None
         step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
         # Note [one gradient set]: a job writes its piece once every earlier submission is done
         # with it, the one of a step still running included (Note [overlapped steps])
@@ -359,7 +382,8 @@ class DelayedMode(OverlappedMode):
             gs.release(next(releases, ()), count)
             copies.write_many(ps, slot, land_later)
         grads = ChunkGrads(chunks, gs, run.landed, {i: params[i].dtype for i in chunks.order}, self.carried)
-        others = [p for i, p in enumerate(params) if i not in have and p.requires_grad]
+        # (frozen since the copies were made too: Note [changes between delayed steps])
+        others = [p for i, p in enumerate(params) if i not in have and copies.two_copies(p)]
         # no job reads the host masters: those stepped on the devices stay there (Note [masters
         # kept on the devices], runtime/flat.py)
         self.optimizer.submit([params[i] for i in chunks.order], grads, refresh, others, chunks=chunks.lengths,

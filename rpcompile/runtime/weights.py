@@ -173,18 +173,41 @@ class DelayedWeights:
     a third one that serves both parities): a few allocations rather than one per parameter,
     each of exactly its size (Note [exact pinned buffers] in runtime/host_buffers.py), and a
     handful of shared files and registrations in worker processes.
+
+    Note [changes between delayed steps]: what a user changes between train steps (after
+    `cm.synchronize()`) keeps the recurrence:
+    - a parameter frozen since the copies were made keeps its two copies, and each optimizer
+      step writes its value into the copy it writes (DelayedMode's `others`), so the next step
+      reads it as the step before the freeze left it and the ones after its last value. It was
+      left out: its copies stayed two steps apart for ever, and the losses alternated at lr 0.
+    - a parameter unfrozen since (or one the copies lack) makes the copies again, each holding
+      what the old one held, its one copy now in both: the step after reads what it read.
+      Before, one copy served both parities and its delay was lost.
+    - a frozen parameter's shared copy written in place is copied again before the next step,
+      which reads it (a trainable one's write reaches the steps after the next two: README).
+      It was never written again: train steps kept reading the old value, calls the new one.
+    The copies are made or written only where no step reads them: the step behind is settled
+    and the next step's first weights, uploaded from the old copies, are let land unused.
+    A copy whose parameter's `_version` is what it was when the copy was last written is not
+    written again.
     """
 
     snapshot = True      # CPU devices read these copies too, never the live parameters
 
-    def __init__(self, params, dtype, pin: bool):
+    def __init__(self, params, dtype, pin: bool, previous: Optional["DelayedWeights"] = None):
+        """previous: the copies these replace (Note [changes between delayed steps]): what each
+        parameter's copies held there, they hold here."""
         self._copies = {}            # id(param) -> [[tensor, [upload marks], lock] for slot 0 and 1]
         self._flats: list = []       # the flat buffers the copies are views of
+        # id(param) -> [its _version when copy 0 was last written, copy 1's] (one list: a shared copy)
+        self._versions: dict = {}
         placed: dict = {}            # (shared, dtype) -> [(param, offset)]
         sizes: dict = {}             # (shared, dtype) -> elements
         for p in {id(p): p for p in params}.values():
-            # A frozen parameter (a LoRA base) never changes: one copy serves both parities.
-            group = (not p.requires_grad, working_dtype(p, dtype))
+            # A frozen parameter (a LoRA base) never changes: one copy serves both parities;
+            # one frozen since the copies were last made keeps two (Note [changes between delayed steps]).
+            group = (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
+                     working_dtype(p, dtype))
             placed.setdefault(group, []).append((p, sizes.get(group, 0)))
             sizes[group] = sizes.get(group, 0) + p.numel()
         for (shared, want), members in placed.items():
@@ -194,16 +217,46 @@ class DelayedWeights:
                 self._flats.append(flat)
                 views.append([flat[off:off + p.numel()].view(p.shape) for p, off in members])
             with torch.no_grad():
-                for copy in views:
-                    torch._foreach_copy_(copy, [p.detach() for p, _ in members])
+                for slot, copy in enumerate(views):
+                    torch._foreach_copy_(copy, [p.detach() if previous is None or id(p) not in previous._copies
+                                                else previous._copies[id(p)][slot][0] for p, _ in members])
             for k, (p, _) in enumerate(members):
                 slots = [[copy[k], [], threading.Lock()] for copy in views]
                 self._copies[id(p)] = slots * 2 if shared else slots
+                was = None if previous is None else previous._versions.get(id(p))
+                self._versions[id(p)] = [p._version] * 2 if was is None else list(was)
         self._newest: dict = {}      # id(param) -> the slot its last write went to (0 before any)
         self._checked: dict = {}     # id(param) -> its _version when a call found that copy equal (a write forgets it)
+        if previous is not None:
+            self._newest.update({i: v for i, v in previous._newest.items() if i in self._copies})
+            previous.wait_uploads()     # (its memory goes once nothing reads it)
 
     def covers(self, params) -> bool:
         return all(id(p) in self._copies for p in params)
+
+    def two_copies(self, p) -> bool:
+        """Whether p has a copy for each parity (not one shared by both)."""
+        slots = self._copies.get(id(p))
+        return slots is not None and slots[0] is not slots[1]
+
+    def needs_new_copies(self, params) -> bool:
+        """Note [changes between delayed steps]: a parameter without copies, or one with a shared
+        copy that trains now."""
+        return any(id(p) not in self._copies or (p.requires_grad and not self.two_copies(p)) for p in params)
+
+    def written_since(self, params) -> list:
+        """The parameters with one shared copy written in place since it was made (a frozen one:
+        no optimizer step writes it)."""
+        return [p for p in params if not self.two_copies(p) and self._versions[id(p)][0] != p._version]
+
+    def rewrite_shared(self, params) -> None:
+        """Copy the given parameters (written in place) into their shared copies; no step may be
+        reading them (Note [changes between delayed steps])."""
+        self.write_many(params, 0)
+
+    def wait_uploads(self) -> None:
+        """Block until no upload reads these copies."""
+        wait_for_uploads([m for slots in self._copies.values() for s in slots for m in s[1]])
 
     @property
     def buffers(self) -> list:
@@ -218,6 +271,9 @@ class DelayedWeights:
         """Copy the given parameters (just stepped) into copy `slot`, once the uploads from
         those copies have completed: one wait per stream and one copy call for all (copy_down:
         copy_params)."""
+        # a copy that holds the parameter's value already (one without a gradient this step,
+        # or frozen since: Note [changes between delayed steps]) is not written again
+        params = [p for p in params if self._versions[id(p)][slot] != p._version]
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
@@ -226,9 +282,12 @@ class DelayedWeights:
             copy_params([s[0] for s in slots], list(params), copy_down)
             for s in slots:
                 s[1].clear()
-            for p in params:
+            for p, s in zip(params, slots):
                 self._newest[id(p)] = slot
                 self._checked.pop(id(p), None)
+                for k, other in enumerate(self._copies[id(p)]):    # (both parities of a shared copy)
+                    if other is s:
+                        self._versions[id(p)][k] = p._version
 
     def call_view(self, fallback) -> "_CallView":
         """What a call reads once the optimizer has stepped every submission: each parameter's
