@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rpcompile.runtime import launcher, worker
 
 TOKEN = bytes(16)
@@ -83,3 +85,58 @@ def test_the_launcher_and_its_workers_end_with_the_main_process(tmp_path):
     while any(map(_stat, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(_stat, pids)), [_stat(p) for p in pids]
+
+
+@pytest.mark.parametrize("end", ["os._exit(0)", "sys.exit(0)"])
+def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
+    """A main process that ends while a delayed-mode step's jobs still run (the optimizer is
+    slowed: a backward job waits for the gradient piece it holds).
+    - os._exit (SIGKILL, a SIGTERM to it alone): it says nothing to its workers. The worker
+      waiting for the piece never read the main connection's end; it and the launcher lived on
+      for ever, holding the caller's stdout (`python train.py | tail` never returned). Now the
+      launcher sees its parent gone, kills its children and removes the run's shared files
+      (Note [workers of a main process that died]).
+    - an exit without cm.synchronize(): the finalizers waited 10 s for that worker and 10 s for
+      the optimizer thread (Note [stopped with a step in flight]); the bound here is well under
+      those 20 s, and well over the 1 s the workers get now."""
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import os, sys\n"
+        "sys.path.insert(0, os.path.join(os.environ['RPCOMPILE_ROOT'], 'tests'))\n"
+        "import torch, rpcompile\n"
+        "from models import lm_batch, qwen3\n"
+        "from rpcompile.runtime import launcher\n"
+        "model = qwen3(layers=2)\n"
+        "cm = rpcompile.compile(model, rpcompile.Config(devices=['cpu', 'cpu'], num_microbatches=2,\n"
+        "                                               optimizer_mode='delayed', workers='processes'))\n"
+        "class Slow(torch.optim.SGD):\n"
+        "    def step(self, closure=None):\n"
+        "        import time; time.sleep(1)\n"
+        "        return super().step(closure)\n"
+        "cm.attach_optimizer(Slow(model.parameters(), lr=0.1), chunks=2)\n"
+        "for t in range(3):\n"
+        "    cm.train_step(**lm_batch(seed=t))\n"
+        "(l,) = launcher._launchers.values()\n"
+        "print(l.proc.pid, *[p.pid for p in cm.runner.executor.hub.procs], flush=True)\n"
+        "print(cm.runner.executor.memory.directory, flush=True)\n"
+        f"{end}\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RPCOMPILE_ROOT": root,
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        directory = proc.stdout.readline().strip()
+        ended = time.monotonic()
+        out, err = proc.communicate(timeout=120)      # (stdout closes once nothing holds it)
+        took = time.monotonic() - ended
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and pids and directory, err[-2000:]
+    deadline = time.monotonic() + 30
+    while (any(map(_stat, pids)) or os.path.exists(directory)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_stat, pids)), [_stat(p) for p in pids]
+    assert not os.path.exists(directory)
+    assert took < 12, f"{end} took {took:.1f} s"

@@ -22,6 +22,16 @@ takes no lock (a finalizer polls: Note [finalizers take no lock] in shared.py). 
 ignores Ctrl-C, as the workers do (the main process decides, then stops them), and ends once
 the main process has gone and its children have ended.
 
+Note [workers of a main process that died]: a main process that ends without stopping its
+workers (os._exit, SIGKILL, a SIGTERM to it alone: no exit handler runs) closes its connections,
+but a worker waiting inside a job (a delayed-mode backward job waiting for a gradient piece
+the optimizer holds) never reads them, and it lived on, with the launcher that waits for it,
+holding the caller's stdout (`python train.py | tail` never returned). The launcher polls its
+parent as it reaps: once it is another process (reparented), it kills its children and, once
+they have ended, removes the run directories whose owner has gone (Note [stale shared files],
+shared.py). A child dies with the launcher (PR_SET_PDEATHSIG, Linux), should that be killed
+first (a SIGTERM to the process group).
+
 Measured (67th session), on the 2-core sandbox, runs alternating: tests/test_processes.py and
 test_replicas.py 152.6 and 154.0 s a run before, 128.6 and 131.5 s with the launcher; on one
 H200 (Qwen3-1.7B, delayed mode, worker processes) the same throughput, setup and host peak as
@@ -196,7 +206,12 @@ def serve() -> None:
     req, rep = Connection(req_fd, writable=False), Connection(rep_fd, readable=False)
     importlib.import_module("rpcompile.runtime.worker")      # what every child would import
     children, forks, open_ = {}, 0, True      # children: pid -> the request's number (from 1)
+    main, orphaned, launcher_pid = os.getppid(), False, os.getpid()
     while open_ or children:
+        if not orphaned and os.getppid() != main:    # Note [workers of a main process that died]
+            orphaned, open_ = True, False
+            for pid in children:
+                _kill(pid)
         if open_ and wait_connections([req], timeout=_REAP_S):
             try:
                 _, env, cwd = req.recv()
@@ -206,7 +221,7 @@ def serve() -> None:
             else:
                 pid = os.fork()
                 if pid == 0:
-                    _child(req_fd, rep_fd, env, cwd)
+                    _child(req_fd, rep_fd, env, cwd, launcher_pid)
                 forks += 1
                 children[pid] = forks
                 _report(rep, ("forked", pid))
@@ -222,6 +237,9 @@ def serve() -> None:
                 break
             if pid in children:
                 _report(rep, ("ended", children.pop(pid), os.waitstatus_to_exitcode(status)))
+    if orphaned:
+        from .shared import remove_stale_directories
+        remove_stale_directories()
 
 
 def _report(rep, msg) -> None:
@@ -231,7 +249,21 @@ def _report(rep, msg) -> None:
         pass
 
 
-def _child(req_fd, rep_fd, env, cwd) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Note [workers of a main process that died]: SIGKILL this process when the launcher (the
+    forking thread: it has no other) ends, where Linux offers it."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):     # not Linux
+        return
+    if os.getppid() != parent:            # it ended before the call
+        os._exit(1)
+
+
+def _child(req_fd, rep_fd, env, cwd, parent) -> None:
+    _die_with_parent(parent)
     os.close(req_fd)
     os.close(rep_fd)
     try:

@@ -9,6 +9,7 @@ updated buffers where the runner expects them, and raises the first failure here
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -87,7 +88,15 @@ def _kill_unconnected(procs, server, path):
 
 
 def _stop(hub, memory):
+    """Note [stopped with a step in flight]: a step still running when the executor goes (an
+    exit without cm.synchronize() in delayed mode) cannot end: a worker reads no message after
+    "stop", so a job waiting for a hand-over, or for a gradient piece the optimizer thread
+    holds while it waits for a job to land, waits for ever. The workers got 10 s each and the
+    optimizer thread 10 more: such an exit took 21 s more than one after synchronize (2 CPU
+    workers). With a run in flight the workers get 1 s, and every landing still waited for is
+    marked failed, so the optimizer thread abandons its submission and ends."""
     hub.stopping = True
+    busy = bool(hub.runs)
     for conn, lock in zip(hub.conns, hub.locks):
         # A finalizer, so its thread may be the one holding `lock`, halfway through a message (Note
         # [finalizers take no lock] in shared.py): then no "stop"; the worker ends as well when its
@@ -100,12 +109,15 @@ def _stop(hub, memory):
             pass
         finally:
             lock.release()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + (1 if busy else 10)
     for p in hub.procs:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+    if busy:
+        hub.die("the worker processes were stopped (the compiled model went, or the interpreter exited) "
+                "while a step's jobs ran", lock=False)
     for conn in hub.conns:
         conn.close()
     memory.close()
@@ -592,10 +604,12 @@ class _Hub:
                 elif msg[0] == "outputs":      # Note [outputs before the landing] (worker.py)
                     self.outputs_landed(*msg[1:])
 
-    def die(self, why):
+    def die(self, why, lock: bool = True):
+        """lock=False: from a finalizer, whose thread may hold self.lock (Note [finalizers take
+        no lock] in shared.py)."""
         self.broken = why
         self.ended.put(None)
-        with self.lock:
+        with self.lock if lock else contextlib.nullcontext():
             records = list(self.records.values())
         for r in records:
             for ev in list(r.landed.values()) + list(r.outputs.values()):
