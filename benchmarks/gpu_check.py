@@ -305,6 +305,44 @@ def users(args):
     return res
 
 
+def changes(args):
+    """The 75th session's fixes on CUDA (fp32, Inductor stage compute as GPUs default to, two
+    workers' jobs on one GPU, threads then processes), the tests' own runs with the devices
+    changed: gradients held in .grad left alone by the attached optimizer (tests/test_overlapped.py:
+    parameters against a run without them, relative to the largest parameter; .grad unchanged),
+    and the delayed recurrence through requires_grad changes and a frozen parameter written in
+    place (tests/test_delayed.py: losses, and parameters relative to the largest)."""
+    from test_delayed import requires_grad_changes_run
+    from test_overlapped import HELD_OPTIMIZERS, held_gradients_run
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    cfg = dict(devices=[dev, dev], dtype=torch.float32, workers=args.workers)
+    res = {}
+
+    def largest_rel(model, ref):
+        scale = max(q.abs().max().item() for q in ref.parameters())
+        return max((p.detach() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) / scale
+    for mode in ("overlapped", "delayed"):
+        for opt in HELD_OPTIMIZERS:
+            key = f"held_{mode}_{opt}_{args.workers}"
+            try:
+                plain, _ = held_gradients_run(mode, HELD_OPTIMIZERS[opt], False, **cfg)
+                model, held = held_gradients_run(mode, HELD_OPTIMIZERS[opt], True, **cfg)
+                res[key] = {"param_err_rel_largest": largest_rel(model, plain),
+                            "grad_unchanged": all(torch.equal(p.grad, held[n]) for n, p in model.named_parameters())}
+            except Exception as e:
+                res[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
+            print(key, json.dumps(res[key]), flush=True)
+    key = f"requires_grad_changes_{args.workers}"
+    try:
+        losses, ref_losses, model, ref = requires_grad_changes_run(**cfg)
+        res[key] = {"loss_abs_err": [abs(a.item() - b.item()) for a, b in zip(losses, ref_losses)],
+                    "param_err_rel_largest": largest_rel(model, ref)}
+    except Exception as e:
+        res[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
+    print(key, json.dumps(res[key]), flush=True)
+    return res
+
+
 def speed(args):
     gpus = args.gpus
     seq, tokens, M = args.seq_len, args.tokens, args.microbatches
@@ -552,7 +590,7 @@ def peaks(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -563,7 +601,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="parity: 2-GPU runtime paths only, no Inductor")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--workers", default="threads", choices=["threads", "processes"],
-                    help="parity: Config.workers of the variants")
+                    help="parity, users, changes: Config.workers")
     ap.add_argument("--overlapped", action="store_true")
     ap.add_argument("--data-parallel", action="store_true",
                     help="parity: replicas (Config.data_parallel) on two GPUs, or two copies on one")
@@ -586,7 +624,8 @@ def main():
     if args.hang_s:
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
-    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users}[args.what](args)
+    res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users,
+           "changes": changes}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -608,12 +608,10 @@ def _write_frozen(name):
     return change
 
 
-@pytest.mark.parametrize("workers", ["threads", "processes"])
-def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(workers):
-    """A parameter frozen mid-run keeps its delay until both copies hold its last value (it used
-    to keep two copies apart for ever: losses alternated at lr 0); one unfrozen mid-run gets its
-    delay (it kept one copy for both parities); a frozen parameter written in place reaches the
-    next step (its one copy was never written again)."""
+def requires_grad_changes_run(devices=("cpu", "cpu"), **config):
+    """(rpcompile's losses, the recurrence's, the model after 9 delayed-mode steps, the
+    recurrence's): a parameter frozen before step 3, one frozen from the start unfrozen before
+    step 5, a frozen one written in place before step 6, each after cm.synchronize()."""
     up, gate, embed = "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_proj.weight", "model.embed_tokens.weight"
     model = qwen3(tied=False, layers=1)
     for name in (gate, embed):
@@ -621,14 +619,28 @@ def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(worker
     changes = {3: _freeze(up), 5: _freeze(gate, True), 6: _write_frozen(embed)}
     batches = [lm_batch(seed=s) for s in range(9)]
     ref_losses, ref = _eager_delayed_with_changes(model, batches, 0.2, changes)
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget="300KiB",
-                                                   optimizer_mode="delayed", workers=workers))
+    cm = rpcompile.compile(model, rpcompile.Config(devices=list(devices), num_microbatches=2, memory_budget="300KiB",
+                                                   optimizer_mode="delayed", **config))
     cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), chunks=3)
+    losses = []
     for t, batch in enumerate(batches):
         if t in changes:
             cm.synchronize()
             changes[t](model)
-        close(cm.train_step(**batch), ref_losses[t], 1e-6, 1e-6, f"loss at step {t}")
+        losses.append(cm.train_step(**batch))
     cm.synchronize()
+    return losses, ref_losses, model, ref
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(workers):
+    """A parameter frozen mid-run keeps its delay until both copies hold its last value (it used
+    to keep two copies apart for ever: losses alternated at lr 0); one unfrozen mid-run gets its
+    delay (it kept one copy for both parities); a frozen parameter written in place reaches the
+    next step (its one copy was never written again). benchmarks/gpu_check.py changes runs it on
+    a GPU."""
+    losses, ref_losses, model, ref = requires_grad_changes_run(workers=workers)
+    for t, (loss, want) in enumerate(zip(losses, ref_losses)):
+        close(loss, want, 1e-6, 1e-6, f"loss at step {t}")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-6, name)

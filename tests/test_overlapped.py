@@ -340,29 +340,36 @@ def test_gradients_stay_on_the_device_that_steps_them(tied, max_grad_norm, share
         close(p.detach(), q.detach(), 1e-5, 1e-6, name)
 
 
+HELD_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                   "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1)}
+
+
+def held_gradients_run(mode, make_opt, hold, devices=("cpu", "cpu"), **config):
+    """(model after 3 train steps, {name: what .grad held before them}) with the attached
+    optimizer; hold: a differentiable call's backward first leaves gradients in .grad."""
+    model = qwen3(tied=True, layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=list(devices), num_microbatches=2,
+                                                   memory_budget="300KiB", optimizer_mode=mode, **config))
+    cm.attach_optimizer(make_opt(model.parameters()), chunks=5)
+    held = {}
+    if hold:
+        cm(**lm_batch(seed=9)).loss.backward()
+        held = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for step in range(3):
+        cm.train_step(**lm_batch(seed=step))
+    cm.synchronize()
+    return model, held
+
+
 @pytest.mark.parametrize("mode", ["overlapped", "delayed"])
-@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                                      lambda ps: torch.optim.Adagrad(ps, lr=0.1)], ids=["sgd", "adagrad"])
-def test_gradients_held_in_grad_are_left_alone_by_the_attached_optimizer(mode, make_opt):
+@pytest.mark.parametrize("opt", list(HELD_OPTIMIZERS))
+def test_gradients_held_in_grad_are_left_alone_by_the_attached_optimizer(mode, opt):
     """A differentiable call's backward leaves gradients in `.grad`; the attached optimizer steps
     each chunk with the step's own gradients only: the held ones are neither applied (once per
-    chunk, by an optimizer that steps every parameter with a `.grad`) nor dropped."""
-    def run(hold):
-        model = qwen3(tied=True, layers=1)
-        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                       memory_budget="300KiB", optimizer_mode=mode))
-        cm.attach_optimizer(make_opt(model.parameters()), chunks=5)
-        held = {}
-        if hold:
-            cm(**lm_batch(seed=9)).loss.backward()
-            held = {name: p.grad.clone() for name, p in model.named_parameters()}
-        for step in range(3):
-            cm.train_step(**lm_batch(seed=step))
-        cm.synchronize()
-        return model, held
-
-    plain, _ = run(False)
-    model, held = run(True)
+    chunk, by an optimizer that steps every parameter with a `.grad`) nor dropped (Note [held
+    gradients], runtime/flat.py; benchmarks/gpu_check.py changes runs it on a GPU)."""
+    plain, _ = held_gradients_run(mode, HELD_OPTIMIZERS[opt], False)
+    model, held = held_gradients_run(mode, HELD_OPTIMIZERS[opt], True)
     assert held and all(g.abs().max() > 0 for g in held.values())
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-7, name)
