@@ -87,7 +87,7 @@ def test_the_launcher_and_its_workers_end_with_the_main_process(tmp_path):
     assert not any(map(_stat, pids)), [_stat(p) for p in pids]
 
 
-@pytest.mark.parametrize("end", ["os._exit(0)", "sys.exit(0)"])
+@pytest.mark.parametrize("end", ["os._exit(0)", "sys.exit(0)", "cm.synchronize(); os._exit(0)"])
 def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
     """A main process that ends while a delayed-mode step's jobs still run (the optimizer is
     slowed: a backward job waits for the gradient piece it holds).
@@ -95,7 +95,8 @@ def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
       waiting for the piece never read the main connection's end; it and the launcher lived on
       for ever, holding the caller's stdout (`python train.py | tail` never returned). Now the
       launcher sees its parent gone, kills its children and removes the run's shared files
-      (Note [workers of a main process that died]).
+      (Note [workers of a main process that died]). After synchronize its workers are idle and
+      end on their own; the launcher removes the files then too (they stayed until the next run).
     - an exit without cm.synchronize(): the finalizers waited 10 s for that worker and 10 s for
       the optimizer thread (Note [stopped with a step in flight]); the bound here is well under
       those 20 s, and well over the 1 s the workers get now."""

@@ -29,7 +29,8 @@ the optimizer holds) never reads them, and it lived on, with the launcher that w
 holding the caller's stdout (`python train.py | tail` never returned). The launcher polls its
 parent as it reaps: once it is another process (reparented), it kills its children and, once
 they have ended, removes the run directories whose owner has gone (Note [stale shared files],
-shared.py). A child dies with the launcher (PR_SET_PDEATHSIG, Linux), should that be killed
+shared.py), as it does when its parent went while idle workers ended on their own (the
+directory stayed until the next run: seen with CUDA workers, on one H200). A child dies with the launcher (PR_SET_PDEATHSIG, Linux), should that be killed
 first (a SIGTERM to the process group).
 
 Measured (67th session), on the 2-core sandbox, runs alternating: tests/test_processes.py and
@@ -237,7 +238,7 @@ def serve() -> None:
                 break
             if pid in children:
                 _report(rep, ("ended", children.pop(pid), os.waitstatus_to_exitcode(status)))
-    if orphaned:
+    if orphaned or os.getppid() != main:     # (its workers may have ended on their own, idle)
         from .shared import remove_stale_directories
         remove_stale_directories()
 
