@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from .adapter_state import adapter_layers, adapter_state
 from .call_checks import FirstParameters, OneCall, binds, no_autocast
 from .capture import capture_call, flatten_call
 from .config import Config
@@ -43,6 +44,7 @@ class CompiledModel(torch.nn.Module):
         self._parameters_seen = FirstParameters()
         self._one_call = OneCall()
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
+        self._adapter_layers = None     # peft's adapter layers, found at the first call
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
 
@@ -64,7 +66,10 @@ class CompiledModel(torch.nn.Module):
                 sig.append(("C", repr(leaf)))
         # Freezing or unfreezing parameters changes which gradients the stages compute.
         trainable = tuple(p.requires_grad for _, p in params)
-        return (mode, spec, tuple(sig), self.model.training, trainable, extra)
+        if self._adapter_layers is None:
+            self._adapter_layers = adapter_layers(self.model)
+        # (Note [adapter state in the key] in adapter_state.py)
+        return (mode, spec, tuple(sig), self.model.training, trainable, extra, adapter_state(self._adapter_layers))
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
         if self._last_plan is None:
@@ -112,10 +117,20 @@ class CompiledModel(torch.nn.Module):
                 plan.dump(os.path.join(self._dump_dir, mode))
             return plan
 
-        plan = self._plans.lookup(key, leaves, capture, compile)
+        # captured and planned with gradients on whatever the caller's mode (Note [plans made with
+        # gradients on]): the train and call plans of a key share the capture
+        with torch.inference_mode(False), torch.enable_grad():
+            plan = self._plans.lookup(key, leaves, capture, compile)
         self._last_plan = plan
         return plan, leaves
 
+    # Note [plans made with gradients on]: a first call under torch.no_grad() or
+    # torch.inference_mode() (an evaluation before training) captured the model without autograd,
+    # and that capture served the key's later plans: a train step's had no loss output (a
+    # KeyError at that step and every later one), and a differentiable call's backward left every
+    # .grad None, silently. The grad mode is no part of the key: the capture is made with
+    # gradients on, and the runtime decides per call whether a gradient flows (GraphRunner.call).
+    #
     # Note [a call's share chosen again]: the model's first plan chooses the optimizer's share on
     # the devices (Note [optimizer share by room] in passes/host_memory.py), and a forward call's
     # plan chooses by its room only: it costs no train step that the update could slow (Note
