@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
+from .passes.graph_utils import is_impure
 
 _capture_ids = itertools.count()
 
@@ -97,7 +98,9 @@ class _SwapToCopies:
         for mod_name, mod in self.model.named_modules(remove_duplicate=False):
             for kind, table in (("param", mod._parameters), ("buffer", mod._buffers)):
                 for name, t in list(table.items()):
-                    if t is None:
+                    # (a copy already: a module, or its table of parameters, registered under two
+                    # names is met twice; copying the copy made the capture read fake tensors)
+                    if t is None or id(t) in self.host_of:
                         continue
                     fqn = f"{mod_name}.{name}" if mod_name else name
                     if id(t) not in self.copy_of:
@@ -111,9 +114,25 @@ class _SwapToCopies:
         return self
 
     def __exit__(self, *exc):
+        # what forward assigned anew while tracing (`_refuse_reassigned`)
+        self.reassigned = [self.host_of[id(self.copy_of[id(t)])][2] for table, name, t in self._undo
+                           if table.get(name) is not self.copy_of[id(t)]]
         for table, name, t in reversed(self._undo):
             table[name] = t
         self._undo.clear()
+
+
+def _refuse_reassigned(cap: "Captured", reassigned: list) -> None:
+    """A parameter or buffer that forward assigns a new tensor (`self.b = self.b + 1`): putting the
+    host tensor back after tracing lost the assignment, which every call makes: the buffer never
+    changed, silently. (`self.b += 1` is assigned too, dynamo's result of an in-place operator,
+    which the graph makes on the buffer itself: that one is updated.)"""
+    for fqn in reassigned:
+        nodes = [n for n in cap.placeholders() if n.meta.get("rp_name") == fqn]
+        if not any(is_impure(u) for n in nodes for u in n.users):
+            raise CaptureError(f"the model assigns a new tensor to {fqn} in its forward (as `self.x = self.x + 1`); "
+                               f"rpcompile keeps parameters and buffers as the objects they are, so update it in "
+                               f"place instead (`self.x.add_(1)`, `self.x.copy_(new)`)")
 
 
 # Note [recorded outputs]: transformers (5.x) records hidden states, attentions and MoE router
@@ -425,6 +444,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
             raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
                                f"the call (a tensor created outside forward and closed over?): register it "
                                f"as a buffer of the module or pass it as an argument")
+    _refuse_reassigned(cap, swap.reassigned)
     _map_outputs(cap, out, got["dummies"])
     return cap
 

@@ -269,6 +269,67 @@ def test_buffer_updated_through_a_view_is_written_back(workers):
     assert [names[i] for i in cm.plan.mutated_buffers] == ["tally"]
 
 
+class OperatorTally(nn.Module):
+    """Buffers updated by Python's in-place operators (`self.count += 1`, `*=`), which dynamo
+    records as operator.iadd / imul."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x):
+        self.count += 1
+        self.scale *= 0.9
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def test_buffers_updated_by_in_place_operators_are_updated():
+    """`self.count += 1` was dead code to the pass that keeps the loss's inputs (its value unread):
+    train_step never updated the buffer, silently; now once a microbatch, as eager gradient
+    accumulation over the same microbatches."""
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, loss_fn=F.mse_loss, memory_budget=TIGHT)
+    model = OperatorTally()
+    cm = train_both(model, mse_batches(n=9), cfg, eager_step=lambda m, b: mse_eager_microbatched(m, b, 3), min_stages=0,
+                    call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+    assert model.count.item() == 9
+    names = [n for n, _ in model.named_buffers()]
+    assert sorted(names[i] for i in cm.plan.mutated_buffers) == ["count", "scale"]
+
+
+def test_a_buffer_assigned_anew_in_forward_is_refused():
+    """`self.count = self.count + 1` assigns a new tensor while capturing; putting the host buffer
+    back lost it, and no call ever updated the buffer, silently."""
+    class Reassigned(OperatorTally):
+        def forward(self, x):
+            self.count = self.count + 1
+            return self.out(torch.tanh(self.inp(x)))
+    model = Reassigned()
+    count = model.count
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    with pytest.raises(rpcompile.CaptureError, match=r"assigns a new tensor to count .*count.add_\(1\)|in place"):
+        cm(torch.randn(4, 8))
+    assert model.count is count and model.count.item() == 0
+
+
+def test_a_module_registered_under_two_names_trains_as_eager():
+    """A submodule reached by two names (`self.again = self.inp`, as peft's trainable tokens on a
+    tied embedding share a ParameterDict): its parameters were copied twice while capturing and
+    the first step failed on a fake tensor."""
+    class Twice(MLP):
+        def __init__(self):
+            super().__init__(width=8, depth=1)
+            self.again = self.hidden[0]
+
+        def forward(self, x):
+            x = torch.relu(self.inp(x))
+            return self.out(torch.tanh(self.again(torch.tanh(self.hidden[0](x)))))
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, loss_fn=F.mse_loss)
+    train_both(Twice(), mse_batches(), cfg, eager_step=mse_eager, min_stages=0,
+               call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+
+
 def test_buffers_only_read_are_not_written_back(monkeypatch):
     """A decoder's rotary inv_freq is read by its job, never written: the job copies nothing back
     at its end (that copy waited for the device: Note [buffers written back])."""

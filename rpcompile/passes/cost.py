@@ -32,7 +32,7 @@ from torch.utils import flop_counter as _fc
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
+from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values, node_value
 
 __all__ = [
     "NodeCost",
@@ -268,14 +268,6 @@ def node_seconds(cost: NodeCost, bindings: dict, *, peak_flops: float, mem_bw: f
 
 # ----------------------------------------------------------------------------------------------
 # the pass
-
-
-def node_value(node):
-    """The node's fake value: dynamo's ``example_value`` (``val`` in AOT/export graphs); what is
-    not a node (a constant argument) is its own value."""
-    if not isinstance(node, fx.Node):
-        return node
-    return node.meta.get("example_value", node.meta.get("val"))
 
 
 def _kind(node: fx.Node) -> str:

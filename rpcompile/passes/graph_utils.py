@@ -47,6 +47,11 @@ def bind_cross_entropy(node: fx.Node):
 
 
 _SETITEM = {operator.setitem, torch.Tensor.__setitem__}
+# `self.b += 1` on a tensor: dynamo records operator.iadd, an in-place update whose value a
+# buffer's update need not read (dropped as dead code, a counter buffer was never updated)
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
 # Checks a model makes of its values (`torch._assert_async(cond, msg)`): nothing reads their value,
 # their effect is the error; dropped as dead code, a model's own check never ran.
 _CHECKS = {torch._assert_async, torch._assert, torch.ops.aten._assert_async.default,
@@ -96,6 +101,14 @@ def mutated_values(node: fx.Node) -> list:
     return [t for t in torch.utils._pytree.tree_leaves(targets) if isinstance(t, fx.Node)]
 
 
+def node_value(node):
+    """The node's fake value: dynamo's ``example_value`` (``val`` in AOT/export graphs); what is
+    not a node (a constant argument) is its own value."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
 def is_impure(node: fx.Node) -> bool:
     """True for nodes that must run even when nothing reads their value (in-place updates)."""
     if node.op in ("placeholder", "output"):
@@ -104,6 +117,9 @@ def is_impure(node: fx.Node) -> bool:
         return True   # x[i] = v: its value is None, its effect is on x (MoE layers invert a permutation so)
     if node.op == "call_function" and node.target in _CHECKS:
         return True
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        first = node.args[0] if node.args else None
+        return isinstance(first, fx.Node) and isinstance(node_value(first), torch.Tensor)
     if node.op == "call_function" and (node.target in FUNCTORCH_ENTER or node.target in FUNCTORCH_LEAVE):
         return True   # Note [functorch regions]
     if node.op == "call_method":
