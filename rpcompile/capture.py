@@ -205,16 +205,33 @@ def _log_calls() -> set:
 # a CaptureError that never named the checkpointing. rpcompile plans its own recompute, so the
 # capture traces the layers as they run without it (each module's `gradient_checkpointing` flag,
 # transformers 4 and 5, off while tracing and set back after); the values are the same.
+# Its companion `enable_input_require_grads()` (which peft calls with gradient checkpointing on,
+# and in prepare_model_for_kbit_training) hooks the input embeddings with
+# `output.requires_grad_(True)`, so checkpointed layers over frozen embeddings get a gradient:
+# dynamo refuses that ("returning intermediate with requires_grad_()"), a CaptureError that named
+# neither. The hook changes no value and rpcompile's gradients need it not: it is off too.
+_INPUT_GRAD_HOOKS = ("make_inputs_require_grads",)
+
+
 @contextlib.contextmanager
 def _checkpointing_off(model):
     on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", None) is True]
+    hooked = [(m, dict(m._forward_hooks)) for m in model.modules()
+              if any(getattr(h, "__name__", None) in _INPUT_GRAD_HOOKS for h in m._forward_hooks.values())]
     for m in on:
         m.gradient_checkpointing = False
+    for m, hooks in hooked:
+        for k, h in hooks.items():
+            if getattr(h, "__name__", None) in _INPUT_GRAD_HOOKS:
+                del m._forward_hooks[k]
     try:
         yield
     finally:
         for m in on:
             m.gradient_checkpointing = True
+        for m, hooks in hooked:
+            m._forward_hooks.clear()
+            m._forward_hooks.update(hooks)
 
 
 # Note [log calls]: dynamo stops at a call of logging.Logger methods, logging.warning,

@@ -8,6 +8,7 @@ import torch
 import rpcompile
 
 from models import lm_batch, qwen3
+from parity import train_both
 
 pytest.importorskip("peft")
 
@@ -53,3 +54,40 @@ def test_a_call_after_an_adapter_state_change_equals_eager_peft(change):
         apply(ref)
         want = ref(**batch).logits
         torch.testing.assert_close(cm(**batch).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_with_gradient_checkpointing_trains_as_eager_peft():
+    """peft with the model's gradient checkpointing on (enable_input_require_grads: a hook on the
+    input embeddings that makes their output require grad) was a CaptureError naming neither
+    (Note [model's own checkpointing] in rpcompile/capture.py); it trains as eager peft, and the
+    hook is back on the model after the capture."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    base = qwen3(tied=False, layers=2)
+    base.gradient_checkpointing_enable()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    embed = model.get_input_embeddings()
+    hooks = dict(embed._forward_hooks)
+    assert any(h.__name__ == "make_inputs_require_grads" for h in hooks.values())
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
+    train_both(model, [lm_batch(seed=s) for s in range(3)], cfg, min_stages=0)
+    assert dict(embed._forward_hooks) == hooks
+
+
+def test_a_train_step_with_nothing_to_train_says_so_and_the_next_one_trains():
+    """Under disable_adapter() no trainable parameter reaches the loss (eager's backward raises):
+    the train plan had no loss output, a KeyError at that step and at every later one."""
+    model = _two_adapters()
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    batch = lm_batch()
+    with model.disable_adapter(), pytest.raises(rpcompile.InputError, match="nothing to train"):
+        cm.train_step(**batch)
+    assert all(p.grad is None for p in model.parameters())
+    cm.train_step(**batch)
+    ref(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)

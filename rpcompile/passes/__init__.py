@@ -60,7 +60,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError
+from ..errors import CaptureError, InputError
 from ..plan import Plan, _fmt_bytes
 from .batch import attach_row_checks, check_splittable, find_batch
 from .budgets import Budgets, device_budget
@@ -162,6 +162,13 @@ def keep_loss_output_pass(st: CompileState) -> CompileState:
     if st.mode == "train":
         if st.loss_output is None:
             st.loss_output = _single_scalar_output(st.gm)
+        loss = output_values(st.gm.graph)[st.loss_output]
+        value = node_value(loss)
+        if isinstance(value, torch.Tensor) and not value.requires_grad:
+            # (as eager's backward refuses it; the plan had no loss output: a KeyError at the step)
+            raise InputError("train_step: the loss does not depend on any parameter that requires grad (every "
+                             "parameter frozen, or a peft model's adapters disabled), so there is nothing to "
+                             "train; unfreeze what should train, or evaluate with cm(...) under torch.no_grad()")
         st.gm = keep_loss_output(st.gm, st.loss_output)
         st.loss_output = 0
     return st
