@@ -86,7 +86,14 @@ class _FakeCopies:
 
 
 class _SwapToCopies:
-    """Temporarily replace every parameter and buffer of a module tree by a fake copy."""
+    """Temporarily replace every parameter and buffer of a module tree by a fake copy.
+
+    Note [plain tensor attributes kept]: a forward may cache a tensor in a plain attribute
+    (transformers' longrope RoPE, Phi-3.5's, sets `self.long_inv_freq` at its first call).
+    Traced, dynamo replays that assignment with the capture's meta tensor: the model's next eager
+    call failed ("Cannot copy out of meta tensor"), and so did rpcompile's next capture, which
+    read it as a constant. The plain tensor attributes are put back as they were (one made while
+    tracing is removed): the graph computes what forward caches, at every call."""
 
     def __init__(self, model: torch.nn.Module, copy: _FakeCopies):
         self.model, self.copy = model, copy
@@ -95,6 +102,9 @@ class _SwapToCopies:
         self._undo = []
 
     def __enter__(self):
+        # the plain tensor attributes (Note [plain tensor attributes kept])
+        self._plain = [(mod, {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)})
+                       for mod in self.model.modules()]
         for mod_name, mod in self.model.named_modules(remove_duplicate=False):
             for kind, table in (("param", mod._parameters), ("buffer", mod._buffers)):
                 for name, t in list(table.items()):
@@ -120,6 +130,14 @@ class _SwapToCopies:
         for table, name, t in reversed(self._undo):
             table[name] = t
         self._undo.clear()
+        for mod, before in self._plain:
+            for k, v in list(vars(mod).items()):
+                if isinstance(v, torch.Tensor) and before.get(k) is not v:
+                    if k in before:
+                        setattr(mod, k, before[k])
+                    else:
+                        delattr(mod, k)
+        self._plain = []
 
 
 def _refuse_reassigned(cap: "Captured", reassigned: list) -> None:

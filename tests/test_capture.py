@@ -259,3 +259,22 @@ def test_in_place_writes_inside_a_checkpointed_block_are_kept():
     assert not [w for w in caught if "could not measure" in str(w.message)]
     blocks = [n for n in cm.plan.gm.graph.nodes if n.target is torch.ops.higher_order.tag_activation_checkpoint]
     assert len(blocks) == 2 and all(n.meta["rp_cost"].fwd_flops != 0 for n in blocks)
+
+
+def test_a_tensor_cached_in_a_plain_attribute_is_not_left_fake():
+    """Note [plain tensor attributes kept]: longrope RoPE caches its long frequencies in a plain
+    attribute at the first call; the capture left the meta tensor there, and the model's next
+    eager call, and rpcompile's next capture (a new length), failed ("Cannot copy out of meta
+    tensor"). Calls at two lengths, across original_max_position_embeddings, equal eager's."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from zoo import phi3_longrope
+    torch.manual_seed(0)
+    model = phi3_longrope()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    rotary = model.model.rotary_emb
+    for seq in (8, 3, 12):
+        ids = torch.randint(0, 64, (4, seq))
+        with torch.no_grad():
+            got = cm(input_ids=ids).logits
+            assert not any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in vars(rotary).values())
+            torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

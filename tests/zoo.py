@@ -218,6 +218,18 @@ def gpt_oss():
     return model
 
 
+def phi3_longrope():
+    """Phi-3.5's longrope RoPE: the long factors beyond original_max_position_embeddings (4 here,
+    below the batch's 8 positions), its long frequencies cached in a plain attribute at the first
+    call (Note [plain tensor attributes kept] in rpcompile/capture.py)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, original_max_position_embeddings=4, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 4.0]}))
+
+
 def gemma2():
     """Attention-logit and final-logit softcapping, a sliding-window layer beside a full one, four
     norms a layer (eager attention: sdpa has no softcapping)."""
@@ -385,6 +397,7 @@ CASES = [
     Case("deepseek_v3", _seeded(deepseek_v3), lm_batch),
     Case("gpt_oss", _seeded(gpt_oss), lm_batch),
     Case("gemma2", _seeded(gemma2), lm_batch),
+    Case("phi3_longrope", _seeded(phi3_longrope), lm_batch),
     Case("loop_moe", _seeded(LoopMoELM), lm_batch, eager=plain_eager),
     Case("tuple_output", _seeded(TupleOutput), tuple_batch, eager=tuple_eager, loss_fn=tuple_loss,
          call=lambda cm, b: cm.train_step(b["x"], target=b["target"])),
