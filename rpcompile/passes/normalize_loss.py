@@ -8,12 +8,16 @@ runtime evaluates on every microbatch before the step: the loss of the batch is
 sum_m(sum_m) / sum_m(count_m), and each microbatch's backward is seeded with 1 / count.
 With class weights the count is the weight total of the counted targets (sum of
 weight[target]), which is what F.cross_entropy's mean divides by; label smoothing divides by
-the same count. A cross-entropy with reduction="sum" adds up over microbatches as it is.
-Any other scalar loss is taken as a mean over rows and weighted by rows per microbatch.
+the same count. F.nll_loss (a log_softmax's output, or nn.NLLLoss, which dynamo traces into it)
+is cross-entropy without its log_softmax: the same mean over the counted targets, the same
+weight total, any ignore_index (it has no label smoothing), and it is handled as the
+cross-entropy is, here and in the Notes below. A cross-entropy with reduction="sum" adds up over
+microbatches as it is, and so does every other sum over rows (Note [sums over rows]). Any other
+scalar loss is taken as a mean over rows and weighted by rows per microbatch.
 
-Note [cross-entropy terms]: a loss that adds something to a mean cross-entropy (an MoE's
-load-balancing loss: `loss = ce + coef * aux_loss`; a user's loss_fn with a regularizer) is a
-mean over rows as a whole, and before this its cross-entropy part was each microbatch's token
+Note [cross-entropy terms]: a loss that adds something to a mean cross-entropy or nll_loss (an
+MoE's load-balancing loss: `loss = ce + coef * aux_loss`; a user's loss_fn with a regularizer) is
+a mean over rows as a whole, and before this its cross-entropy part was each microbatch's token
 mean weighted by rows: with ignored labels spread unevenly, gradients 4% off eager's (the
 largest; Qwen3-MoE, 2 microbatches). Where the loss reaches each mean cross-entropy only
 through sums, casts and products with numbers or with values of the parameters and buffers
@@ -33,13 +37,37 @@ rows, each microbatch's loss was weighted by its rows: the loss and gradients 1/
 sum cross-entropy the loss is affine in is a term too, its scale 1 / w_m alone (no counter): it
 adds up over microbatches as it is, and the rest of the loss keeps its row mean.
 
-Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` with any of its arguments
-positional or by keyword, and the `nn.CrossEntropyLoss(weight=..., ignore_index=...,
-reduction=..., label_smoothing=...)` module, which dynamo traces into that call (the legacy
-size_average/reduce arguments are resolved into a reduction).
+Note [sums over rows]: a loss that sums over the rows of the batch (`F.mse_loss(out, y,
+reduction="sum")`, `(out - y).abs().sum()`) is the sum of its microbatches' losses; taken as a
+mean over rows, each microbatch's was weighted by its rows: the loss and gradients about 1/M of
+eager's. Recognised where the graph says so reliably: a cross-entropy or nll_loss with
+reduction="sum" (legacy size_average/reduce resolved); a torch.nn.functional loss of _ROW_LOSSES
+(mse, l1, smooth_l1, huber, binary cross-entropy with or without logits, kl_div, the margin and
+embedding losses, poisson/gaussian nll) with reduction="sum", or its aten op (`torch.ops.aten.
+mse_loss.default(x, y, 2)`, `torch._C._nn.mse_loss`) with reduction Reduction::Sum, whose first
+argument is batch-first; and a 0-d sum of every element of a batch-first value, through sums
+alone (`x.sum()`, `torch.sum(x)`, `x.sum(dim=(0, 1))`, `x.sum(-1).sum()`, `x.sum(0).sum()`).
+Batch-first: dim 0 of the value is a batch symbol, or one times a factor (flattened rows,
+`(batch * seq, ...)`); the batch symbols are find_batch's, read off the graph's inputs (the
+first input whose dim 0 is dynamic gives the batch size). A loss that is such a sum has kind
+"sum" (every microbatch weighs 1); a loss affine in one (`0.5 * mse_sum + l1_mean`, `ce_mean +
+1e-3 * logits.pow(2).sum()`, `mse_sum / num_items`) scales it as a term with 1 / w_m, as Note
+[sums over a batch count] does a sum cross-entropy. Not recognised, and taken as a mean over
+rows as before: a sum of a value that is not batch-first (a parameter's `w.pow(2).sum()`: the
+same in every microbatch, it is part of the rest of the loss), a sum divided by a size
+(`x.sum() / x.shape[0]`: a row mean), a sum of anything computed after a reduction over rows
+other than a sum (`x.mean(0).sum()`, `x.sum(0).pow(2).sum()`), and a loss not affine in a sum
+(`sqrt(x.sum())`).
+
+Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` and `F.nll_loss(x, y, ...)`
+with any of their arguments positional or by keyword, and the `nn.CrossEntropyLoss(weight=...,
+ignore_index=..., reduction=..., label_smoothing=...)` and `nn.NLLLoss(...)` modules, which
+dynamo traces into those calls (the legacy size_average/reduce arguments are resolved into a
+reduction).
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -48,6 +76,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .batch import BatchInfo, find_batch
 from .graph_utils import bind_cross_entropy, graph_module, output_values
 
 
@@ -63,10 +92,29 @@ class LossScale:
                                              # sum term (Note [sums over a batch count])
 
 
+_NLL_LOSS = inspect.signature(F.nll_loss)
+
+
+def bind_class_loss(node: fx.Node):
+    """The arguments of an `F.cross_entropy` or `F.nll_loss` node by name, defaults filled in
+    (an nll_loss has no label_smoothing); None for other nodes or calls that do not bind
+    (Note [cross-entropy terms]: nll_loss is cross-entropy without its log_softmax)."""
+    bound = bind_cross_entropy(node)
+    if bound is not None or node.op != "call_function" or node.target is not F.nll_loss:
+        return bound
+    try:
+        args = _NLL_LOSS.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    args.apply_defaults()
+    return dict(args.arguments)
+
+
 def cross_entropy_reduction(bound: dict) -> Optional[str]:
-    """The reduction a bound cross-entropy call applies ("mean", "sum" or "none"), legacy
-    size_average/reduce resolved as F.cross_entropy resolves them; None when not a constant."""
-    if bound["size_average"] is not None or bound["reduce"] is not None:
+    """The reduction a bound cross-entropy (or nll_loss) call applies ("mean", "sum" or "none"),
+    legacy size_average/reduce resolved as F.cross_entropy resolves them; None when not a
+    constant."""
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
         try:
             return torch.nn._reduction.legacy_get_string(bound["size_average"], bound["reduce"], emit_warning=False)
         except Exception:
@@ -82,9 +130,9 @@ def _class_targets(bound: dict) -> bool:
 
 
 def mean_cross_entropy(node: fx.Node):
-    """(input, target, ignore_index) when `node` is a mean cross-entropy over class indices
-    (with or without class weights and label smoothing), else None."""
-    bound = bind_cross_entropy(node)
+    """(input, target, ignore_index) when `node` is a mean cross-entropy or nll_loss over class
+    indices (with or without class weights and label smoothing), else None."""
+    bound = bind_class_loss(node)
     if bound is None or cross_entropy_reduction(bound) != "mean" or not _class_targets(bound):
         return None
     if not isinstance(bound["ignore_index"], int):
@@ -104,7 +152,7 @@ def _ancestors(node: fx.Node) -> set:
 
 
 def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weight,
-                   classes: Optional[int] = None) -> Optional[fx.GraphModule]:
+                   classes: Optional[int] = None, what: str = "cross_entropy") -> Optional[fx.GraphModule]:
     """A graph from the inputs to the count of targets != ignore_index, or with class weights
     to the weight total of those targets; None if the targets depend on parameters or buffers
     (the weight may be a buffer or parameter: the runtime passes the host tensor). It refuses a
@@ -126,7 +174,7 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
                                                      g.call_function(torch.ge, (env[target], classes))))
         bad = g.call_function(torch.any, (g.call_function(torch.logical_and, (counted, outside)),))
         g.call_function(torch._assert_async, (g.call_function(torch.logical_not, (bad,)),
-                                              f"cross_entropy: a target is out of bounds: not in [0, {classes}) and "
+                                              f"{what}: a target is out of bounds: not in [0, {classes}) and "
                                               f"not ignore_index {ignore_index}"))
     if weight is None:
         g.output(g.call_method("sum", (counted,)))
@@ -147,19 +195,24 @@ def _classes(logits: fx.Node) -> Optional[int]:
     return c if isinstance(c, int) else None
 
 
+def _loss_name(node: fx.Node) -> str:
+    return "nll_loss" if node.target is F.nll_loss else "cross_entropy"
+
+
 def _rewrite_reduction(node: fx.Node, bound: dict, reduction: str) -> None:
-    """Rewrite a cross-entropy call as F.cross_entropy(input, target, **named) with `reduction`."""
+    """Rewrite a cross-entropy (nll_loss) call as F.cross_entropy(input, target, **named)
+    (F.nll_loss(...)) with `reduction`."""
     named = {k: v for k, v in bound.items() if k not in ("input", "target", "size_average", "reduce")}
     named["reduction"] = reduction
-    node.target = F.cross_entropy
     node.args = (bound["input"], bound["target"])
     node.kwargs = named
 
 
 def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
-    """Rewrite a mean cross-entropy loss into a token sum plus a counter graph (gm.meta['rp_loss'])."""
+    """Rewrite a mean cross-entropy (nll_loss) into a token sum plus a counter graph, recognise a
+    sum over rows, or scale a loss's terms (gm.meta['rp_loss'])."""
     loss = output_values(gm.graph)[loss_output]
-    bound = bind_cross_entropy(loss) if isinstance(loss, fx.Node) else None
+    bound = bind_class_loss(loss) if isinstance(loss, fx.Node) else None
     reduction = cross_entropy_reduction(bound) if bound is not None else None
     if reduction == "sum":
         _rewrite_reduction(loss, bound, "sum")    # legacy arguments resolved, for split_lm_head
@@ -167,11 +220,15 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
         return gm
+    batch = find_batch(gm, None)
+    if bound is None and isinstance(loss, fx.Node) and sum_over_rows(loss, batch):
+        gm.meta["rp_loss"] = LossScale("sum", output=loss_output)      # Note [sums over rows]
+        return gm
     found = mean_cross_entropy(loss) if bound is not None else None
     weight = bound["weight"] if found else None
-    counter = _counter_graph(gm, found[1], found[2], weight, _classes(found[0])) if found else None
+    counter = _counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss)) if found else None
     if counter is None:
-        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=_scale_terms(gm, loss))
+        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=_scale_terms(gm, loss, batch))
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -179,6 +236,130 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+# Losses (torch.nn.functional's, and aten's of these names) whose reduction="sum" adds up a loss
+# per row (dim 0 of their first argument) and whatever it holds per element (Note [sums over
+# rows]); ctc_loss, batched in dim 1, is not one. (F.cross_entropy and F.nll_loss are read by
+# bind_class_loss first.)
+_ROW_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+               "binary_cross_entropy_with_logits", "soft_margin_loss", "multilabel_soft_margin_loss",
+               "multilabel_margin_loss", "multi_margin_loss", "hinge_embedding_loss", "margin_ranking_loss",
+               "cosine_embedding_loss", "triplet_margin_loss", "triplet_margin_with_distance_loss",
+               "poisson_nll_loss", "gaussian_nll_loss", "kl_div", "nll_loss", "cross_entropy_loss")
+_FUNCTIONAL_LOSSES = {getattr(F, name): inspect.signature(getattr(F, name)) for name in _ROW_LOSSES
+                      if hasattr(F, name)}
+_SUM_REDUCTION = 2                       # at::Reduction::Sum, the `reduction` of an aten loss op
+
+
+def _aten_loss(target):
+    """The aten overload of a loss op among _ROW_LOSSES (`torch.ops.aten.mse_loss.default`,
+    `torch.ops.aten.mse_loss`, `torch._C._nn.mse_loss`, `torch.binary_cross_entropy_with_logits`),
+    else None."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    if isinstance(target, torch._ops.OpOverload):
+        return target if target.namespace == "aten" and target._schema.name.split("::")[-1] in _ROW_LOSSES else None
+    name = getattr(target, "__name__", None)
+    if name in _ROW_LOSSES and target in (getattr(torch._C._nn, name, None), getattr(torch, name, None)):
+        packet = getattr(torch.ops.aten, name, None)
+        return getattr(packet, "default", None)
+    return None
+
+
+def _loss_call_sums(node: fx.Node):
+    """The first argument of a loss call (torch.nn.functional or aten) with reduction="sum",
+    legacy size_average/reduce resolved; None for any other node."""
+    if node.op != "call_function":
+        return None
+    sig = _FUNCTIONAL_LOSSES.get(node.target)
+    if sig is not None:
+        try:
+            bound = sig.bind(*node.args, **node.kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        args = dict(bound.arguments)
+        if args.get("size_average") is not None or args.get("reduce") is not None:
+            try:
+                reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"],
+                                                                  emit_warning=False)
+            except Exception:
+                return None
+        else:
+            reduction = args.get("reduction")
+        return next(iter(args.values())) if reduction == "sum" else None
+    op = _aten_loss(node.target)
+    if op is None:
+        return None
+    names = [a.name for a in op._schema.arguments]
+    if "reduction" not in names or not node.args:
+        return None
+    i = names.index("reduction")
+    default = op._schema.arguments[i].default_value
+    reduction = node.kwargs.get("reduction", node.args[i] if len(node.args) > i else default)
+    return node.args[0] if reduction == _SUM_REDUCTION else None
+
+
+_SUM_FUNCTIONS = {torch.sum, torch.Tensor.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList}
+
+
+def _summed(node: fx.Node):
+    """(x, dims) when `node` sums x (dims None: every element; else a tuple of ints), else None."""
+    if (node.op == "call_method" and node.target == "sum") or (node.op == "call_function"
+                                                              and node.target in _SUM_FUNCTIONS):
+        if not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dim is None:
+            return node.args[0], None
+        dims = (dim,) if isinstance(dim, int) else dim
+        if isinstance(dims, (tuple, list)) and dims and all(isinstance(d, int) for d in dims):
+            return node.args[0], tuple(dims)
+    return None
+
+
+def _value(node) -> Optional[torch.Tensor]:
+    ev = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return ev if isinstance(ev, torch.Tensor) else None
+
+
+def _rows_first(node, batch: BatchInfo) -> bool:
+    """Dim 0 of `node`'s value is the batch's rows (a batch symbol, or one times a factor)."""
+    ev = _value(node)
+    return ev is not None and ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
+
+
+def _sums_rows(node: fx.Node, batch: BatchInfo) -> bool:
+    """`node` sums over the rows of the batch: a sum over dims including dim 0 of a value whose
+    dim 0 is the rows, or a sum of such a sum."""
+    summed = _summed(node)
+    if summed is None:
+        return False
+    x, dims = summed
+    ev = _value(x)
+    if ev is None:
+        return False
+    if _rows_first(x, batch) and (dims is None or 0 in [d % ev.dim() for d in dims]):
+        return True
+    return _sums_rows(x, batch)
+
+
+def sum_over_rows(node: fx.Node, batch: BatchInfo) -> bool:
+    """`node` is a 0-d sum over the rows of the batch (Note [sums over rows]): a loss call with
+    reduction="sum" whose first argument is batch-first (a cross-entropy or nll_loss with it
+    whatever its input), or a sum of every element of a batch-first value (through sums only:
+    `x.sum()`, `torch.sum(x)`, `x.sum(-1).sum()`, `x.sum(0).sum()`)."""
+    bound = bind_class_loss(node)
+    if bound is not None:
+        return cross_entropy_reduction(bound) == "sum"
+    ev = _value(node)
+    if ev is None or ev.dim() != 0:
+        return False
+    first = _loss_call_sums(node)
+    if first is not None:
+        return _rows_first(first, batch)
+    return _sums_rows(node, batch)
 
 
 # ops through which a loss stays affine in a term: x + y, x - y, -x, x * c, x / c (c a number
@@ -206,18 +387,13 @@ def _batch_free(value) -> bool:
     return all(n.op != "placeholder" or _whole(n) for n in _ancestors(value))
 
 
-def _sum_cross_entropy(node: fx.Node) -> bool:
-    bound = bind_cross_entropy(node)
-    return bound is not None and cross_entropy_reduction(bound) == "sum"
-
-
-def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
-    """The mean and sum cross-entropies `loss` is an affine function of through `node` (Note
-    [cross-entropy terms], Note [sums over a batch count]), each with one user; every node
-    between them and the loss too."""
+def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
+    """The mean cross-entropies (nll_losses) and the sums over rows `loss` is an affine function
+    of through `node` (Note [cross-entropy terms], Note [sums over a batch count], Note [sums
+    over rows]), each with one user; every node between them and the loss too."""
     if node is not loss and len(node.users) != 1:
         return []
-    if mean_cross_entropy(node) is not None or _sum_cross_entropy(node):
+    if mean_cross_entropy(node) is not None or sum_over_rows(node, batch):
         return [node] if node is not loss else []
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
@@ -231,32 +407,34 @@ def _affine_terms(node: fx.Node, loss: fx.Node) -> list:
         operands = args[1:]
     else:
         return []
-    return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss)]
+    return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
 
 
-def _scale_terms(gm: fx.GraphModule, loss) -> tuple:
-    """Rewrite each mean cross-entropy term of `loss` into its token sum times a scale
+def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
+    """Rewrite each mean cross-entropy (nll_loss) term of `loss` into its token sum times a scale
     placeholder (Note [cross-entropy terms]), and scale each sum term (Note [sums over a batch
-    count]); the counters of the scales (None for a sum's), in placeholder order."""
+    count], Note [sums over rows]); the counters of the scales (None for a sum's), in placeholder
+    order."""
     if not isinstance(loss, fx.Node):
         return ()
     counters = []
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    for ce in _affine_terms(loss, loss):
-        bound = bind_cross_entropy(ce)
-        if cross_entropy_reduction(bound) == "sum":
+    for ce in _affine_terms(loss, loss, batch):
+        bound = bind_class_loss(ce)
+        if bound is None or cross_entropy_reduction(bound) == "sum":
             counter = None          # scale 1 / w_m: added up as it is (Note [sums over a batch count])
         else:
             counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"],
-                                     _classes(bound["input"]))
+                                     _classes(bound["input"]), _loss_name(ce))
             if counter is None:
                 continue
         value = ce.meta.get("example_value")
         with gm.graph.inserting_after(last):
             last = scale = gm.graph.placeholder(f"loss_scale_{len(counters)}")
         scale.meta.update(rp_kind="loss_scale", rp_index=len(counters))
-        _rewrite_reduction(ce, bound, "sum")
-        ce.meta["rp_loss"] = "token_sum"
+        if bound is not None:
+            _rewrite_reduction(ce, bound, "sum")
+            ce.meta["rp_loss"] = "token_sum"
         with gm.graph.inserting_after(ce):
             scaled = product = gm.graph.call_function(operator.mul, (ce, scale))
         if isinstance(value, torch.Tensor):
