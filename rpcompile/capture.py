@@ -345,6 +345,14 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
                           "own code raised it, as it would when called eagerly with these arguments: check them "
                           "(their names, shapes and dtypes). If the same call runs eagerly, please report it to "
                           "rpcompile.")
+    failed = _fake_call_failure(err, msg)
+    if failed:
+        where = f" at {_where(frames[-1])}" if frames else ""
+        called = f" (called with {', '.join(f'{n}=' for n in names)})" if names else ""
+        return InputError(f"an operation of the model failed on this call's arguments{where}: {failed} (while "
+                          f"rpcompile traced the call{called}). Called eagerly with these arguments the model fails "
+                          "the same way: check them (their names, shapes and dtypes). If the same call runs eagerly, "
+                          "please report it to rpcompile.")
     mine = [f for f in frames if _library_of(f.filename) is None]
     need = ("rpcompile captures the forward (and the loss) as one graph, as torch.compile(model, "
             "fullgraph=True) does, so every line it runs must be traceable: no .item() or Python branch on "
@@ -367,6 +375,17 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
     return CaptureError(f"could not capture the model as one graph ({head}): {msg}\n{hint}")
 
 
+def _fake_call_failure(err, msg: str) -> Optional[str]:
+    """The error an operation raised on the traced call's fake values (dynamo's TorchRuntimeError
+    "RuntimeError when making fake tensor call": a shape or dtype the arguments got wrong, as
+    labels of fewer columns than the ids, float ids), as "RuntimeError: ..."; None for another
+    failure. It was a graph break to report, its message in the middle of 3 KB."""
+    if not isinstance(err, torch._dynamo.exc.TorchRuntimeError):
+        return None
+    found = re.search(r"got (\w+)\((['\"])(.*?)\2\)\n", msg, re.S)
+    return f"{found.group(1)}: {found.group(3)}" if found else None
+
+
 def flatten_call(args, kwargs):
     """Leaves and spec of a call; checks every leaf is a tensor or a plain constant."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -383,6 +402,27 @@ def batch_size_of(leaves) -> Optional[int]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
             return leaf.shape[0]
     return None
+
+
+def _refuse_short_rows(leaves, labels, batch, batched, unbatched) -> None:
+    """Note [batched inputs] (passes/batch.py): a tensor argument whose other sizes are a batched
+    one's but whose dim 0 is neither the batch size nor 1 (an attention mask of 3 rows beside 4
+    rows of ids) was taken as unbatched and every microbatch read its first rows, silently
+    (eager fails on it)."""
+    from .passes.batch import is_unbatched
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    rows: dict = {}
+    for i in tensors:
+        if batched(i):
+            rows.setdefault(tuple(leaves[i].shape[1:]), i)
+    for i in tensors:
+        leaf = leaves[i]
+        if (leaf.dim() >= 2 and leaf.shape[0] not in (1, batch) and tuple(leaf.shape[1:]) in rows
+                and not is_unbatched(labels[i], unbatched)):
+            other = rows[tuple(leaf.shape[1:])]
+            raise InputError(f"{labels[i]} has {leaf.shape[0]} rows ({tuple(leaf.shape)}) where {labels[other]} has "
+                             f"{batch} ({tuple(leaves[other].shape)}): give every batched argument the batch's rows, "
+                             f"or name {labels[i]!r} in Config(unbatched_inputs=[...]) if it is not batched")
 
 
 def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
@@ -404,6 +444,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
         leaf = leaves[i]
         return (dynamic_batch and batch is not None and batch > 1 and leaf.dim() >= 1 and leaf.shape[0] == batch
                 and not is_unbatched(labels[i], unbatched))
+    _refuse_short_rows(leaves, labels, batch, batched, unbatched)
 
     lengths = length_dims(leaves, batch, batched) if dynamic_lengths else {}
     copies = _FakeCopies(device, dtype)

@@ -294,3 +294,17 @@ def test_dynamo_backend_any_first_batch():
     for p, q in zip(model.parameters(), ref.parameters()):
         scale = q.grad.abs().max()
         assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-4 * scale)
+
+
+def test_an_argument_short_of_the_batchs_rows_is_an_input_error():
+    """Note [batched inputs]: an attention mask of 3 rows beside 4 rows of ids was taken as
+    unbatched, and every microbatch read its first rows (eager fails on it); named unbatched, it
+    is the user's choice."""
+    model = qwen3(layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    ids = torch.randint(0, 128, (4, 8))
+    with pytest.raises(rpcompile.InputError, match=r"attention_mask has 3 rows .* input_ids has 4"):
+        cm.train_step(input_ids=ids, attention_mask=torch.ones(3, 8, dtype=torch.long), labels=ids)
+    assert all(p.grad is None for p in model.parameters())
+    cm.train_step(input_ids=ids, attention_mask=torch.ones(4, 8, dtype=torch.long), labels=ids)   # (trains)
+    assert all(p.grad is not None for p in model.parameters())

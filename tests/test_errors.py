@@ -358,3 +358,21 @@ def test_what_the_optimizer_thread_cannot_drive_is_refused_when_attached():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         cm.train_step(**b, grad_scale=1.0)
         cm.synchronize()
+
+
+@pytest.mark.parametrize("wrong", ["float_ids", "short_labels"])
+def test_arguments_an_operation_fails_on_are_an_input_error(wrong):
+    """Float ids, labels of fewer columns than the ids: eager fails in the embedding or the loss;
+    the capture said "could not capture the model as one graph", a graph break to report, with
+    the operation's own error in the middle of 3 KB. Now an InputError that starts with it."""
+    model = qwen3(layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    ids = torch.randint(0, 128, (4, 8))
+    batch = {"float_ids": dict(input_ids=ids.float(), labels=ids),
+             "short_labels": dict(input_ids=ids, labels=ids[:, :6])}[wrong]
+    said = {"float_ids": "Expected tensor for argument #1 'indices'",
+            "short_labels": "Expected input batch_size"}[wrong]
+    with pytest.raises(rpcompile.InputError, match="failed on this call's arguments") as err:
+        cm.train_step(**batch)
+    assert said in str(err.value) and len(str(err.value)) < 1000
+    assert all(p.grad is None for p in model.parameters())

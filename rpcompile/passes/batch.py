@@ -12,6 +12,9 @@ get right is *which* inputs are split. The rule:
   `Config(unbatched_inputs=...)`. At capture each of them gets a dynamic dim 0 (dynamo may
   give each its own symbol: an attention mask is `s75` while the ids are `s33`); all those
   symbols are batch symbols, bound to the microbatch's rows.
+- A tensor input whose dim 0 is neither B nor 1 but whose other sizes are a batched input's
+  (an attention mask short of a row) is an InputError at capture, unless named unbatched: taken
+  as unbatched, every microbatch read its first rows (capture._refuse_short_rows).
 - An input with dim 0 == B whose size the captured graph fixed (the model specialised it),
   or a batch symbol the graph also uses for another dimension (dynamo's duck sizing gave
   equal sizes one symbol), cannot be split soundly: with more than one microbatch that is an
