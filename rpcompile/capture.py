@@ -482,7 +482,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     named = kwargs if isinstance(kwargs, dict) else {}
     _install_output_recorders(model, named)
     names = [k for k in named if k != LOSS_TARGET]
-    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(), _checkpointing_off(model):
+    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(model), _checkpointing_off(model):
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:

@@ -57,18 +57,51 @@ def _traceable_forward(layer, original):
 
 
 @contextlib.contextmanager
-def traceable_lora_params():
-    """peft's ParamWrapper traceable for the duration (Note [LoRA on parameters])."""
-    layer = sys.modules.get("peft.tuners.lora.layer")   # (peft is not imported if the model has none)
-    wrapper = getattr(layer, "ParamWrapper", None)
-    needs = ("get_param", "get_delta_weight", "get_base_layer", "_check_forward_args")
-    if (wrapper is None or not hasattr(layer, "_LoraParameterProxy")
-            or not all(hasattr(wrapper, n) for n in needs)):
+def traceable_lora_params(model=None):
+    """peft's ParamWrapper traceable for the duration (Note [LoRA on parameters]), and DoRA's
+    weight reads (Note [DoRA's base weight])."""
+    with _traceable_dora(model):
+        layer = sys.modules.get("peft.tuners.lora.layer")   # (peft is not imported if the model has none)
+        wrapper = getattr(layer, "ParamWrapper", None)
+        needs = ("get_param", "get_delta_weight", "get_base_layer", "_check_forward_args")
+        if (wrapper is None or not hasattr(layer, "_LoraParameterProxy")
+                or not all(hasattr(wrapper, n) for n in needs)):
+            yield
+            return
+        original = wrapper.forward
+        wrapper.forward = _traceable_forward(layer, original)
+        try:
+            yield
+        finally:
+            wrapper.forward = original
+
+
+# Note [DoRA's base weight]: DoRA (LoraConfig(use_dora=True)) reads the base layer's weight through
+# peft's dequantize_module_weight, which tests `type(module.weight).__module__.startswith("torchao.")`:
+# dynamo cannot trace that (a CaptureError at peft/utils/integrations.py). For a model with no
+# quantized weight (no HQQ `W_q`, no torchao tensor: checked on the host tensors before the
+# capture) the function returns the weight itself, which is what it returns for one; the modules
+# that imported it by name read this one for the time of a capture.
+_DORA_READERS = ("peft.utils.integrations", "peft.tuners.lora.dora", "peft.tuners.lora.layer",
+                 "peft.tuners.lora.variants")
+
+
+@contextlib.contextmanager
+def _traceable_dora(model):
+    readers = [m for m in (sys.modules.get(n) for n in _DORA_READERS) if hasattr(m, "dequantize_module_weight")]
+    if model is None or not readers or any(
+            hasattr(m, "W_q") or type(getattr(m, "weight", None)).__module__.startswith("torchao.")
+            for m in model.modules()):
         yield
         return
-    original = wrapper.forward
-    wrapper.forward = _traceable_forward(layer, original)
+    originals = [(m, m.dequantize_module_weight) for m in readers]
+
+    def plain_weight(module):
+        return module.weight
+    for m, _ in originals:
+        m.dequantize_module_weight = plain_weight
     try:
         yield
     finally:
-        wrapper.forward = original
+        for m, f in originals:
+            m.dequantize_module_weight = f

@@ -91,3 +91,18 @@ def test_a_train_step_with_nothing_to_train_says_so_and_the_next_one_trains():
         assert (p.grad is None) == (q.grad is None), name
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_dora_trains_as_eager_peft():
+    """DoRA reads its base weight through peft's dequantize_module_weight, which dynamo cannot
+    trace (a CaptureError); with no quantized weight it is the weight itself (Note [DoRA's base
+    weight] in rpcompile/lora_params.py)."""
+    from peft import LoraConfig, get_peft_model
+    import peft.tuners.lora.dora as dora
+    torch.manual_seed(0)
+    model = get_peft_model(qwen3(tied=False, layers=2), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights=False, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"]))
+    reader = dora.dequantize_module_weight
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
+    train_both(model, [lm_batch(seed=s) for s in range(3)], cfg, min_stages=0)
+    assert dora.dequantize_module_weight is reader
