@@ -269,6 +269,17 @@ def users(args):
         from peft import LoraConfig, get_peft_model
         return get_peft_model(tiny_qwen3(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
 
+    def dora():
+        from peft import LoraConfig, get_peft_model
+        return get_peft_model(tiny_qwen3(tied=False), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                                 use_dora=True, init_lora_weights=False))
+
+    def lora_checkpointing():     # enable_input_require_grads' hook (Note [model's own checkpointing])
+        from peft import LoraConfig, get_peft_model
+        base = tiny_qwen3(tied=False)
+        base.gradient_checkpointing_enable()
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
     def moe_lora():   # the experts' 3-D parameters and the router through target_parameters (Note [LoRA on parameters])
         from peft import LoraConfig, get_peft_model
         return get_peft_model(qwen3_moe(4), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
@@ -286,7 +297,9 @@ def users(args):
                                                        for s, side in enumerate(("right", "left", "one_token"))]),
              "tiny_qwen3": (lambda: tiny_qwen3(tied=False), [batch(6, 64, 512, seed=s) for s in range(3)]),
              "lora": (lora, [batch(6, 64, 512, seed=s) for s in range(3)]),
-             "moe_lora": (moe_lora, [batch(6, 16, 64, seed=s) for s in range(3)])}
+             "moe_lora": (moe_lora, [batch(6, 16, 64, seed=s) for s in range(3)]),
+             "dora": (dora, [batch(6, 64, 512, seed=s) for s in range(3)]),
+             "lora_checkpointing": (lora_checkpointing, [batch(6, 64, 512, seed=s) for s in range(3)])}
     for name, (make, batches) in cases.items():
         if args.cases and name not in args.cases.split(","):
             continue
@@ -617,7 +630,7 @@ def main():
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,num_items,tiny_qwen3,lora,"
-                    "moe_lora)")
+                    "moe_lora,dora,lora_checkpointing)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
