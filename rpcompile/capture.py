@@ -517,9 +517,12 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
             # Dynamo may report meta inputs as requiring grad; the user's tensor says.
             node.meta["rp_requires_grad"] = bool(leaves[id_to_leaf[id(ex)]].requires_grad)
         else:
+            # (a loss_fn's closed-over tensor, nn.CrossEntropyLoss(weight=w)'s: no module to register it on)
+            loss_fn = (" (a loss_fn's: pass it in the target instead, target={'labels': y, 'weight': w}, and "
+                       "read it there)" if wrap is not None else "")
             raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
                                f"the call (a tensor created outside forward and closed over?): register it "
-                               f"as a buffer of the module or pass it as an argument")
+                               f"as a buffer of the module or pass it as an argument{loss_fn}")
     _refuse_reassigned(cap, swap.reassigned)
     _map_outputs(cap, out, got["dummies"])
     return cap

@@ -376,3 +376,14 @@ def test_arguments_an_operation_fails_on_are_an_input_error(wrong):
         cm.train_step(**batch)
     assert said in str(err.value) and len(str(err.value)) < 1000
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_loss_fn_closing_over_a_tensor_is_told_to_pass_it_in_the_target():
+    """nn.CrossEntropyLoss(weight=w) in a loss_fn: the capture's hint said to register the tensor
+    as a buffer of the module, which a loss_fn has not."""
+    loss = torch.nn.CrossEntropyLoss(weight=torch.rand(128))
+    cm = rpcompile.compile(qwen3(layers=1), rpcompile.Config(
+        devices=["cpu", "cpu"], num_microbatches=2, loss_fn=lambda o, t: loss(o.logits.flatten(0, 1), t.flatten())))
+    ids = torch.randint(0, 128, (4, 8))
+    with pytest.raises(rpcompile.CaptureError, match=r"pass it in the target instead"):
+        cm.train_step(input_ids=ids, target=ids)
