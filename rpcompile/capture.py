@@ -397,6 +397,9 @@ def flatten_call(args, kwargs):
     return leaves, spec
 
 
+EMPTY_BATCH = "the batch has no rows (dim 0 of the batched arguments is 0): call with at least one row"
+
+
 def batch_size_of(leaves) -> Optional[int]:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
@@ -439,6 +442,8 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     leaves, in_spec = flatten_call(args, kwargs)
     labels = leaf_names(args, kwargs)
     batch = batch_size_of(leaves)
+    if batch == 0:      # (a reshape deep in the model failed on it)
+        raise InputError(EMPTY_BATCH)
 
     def batched(i):
         leaf = leaves[i]

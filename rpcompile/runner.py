@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from .capture import EMPTY_BATCH
 from .errors import InputError
 from .passes.graph_utils import retarget
 from .passes.host_memory import host_grad_dtype
@@ -128,6 +129,8 @@ class GraphRunner:
             M, B = 1, None
         else:
             B = leaves[batched[0]].shape[0]
+            if B == 0:
+                raise InputError(EMPTY_BATCH)
             for i in batched:
                 if leaves[i].shape[0] != B:
                     raise InputError(f"batched inputs disagree on the batch size: {B} vs {leaves[i].shape[0]} "

@@ -308,3 +308,16 @@ def test_an_argument_short_of_the_batchs_rows_is_an_input_error():
     assert all(p.grad is None for p in model.parameters())
     cm.train_step(input_ids=ids, attention_mask=torch.ones(4, 8, dtype=torch.long), labels=ids)   # (trains)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_an_empty_batch_is_an_input_error(first):
+    """A batch of 0 rows failed in a reshape deep in the model (a StageError, or an operation's
+    error at the capture)."""
+    model = qwen3(layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    ids = torch.randint(0, 128, (4, 8))
+    if not first:
+        cm.train_step(input_ids=ids, labels=ids)
+    with pytest.raises(rpcompile.InputError, match="the batch has no rows"):
+        cm.train_step(input_ids=ids[:0], labels=ids[:0])
