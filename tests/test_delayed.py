@@ -14,16 +14,25 @@ from models import lm_batch, qwen3
 from parity import close, delayed_run
 
 
-def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None):
-    """The delayed recurrence in plain PyTorch: losses per step and the final parameters."""
+def _eager_delayed(model, batches, lr, max_grad_norm=None, gamma=None, optimizer=torch.optim.AdamW, changes=None,
+                   **opt_kwargs):
+    """The delayed recurrence in plain PyTorch: losses per step and the final parameters. changes:
+    {t: change(model)} made before step t, as a user makes them after cm.synchronize(); a change
+    returns the names of frozen parameters it wrote in place, which reach the next step at once
+    (Note [changes between delayed steps] in runtime/weights.py)."""
     live = copy.deepcopy(model)
-    opt = torch.optim.AdamW(live.parameters(), lr=lr)
+    opt = optimizer(live.parameters(), lr=lr, **opt_kwargs)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma) if gamma else None
     # snapshots[t]: the parameters step t computes at (after optimizer steps 0..t-2)
     snapshots = [copy.deepcopy(live.state_dict()), copy.deepcopy(live.state_dict())]
     work = copy.deepcopy(model)
     losses = []
     for t, batch in enumerate(batches):
+        for name in (changes[t](live) if changes and t in changes else ()):
+            for snap in snapshots[t:]:
+                snap[name] = live.state_dict()[name].clone()
+        for p, q in zip(work.parameters(), live.parameters()):
+            p.requires_grad_(q.requires_grad)
         work.load_state_dict(snapshots[t])
         work.zero_grad()
         loss = work(**batch).loss
@@ -563,35 +572,6 @@ def test_a_new_plan_between_steps_waits_for_the_steps_jobs():
         close(p.detach(), q.detach(), 1e-6, 1e-7, name)
 
 
-def _eager_delayed_with_changes(model, batches, lr, changes):
-    """The delayed recurrence (as _eager_delayed, SGD with momentum) with `changes[t](model)` made
-    before step t, as a user makes them after cm.synchronize(); it returns the names of frozen
-    parameters it wrote in place, which reach the next step at once (Note [changes between
-    delayed steps] in runtime/weights.py)."""
-    live, work = copy.deepcopy(model), copy.deepcopy(model)
-    opt = torch.optim.SGD(live.parameters(), lr=lr, momentum=0.9)
-    snapshots = [copy.deepcopy(live.state_dict()), copy.deepcopy(live.state_dict())]
-    losses = []
-    for t, batch in enumerate(batches):
-        if t in changes:
-            for name in changes[t](live):
-                for snap in snapshots[t:]:
-                    snap[name] = live.state_dict()[name].clone()
-        for p, q in zip(work.parameters(), live.parameters()):
-            p.requires_grad_(q.requires_grad)
-        work.load_state_dict(snapshots[t])
-        work.zero_grad()
-        loss = work(**batch).loss
-        loss.backward()
-        losses.append(loss.detach())
-        for p, q in zip(live.parameters(), work.parameters()):
-            p.grad = None if q.grad is None else q.grad.clone()
-        opt.step()
-        opt.zero_grad()
-        snapshots.append(copy.deepcopy(live.state_dict()))
-    return losses, live
-
-
 def _freeze(name, flag=False):
     def change(model):
         model.get_parameter(name).requires_grad_(flag)
@@ -618,7 +598,7 @@ def requires_grad_changes_run(devices=("cpu", "cpu"), **config):
         model.get_parameter(name).requires_grad_(False)
     changes = {3: _freeze(up), 5: _freeze(gate, True), 6: _write_frozen(embed)}
     batches = [lm_batch(seed=s) for s in range(9)]
-    ref_losses, ref = _eager_delayed_with_changes(model, batches, 0.2, changes)
+    ref_losses, ref = _eager_delayed(model, batches, 0.2, optimizer=torch.optim.SGD, changes=changes, momentum=0.9)
     cm = rpcompile.compile(model, rpcompile.Config(devices=list(devices), num_microbatches=2, memory_budget="300KiB",
                                                    optimizer_mode="delayed", **config))
     cm.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), chunks=3)

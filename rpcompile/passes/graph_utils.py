@@ -33,17 +33,23 @@ def module_path(node: fx.Node):
     return chain
 
 
-def bind_cross_entropy(node: fx.Node):
-    """The arguments of an `F.cross_entropy` node by name, defaults filled in (None for other
-    nodes or calls that do not bind)."""
-    if node.op != "call_function" or node.target is not F.cross_entropy:
+def bind_call(node: fx.Node, fn, signature: inspect.Signature):
+    """The arguments of a call of `fn` (whose signature is given) by name, defaults filled in;
+    None for other nodes or calls that do not bind."""
+    if node.op != "call_function" or node.target is not fn:
         return None
     try:
-        bound = _CROSS_ENTROPY.bind(*node.args, **node.kwargs)
+        bound = signature.bind(*node.args, **node.kwargs)
     except TypeError:
         return None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def bind_cross_entropy(node: fx.Node):
+    """The arguments of an `F.cross_entropy` node by name, defaults filled in (None for other
+    nodes or calls that do not bind)."""
+    return bind_call(node, F.cross_entropy, _CROSS_ENTROPY)
 
 
 _SETITEM = {operator.setitem, torch.Tensor.__setitem__}

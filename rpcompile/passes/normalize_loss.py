@@ -77,7 +77,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .batch import BatchInfo, find_batch
-from .graph_utils import bind_cross_entropy, graph_module, output_values
+from .graph_utils import bind_call, bind_cross_entropy, graph_module, output_values
 
 
 @dataclass
@@ -100,14 +100,7 @@ def bind_class_loss(node: fx.Node):
     (an nll_loss has no label_smoothing); None for other nodes or calls that do not bind
     (Note [cross-entropy terms]: nll_loss is cross-entropy without its log_softmax)."""
     bound = bind_cross_entropy(node)
-    if bound is not None or node.op != "call_function" or node.target is not F.nll_loss:
-        return bound
-    try:
-        args = _NLL_LOSS.bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    args.apply_defaults()
-    return dict(args.arguments)
+    return bound if bound is not None else bind_call(node, F.nll_loss, _NLL_LOSS)
 
 
 def cross_entropy_reduction(bound: dict) -> Optional[str]:
@@ -274,12 +267,9 @@ def _loss_call_sums(node: fx.Node):
         return None
     sig = _FUNCTIONAL_LOSSES.get(node.target)
     if sig is not None:
-        try:
-            bound = sig.bind(*node.args, **node.kwargs)
-        except TypeError:
+        args = bind_call(node, node.target, sig)
+        if args is None:
             return None
-        bound.apply_defaults()
-        args = dict(bound.arguments)
         if args.get("size_average") is not None or args.get("reduce") is not None:
             try:
                 reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"],
