@@ -335,7 +335,8 @@ class Plan:
                        "its weights uploaded once; est time: per copy")
         else:
             out.append(f"  job k of a step runs on device (offset + k) mod {n_dev}, the offset carrying over from step "
-                       f"to step; each job runs all {M} microbatches with its weights uploaded once")
+                       f"to step; each job runs {'its one microbatch' if M == 1 else f'all {M} microbatches'} with its "
+                       "weights uploaded once")
         out.append("  weights: the job's parameter bytes uploaded per step; FLOPs/mb: per microbatch (G = 10^9); "
                    "device mem: planned peak on the device while the job runs; host act: activations (fwd) or "
                    "their gradients (fused, bwd) the job writes to host memory per step")

@@ -173,6 +173,42 @@ def test_lora_saves_adapter_the_peft_way(tmp_path, captured):
     assert frozen.keys() == fresh.keys() and all(torch.equal(frozen[k], fresh[k]) for k in fresh)
 
 
+def test_checkpoint_tokenizer_loads_with_auto_tokenizer(exact_run):
+    """A built-in shape's checkpoint holds a transformers tokenizer encoding as the run trained
+    (AutoTokenizer loaded a 1-token stand-in from the model type before)."""
+    from transformers import AutoTokenizer
+
+    tok, byte = AutoTokenizer.from_pretrained(exact_run[0]), ByteTokenizer()
+    assert len(tok) == byte.vocab_size
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (byte.bos_token_id, byte.eos_token_id,
+                                                                      byte.pad_token_id)
+    text = "Alice: \u00e9\u00e8 \u2014 <|eos|>\n  ok"
+    assert tok(text)["input_ids"] == [byte.bos_token_id] + byte.encode(text)   # BOS + the bytes, as trained
+    assert tok(text, add_special_tokens=False)["input_ids"] == byte.encode(text)
+    assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    # and a run from the checkpoint (--model DIR, --resume DIR) still uses the byte tokenizer itself
+    assert isinstance(models.tokenizer_for(str(exact_run[0])), ByteTokenizer)
+
+
+def test_lora_adapter_on_a_built_in_shape_loads_with_its_base(tmp_path, captured):
+    """The adapter of a built-in shape names a base that loads: the random-init base saved in
+    DIR/base (it named `rpcompile-finetune:tiny` before, which nothing can load). A save into the
+    checkpoint a resumed run continues links that base's weights instead of writing them again."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig
+
+    out = tmp_path / "adapter"
+    assert run("--lora", 4, "--steps", 2, "--save", out, *SMALL) == 0
+    assert PeftConfig.from_pretrained(out).base_model_name_or_path == str(out / "base")
+    ids = torch.tensor([list(b"Curiouser and curiouser!")])
+    assert torch.equal(logits(captured[0], ids), logits(AutoPeftModelForCausalLM.from_pretrained(out), ids))
+    weights = (out / "base" / "model.safetensors").stat().st_ino
+
+    # (the eager stand-in resumes it: saving and loading are the same, without a second capture)
+    assert run("--resume", out, "--steps", 3, "--save", out, "--devices", "cpu", engine="eager") == 0
+    assert (out / "base" / "model.safetensors").stat().st_ino == weights      # the same file, linked
+    assert torch.equal(logits(captured[1], ids), logits(AutoPeftModelForCausalLM.from_pretrained(out), ids))
+
+
 def test_lora_on_a_mixture_of_experts_adapts_its_experts(tmp_path):
     """--lora on a transformers MoE adapts the stacked expert weights too (peft target_parameters,
     captured by Note [LoRA on parameters]): it trains pipelined, and the saved adapter reloads
@@ -416,6 +452,63 @@ def test_bad_arguments_give_one_line_and_exit_2(tmp_path, capsys, args, expected
     assert expected in lines[0] and "Traceback" not in err and out == ""
 
 
+def test_resume_refuses_a_changed_data_file(tmp_path, capsys):
+    """--resume checks its data file's size and content (not its mtime) before reading it: one
+    line saying what changed and how to go on. Before, a file of the same size with other text was
+    refused only after tokenizing, saying neither; a shorter one was blamed on --batch-size."""
+    path, out = tmp_path / "text.txt", tmp_path / "ckpt"
+    original = "Down, down, down. Would the fall never come to an end? " * 4
+    path.write_text(original)
+    assert run("--data", path, "--steps", 1, "--save", out, *SMALL) == 0
+    capsys.readouterr()
+
+    os.utime(path, (0, 0))      # the same content: resumes (parse_args only, nothing trains here)
+    assert cli.parse_args(["--resume", str(out), "--steps", "2"]).data == path.resolve()
+    for changed, what in [(original.replace("Down", "Dawn"), "same size, other content"),
+                          (original[:60], f"{len(original):,} bytes then, 60 bytes now")]:
+        path.write_text(changed)
+        assert main(["--resume", str(out), "--steps", "2"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"its data file {path.resolve()} changed since the checkpoint was saved" in lines[0]
+        assert what in lines[0] and "put the original file back" in lines[0], lines
+        assert f"--model {out} --data FILE --save NEW_DIR" in lines[0]      # how to train on it instead
+    path.unlink()
+    assert main(["--resume", str(out), "--steps", "2"]) == 2
+    assert "its data file" in capsys.readouterr().err
+
+
+def test_bare_resume_of_a_complete_run_says_what_to_do(capsys, exact_run):
+    """--resume DIR without --steps continues to the steps the run planned; when it has done
+    them the message said `--steps 6: ...` about an option the user never gave."""
+    done, _ = exact_run
+    assert main(["--resume", str(done)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rpcompile-finetune: error: --resume {done}: that run is complete "
+                          f"(step {EXACT_STEPS} of the {EXACT_STEPS} it planned)"), err
+    assert "pass --steps with the new total" in err and f"more than {EXACT_STEPS}" in err
+    assert main(["--resume", str(done), "--steps", str(EXACT_STEPS)]) == 2    # given: about --steps
+    assert f"--steps {EXACT_STEPS}: the checkpoint" in capsys.readouterr().err
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    """`1 row`, `1 microbatch`, `1 prompt/completion pair`, `1 step` (it printed `1 rows` and
+    `1 microbatches`)."""
+    import re
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "Q: 2+2?", "completion": " 4"}) + "\n")
+    assert run("--data", path, "--steps", 1, "--seq-len", 16, "--batch-size", 1, "--devices", "cpu") == 0
+    printed = capsys.readouterr().out
+    assert "1 prompt/completion pair -> 1 row of 16 tokens" in printed and "1 padded row," in printed
+    assert "in 1 microbatch;" in printed and "for 1 step," in printed
+    # (the plan's own text is rpcompile's, not the command's)
+    ours = printed.split("\nplan:\n")[0] + "".join(line for line in printed.splitlines(True)
+                                                   if line.startswith(("step ", "rpcompile-finetune")))
+    assert not re.search(r"(?<![\d.,])1 (rows|microbatches|steps|documents|pairs|padded rows)\b", ours), ours
+    from rpcompile.finetune.engine import _EagerPlan
+    assert "  1 microbatch  " in str(_EagerPlan("cpu", 1, torch.float32, 10))
+
+
 def test_bad_data_from_the_shell(tmp_path):
     """As a user sees it: ``python -m rpcompile.finetune`` prints one line on stderr, exits 2."""
     proc = subprocess.run([sys.executable, "-m", "rpcompile.finetune", "--data", str(_bad_jsonl(tmp_path))],
@@ -436,6 +529,29 @@ def test_byte_tokenizer_round_trip():
     text = "Ou est ma chatte? \u00e9\u00e8 \u2014 ok"
     assert tok.decode(tok.encode(text)) == text
     assert max(tok.encode(text)) < 256 and tok.vocab_size == 259
+
+
+def test_cpu_speed_estimate_ignores_a_slow_start_and_hiccups(monkeypatch):
+    """The matmul speed behind the CPU estimate, on a fake clock: the first products are slow (a
+    process's thread pool starting), and now and then one is (another process took the core).
+    Neither moves it; one timing over all the products read a third of the speed."""
+    from types import SimpleNamespace
+
+    from rpcompile.finetune import report
+
+    clock, calls, flops = [0.0], [0], []
+
+    def matmul(a, b):
+        calls[0] += 1
+        flops.append(2 * a.shape[0] * a.shape[1] * b.shape[1])
+        clock[0] += 0.060 if calls[0] <= 2 else 0.080 if calls[0] % 5 == 0 else 0.010
+        return a
+
+    monkeypatch.setattr(report, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", matmul)
+    rate = report.cpu_flops_per_s()
+    assert rate == pytest.approx(flops[0] / 0.010, rel=1e-6)
+    assert clock[0] < 1.0     # what it costs at startup
 
 
 def test_prompt_completion_masks_the_prompt(tmp_path):

@@ -5,6 +5,10 @@ A checkpoint directory holds what ``AutoModelForCausalLM.from_pretrained(DIR)`` 
 weight stored once as transformers does; sharded with an index past 5 GB) or, for LoRA, what
 ``PeftModel.from_pretrained(base, DIR)`` reads; the tokenizer; the plots; and the side file
 ``trainer_state.pt`` (optimizer state, step, RNG states, data position, run settings).
+A LoRA adapter on a base that exists nowhere else (a built-in shape's random weights) gets that
+base beside it, as a model checkpoint of its own in ``DIR/base``, and its adapter_config.json
+names that directory (absolute) as ``base_model_name_or_path``, so
+``AutoPeftModelForCausalLM.from_pretrained(DIR)`` loads base and adapter together.
 
 Note [atomic save]
 Everything is written into a hidden sibling ``.DIR.tmp-<pid>-<hex>``, every file and the
@@ -39,6 +43,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 1024**3
 STATE_FORMAT = "rpcompile-finetune/1"
+BASE_DIR = "base"          # a LoRA checkpoint's frozen base, where it exists nowhere else
 
 
 def is_checkpoint(directory) -> bool:
@@ -72,9 +77,12 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
-def save_checkpoint(directory, model, tokenizer, state: dict, extra_writer=None) -> None:
+def save_checkpoint(directory, model, tokenizer, state: dict, extra_writer=None, save_base=False) -> None:
     """Write a checkpoint of ``model`` to ``directory`` atomically (Note [atomic save]).
-    ``extra_writer(tmp_dir)`` may add files (the plots) before the state file closes it."""
+    ``extra_writer(tmp_dir)`` may add files (the plots) before the state file closes it.
+    ``save_base`` (a peft model): also its frozen base, in ``directory/base``, named by the
+    adapter's config (module docstring); the weights files of the base a previous save there
+    wrote are hard-linked, not written again, when they hold the same tensors."""
     directory = Path(directory).absolute()
     directory.parent.mkdir(parents=True, exist_ok=True)
     recover(directory)
@@ -84,6 +92,9 @@ def save_checkpoint(directory, model, tokenizer, state: dict, extra_writer=None)
     try:
         _write_model(tmp, model)
         tokenizer.save_pretrained(tmp)
+        if save_base and is_peft(model):
+            _write_base(tmp / BASE_DIR, model, tokenizer, previous=directory / BASE_DIR)
+            _name_adapter_base(tmp, directory / BASE_DIR)
         if extra_writer is not None:
             extra_writer(tmp)
         torch.save({"format": STATE_FORMAT, **state}, tmp / STATE_FILE)
@@ -123,13 +134,73 @@ def _write_model(directory: Path, model) -> None:
     if is_peft(model):  # the adapter, the peft way: adapter_config.json + adapter_model.safetensors
         model.save_pretrained(str(directory), save_embedding_layers=False)
         return
+    _write_config(directory, model)
+    _write_weights(directory, _unique_tensors(model.state_dict()))
+
+
+def _write_config(directory: Path, model) -> None:
     config = copy.deepcopy(model.config)
     config.architectures = [type(model).__name__]
     config.use_cache = True  # training turns the KV cache off; whoever loads this may generate
     config.save_pretrained(str(directory))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(str(directory))
-    _write_weights(directory, _unique_tensors(model.state_dict()))
+
+
+def _write_base(target: Path, model, tokenizer, previous: Path) -> None:
+    """The frozen base under a peft model as a model checkpoint (config, weights under the
+    unwrapped model's names, tokenizer); its weights files hard-linked from ``previous`` (the
+    checkpoint this save replaces) when those hold the same tensors: the base never changes, and
+    a large one is not written again at every save."""
+    base = model.get_base_model()
+    target.mkdir()
+    _write_config(target, base)
+    tokenizer.save_pretrained(target)
+    tensors = _unique_tensors({name.replace(".base_layer", ""): t for name, t in base.state_dict().items()
+                               if "lora_" not in name})
+    if not _link_same_weights(previous, target, tensors):
+        _write_weights(target, tensors)
+
+
+def _link_same_weights(previous: Path, target: Path, tensors: dict) -> bool:
+    """Hard-link ``previous``'s weights files into ``target`` if they hold ``tensors`` (same
+    config, names, shapes and dtypes, and the same first row of each); False (nothing linked)
+    otherwise or where links are not possible."""
+    files = sorted(previous.glob("model*.safetensors"))
+    try:
+        if not files or (previous / "config.json").read_bytes() != (target / "config.json").read_bytes():
+            return False
+        from safetensors import safe_open
+
+        seen = set()
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                for name in h.keys():
+                    t, stored = tensors.get(name), h.get_slice(name)
+                    if (t is None or t.dim() == 0 or list(stored.get_shape()) != list(t.shape)
+                            or not torch.equal(stored[:1], t[:1])):
+                        return False
+                    seen.add(name)
+        if seen != set(tensors):
+            return False
+        for f in files + ([previous / WEIGHTS_INDEX] if (previous / WEIGHTS_INDEX).is_file() else []):
+            os.link(f, target / f.name)
+        return True
+    except Exception:   # unreadable, or no hard links here: write them instead
+        for f in target.glob("model*.safetensors*"):
+            f.unlink()
+        return False
+
+
+def _name_adapter_base(directory: Path, base: Path) -> None:
+    """Point the adapter's config (and peft's model card) at ``base``, where it will be."""
+    config_path = directory / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    old, config["base_model_name_or_path"] = config.get("base_model_name_or_path"), str(base)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    card = directory / "README.md"
+    if old and card.is_file():
+        card.write_text(card.read_text().replace(old, str(base)))
 
 
 def _unique_tensors(state_dict) -> dict:

@@ -9,7 +9,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import checkpoint, models
+from . import checkpoint, data, models, report
 from .engine import DTYPES
 from .errors import RunError, UsageError
 
@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", metavar="S", type=_positive_int,
                    help=f"tokens per row (default: {DEFAULT_SEQ_LEN})")
     p.add_argument("--steps", metavar="N", type=_positive_int,
-                   help=f"optimizer steps in all, counting those before a --resume (default: {DEFAULT_STEPS})")
+                   help=f"optimizer steps in all, counting those before a --resume (default: {DEFAULT_STEPS}; "
+                        "with --resume: the total the resumed run planned)")
     p.add_argument("--lr", metavar="LR", type=_positive_float,
                    help="AdamW learning rate (default: 3e-3 for tiny, 2e-4 with --lora, else 2e-5)")
     p.add_argument("--dtype", choices=list(DTYPES),
@@ -104,13 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train a rank-R LoRA adapter on the attention and MLP projections (peft; "
                         "a mixture of experts' experts too); the base stays frozen")
     p.add_argument("--save", metavar="DIR", type=Path,
-                   help="write the checkpoint (HuggingFace layout), loss.png and schedule.png here, "
-                        "atomically")
+                   help="write the checkpoint (HuggingFace layout: the model or, with --lora, the "
+                        "adapter, plus a transformers tokenizer), loss.png and schedule.png here, "
+                        "atomically; a LoRA adapter on a built-in shape gets its base in DIR/base")
     p.add_argument("--save-every", metavar="N", type=_positive_int,
                    help="also save every N steps (needs --save)")
     p.add_argument("--resume", metavar="DIR", type=Path,
-                   help="continue the run saved in DIR exactly where it stopped (model, data, "
-                        "seed and batch shape come from the checkpoint)")
+                   help="continue the run saved in DIR exactly where it stopped, up to its planned "
+                        "--steps or a new total (model, data, seed and batch shape come from the "
+                        "checkpoint; its data file must not have changed)")
     p.add_argument("--seed", metavar="N", type=_seed, help=f"random seed (default: {DEFAULT_SEED})")
     p.add_argument("--optimizer", choices=["exact", "overlapped", "delayed"], default="exact",
                    help="when AdamW steps: exact (after each step, results equal plain PyTorch), "
@@ -146,7 +149,7 @@ def parse_devices(text: str | None) -> list[str]:
         index = int(m.group(1) or 0)
         if index >= torch.cuda.device_count():
             raise UsageError(f"--devices {text}: cuda:{index} does not exist "
-                             f"({torch.cuda.device_count()} CUDA device(s) visible)")
+                             f"({report.plural(torch.cuda.device_count(), 'CUDA device')} visible)")
         devices.append(f"cuda:{index}")
     if len({d.split(":")[0] for d in devices}) > 1:
         raise UsageError(f"--devices {text}: mixes cpu and cuda devices")
@@ -161,10 +164,11 @@ def parse_args(argv=None) -> Options:
     if a.data is not None and not a.data.is_file():
         raise UsageError(f"--data {a.data}: " + ("not a regular file" if a.data.exists() else "no such file"))
 
-    state = None
+    state, steps_given = None, a.steps
     if a.resume is not None:
         state = checkpoint.read_state(a.resume)
         _reconcile_with_checkpoint(a, state)
+        _check_resumed_data(a, state["run"])
     # a resumed run's model was checked when it started (a full fine-tune resumes from the
     # checkpoint itself, so its original directory need not exist any more)
     model = a.model if state else models.check_model_spec(a.model or models.TINY)
@@ -182,6 +186,10 @@ def parse_args(argv=None) -> Options:
         raise UsageError(f"--optimizer {a.optimizer}: only rpcompile steps the optimizer itself; the eager "
                          "stand-in takes --optimizer exact")
     steps = a.steps or DEFAULT_STEPS
+    if state is not None and steps <= state["step"] and steps_given is None:
+        raise UsageError(f"--resume {a.resume}: that run is complete (step {state['step']} of the "
+                         f"{state['run']['steps']} it planned); to train it further, pass --steps with the new "
+                         f"total, more than {state['step']} (e.g. --steps {state['step'] + state['run']['steps']})")
     if state is not None and steps <= state["step"]:
         raise UsageError(f"--steps {steps}: the checkpoint in {a.resume} is already at step {state['step']}; "
                          f"--steps counts all steps, so pass more than {state['step']}")
@@ -215,6 +223,40 @@ def _reconcile_with_checkpoint(a, state: dict) -> None:
     a.data = Path(run["data"]) if run["data"] else None
     a.lr = a.lr or run["lr"]
     a.steps = a.steps or run["steps"]
+
+
+def _check_resumed_data(a, run: dict) -> None:
+    """A resumed run reads the same rows in the same order: its data file must still hold what the
+    checkpoint was trained on (size and content, by ``data.file_fingerprint``: before the file is
+    read; checkpoints from before the fingerprint was recorded rely on the tokens' one)."""
+    if a.data is None:
+        return
+    if not a.data.is_file():
+        raise UsageError(f"--resume {a.resume}: its data file {a.data} is gone; put it back, or "
+                         f"{fresh_run_hint(a.resume, run)}")
+    saved = run.get("data_file")
+    if saved is None:
+        return
+    try:
+        now = data.file_fingerprint(a.data)
+    except OSError as e:
+        raise UsageError(f"--resume {a.resume}: cannot read its data file {a.data} ({e.strerror or e})") from None
+    if now != saved:
+        before, after = int(saved.split(":")[0]), int(now.split(":")[0])
+        what = (f"{report.plural(before, 'byte')} then, {report.plural(after, 'byte')} now" if before != after
+                else "same size, other content")
+        raise UsageError(f"--resume {a.resume}: its data file {a.data} changed since the checkpoint was saved "
+                         f"({what}); a resumed run continues with the same rows in the same order, so put the "
+                         f"original file back, or {fresh_run_hint(a.resume, run)}")
+
+
+def fresh_run_hint(resume, run: dict) -> str:
+    """How to train on other data than a checkpoint's: a new run (no override continues a run on
+    different data)."""
+    if run.get("lora"):
+        return "start a new run (without --resume, with a new --save DIR)"
+    return (f"start a new run from the checkpoint's weights: {PROG} --model {resume} --data FILE "
+            f"--save NEW_DIR")
 
 
 def main(argv=None) -> int:

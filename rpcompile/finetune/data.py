@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -22,9 +23,11 @@ from pathlib import Path
 import torch
 
 from .errors import UsageError
+from .report import plural
 
 IGNORE = -100
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+FINGERPRINT_SPAN = 1 << 20   # a data file's fingerprint hashes its first and last MiB and its size
 
 
 def default_corpus() -> Path:
@@ -37,6 +40,33 @@ class Documents:
     source: str
     texts: list[str] = field(default_factory=list)
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    file_fingerprint: str | None = None   # of the file read (file_fingerprint()); None: the built-in corpus
+
+
+def _fingerprint(size: int, head: bytes, tail: bytes) -> str:
+    digest = hashlib.sha256(b"%d\0" % size + head + b"\0" + tail).hexdigest()
+    return f"{size}:{digest}"
+
+
+def file_fingerprint(path) -> str:
+    """``SIZE:SHA256`` of a data file's size, first MiB and last MiB: cheap for a file of any size,
+    independent of its mtime (a copy or a touch is the same data). A resumed run compares it
+    before reading the file; the tokens' own fingerprint (``TokenData.fingerprint``) then
+    catches a change in the middle of a large file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(FINGERPRINT_SPAN)
+        tail = b""
+        if size > FINGERPRINT_SPAN:
+            f.seek(max(FINGERPRINT_SPAN, size - FINGERPRINT_SPAN))
+            tail = f.read()
+    return _fingerprint(size, head, tail)
+
+
+def bytes_fingerprint(raw: bytes) -> str:
+    """``file_fingerprint`` of a file holding ``raw``."""
+    span = FINGERPRINT_SPAN
+    return _fingerprint(len(raw), raw[:span], raw[max(span, len(raw) - span):] if len(raw) > span else b"")
 
 
 def read_documents(path=None) -> Documents:
@@ -57,7 +87,7 @@ def read_documents(path=None) -> Documents:
         content = raw.decode("utf-8-sig")   # (a byte-order mark is not text)
     except UnicodeDecodeError as e:
         raise UsageError(f"--data {path}: not UTF-8 text (bad byte at offset {e.start})") from None
-    docs = Documents(source=str(path))
+    docs = Documents(source=str(path), file_fingerprint=bytes_fingerprint(raw))
     if path.suffix.lower() not in JSONL_SUFFIXES:
         if not content.strip():
             raise UsageError(f"--data {path}: the file is empty")
@@ -161,14 +191,14 @@ def tokenize(docs: Documents, tokenizer, seq_len: int) -> TokenData:
     digest = hashlib.sha256(input_ids.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
     what = []
     if docs.texts:
-        what.append(f"{len(docs.texts)} document{'s' * (len(docs.texts) != 1)}")
+        what.append(plural(len(docs.texts), "document"))
     if docs.pairs:
-        what.append(f"{len(docs.pairs) - skipped} prompt/completion pairs"
+        what.append(plural(len(docs.pairs) - skipped, "prompt/completion pair")
                     + (f" ({skipped} skipped: prompt longer than --seq-len)" if skipped else ""))
     padded = int((attention_mask == 0).any(1).sum())
-    description = (f"{docs.source}: {', '.join(what)} -> {len(rows_ids)} rows of {seq_len} tokens "
-                   f"({int((labels[:, 1:] != IGNORE).sum()):,} predicted tokens"
-                   + (f"; {padded} padded row{'s' * (padded != 1)}, passed with an attention_mask" if padded else "")
+    description = (f"{docs.source}: {', '.join(what)} -> {plural(len(rows_ids), 'row')} of {seq_len} tokens "
+                   f"({plural(int((labels[:, 1:] != IGNORE).sum()), 'predicted token')}"
+                   + (f"; {plural(padded, 'padded row')}, passed with an attention_mask" if padded else "")
                    + ")")
     # the fingerprint covers ids and labels only (as before the mask existed), so checkpoints
     # saved then still resume; the mask follows from the same data and tokenizer

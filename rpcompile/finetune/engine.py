@@ -19,6 +19,7 @@ import torch
 
 from .data import IGNORE
 from .errors import RunError
+from .report import plural
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,7 +56,8 @@ class _EagerPlan:
     def __str__(self) -> str:
         return (f"eager stand-in (not rpcompile): 1 stage, the whole model on {self.device}\n"
                 f"  stage 0  forward+loss+backward  {self.params:,} params  "
-                f"{self.microbatches} microbatches  compute {str(self.dtype).replace('torch.', '')}")
+                f"{plural(self.microbatches, 'microbatch', 'microbatches')}  "
+                f"compute {str(self.dtype).replace('torch.', '')}")
 
 
 class _EagerCompiled:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .report import plural
+
 NO_MATPLOTLIB = "matplotlib is not installed, so no loss.png or schedule.png (pip install matplotlib)"
 NO_TRACE = ("the engine gave no trace (cm.last_trace), so schedule.png shows the plan's stages "
             "instead of a measured schedule")
@@ -139,9 +141,11 @@ def _draw_trace(fig, trace) -> None:
     ax.set_xlim(0, t_end * 1.01)
     ax.set_xlabel("seconds since the step began")
     n_mb = len({e.get("microbatch") for e in computes if e.get("microbatch") is not None})
-    what = f"{len(jobs)} stage jobs" if jobs else f"{len(computes)} compute spans"
-    ax.set_title(f"the last step: {what}{f' x {n_mb} microbatches' if n_mb else ''} on {len(devices)} "
-                 f"device{'s' * (len(devices) != 1)} (cm.last_trace); bars: s<stage> <role>, mb<microbatch>",
+    what = plural(len(jobs), "stage job") if jobs else plural(len(computes), "compute span")
+    if n_mb:
+        what += " x " + plural(n_mb, "microbatch", "microbatches")
+    ax.set_title(f"the last step: {what} on "
+                 f"{plural(len(devices), 'device')} (cm.last_trace); bars: s<stage> <role>, mb<microbatch>",
                  fontsize=9)
     roles = sorted({_role(e) for e in computes}, key=list(_ROLES).index)
     streams = [k for k in _TRANSFERS if any(e.get("stream") == k for e in trace)]

@@ -63,6 +63,11 @@ def rotation_line(cm, step: int, devices: list[str]) -> str | None:
     return f"step {step}: " + "; ".join(jobs)
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """`1 row`, `2 rows`, `1,421 rows` (`nouns`: an irregular plural)."""
+    return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
 # -- time ------------------------------------------------------------------------------------
 
 def duration(seconds: float) -> str:
@@ -95,14 +100,30 @@ def step_flops(model, tokens: int, seq_len: int, recompute: bool) -> float:
 
 
 def cpu_flops_per_s() -> float:
-    """This machine's fp32 matmul speed with torch's threads, measured in about 0.1 s."""
-    a, b = torch.randn(768, 768), torch.randn(768, 768)
-    a @ b
-    n, start = 0, time.perf_counter()
-    while n < 3 or time.perf_counter() - start < 0.08:
+    """This machine's fp32 matmul speed with torch's threads, measured in about 0.3 s: a warm-up
+    (a process's first products start its thread pool and are slow), then the median of several
+    timings (up to 15 of two 768 x 768 products), so a slow start or another process taking a
+    core for a moment does not move the estimate (one timing over all the products did: 60 to
+    140 GFLOP/s from run to run on one machine)."""
+    n = 768
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    start, fastest = time.perf_counter(), float("inf")
+    for i in range(100):                       # warm-up: at least 2 products and 0.05 s
+        t0 = time.perf_counter()
         a @ b
-        n += 1
-    return 2 * 768**3 * n / (time.perf_counter() - start)
+        fastest = min(fastest, time.perf_counter() - t0)
+        if i >= 1 and time.perf_counter() - start >= 0.05:
+            break
+    per_sample = 2 if fastest < 0.01 else 1    # a slow CPU: fewer, single products (< 1 s in all)
+    samples = max(5, min(15, int(0.25 / max(fastest * per_sample, 1e-6))))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(per_sample):
+            a @ b
+        times.append(time.perf_counter() - t0)
+    median = sorted(times)[samples // 2]
+    return 2 * n**3 * per_sample / max(median, 1e-9)
 
 
 def too_slow_hint(devices: list[str], total_s: float) -> str | None:

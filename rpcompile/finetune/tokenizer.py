@@ -2,6 +2,12 @@
 
 Both are used through the same four things: ``encode(text) -> list[int]``, ``bos_token_id``
 (may be None), ``eos_token_id``, ``pad_token_id`` and ``vocab_size``, plus ``save_pretrained``.
+
+The byte tokenizer saves itself twice: as a transformers tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``: a ``tokenizers`` byte-level BPE without merges whose ids are the
+byte tokenizer's, so ``AutoTokenizer.from_pretrained(checkpoint)`` encodes and decodes as the
+run trained), and as the marker ``rpcompile_tokenizer.json`` by which a resumed run, or a run
+started from the checkpoint with ``--model``, knows it and uses ``ByteTokenizer`` itself.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from pathlib import Path
 from .errors import UsageError
 
 BYTE_TOKENIZER_FILE = "rpcompile_tokenizer.json"
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"   # the special tokens' names in the transformers tokenizer
 
 
 class ByteTokenizer:
@@ -30,9 +37,46 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def save_pretrained(self, directory) -> None:
+        """``tokenizer.json`` and ``tokenizer_config.json`` (what ``AutoTokenizer`` loads) and the
+        marker ``rpcompile_tokenizer.json`` (module docstring)."""
+        self.to_transformers().save_pretrained(str(directory))
         spec = {"type": "byte", "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-                "pad_token_id": self.pad_token_id, "vocab_size": self.vocab_size}
+                "pad_token_id": self.pad_token_id, "vocab_size": self.vocab_size,
+                "note": "rpcompile-finetune's byte tokenizer; transformers loads the same one from "
+                        "tokenizer.json (AutoTokenizer.from_pretrained of this directory)"}
         Path(directory, BYTE_TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+
+    def to_transformers(self):
+        """This tokenizer as a ``PreTrainedTokenizerFast``: byte b is id b (GPT-2's byte-level
+        alphabet, no merges), then BOS, EOS, PAD; ``tok(text)`` starts with BOS as the training
+        rows do (``add_special_tokens=False``: the bytes alone), and a ``<|eos|>`` in the text is
+        bytes, as here (``split_special_tokens``)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        alphabet = _bytes_to_unicode()
+        tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([BOS, EOS, PAD])
+        assert [tok.token_to_id(t) for t in (BOS, EOS, PAD)] == [self.bos_token_id, self.eos_token_id,
+                                                                 self.pad_token_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, self.bos_token_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                       split_special_tokens=True)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what ``tokenizers``' ByteLevel
+    pre-tokenizer maps bytes to)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 class HFTokenizer:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from . import checkpoint, data, models, plots, report
+from . import checkpoint, cli, data, models, plots, report
 from .cli import PROG, Options
 from .engine import DTYPES, compile_model, engine_errors
 from .errors import RunError, UsageError
@@ -22,11 +22,12 @@ def run(opts: Options) -> int:
     docs = data.read_documents(opts.data)
     tokens = data.tokenize(docs, tokenizer, opts.seq_len)
     if len(tokens) < opts.batch_size:
-        raise UsageError(f"--data {docs.source}: {len(tokens)} rows of {opts.seq_len} tokens, fewer than "
-                         f"--batch-size {opts.batch_size}; lower --batch-size or --seq-len")
+        raise UsageError(f"--data {docs.source}: {report.plural(len(tokens), 'row')} of {opts.seq_len} tokens, "
+                         f"fewer than --batch-size {opts.batch_size}; lower --batch-size or --seq-len")
     if state and tokens.fingerprint != state["run"]["data_fingerprint"]:
-        raise UsageError(f"--resume {opts.resume}: the data ({docs.source}) is not what the checkpoint "
-                         f"was trained on (its contents or tokenizer changed)")
+        raise UsageError(f"--resume {opts.resume}: the data ({docs.source}) is not what the checkpoint was "
+                         f"trained on (its contents or tokenizer changed); put the original back, or "
+                         f"{cli.fresh_run_hint(opts.resume, state['run'])}")
 
     model, origin = _load_model(opts)
     models.check_model_tokenizer(model, tokenizer, opts.model, opts.seq_len)
@@ -57,7 +58,8 @@ def run(opts: Options) -> int:
           f"{trainable / 1e6:.2f}M trained{lora}; {origin})")
     print(f"  data: {tokens.description}; tokenizer: {tokenizer.name}")
     print(f"  devices: {', '.join(report.device_labels(opts.devices))}; batch {opts.batch_size} x {opts.seq_len} "
-          f"tokens in {opts.microbatches} microbatches; compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}"
+          f"tokens in {report.plural(opts.microbatches, 'microbatch', 'microbatches')}; "
+          f"compute dtype {opts.dtype or 'default'}; AdamW lr {opts.lr:g}"
           f"{'' if opts.optimizer == 'exact' else f' ({opts.optimizer})'}; "
           f"steps {step + 1}..{opts.steps}" + (f" (resumed from {opts.resume})" if state else ""))
     _estimate_before_first_step(opts, model, opts.steps - step)
@@ -65,9 +67,12 @@ def run(opts: Options) -> int:
 
     run_info = {"model": opts.model, "lora": opts.lora, "seed": opts.seed, "seq_len": opts.seq_len,
                 "batch_size": opts.batch_size, "lr": opts.lr, "steps": opts.steps,
-                "data": str(opts.data) if opts.data else None, "data_fingerprint": tokens.fingerprint}
+                "data": str(opts.data) if opts.data else None, "data_fingerprint": tokens.fingerprint,
+                "data_file": docs.file_fingerprint}
     notes_shown: set[str] = set()
     saved_step = state["step"] if state else None
+    # a LoRA adapter on a built-in shape's random weights: the base goes beside it (checkpoint.py)
+    saves_base = bool(opts.lora) and models.is_known_name(opts.model)
 
     def say(line: str, file=None) -> None:
         if progress is not None and file is None:
@@ -91,7 +96,8 @@ def run(opts: Options) -> int:
         existed = checkpoint.is_checkpoint(opts.save)
         try:
             checkpoint.save_checkpoint(opts.save, model, tokenizer, payload,
-                                       extra_writer=lambda d: notes.extend(plots.write_plots(d, losses, cm)))
+                                       extra_writer=lambda d: notes.extend(plots.write_plots(d, losses, cm)),
+                                       save_base=saves_base)
         except Exception as e:     # (a full disk: OSError from a file, RuntimeError from torch.save, safetensors')
             keep = "the previous checkpoint there is intact" if existed else "nothing was written there"
             why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -180,7 +186,10 @@ def run(opts: Options) -> int:
     if opts.save and saved_step == step:
         kind = "LoRA adapter" if opts.lora else "model"
         pictures = "" if plots.NO_MATPLOTLIB in notes_shown else ", loss.png and schedule.png"
-        print(f"  saved the {kind} at step {step}, its optimizer state{pictures} to {opts.save}")
+        base = (f", and the adapter's base (the random-init {opts.model} it trained on) to "
+                f"{opts.save / checkpoint.BASE_DIR}"
+                if saves_base else "")
+        print(f"  saved the {kind} at step {step}, its tokenizer, optimizer state{pictures} to {opts.save}{base}")
     elif not opts.save:
         print("  nothing saved: pass --save DIR to keep the model, the loss curve and the schedule picture")
     if interrupted:
@@ -216,9 +225,10 @@ def _estimate_before_first_step(opts: Options, model, remaining: int) -> None:
     flops = report.step_flops(model, opts.batch_size * opts.seq_len, opts.seq_len, recompute)
     rate = report.cpu_flops_per_s()
     per_step = flops / rate
-    print(f"  expected: at least {report.duration(per_step)} per step ({flops / 1e9:,.1f} GFLOP at this CPU's "
-          f"{rate / 1e9:.0f} GFLOP/s), {report.duration(per_step * remaining)} for {remaining} "
-          f"step{'s' * (remaining != 1)}, plus capture and planning in the first step")
+    print(f"  expected: at least {report.duration(per_step)} per step, {report.duration(per_step * remaining)} for "
+          f"{report.plural(remaining, 'step')}, plus capture and planning in the first step (a rough lower bound: "
+          f"{flops / 1e9:,.1f} GFLOP a step at this CPU's measured {rate / 1e9:.0f} GFLOP/s, which varies with "
+          f"what else the machine runs)")
     hint = report.too_slow_hint(opts.devices, per_step * remaining)
     if hint:
         print(f"{PROG}: {hint}", flush=True)
@@ -258,7 +268,13 @@ def _load_model(opts: Options):
     if state and not opts.lora:  # a full fine-tune: the checkpoint is the model
         model, _ = models.build_model(str(opts.resume), opts.seed)
         return model, f"resumed at step {state['step']}"
-    model, origin = models.build_model(opts.model, opts.seed)
+    saved_base = opts.resume / checkpoint.BASE_DIR if state else None
+    if saved_base is not None and models.is_known_name(opts.model) and (saved_base / "config.json").is_file():
+        # LoRA on a built-in shape: its base as saved beside the adapter (checkpoint.py)
+        model, _ = models.build_model(str(saved_base), opts.seed)
+        origin = f"{opts.model} as saved in {saved_base}"
+    else:
+        model, origin = models.build_model(opts.model, opts.seed)
     if state:  # LoRA: the same base again, then the saved adapter
         return models.load_lora(model, opts.resume), f"base {origin}, adapter resumed at step {state['step']}"
     if opts.lora:
