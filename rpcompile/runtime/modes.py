@@ -241,15 +241,10 @@ class DelayedMode(OverlappedMode):
         # decided when the plan was made (passes._steps_overlap), which costed it so
         return plan.steps_overlap
 
-    def _copies(self, runner, plan) -> DelayedWeights:
+    def _new_copies(self, runner, plan) -> None:
         """The two copies, made from the parameters as they are when the first step starts, made
-        again where the parameters changed (Note [changes between delayed steps], weights.py)."""
-        params = plan.captured.params
-        if self.copies is not None and not self.copies.needs_new_copies(params):
-            written = self.copies.written_since(params)
-            if written:
-                self.copies.rewrite_shared(written)
-            return self.copies
+        again where a parameter has none or trains now (Note [changes between delayed steps],
+        weights.py), each holding what the copies it replaces held."""
         self.optimizer.synchronize()
         runner.release_call_copies()    # (the first train plan's host budget counted them free)
         t0 = time.perf_counter()
@@ -262,18 +257,14 @@ class DelayedMode(OverlappedMode):
         if previous is not None:
             runner.forget_shared(previous.buffers)
         timeline.mark("working copies made", time.perf_counter() - t0)
-        return self.copies
-
-    def _changed(self, plan) -> bool:
-        """Whether the copies must change before the next step (Note [changes between delayed
-        steps]): no step may read them then."""
-        params = plan.captured.params
-        return self.copies is not None and (self.copies.needs_new_copies(params)
-                                            or bool(self.copies.written_since(params)))
 
     def start(self, runner, plan, micro):
         t = self.started
-        changed = self._changed(plan)
+        params = plan.captured.params
+        # what changed since the last step (Note [changes between delayed steps]), once a step
+        renew = self.copies is None or self.copies.needs_new_copies(params)
+        written = [] if renew else self.copies.written_since(params)
+        changed = self.copies is not None and (renew or bool(written))
         if changed:
             runner.settle()      # (the step behind reads the copies: its end queues the next uploads)
         pending, self.next_upload = self.next_upload, None
@@ -287,7 +278,11 @@ class DelayedMode(OverlappedMode):
                 if future is not None:
                     future.result()
             pending = None
-        step = runner.new_step(plan, micro, host_weights=self._copies(runner, plan).view(t % 2))
+        if renew:
+            self._new_copies(runner, plan)
+        elif written:
+            self.copies.rewrite_shared(written)
+        step = runner.new_step(plan, micro, host_weights=self.copies.view(t % 2))
         # Note [one gradient set]: a job writes its piece once every earlier submission is done
         # with it, the one of a step still running included (Note [overlapped steps])
         step.grad_need = step.grads.submitted + (t - self.steps)
