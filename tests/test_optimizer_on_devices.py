@@ -394,7 +394,10 @@ def test_a_compiled_model_trains_as_with_every_update_on_the_host(mode, workers,
     assert ours and all(sp["end_s"] >= 0 and "step" not in sp for sp in ours)
     assert {sp["worker"] for sp in ours} <= {sp.get("worker") for sp in steps}
     # on the steps' clock: the last submission's first span began after the first traced step did
-    assert min(sp["start_s"] for sp in ours if sp["name"] == "step_on_device") > 0
+    # (an earlier submission's spans may begin before it and end after: recent_traces keeps those)
+    first_step = cm1.runner.recent_tracers[0].t0
+    assert t0 + min(sp["start_s"] for sp in spans if sp["name"] == "step_on_device") - first_step > 0
+    assert len([sp for sp in ours if sp["name"] == "step_on_device"]) >= len([sp for sp in spans if sp["name"] == "step_on_device"])
 
 
 @pytest.mark.parametrize("masters", ["each", "last", "kept"])
