@@ -319,7 +319,7 @@ def users(args):
 
 
 def changes(args):
-    """The 75th session's fixes on CUDA (fp32, Inductor stage compute as GPUs default to, two
+    """The 75th and 76th sessions' fixes on CUDA (fp32, Inductor stage compute as GPUs default to, two
     workers' jobs on one GPU, threads then processes), the tests' own runs with the devices
     changed: gradients held in .grad left alone by the attached optimizer (tests/test_overlapped.py:
     parameters against a run without them, relative to the largest parameter; .grad unchanged),
@@ -345,6 +345,16 @@ def changes(args):
             except Exception as e:
                 res[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
             print(key, json.dumps(res[key]), flush=True)
+    for far in (False, True):     # (76th session) Note [buffer values a recompute starts from]
+        key = f"buffer_updated_then_read{'_far' if far else ''}_{args.workers}"
+        try:
+            from test_parity import buffer_updated_then_read_run
+            cm = buffer_updated_then_read_run(args.workers, far, devices=cfg["devices"], dtype=torch.float32)
+            res[key] = {"parity": "loss, gradients every step and parameters within train_both's tolerances",
+                        "jobs": [st.kind for st in cm.plan.stages]}
+        except Exception as e:
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
+        print(key, json.dumps(res[key]), flush=True)
     key = f"requires_grad_changes_{args.workers}"
     try:
         losses, ref_losses, model, ref = requires_grad_changes_run(**cfg)

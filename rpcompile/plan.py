@@ -168,6 +168,8 @@ class Plan:
                                                         # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
+    # of those, the ones a backward job's recompute reads (Note [buffer values a recompute starts from])
+    buffers_at_start: list = field(default_factory=list)
     steps_overlap: bool = False                          # delayed mode's train steps may overlap (passes._steps_overlap)
     early_first_upload: bool = True                      # the next step's first job may go up at the loss (Note [resident weights])
     prefetch_bytes: tuple = ()                           # per job, the most bytes of the next job's weights it prefetches; () no limit

@@ -108,6 +108,8 @@ def test_failed_step_restores_running_statistics(monkeypatch):
     x, y = torch.randn(6, 8), torch.randn(6, 4)
     cm.train_step(x, target=y)
     assert cm.plan.mutated_buffers, "BatchNorm's running statistics are updated in place"
+    assert any(st.kind == "bwd" for st in cm.plan.stages) and cm.plan.buffers_at_start == [], \
+        "only batch_norm reads them: no recompute needs their values at a microbatch's start"
     before = [b.clone() for b in model.buffers()]
 
     def faulty(job, grads):

@@ -269,6 +269,71 @@ def test_buffer_updated_through_a_view_is_written_back(workers):
     assert [names[i] for i in cm.plan.mutated_buffers] == ["tally"]
 
 
+class EmaScale(nn.Module):
+    """A buffer updated in place and then read by the same forward (an EMA normaliser, as
+    spectral_norm's u): its value at a microbatch's start decides that microbatch's gradients;
+    `far` puts the read two layers after the update."""
+
+    def __init__(self, far=False):
+        super().__init__()
+        self.far = far
+        self.inp, self.mid, self.mid2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("ema", torch.ones(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        self.ema.mul_(0.5).add_(h.detach().pow(2).mean(0))
+        if not self.far:
+            h = h / self.ema
+        h = torch.tanh(self.mid2(torch.tanh(self.mid(h))))
+        return self.out(h / self.ema if self.far else h)
+
+
+def buffer_updated_then_read_run(workers, far, devices=("cpu", "cpu"), **config):
+    """EmaScale trained by train_both (loss, gradients every step, parameters); the compiled model.
+    (benchmarks/gpu_check.py runs it on a GPU.)"""
+    cfg = rpcompile.Config(devices=list(devices), num_microbatches=3, loss_fn=F.mse_loss, memory_budget=TIGHT,
+                           workers=workers, **config)
+    return train_both(EmaScale(far), mse_batches(n=9), cfg, eager_step=lambda m, b: mse_eager_microbatched(m, b, 3),
+                      min_stages=0, check_every_step=True, call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+
+
+@pytest.mark.parametrize("workers, far", [("threads", False), ("processes", False), ("threads", True)])
+def test_a_buffer_updated_then_read_gets_eager_gradients(workers, far):
+    """Note [buffer values a recompute starts from] (runtime/job.py): a backward job's recompute
+    started from the host buffer after every microbatch's forward (0.56 of the largest gradient
+    off), and its microbatches each updated that copy again. And a read far from the update
+    (`far`) may not be cut from it (Note [a buffer updated in place stays in one stage])."""
+    cm = buffer_updated_then_read_run(workers, far)
+    kinds = [st.kind for st in cm.plan.stages]
+    assert "bwd" in kinds and "fwd" in kinds, kinds
+    reading = [st.index for st in cm.plan.stages if st.kind == "fwd" and st.buffers]
+    assert len(reading) == 1, "the update and every read in one forward stage"
+    assert cm.plan.buffers_at_start == [0]
+
+
+def test_a_buffer_updated_then_read_gets_eager_gradients_through_a_call():
+    """The same through a differentiable call (its backward jobs run later, as a run of their
+    own): against eager's microbatches, each forward followed by its backward."""
+    for far in (False, True):
+        model = EmaScale(far)
+        ref = copy.deepcopy(model)
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3, memory_budget=9000))
+        b = mse_batches(n=9)[0]
+        out = cm(b["x"])
+        F.mse_loss(out, b["target"]).backward()
+        assert [st.kind for st in cm.plan.stages].count("bwd") >= 1
+        outs = []
+        for x, y in zip(torch.tensor_split(b["x"], 3), torch.tensor_split(b["target"], 3)):
+            o = ref(x)
+            (F.mse_loss(o, y) * (x.shape[0] / 9)).backward()
+            outs.append(o.detach())
+        torch.testing.assert_close(out, torch.cat(outs), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.ema, ref.ema, rtol=1e-6, atol=1e-7)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
 class OperatorTally(nn.Module):
     """Buffers updated by Python's in-place operators (`self.count += 1`, `*=`), which dynamo
     records as operator.iadd / imul."""
@@ -296,6 +361,7 @@ def test_buffers_updated_by_in_place_operators_are_updated():
     assert model.count.item() == 9
     names = [n for n, _ in model.named_buffers()]
     assert sorted(names[i] for i in cm.plan.mutated_buffers) == ["count", "scale"]
+    assert cm.plan.buffers_at_start == []      # (only updated: no recompute reads them)
 
 
 def test_a_buffer_assigned_anew_in_forward_is_refused():

@@ -610,6 +610,30 @@ def _mutated_buffers(gm) -> list:
     return sorted(mutated)
 
 
+def _buffers_read(gm, mutated) -> list:
+    """Of the buffers the graph updates in place, those whose value a node other than their
+    updates reads (`h / self.ema` after `self.ema.mul_(m)`; not BatchNorm's running statistics,
+    which only the batch_norm that updates them takes): the outputs of a backward job's
+    recompute depend on their value at the microbatch's start (Note [buffer values a recompute
+    starts from], runtime/job.py). A view of one counts by its readers."""
+    index_of = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = node_value(n)
+        if n.meta.get("rp_kind") == "buffer" and n.meta["rp_index"] in mutated and isinstance(v, torch.Tensor):
+            index_of[storage_key(v)] = n.meta["rp_index"]
+    read = set()
+    for n in gm.graph.nodes:
+        v = node_value(n)
+        key = storage_key(v) if isinstance(v, torch.Tensor) else None
+        if key not in index_of:
+            continue
+        for u in n.users:
+            uv = node_value(u)
+            if u.op != "output" and not is_impure(u) and not (isinstance(uv, torch.Tensor) and storage_key(uv) == key):
+                read.add(index_of[key])
+    return sorted(read)
+
+
 def _steps_overlap(st: CompileState) -> bool:
     """Whether the runtime lets this plan's steps overlap: delayed mode's train steps that update
     no buffer in place (running statistics the next step would read). The plan carries it to
@@ -640,6 +664,8 @@ def describe_io(st: CompileState) -> CompileState:
     _describe_io(plan)
     attach_row_checks(st.stages, st.batch, plan.sym_sources)
     plan.mutated_buffers, plan.steps_overlap = st.mutated_buffers, st.steps_overlap
+    plan.buffers_at_start = [i for i in _buffers_read(gm, st.mutated_buffers)
+                             if any(stage.kind == "bwd" and i in stage.buffers for stage in st.stages)]
     plan.early_first_upload, plan.prefetch_bytes = st.early_first_upload, st.prefetch_bytes
     plan.optimizer_share, plan.optimizer_est_s = st.on_devices or 0.0, st.optimizer_s
     plan.replicas, plan.finer, plan.host_share = st.replicas, list(st.finer), st.host_share

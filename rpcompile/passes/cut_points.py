@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .cost import Hardware, NodeCost, evaluate, node_seconds
+from .cost import Hardware, NodeCost, evaluate, node_seconds, storage_key
 from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
 from .partition import Segment
 from .regions import block_keys
@@ -60,7 +60,7 @@ class Liveness:
             L = len(self.body)
             live = dict.fromkeys(n for nodes in self.live for n in nodes)    # each node once (live at many positions)
             unsendable = {n for n in live if _data_dependent(n) or _tensor_tuple(n) or _of_a_parameter(n)}
-            self._blocked = _mutation_spans(self) | _functorch_regions(self) | {
+            self._blocked = _mutation_spans(self) | _buffer_spans(self) | _functorch_regions(self) | {
                 p for p in range(L + 1) if any(n in unsendable for n in self.live[p])}
         return self._blocked
 
@@ -150,6 +150,41 @@ def _mutation_spans(lv: Liveness) -> set:
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
+    return blocked
+
+
+# Note [a buffer updated in place stays in one stage]: every read of a buffer the graph
+# updates in place (an EMA normaliser, spectral_norm's u; Plan.mutated_buffers) is in the stage
+# that updates it. A forward job updates its device copy microbatch after microbatch and writes
+# it back only when it ends (Note [buffers written back], runtime/job.py), so a stage reading it
+# elsewhere would read the value before the step (or, on a CPU device, whatever the updating job
+# had reached) instead of this microbatch's: a read two layers after the update had losses 0.056
+# off eager's. A backward job's recompute starts from the value its microbatch started from
+# (Note [buffer values a recompute starts from]), which only the updating stage records.
+def _buffer_spans(lv: Liveness) -> set:
+    """Positions between the first and the last node reading or writing a buffer (or a view of
+    it) that some node updates in place."""
+    buffers = {}
+    for node in lv.body:
+        for a in node.all_input_nodes:
+            v = a.meta.get("example_value")
+            if a.op == "placeholder" and a.meta.get("rp_kind") == "buffer" and isinstance(v, torch.Tensor):
+                buffers[storage_key(v)] = []
+    if not buffers:
+        return set()
+    mutated = set()
+    for q, node in enumerate(lv.body):
+        values = [node, *node.all_input_nodes]
+        keys = {storage_key(v) for v in (n.meta.get("example_value") for n in values) if isinstance(v, torch.Tensor)}
+        for key in keys & buffers.keys():
+            buffers[key].append(q)
+        for target in mutated_values(node):
+            v = target.meta.get("example_value")
+            if isinstance(v, torch.Tensor) and storage_key(v) in buffers:
+                mutated.add(storage_key(v))
+    blocked = set()
+    for key in mutated:
+        blocked.update(range(min(buffers[key]) + 1, max(buffers[key]) + 1))
     return blocked
 
 

@@ -243,20 +243,46 @@ class JobContext:
                     self.span("host", "wait_param", lambda: self.step.gate(p), self.microbatch, param=name)
                     self._upload_weight(name, key, p, into=memory)
 
+    # Note [buffer values a recompute starts from]: a buffer the forward updates in place
+    # (Plan.mutated_buffers) may be read after the update by the same forward (an EMA normaliser,
+    # spectral_norm's u), so a backward job's recompute of microbatch mb must start from the
+    # value mb's forward started from: the updates of the microbatches before it, not of all of
+    # them. The forward job that updates it (its only stage: Note [a buffer updated in place
+    # stays in one stage], passes/cut_points.py) hands that value on beside its activations,
+    # under a name no graph value has, so it reaches a backward job on another device or in
+    # another worker process as they do; the recompute updates a copy of it, never the host's.
+    # Before, every recompute started from the host value after all the forwards, and each
+    # updated it again: gradients 0.2 of the largest off eager's (tests/test_parity.py). Only
+    # the buffers some node other than their updates reads need it (Plan.buffers_at_start):
+    # BatchNorm's running statistics, which only the batch_norm updating them takes, do not
+    # decide the recompute's outputs, and its update of a copy of the host's is dropped.
     def buffer(self, name):
         index = self.step.buffer_index[name]
+        plan = self.step.plan
+        mutated = index in plan.mutated_buffers    # (no other goes back: Note [buffers written back])
+        at_start = index in plan.buffers_at_start
+        if at_start and self.role == "bwd":
+            return self._buffer_at_start(index)
         b = self.buffers.get(index)
         if b is None:
             host = self.step.buffers[index]
             b = self.dev.upload(host, self.step.dtype)
-            if index in self.step.plan.mutated_buffers:   # (no other goes back: Note [buffers written back])
-                if self.role == "bwd":
-                    # A recompute must not update running statistics a second time.
-                    b = b.clone() if b is host else b
-                elif b is not host:
-                    self.write_back.append((host, b))
+            if mutated and self.role == "bwd":
+                b = b.clone() if b is host else b     # (its recompute's update is not a second one)
+            elif mutated and b is not host:
+                self.write_back.append((host, b))
             self.buffers[index] = b
+        if at_start and self.role == "fwd":
+            self.offload(self.microbatch, _at_start(index), b.detach().clone())
         return b
+
+    def _buffer_at_start(self, index):
+        value = self.step.micro[self.microbatch].acts.get(_at_start(index))
+        if value is None:
+            raise RuntimeError(f"internal: no forward job recorded buffer {index}'s value at the start of microbatch "
+                               f"{self.microbatch} for the recompute (Note [buffer values a recompute starts from])")
+        b = self.dev.upload(value, self.step.dtype)
+        return b.clone() if b is value else b
 
     def prefetch_next(self, mb):
         """Queue the next job's weights on this device behind this job's own (once per job)."""
@@ -554,6 +580,12 @@ class JobContext:
 # shards, fp32 exact mode): as eager PyTorch, and the last step's weights all went up in its 4
 # prefetches, where main (f3a5dfb) read the 2 shards' rows with the compute waiting; the speed
 # at Llama-3.1-8B's size is not measured.
+def _at_start(index: int) -> str:
+    """The activation name of buffer `index`'s value at a microbatch's start (Note [buffer values
+    a recompute starts from]); a space keeps it apart from every graph value's name."""
+    return f"buffer {index} at start"
+
+
 def job_params(params, stage) -> list:
     """[(key, parameter)] of the weights a stage reads: whole parameters, then rows of them."""
     rows = sorted(set(stage.param_slices.values()))

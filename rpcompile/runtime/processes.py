@@ -297,7 +297,8 @@ class ProcessExecutor:
             "buffer_index": {n: i for i, n in enumerate(cap.buffer_names)},
             "param_shapes": [p.shape for p in cap.params],
             "capture_device": cap.capture_device, "capture_key": id(cap),
-            "mutated_buffers": sorted(plan.mutated_buffers), "prefetch_bytes": plan.prefetch_bytes}
+            "mutated_buffers": sorted(plan.mutated_buffers), "buffers_at_start": sorted(plan.buffers_at_start),
+            "prefetch_bytes": plan.prefetch_bytes}
         self._to_all(("plan", key, portable.dumps(bundle)))
         self._plans[id(plan)] = (key, plan)
         return key

@@ -192,6 +192,7 @@ class WorkerPlan:
         self.capture_device = bundle["capture_device"]
         self.capture_key = bundle["capture_key"]
         self.mutated_buffers = frozenset(bundle["mutated_buffers"])
+        self.buffers_at_start = frozenset(bundle["buffers_at_start"])
         self.prefetch_bytes = bundle["prefetch_bytes"]     # Note [resident weights]
 
     def param_numel(self, key) -> int:
