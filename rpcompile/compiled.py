@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 import weakref
 from typing import Callable, Optional
 
@@ -25,6 +26,18 @@ from .runtime.trace import write_chrome_trace
 _TARGET = LOSS_TARGET
 
 
+def _function_key(fn):
+    """A plain function as its code, closure values and defaults (Note [loss_fn in the key]);
+    any other callable as itself."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    try:
+        cells = tuple(c.cell_contents for c in fn.__closure__ or ())
+    except ValueError:     # (an empty cell)
+        return fn
+    return ("function", fn.__code__, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())))
+
+
 class CompiledModel(torch.nn.Module):
     """A model whose calls run as pipelined stage jobs over the devices of a Config.
 
@@ -45,6 +58,7 @@ class CompiledModel(torch.nn.Module):
         self._one_call = OneCall()
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         self._adapter_layers = None     # peft's adapter layers, found at the first call
+        self._kept_loss_fns: dict = {}  # unhashable loss_fns the plan keys name by id (Note [loss_fn in the key])
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
 
@@ -71,6 +85,26 @@ class CompiledModel(torch.nn.Module):
         # (Note [adapter state in the key] in adapter_state.py)
         return (mode, spec, tuple(sig), self.model.training, trainable, extra, adapter_state(self._adapter_layers))
 
+    def _loss_fn_key(self, loss_fn):
+        """Note [loss_fn in the key]: the key held id(loss_fn) alone, and a loss_fn freed after its
+        call left its id to the next one: `train_step(..., loss_fn=make_loss(c))` with a new closure
+        each step (or a bound method, `loss_fn=self.loss`, a new object at each access) could get
+        another function's plan, silently its loss and gradients (c=2 trained with c=1's). The key
+        holds what the function computes by: a plain function's code, closure values and defaults
+        (a lambda written in the training loop is a new object each step, the same function: one
+        capture serves them all, where keying the object captured again every step and kept each
+        capture), any other callable itself (equal ones share the plan: a bound method of the same
+        object and function); an unhashable one is kept alive and keyed by id."""
+        if loss_fn is None:
+            return None
+        key = _function_key(loss_fn)
+        try:
+            hash(key)
+            return key
+        except TypeError:
+            self._kept_loss_fns.setdefault(id(loss_fn), loss_fn)
+            return ("id", id(loss_fn))
+
     def _plan(self, mode, args, kwargs, loss_fn=None):
         if self._last_plan is None:
             timeline.mark("first call")
@@ -81,7 +115,7 @@ class CompiledModel(torch.nn.Module):
         params = list(self.model.named_parameters())
         self._parameters_seen.check(params)
         leaves, spec = flatten_call(args, kwargs)
-        key = self._key(mode, leaves, spec, id(loss_fn) if loss_fn else None, params)
+        key = self._key(mode, leaves, spec, self._loss_fn_key(loss_fn), params)
         config = self.config
 
         captured_s = []

@@ -251,3 +251,50 @@ def test_a_loss_fn_summing_over_rows_adds_up_over_microbatches():
     cm = train_both(net, data, cfg, eager_step=eager, call=lambda cm, b: cm.train_step(b["x"], target=b["y"]),
                     min_stages=0)
     assert cm.plan.loss_scale.kind == "sum"
+
+
+def test_a_new_loss_fn_gets_its_own_plan():
+    """Note [loss_fn in the key]: a closure made per step (freed after its call) took an earlier
+    one's id and, with it, its plan: c=2 and c=3 trained with c=1's loss."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    cm = rpcompile.compile(net, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+
+    def scaled(c):
+        return lambda out, target: c * F.cross_entropy(out, target)
+    for c in (1.0, 2.0, 3.0):
+        loss = cm.train_step(x, target=y, loss_fn=scaled(c))
+        assert loss.item() == pytest.approx(c * F.cross_entropy(net(x), y).item(), rel=1e-6)
+
+
+def test_a_bound_method_loss_fn_is_captured_once():
+    """A loss_fn given as a bound method (a new object at each access, as RPTrainer's `_smoothed`)
+    serves from one plan."""
+    torch.manual_seed(0)
+
+    class Losses:
+        def ce(self, out, target):
+            return F.cross_entropy(out, target)
+    losses = Losses()
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    cm = rpcompile.compile(net, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    keep = []       # (the methods stay alive: each access has its own id)
+    for _ in range(3):
+        keep.append(losses.ce)
+        cm.train_step(torch.randn(8, 8), target=torch.randint(0, 4, (8,)), loss_fn=keep[-1])
+    assert len(cm._plans.plans()) == 1
+
+
+def test_a_lambda_written_in_the_loop_is_captured_once():
+    """A loss_fn lambda written in the training loop is a new object each step, the same function
+    (its code, closure values and defaults): one capture serves every step; another closure value
+    is another plan (Note [loss_fn in the key])."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    cm = rpcompile.compile(net, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    for c in (1.0, 1.0, 1.0, 2.0):
+        x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+        loss = cm.train_step(x, target=y, loss_fn=lambda out, target: c * F.cross_entropy(out, target))
+        assert loss.item() == pytest.approx(c * F.cross_entropy(net(x), y).item(), rel=1e-6)
+    assert cm._plans.captures() == 2
