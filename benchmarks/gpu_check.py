@@ -366,6 +366,35 @@ def changes(args):
     return res
 
 
+def trainer(args):
+    """rpcompile.trainer.RPTrainer on CUDA devices (fp32) against eager Trainer on the host
+    (tests/test_trainer.py's run and checks: losses, grad norms, gradients and parameters over 4
+    steps), and its refusal of TrainingArguments that would put the model on the GPU."""
+    import tempfile
+    from test_trainer import Rows, arguments, assert_same_training, logged, train
+    from models import qwen3
+    from rpcompile.trainer import RPTrainer
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    cfg = rpcompile.Config(devices=[dev, dev], num_microbatches=2, dtype=torch.float32, workers=args.workers)
+    out, res = tempfile.mkdtemp(), {}
+    try:
+        rp, eager = train(f"{out}/rp", True, config=cfg), train(f"{out}/eager", False)
+        res["losses"], res["eager_losses"] = logged(rp[0], "loss"), logged(eager[0], "loss")
+        res["param_err_rel_largest"] = max((p - q).abs().max().item() for p, q in zip(
+            rp[1].parameters(), eager[1].parameters())) / max(q.abs().max().item() for q in eager[1].parameters())
+        assert_same_training(rp, eager)
+        res["parity"] = "test_trainer's checks hold"
+    except Exception as e:
+        res["parity"] = f"{type(e).__name__}: {e}"[:600]
+    try:
+        RPTrainer(model=qwen3(), args=arguments(f"{out}/gpu", use_cpu=False), train_dataset=Rows(), rp_config=cfg)
+        res["without_use_cpu"] = "not refused"
+    except Exception as e:
+        res["without_use_cpu"] = f"{type(e).__name__}: {e}"[:400]
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def speed(args):
     gpus = args.gpus
     seq, tokens, M = args.seq_len, args.tokens, args.microbatches
@@ -613,7 +642,7 @@ def peaks(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes", "trainer"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -648,7 +677,7 @@ def main():
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
     res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users,
-           "changes": changes}[args.what](args)
+           "changes": changes, "trainer": trainer}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
