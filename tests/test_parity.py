@@ -465,3 +465,36 @@ def test_host_gradients_no_gradient_reached_are_never_read(monkeypatch, data_par
     assert model.gate.grad is None
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"{name}: max abs error {(p - q).abs().max():.3g}"
+
+
+class StepScaled(nn.Module):
+    """A counter buffer updated at the top of forward and read by every layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+        self.register_buffer("t", torch.zeros(()))
+
+    def forward(self, x):
+        self.t.add_(1)
+        for layer in self.layers:
+            x = torch.tanh(layer(x)) * (1 + 0.01 * self.t)
+        return x
+
+
+def test_a_buffer_read_by_every_layer_trains_as_eager_or_says_why_it_cannot_be_cut():
+    """Note [a buffer updated in place stays in one stage]: a buffer updated at the top and read
+    by every layer holds the layers in one stage: at a budget that fits they train as eager (the
+    layers past a cut read the value before the step, silently, before); below it the
+    PlanningError names the buffer and its span."""
+    def step(model, b):
+        return mse_eager_microbatched(model, b, 2)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(8, 64, generator=g), "target": torch.randn(8, 64, generator=g)} for _ in range(3)]
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, loss_fn=F.mse_loss, memory_budget=TIGHT)
+    train_both(StepScaled(), batches, cfg, eager_step=step, min_stages=0,
+               call=lambda cm, b: cm.train_step(b["x"], target=b["target"]))
+    cm = rpcompile.compile(StepScaled(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
+                                                         loss_fn=F.mse_loss, memory_budget=60_000))
+    with pytest.raises(rpcompile.PlanningError, match=r"reads them far from the update: t \(nodes 0 to \d+ of \d+\)"):
+        cm.train_step(batches[0]["x"], target=batches[0]["target"])

@@ -67,7 +67,7 @@ from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
-from .cut_points import legal_cuts, liveness, segment_table
+from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
@@ -293,6 +293,22 @@ def solve_stages_pass(st: CompileState) -> CompileState:
     return st
 
 
+def _with_buffer_spans(st: CompileState, e: PlanningError) -> PlanningError:
+    """e, saying which buffers updated in place hold a stretch of the graph in one stage (Note
+    [a buffer updated in place stays in one stage]), where one spans more than a few nodes."""
+    L = len(st.liveness.body)
+    wide = {i: span for i, span in buffer_spans(st.liveness).items() if span[1] - span[0] > max(8, L // 20)}
+    if not wide:
+        return e
+    names = st.captured.buffer_names
+    spans = ", ".join(f"{names[i]} (nodes {a} to {b} of {L})" for i, (a, b) in sorted(wide.items()))
+    return PlanningError(f"{e} The model updates buffers in place and reads them far from the update: {spans}. A "
+                         "stage holds such a buffer's update with every read of it (its value changes microbatch "
+                         "after microbatch), so no stage may end in between; reading it only near its update (or "
+                         "passing the value as an input) lets the plan cut there.",
+                         min_budget=e.min_budget, stage=e.stage, max_length=e.max_length)
+
+
 def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
     """((stage plan, cuts, segments, cut bytes), replicas): the faster of the pipeline over the
     devices and a copy of the one-device plan on each (Note [replicas]), under st.budget. Where
@@ -302,7 +318,7 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
     replicas = _replicas(st, N, M)
 
     def failed(e):   # with the longest length that fits (Note [longest length])
-        return planning_error(st, e, rows=_rows_per_microbatch(st)) if explain else e
+        return _with_buffer_spans(st, planning_error(st, e, rows=_rows_per_microbatch(st)) if explain else e)
     try:   # (Config.data_parallel=True: only the replicas)
         pipeline = None if config.data_parallel and replicas > 1 else _best_stage_plan(st, N, M, budget_set)
     except PlanningError as e:

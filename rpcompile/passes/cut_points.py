@@ -161,17 +161,17 @@ def _mutation_spans(lv: Liveness) -> set:
 # had reached) instead of this microbatch's: a read two layers after the update had losses 0.056
 # off eager's. A backward job's recompute starts from the value its microbatch started from
 # (Note [buffer values a recompute starts from]), which only the updating stage records.
-def _buffer_spans(lv: Liveness) -> set:
-    """Positions between the first and the last node reading or writing a buffer (or a view of
-    it) that some node updates in place."""
-    buffers = {}
+def buffer_spans(lv: Liveness) -> dict:
+    """{buffer index: (first, last)}: the positions of the first and the last node reading or
+    writing a buffer (or a view of it) that some node updates in place."""
+    buffers, index = {}, {}
     for node in lv.body:
         for a in node.all_input_nodes:
             v = a.meta.get("example_value")
             if a.op == "placeholder" and a.meta.get("rp_kind") == "buffer" and isinstance(v, torch.Tensor):
-                buffers[storage_key(v)] = []
+                buffers[storage_key(v)], index[storage_key(v)] = [], a.meta.get("rp_index")
     if not buffers:
-        return set()
+        return {}
     mutated = set()
     for q, node in enumerate(lv.body):
         values = [node, *node.all_input_nodes]
@@ -182,10 +182,11 @@ def _buffer_spans(lv: Liveness) -> set:
             v = target.meta.get("example_value")
             if isinstance(v, torch.Tensor) and storage_key(v) in buffers:
                 mutated.add(storage_key(v))
-    blocked = set()
-    for key in mutated:
-        blocked.update(range(min(buffers[key]) + 1, max(buffers[key]) + 1))
-    return blocked
+    return {index[key]: (min(buffers[key]), max(buffers[key])) for key in mutated}
+
+
+def _buffer_spans(lv: Liveness) -> set:
+    return {p for first, last in buffer_spans(lv).values() for p in range(first + 1, last + 1)}
 
 
 def _functorch_regions(lv: Liveness) -> set:
