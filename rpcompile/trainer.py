@@ -34,6 +34,10 @@ class RPTrainer(Trainer):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if targs is not None:
             _check_arguments(targs)
+        if rp_config.optimizer_mode != "exact":
+            raise InputError(f"RPTrainer: Config(optimizer_mode={rp_config.optimizer_mode!r}) steps an attached optimizer "
+                             "itself, but Trainer steps its own (after clipping, with its schedule): use the default "
+                             "optimizer_mode='exact'")
         if kwargs.get("compute_loss_func") is not None:
             raise InputError("RPTrainer: its training steps run rpcompile's train_step, which would not call "
                              "compute_loss_func; pass that loss to train_step as loss_fn (override training_step: "

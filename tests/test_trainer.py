@@ -169,12 +169,16 @@ def test_accelerate_loop_matches_eager():
 
 
 def test_trainer_refuses_settings_that_undo_rpcompile(tmp_path):
-    """bf16 / fp16 (Trainer's autocast over evaluation) and a compute_loss_func the steps would
-    not call: InputErrors before Trainer acts on them."""
+    """bf16 / fp16 (Trainer's autocast over evaluation), an optimizer mode that steps an attached
+    optimizer (Trainer steps its own) and a compute_loss_func the steps would not call:
+    InputErrors before Trainer acts on them."""
     from rpcompile.trainer import RPTrainer
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
     with pytest.raises(rpcompile.InputError, match=r"bf16=True / fp16=True.*leave them off"):
         RPTrainer(model=qwen3(vocab=VOCAB), args=arguments(tmp_path, bf16=True), train_dataset=Rows(), rp_config=cfg)
+    with pytest.raises(rpcompile.InputError, match=r"optimizer_mode='delayed'.*use the default"):
+        RPTrainer(model=qwen3(vocab=VOCAB), args=arguments(tmp_path), train_dataset=Rows(),
+                  rp_config=rpcompile.Config(devices=["cpu", "cpu"], optimizer_mode="delayed"))
     with pytest.raises(rpcompile.InputError, match=r"compute_loss_func.*loss_fn"):
         RPTrainer(model=qwen3(vocab=VOCAB), args=arguments(tmp_path), train_dataset=Rows(), rp_config=cfg,
                   compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
