@@ -82,8 +82,12 @@ class CompiledModel(torch.nn.Module):
         trainable = tuple(p.requires_grad for _, p in params)
         if self._adapter_layers is None:
             self._adapter_layers = adapter_layers(self.model)
+        # Every module's train/eval mode, not the model's alone: a submodule put in eval mode (a
+        # frozen BatchNorm, layers without dropout) kept the plan captured in train mode, its
+        # batch statistics and dropout (gradients 0.65 of the largest off eager's, silently)
+        training = tuple(m.training for m in self.model.modules())
         # (Note [adapter state in the key] in adapter_state.py)
-        return (mode, spec, tuple(sig), self.model.training, trainable, extra, adapter_state(self._adapter_layers))
+        return (mode, spec, tuple(sig), training, trainable, extra, adapter_state(self._adapter_layers))
 
     def _loss_fn_key(self, loss_fn):
         """Note [loss_fn in the key]: the key held id(loss_fn) alone, and a loss_fn freed after its
@@ -289,7 +293,9 @@ class CompiledModel(torch.nn.Module):
         buffer's pieces in delayed mode), with only the step's gradients (what `.grad` holds is
         neither applied nor cleared): an optimizer whose update of one parameter reads others'
         gradients (a norm over all of them) sees its chunk's only; step such an optimizer in
-        exact mode."""
+        exact mode. Attaching another optimizer (or the same one again) takes over from the next
+        step; in delayed mode the one step of delay starts again there: the next two steps
+        compute at the parameters as they are at the attach."""
         from .runtime.optimizer import OverlappedOptimizer
         if self.config.optimizer_mode == "exact":
             raise InputError("attach_optimizer is for Config(optimizer_mode='overlapped' or 'delayed'); in exact "

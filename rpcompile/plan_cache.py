@@ -1,9 +1,10 @@
 """The plans of a compiled model: which capture and which plan serve a call.
 
 Note [plans per length]: calls are grouped by what a plan cannot vary over (mode, argument
-structure, dtypes, ranks, constants, training mode, which parameters train); sizes are left to
-the captures. Per group, a list of captures; a call uses the first capture whose symbolic
-shapes and guards its sizes agree with (shapes.py), or captures anew (Note [dynamic lengths]).
+structure, dtypes, ranks, constants, every module's training mode, which parameters train);
+sizes are left to the captures. Per group, a list of captures; a call uses the first capture
+whose symbolic shapes and guards its sizes agree with (shapes.py), or captures anew (Note
+[dynamic lengths]).
 
 A capture's first plan was cut at the capture's sizes ("costed at" in `print(cm.plan)`). At
 another size the same cut can need more device memory (activations grow with the length), so

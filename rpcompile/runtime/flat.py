@@ -350,7 +350,7 @@ class FlatStepper:
         try:
             for p, g in pairs:     # (g may be on a device: Note [gradients stay on the device])
                 p.grad = g.to(device=p.device, dtype=p.dtype)
-            self.optimizer.step()
+            self.optimizer.step()     # (its post-hook marks what it stepped as written: Note [steps through .data])
         finally:
             for p, _ in pairs:
                 p.grad = None
@@ -365,6 +365,10 @@ class FlatStepper:
         (`_first_in_slices`)."""
         piece: list = []
         settle: dict = {}       # the devices' first steps, waited for once (_first_in_slices)
+        # only what the optimizer holds was stepped: a parameter it does not hold (yet), taken as
+        # stepped with no state, was stepped flat after an add_param_group, its state (momentum)
+        # in the twin only, missing from optimizer.state and so from its state_dict
+        members = {id(q) for group in self.optimizer.param_groups for q in group["params"]}
         try:
             for i, (p, g) in enumerate(pairs):
                 if not self._first_in_slices(p, g, settle):
@@ -372,7 +376,7 @@ class FlatStepper:
                 if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
                     self._step_alone(piece)
                     for q, _ in piece:
-                        if id(q) in self.masters.where:
+                        if id(q) in self.masters.where and id(q) in members:
                             self._stepped.add(id(q))
                             if id(q) not in self._views:
                                 self._adopt(q)
