@@ -609,21 +609,33 @@ def _mutated_buffers(gm) -> list:
     """Indices of the buffers the graph updates in place (running statistics): a buffer, or a
     view of it (a value of the graph sharing its storage), that an in-place node takes. The
     runtime writes back only these (Note [buffers written back] in runtime/job.py)."""
-    by_storage, mutated = {}, set()
-    for n in gm.graph.find_nodes(op="placeholder"):
-        if n.meta.get("rp_kind") != "buffer":
-            continue
-        v = node_value(n)
-        if isinstance(v, torch.Tensor):
-            by_storage[storage_key(v)] = n.meta["rp_index"]     # (the loop below reads its users)
-        elif any(is_impure(u) for u in n.users):
-            mutated.add(n.meta["rp_index"])
-    for n in gm.graph.nodes:
-        v = node_value(n)
-        index = by_storage.get(storage_key(v)) if isinstance(v, torch.Tensor) else None
-        if index is not None and any(is_impure(u) for u in n.users):
+    mutated = {n.meta["rp_index"] for n in gm.graph.find_nodes(op="placeholder")
+               if n.meta.get("rp_kind") == "buffer" and not isinstance(node_value(n), torch.Tensor)
+               and any(is_impure(u) for u in n.users)}
+    for n, index in _buffer_values(gm, _buffer_storages(gm)):
+        if any(is_impure(u) for u in n.users):
             mutated.add(index)
     return sorted(mutated)
+
+
+def _buffer_storages(gm, only=None) -> dict:
+    """{storage: buffer index} of the tensor buffers (of those in `only`, where given)."""
+    out = {}
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = node_value(n)
+        if n.meta.get("rp_kind") == "buffer" and isinstance(v, torch.Tensor) and (only is None or n.meta["rp_index"] in only):
+            out[storage_key(v)] = n.meta["rp_index"]
+    return out
+
+
+def _buffer_values(gm, storages: dict):
+    """(node, buffer index) for every graph value sharing a storage of `storages`: the buffer
+    and its views."""
+    for n in gm.graph.nodes:
+        v = node_value(n)
+        index = storages.get(storage_key(v)) if isinstance(v, torch.Tensor) else None
+        if index is not None:
+            yield n, index
 
 
 def _buffers_read(gm, mutated) -> list:
@@ -632,21 +644,13 @@ def _buffers_read(gm, mutated) -> list:
     which only the batch_norm that updates them takes): the outputs of a backward job's
     recompute depend on their value at the microbatch's start (Note [buffer values a recompute
     starts from], runtime/job.py). A view of one counts by its readers."""
-    index_of = {}
-    for n in gm.graph.find_nodes(op="placeholder"):
-        v = node_value(n)
-        if n.meta.get("rp_kind") == "buffer" and n.meta["rp_index"] in mutated and isinstance(v, torch.Tensor):
-            index_of[storage_key(v)] = n.meta["rp_index"]
     read = set()
-    for n in gm.graph.nodes:
-        v = node_value(n)
-        key = storage_key(v) if isinstance(v, torch.Tensor) else None
-        if key not in index_of:
-            continue
+    for n, index in _buffer_values(gm, _buffer_storages(gm, only=mutated)):
+        key = storage_key(node_value(n))
         for u in n.users:
             uv = node_value(u)
             if u.op != "output" and not is_impure(u) and not (isinstance(uv, torch.Tensor) and storage_key(uv) == key):
-                read.add(index_of[key])
+                read.add(index)
     return sorted(read)
 
 
