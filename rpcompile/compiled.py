@@ -285,10 +285,11 @@ class CompiledModel(torch.nn.Module):
         rpcompile steps `optimizer` itself, in a host thread, right after each train_step's
         gradients land; the next step's jobs wait only for the parameters they read (Note
         [overlapped optimizer]), or in delayed mode not at all (Note [delayed optimizer]). Clipping by
-        global norm (`max_grad_norm`) and `lr_scheduler.step()` happen there too, so do not
-        call them (or `optimizer.step()`) yourself; call `cm.synchronize()` before reading
-        parameters or optimizer state, or changing `optimizer.param_groups` (a learning rate set
-        right after train_step returns may reach that step's update, for some parameters).
+        global norm (`max_grad_norm`) happens there too, and `lr_scheduler.step()` as train_step
+        returns, so do not call them (or `optimizer.step()`) yourself; call `cm.synchronize()`
+        before reading parameters or optimizer state. A step's update steps by
+        `optimizer.param_groups` as they are when its train_step returns: a learning rate set then
+        reaches the next step's update, as in eager (Note [hyperparameters per submission]).
         It is stepped a chunk of parameters at a time (`chunks` in overlapped mode, the gradient
         buffer's pieces in delayed mode), with only the step's gradients (what `.grad` holds is
         neither applied nor cleared): an optimizer whose update of one parameter reads others'

@@ -624,3 +624,34 @@ def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(worker
         close(loss, want, 1e-6, 1e-6, f"loss at step {t}")
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-6, name)
+
+
+def test_a_step_that_fails_after_its_submission_takes_its_schedule_step_back(monkeypatch):
+    """Note [hyperparameters per submission]: the attached scheduler steps as a step is submitted,
+    in the caller's thread; a step whose backward then fails (delayed mode submits early) leaves
+    the scheduler and the rates as they were, and the next steps go on from there."""
+    from rpcompile.runtime.job import JobContext
+    model, cm = _compiled(tied=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cm.attach_optimizer(opt, lr_scheduler=sched)
+    for t in range(2):
+        cm.train_step(**lm_batch(seed=t))
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.025    # (read at once: no synchronize)
+    cm.synchronize()
+    plan = next(iter(cm.runner.mode.grad_keys.values()))[0]
+    real = JobContext.accumulate_grads
+
+    def faulty(self, grads):
+        if self.job_index == len(plan.stages) - 1:
+            raise RuntimeError("injected")
+        return real(self, grads)
+    monkeypatch.setattr(JobContext, "accumulate_grads", faulty)
+    cm.train_step(**lm_batch(seed=2))
+    assert cm.runner.pending.step.submission is not None, "not submitted before its backward ended"
+    with pytest.raises(rpcompile.StageError):
+        cm.synchronize()
+    monkeypatch.setattr(JobContext, "accumulate_grads", real)
+    assert sched.last_epoch == 2 and opt.param_groups[0]["lr"] == 0.025 and sched.get_last_lr() == [0.025]
+    cm.train_step(**lm_batch(seed=3))
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == 0.0125

@@ -285,3 +285,75 @@ def test_a_submodule_put_in_eval_mode_gets_a_plan_of_its_own():
         close(p.detach(), q.detach(), 1e-4, 1e-6, name)
     for (name, b), c in zip(model.named_buffers(), ref.buffers()):
         close(b.float(), c.float(), 1e-4, 1e-6, f"buffer {name}")
+
+
+def _slow_steps(monkeypatch):
+    """The optimizer thread's steps take 30 ms each (a busy host): a user's change right after
+    train_step lands while that step's update is still being stepped."""
+    import time
+
+    from rpcompile.runtime.flat import FlatStepper
+    step = FlatStepper.step
+
+    def slow(self, *args, **kw):
+        time.sleep(0.03)
+        return step(self, *args, **kw)
+    monkeypatch.setattr(FlatStepper, "step", slow)
+
+
+@pytest.mark.parametrize("mode, workers, kind", [("overlapped", "threads", torch.optim.SGD),
+                                                 ("overlapped", "processes", torch.optim.SGD),
+                                                 ("delayed", "threads", torch.optim.SGD),
+                                                 ("overlapped", "threads", DataSGD)])
+def test_learning_rates_set_right_after_train_step_reach_the_next_update(monkeypatch, mode, workers, kind):
+    """Note [hyperparameters per submission] (runtime/optimizer.py): the loop eager runs, `loss =
+    train_step(); for g in opt.param_groups: g["lr"] = ...` with no synchronize between, beside an
+    attached scheduler. The optimizer thread read param_groups as it stepped each chunk, so a rate
+    set while a step's update still ran reached that update's later chunks (parameters 0.25 off
+    eager's after 4 steps, silently); and the attached scheduler stepped in that thread, so
+    `get_last_lr()` read right after train_step could be the step before's. DataSGD is stepped
+    per parameter by the user's optimizer (not flat), by a twin with the submission's groups."""
+    _slow_steps(monkeypatch)
+    model = qwen3(layers=2)
+    batches = [lm_batch(seed=t) for t in range(4)]
+    rates = [0.2, 0.02, 0.3, 0.05]
+
+    def sgd(m):
+        opt = kind([{"params": [p for n, p in m.named_parameters() if "mlp" in n]},
+                    {"params": [p for n, p in m.named_parameters() if "mlp" not in n], "lr": 0.05}],
+                   lr=0.1, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    # eager: step t computes at the parameters after updates 0..t-1 (delayed: 0..t-2)
+    live = copy.deepcopy(model)
+    ref_opt, ref_sched = sgd(live)
+    work = copy.deepcopy(model) if mode == "delayed" else live
+    snapshots = [copy.deepcopy(live.state_dict())] * 2
+    ref_losses, ref_rates = [], []
+    for t, batch in enumerate(batches):
+        if mode == "delayed":
+            work.load_state_dict(snapshots[t])
+        loss = work(**batch).loss
+        loss.backward()
+        ref_losses.append(loss.detach())
+        if mode == "delayed":
+            for p, q in zip(live.parameters(), work.parameters()):
+                p.grad, q.grad = q.grad, None
+        ref_opt.step()
+        ref_sched.step()
+        live.zero_grad()
+        ref_rates.append(ref_sched.get_last_lr())
+        ref_opt.param_groups[0]["lr"] = rates[t]
+        snapshots.append(copy.deepcopy(live.state_dict()))
+
+    cm = rpcompile.compile(model, _config(mode, workers))
+    opt, sched = sgd(model)
+    cm.attach_optimizer(opt, lr_scheduler=sched, chunks=4)
+    losses, got_rates = [], []
+    for t, batch in enumerate(batches):
+        losses.append(cm.train_step(**batch))
+        got_rates.append(sched.get_last_lr())
+        opt.param_groups[0]["lr"] = rates[t]
+    cm.synchronize()
+    assert got_rates == ref_rates
+    _same(losses, model, ref_losses, live, f"{mode}, {workers}")

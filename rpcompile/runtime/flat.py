@@ -151,6 +151,45 @@ from .host_buffers import host_empty
 ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
+def _same_groups(groups: list, live: list) -> bool:
+    """Whether a submission's param groups are the optimizer's as they are now."""
+    if len(groups) != len(live):
+        return False
+    for g, h in zip(groups, live):
+        if g.keys() != h.keys() or len(g["params"]) != len(h["params"]) or \
+                any(p is not q for p, q in zip(g["params"], h["params"])):
+            return False
+        for key, v in g.items():
+            w = h[key]
+            if key != "params" and not (v is w or (torch.equal(v, w) if isinstance(v, torch.Tensor) and
+                                                     isinstance(w, torch.Tensor) else v == w)):
+                return False
+    return True
+
+
+def _step_with_groups(optimizer, groups: list) -> None:
+    """`optimizer.step()` by `groups` instead of its param_groups, which the caller's thread may
+    be changing meanwhile (Note [hyperparameters per submission] in runtime/optimizer.py): a
+    shallow twin shares its state, defaults and hooks; what else its step sets on itself (a
+    counter) or on a group (a group's step count) is set on the optimizer after."""
+    twin = object.__new__(type(optimizer))
+    own = {k: v for k, v in vars(optimizer).items() if k != "step"}   # (a scheduler's wrapper of the optimizer's step)
+    vars(twin).update(own)
+    twin.param_groups = groups
+    was = [dict(g) for g in groups]
+    twin.step()
+    for key, v in vars(twin).items():
+        if key not in ("param_groups", "step") and own.get(key, _MISSING) is not v:
+            setattr(optimizer, key, v)
+    for g, before, live in zip(groups, was, optimizer.param_groups):
+        for key, v in g.items():
+            if before.get(key, _MISSING) is not v:
+                live[key] = v
+
+
+_MISSING = object()
+
+
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
     """b starts where a ends, in the same storage, both contiguous and of one dtype."""
     return (a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
@@ -335,8 +374,10 @@ class FlatStepper:
         self._ctor_keys = [k for k in sig if k not in ("self", "params")]
 
     # -- per parameter -------------------------------------------------------------------------
-    def _step_alone(self, pairs) -> None:
-        """The user's optimizer stepped with `pairs` [(p, g)] as the only gradients it sees.
+    def _step_alone(self, pairs, groups=None) -> None:
+        """The user's optimizer stepped with `pairs` [(p, g)] as the only gradients it sees, and
+        the param groups `groups` (a submission's: Note [hyperparameters per submission] in
+        runtime/optimizer.py; default: the optimizer's own).
 
         Note [held gradients]: `optimizer.step()` steps every parameter whose `.grad` is set, and
         a user's `.grad` may hold gradients of their own (a differentiable call's backward between
@@ -350,14 +391,18 @@ class FlatStepper:
         try:
             for p, g in pairs:     # (g may be on a device: Note [gradients stay on the device])
                 p.grad = g.to(device=p.device, dtype=p.dtype)
-            self.optimizer.step()     # (its post-hook marks what it stepped as written: Note [steps through .data])
+            # (its post-hook marks what it stepped as written: Note [steps through .data])
+            if groups is None or _same_groups(groups, self.optimizer.param_groups):
+                self.optimizer.step()
+            else:
+                _step_with_groups(self.optimizer, groups)
         finally:
             for p, _ in pairs:
                 p.grad = None
             for p, g in held:
                 p.grad = g
 
-    def _per_param(self, pairs) -> None:
+    def _per_param(self, pairs, groups) -> None:
         """Step pairs with the user's optimizer itself, a slice of about PIECE elements at a time,
         and move the state it made into the flat buffers after each slice: the state of a first
         step exists twice only for one slice, not for the model. A parameter larger than a slice,
@@ -368,13 +413,13 @@ class FlatStepper:
         # only what the optimizer holds was stepped: a parameter it does not hold (yet), taken as
         # stepped with no state, was stepped flat after an add_param_group, its state (momentum)
         # in the twin only, missing from optimizer.state and so from its state_dict
-        members = {id(q) for group in self.optimizer.param_groups for q in group["params"]}
+        members = {id(q) for group in groups for q in group["params"]}
         try:
             for i, (p, g) in enumerate(pairs):
-                if not self._first_in_slices(p, g, settle):
+                if not self._first_in_slices(p, g, settle, groups):
                     piece.append((p, g))
                 if piece and (i + 1 == len(pairs) or sum(q.numel() for q, _ in piece) >= self.PIECE):
-                    self._step_alone(piece)
+                    self._step_alone(piece, groups)
                     for q, _ in piece:
                         if id(q) in self.masters.where and id(q) in members:
                             self._stepped.add(id(q))
@@ -386,7 +431,7 @@ class FlatStepper:
             for state, key, v in settle.pop("scalars", ()):
                 state[key] = v.cpu()
 
-    def _first_in_slices(self, p, g, settle: dict) -> bool:
+    def _first_in_slices(self, p, g, settle: dict, groups) -> bool:
         """A flat parameter's first step (it has no state yet), PIECE elements at a time, each
         slice by a twin over that slice of the masters, whose state goes into the flat buffers
         before the next slice is stepped; False (nothing done) where that does not apply, or for
@@ -412,7 +457,7 @@ class FlatStepper:
         where, r = self.masters.place_of(p)
         if where is None or (r is None and p.numel() <= self.PIECE):
             return False
-        group = next((grp for grp in self.optimizer.param_groups if any(q is p for q in grp["params"])), None)
+        group = next((grp for grp in groups if any(q is p for q in grp["params"])), None)
         if (not self.elementwise or group is None or group.get("differentiable") or self.optimizer.state.get(p)
                 or g.shape != p.shape or not g.is_contiguous()):
             return False
@@ -829,17 +874,19 @@ class FlatStepper:
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [v] * len(run))
         return True
 
-    def step(self, params: list, grads: list, masters: str = "each") -> None:
-        """One optimizer step of `params` with `grads` (aligned lists). masters: where the
-        masters stepped on the devices come down: "each", before this returns; "last", at
-        masters_down() once the submission's last chunk is refreshed (Note [masters down after the
-        copies]); "kept", at masters_down() when something reads them (Note [masters kept on the
-        devices]); the caller calls it."""
+    def step(self, params: list, grads: list, masters: str = "each", groups=None) -> None:
+        """One optimizer step of `params` with `grads` (aligned lists), by the param groups
+        `groups` (default: the optimizer's own; a submission's copy: Note [hyperparameters per
+        submission] in runtime/optimizer.py). masters: where the masters stepped on the devices
+        come down: "each", before this returns; "last", at masters_down() once the submission's
+        last chunk is refreshed (Note [masters down after the copies]); "kept", at masters_down()
+        when something reads them (Note [masters kept on the devices]); the caller calls it."""
+        if groups is None:
+            groups = self.optimizer.param_groups
         if not self.elementwise:
-            self._step_alone(list(zip(params, grads)))
+            self._step_alone(list(zip(params, grads)), groups)
             return
-        group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
-        groups = self.optimizer.param_groups
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         flat, rest = [], []
         for p, g in zip(params, grads):
             gi = group_of.get(id(p))
@@ -876,7 +923,7 @@ class FlatStepper:
                         stepped.append(item[0])
                 else:
                     rest += [(p, g) for p, g, _ in items]
-            self._per_param(rest)
+            self._per_param(rest, groups)
         except BaseException:
             for synced in self._device_synced.values():    # which masters came down is unknown: all go up
                 synced.clear()

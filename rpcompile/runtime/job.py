@@ -68,6 +68,7 @@ class StepState:
     first_upload: list = field(default_factory=list)   # [(device, future)]: its first job's weights, sent before the step
     grad_need: int = 0                                 # optimizer submissions done with a gradient piece before it is written
     submission: Optional[int] = None                   # delayed mode: the optimizer's count once its submission is done
+    hyper: Any = None                                  # what its update steps by (Note [hyperparameters per submission])
     buffer_index: dict = field(default_factory=dict)
     exchanges: dict = field(default_factory=dict)      # job index -> replicas.GradExchange (Note [replicas])
     call_outputs: Any = None                           # a call's: runtime.outputs.CallOutputs, where its outputs land

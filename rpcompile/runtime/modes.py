@@ -323,6 +323,7 @@ class DelayedMode(OverlappedMode):
             # stops it at the next chunk; its place in the pieces' counts is given up by then
             self.optimizer.wait_completed(step.submission, raise_errors=False)
             stepped = self.optimizer.abandoned.pop(step.submission, [])
+            self.optimizer.take_back(step.hyper)
             self.steps -= 1
             self.skipped += 1
             self.started -= 1
@@ -331,6 +332,7 @@ class DelayedMode(OverlappedMode):
             names = _param_names(step.plan, stepped)
             return (f"the optimizer had already stepped {len(stepped)} parameters with this step's gradients, "
                     f"which were complete ({names}); the other parameters are unchanged")
+        self.optimizer.take_back(step.hyper)      # (taken as train_step returned: submit_early)
         # its submission's place in the gradient pieces' counts is given up at once, so a later
         # step's job waiting for it goes on (after the earlier submissions: the counts only grow)
         self.optimizer.wait_completed(self.steps + self.skipped, raise_errors=False)
@@ -344,6 +346,8 @@ class DelayedMode(OverlappedMode):
         keys = self.grad_keys.get(id(plan))
         if keys is not None and keys[0] is plan:
             self._submit(runner, plan, step, run, keys[1])
+        else:     # submitted at the next call: it steps by the groups as train_step returns
+            step.hyper = self.optimizer.take_hyperparameters()    # (Note [hyperparameters per submission])
 
     def finish(self, runner, plan, step, run):
         if step.submission is not None:
@@ -359,6 +363,7 @@ class DelayedMode(OverlappedMode):
         chunk per piece of the gradient buffer, each stepped once its jobs landed and each
         piece given back after the last chunk that reads it (Note [chunk-wise submission])."""
         self.optimizer.raise_if_failed()
+        step.hyper = step.hyper or self.optimizer.take_hyperparameters()
         params = plan.captured.params
         chunks = submission_chunks(plan, keys)
         have = set(chunks.order)
@@ -382,7 +387,8 @@ class DelayedMode(OverlappedMode):
         # no job reads the host masters: those stepped on the devices stay there (Note [masters
         # kept on the devices], runtime/flat.py)
         self.optimizer.submit([params[i] for i in chunks.order], grads, refresh, others, chunks=chunks.lengths,
-                              on_done=lambda: gs.release(range(len(gs.consumed)), count), masters="kept")
+                              on_done=lambda: gs.release(range(len(gs.consumed)), count), masters="kept",
+                              hyper=step.hyper)
         self.steps += 1
         step.submission = self.steps + self.skipped     # the optimizer's count once it is done
         self._upload_first_job(runner, plan, self.started)

@@ -4,8 +4,22 @@ Note [overlapped optimizer]: after a step's gradients have landed, `train_step` 
 here and returns. This thread clips them (global norm, if asked), then steps the user's
 optimizer chunk by chunk in the order the next forward reads the parameters, refreshes each
 chunk's working copies, and marks the chunk ready; the next step's jobs wait only for the
-parameters they read. Then it steps the LR scheduler. Per-parameter optimizers (SGD, Adam,
-AdamW, ...) give exactly the results of `clip; opt.step(); sched.step()`.
+parameters they read. Per-parameter optimizers (SGD, Adam, AdamW, ...) give exactly the results
+of `clip; opt.step(); sched.step()`.
+
+Note [hyperparameters per submission]: the thread read `optimizer.param_groups` as it stepped each
+chunk, while the caller's thread went on: a learning rate set right after train_step returned (a
+user's own schedule, `g["lr"] = ...` as eager sets it after `opt.step()`) reached the later chunks
+of the update still running, the earlier ones not (SGD with momentum, 4 steps: parameters 0.25 off
+eager's, silently). So the groups' hyperparameters are copied in the caller's thread before
+train_step returns (`take_hyperparameters`: at the submission, or for a step whose backward jobs
+run on, delayed mode's Note [overlapped steps], when it returns), and its update is stepped by
+that copy (FlatStepper.step's `groups`): a change made after train_step returns reaches the next
+update, as eager's does. The attached LR scheduler steps there too, right after the copy (it only
+writes the groups' rates, which no update reads any more): where it stepped in this thread after
+the update, `get_last_lr()` read after train_step was the step before's until the update ended,
+and its write raced the user's. A step that fails after that takes the scheduler's step back
+(`take_back`), as a failed step leaves the optimizer's state.
 
 Note [few calls per step]: this thread shares the interpreter lock with the worker threads
 that launch the devices' kernels. Every torch call from Python gives the lock up and takes it
@@ -30,11 +44,13 @@ per step]).
 """
 from __future__ import annotations
 
+import copy
 import math
 import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
 try:
     import resource
@@ -63,6 +79,7 @@ class OverlappedOptimizer:
         self._completed = 0                     # submissions stepped (or failed)
         self._completed_cond = threading.Condition()
         self._error = None
+        self._failed = None                     # the Hyperparameters of _error's submission (None: not a submission's)
         self.abandoned: dict = {}               # submission number -> parameters stepped before its step failed
         self.timings: list = []                 # per submission: seconds in grads / clip / step / refresh
         self.trace = False                      # record device_spans (Note [optimizer spans])
@@ -111,7 +128,8 @@ class OverlappedOptimizer:
         """True when `p` has no pending optimizer step (never blocks)."""
         return self._event(p).is_set()
 
-    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None, masters="each"):
+    def submit(self, params: list, grads, refresh=None, others=(), chunks=None, on_done=None, masters="each",
+               hyper=None):
         """Step `params` (in use order) with `grads()`, a callable run in this thread that
         returns their gradients (a list aligned with params, in their dtypes), or, where it has
         `grads.chunk(k)` (runtime/submission.py), chunk k's gradients one chunk at a time (which
@@ -123,11 +141,43 @@ class OverlappedOptimizer:
         whether it succeeded or failed. masters: when the masters stepped on the devices come
         down (FlatStepper.step): "each" before each chunk is ready, "last" after the last chunk's
         refresh (Note [masters down after the copies], runtime/flat.py), "kept" when something
-        reads them (`synchronize`, a failure: Note [masters kept on the devices])."""
+        reads them (`synchronize`, a failure: Note [masters kept on the devices]). hyper: the
+        hyperparameters it steps by (take_hyperparameters; taken now by default)."""
         self.raise_if_failed()
         for p in params:
             self._event(p).clear()
-        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done, masters))
+        hyper = hyper or self.take_hyperparameters()
+        self._queue.put((list(params), grads, refresh, list(others), chunks or self.chunks, on_done, masters, hyper))
+
+    def take_hyperparameters(self) -> "Hyperparameters":
+        """The param groups as they are now, for a step's update, and the attached scheduler's
+        step after it (Note [hyperparameters per submission]); the caller's thread."""
+        hyper = Hyperparameters(_groups_now(self.optimizer))
+        sched = self.lr_scheduler
+        if sched is not None:
+            before = (copy.deepcopy(sched.state_dict()), _rates(self.optimizer))
+            # (what optimizer.step() sets for the scheduler, which warns of a step before it: the
+            # update this step follows is taken, and is stepped by twins, not optimizer.step())
+            self.optimizer._opt_called = True
+            sched.step()
+            hyper.schedule = (*before, _rates(self.optimizer))
+        return hyper
+
+    def take_back(self, hyper) -> None:
+        """A step whose update failed or never came: the scheduler's step taken with `hyper` is
+        taken back, and the rates it wrote where nothing wrote them since (the caller's thread)."""
+        if hyper is None or hyper.schedule is None or self.lr_scheduler is None:
+            return
+        (state, rates, stepped), hyper.schedule = hyper.schedule, None
+        self.lr_scheduler.load_state_dict(state)
+        for group, was, set_ in zip(self.optimizer.param_groups, rates, stepped):
+            for key, v in was.items():
+                now, then = group.get(key), set_.get(key)
+                if isinstance(now, torch.Tensor) and isinstance(then, torch.Tensor):
+                    if torch.equal(now, then):
+                        now.copy_(v)        # (a scheduler fills a tensor rate in place)
+                elif key in set_ and now == then:
+                    group[key] = v
 
     def wait_completed(self, count: int, raise_errors: bool = True):
         """Block until at least `count` submissions have been stepped (and raise a failure of
@@ -156,6 +206,7 @@ class OverlappedOptimizer:
     def raise_if_failed(self):
         if self._error is not None:
             err, self._error = self._error, None
+            self.take_back(self._failed)
             raise RuntimeError(f"the overlapped optimizer step failed: {err}") from err
 
     def _loop(self):
@@ -173,7 +224,7 @@ class OverlappedOptimizer:
                     if marked:
                         timeline.mark(what, time.perf_counter() - t0)
                 except BaseException as exc:     # (raised by the next call: say what it was)
-                    self._error = RuntimeError(said.format(exc))
+                    self._error, self._failed = RuntimeError(said.format(exc)), None
                     self._error.__cause__ = exc
                 item = call = None
                 self._queue.task_done()
@@ -205,12 +256,12 @@ class OverlappedOptimizer:
         except Exception as exc:  # noqa: BLE001 - the step itself is done
             self.trace_error = f"{type(exc).__name__}: {exc}"
 
-    def _run(self, params, grads, refresh, others, chunks, on_done, masters):
+    def _run(self, params, grads, refresh, others, chunks, on_done, masters, hyper):
         stepped: list = []
         tracer = self.stepper.tracer = self._tracer()
         failed = True
         try:
-            self._step(params, grads, refresh, chunks, stepped, masters)
+            self._step(params, grads, refresh, chunks, stepped, masters, hyper.groups)
             if refresh is not None and others:
                 refresh(others)
             failed = False
@@ -219,7 +270,7 @@ class OverlappedOptimizer:
         except StepAbandoned:         # the step failed: its error is raised by the runner
             self.abandoned[self._completed + 1] = stepped
         except BaseException as exc:  # surfaced in the caller's thread by the next call
-            self._error = exc
+            self._error, self._failed = exc, hyper
         finally:
             try:
                 # the working copies land before the submission is done (Note [chunks within a
@@ -229,14 +280,15 @@ class OverlappedOptimizer:
                 if failed:
                     self.stepper.masters_down()
             except BaseException as exc:  # noqa: BLE001 - the step's own failure is the one to raise
-                self._error = self._error or exc
+                if self._error is None:
+                    self._error, self._failed = exc, hyper
             self.stepper.tracer = None
             for p in params:
                 self._event(p).set()
             if on_done is not None:
                 on_done()
 
-    def _step(self, params, grads, refresh, chunks, stepped, masters="each"):
+    def _step(self, params, grads, refresh, chunks, stepped, masters, groups):
         t0, cpu0, switched0 = time.perf_counter(), time.process_time(), _switched()
         by_chunk = getattr(grads, "chunk", None) if self.max_grad_norm is None else None
         if by_chunk is None:      # (the global norm needs every gradient first)
@@ -266,7 +318,8 @@ class OverlappedOptimizer:
                 start += n
                 a = time.perf_counter()
                 if chunk:
-                    self.stepper.step(chunk, chunk_grads, masters)    # Note [masters down after the copies]
+                    # Note [masters down after the copies]; Note [hyperparameters per submission]
+                    self.stepper.step(chunk, chunk_grads, masters, groups)
                     stepped.extend(chunk)
                 b = time.perf_counter()
                 if refresh is not None:
@@ -280,8 +333,6 @@ class OverlappedOptimizer:
                 a = time.perf_counter()
                 self.stepper.masters_down()
                 step_s += time.perf_counter() - a
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
         # cpu_s and switched: the process's CPU seconds and involuntary context switches over the
         # update (all its threads, its intra-op pool's above all): a core lost to another process
         # lowers the first and raises the second, a slower memory does neither (RESULTS.md, 45th session)
@@ -300,6 +351,26 @@ _NOT_A_STEP = {
     "masters down": ("bringing the masters stepped on the devices down to the host (Note [masters kept on the "
                      "devices]); the steps were done: {}", False),
 }
+
+
+@dataclass
+class Hyperparameters:
+    """What one step's update steps by (Note [hyperparameters per submission])."""
+    groups: list                  # the param groups as they were: dicts of their own
+    schedule: tuple = None        # (the scheduler's state, the rates) before its step, the rates after
+
+
+def _groups_now(optimizer) -> list:
+    """The param groups as they are now: each a dict of its own, its parameter list and tensor
+    values (a tensor lr) copied."""
+    return [{k: (list(v) if k == "params" else v.clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in g.items()} for g in optimizer.param_groups]
+
+
+def _rates(optimizer) -> list:
+    """What an LR scheduler writes: each group's values but its parameters (tensors copied)."""
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
 
 
 def _global_norm(grads) -> float:
