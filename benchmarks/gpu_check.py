@@ -395,6 +395,30 @@ def trainer(args):
     return res
 
 
+def loop(args):
+    """tests/test_training_loop.py's tests against eager (those that build their Config with its
+    `_config`) with CUDA devices: fp32, two workers' jobs on one GPU, and with --on-devices that
+    share of the attached optimizer's update on the GPU (FlatMasters.BLOCK --on-devices-block, so
+    that the tiny model's masters spread over the GPU and the host). --cases: pytest's -k."""
+    import pytest
+    import test_training_loop
+    from rpcompile.runtime.flat import FlatMasters
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    FlatMasters.BLOCK = args.on_devices_block
+
+    def on_cuda(mode="exact", workers="threads", **kw):
+        share = {"optimizer_on_devices": args.on_devices} if mode != "exact" and args.on_devices else {}
+        # (beside the masters and state on the device, the jobs fit 300KiB no more)
+        budget = args.budget or ("6MiB" if share else "300KiB")
+        return rpcompile.Config(devices=[dev, dev], num_microbatches=2, memory_budget=budget, optimizer_mode=mode,
+                                workers=workers, dtype=torch.float32, **share, **kw)
+    test_training_loop._config = on_cuda
+    here = os.path.dirname(os.path.abspath(__file__))
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", os.path.join(here, "..", "tests", "test_training_loop.py"),
+                      "-k", args.cases or "not dropout and not eval_mode"])
+    return {"devices": [dev, dev], "on_devices": args.on_devices, "cases": args.cases, "pytest_exit": int(rc)}
+
+
 def speed(args):
     gpus = args.gpus
     seq, tokens, M = args.seq_len, args.tokens, args.microbatches
@@ -642,7 +666,8 @@ def peaks(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes", "trainer"])
+    ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes", "trainer",
+                                           "loop"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -669,7 +694,7 @@ def main():
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,num_items,tiny_qwen3,lora,"
-                    "moe_lora,dora,lora_checkpointing)")
+                    "moe_lora,dora,lora_checkpointing); loop: pytest's -k")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
@@ -677,7 +702,7 @@ def main():
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
     res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users,
-           "changes": changes, "trainer": trainer}[args.what](args)
+           "changes": changes, "trainer": trainer, "loop": loop}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -357,3 +357,24 @@ def test_learning_rates_set_right_after_train_step_reach_the_next_update(monkeyp
     cm.synchronize()
     assert got_rates == ref_rates
     _same(losses, model, ref_losses, live, f"{mode}, {workers}")
+
+
+def _momentum_on(model, opt):
+    for g in opt.param_groups:
+        g["momentum"] = 0.9
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "delayed"])
+def test_momentum_turned_on_mid_run_is_in_the_optimizer_state(mode):
+    """SGD without momentum (no state) for two steps, then with: the momentum buffers are made as
+    eager's are and live in `opt.state` (a checkpoint's state_dict holds them). The parameters
+    stepped flat made them in the optimizer's twins only, so `opt.state` had none."""
+    model = qwen3(layers=2)
+    batches = [lm_batch(seed=t) for t in range(5)]
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)      # noqa: E731
+    ref_losses, ref, ref_opt = _eager(model, batches, sgd, {2: _momentum_on}, delayed=mode == "delayed")
+    losses, model, opt = _train(model, batches, mode, sgd, {2: _momentum_on})
+    _same(losses, model, ref_losses, ref, mode)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(opt.state[p].get("momentum_buffer"), torch.Tensor), f"{name}: no momentum in optimizer.state"
+        close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], 1e-4, 1e-6, f"momentum of {name}")

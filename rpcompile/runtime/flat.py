@@ -624,8 +624,9 @@ class FlatStepper:
         if views and not state:              # the user dropped its state: made anew per parameter
             del self._views[id(p)]
             return False
-        if any(state.get(key) is not v for key, v in views.items()):
-            return self._adopt(p)            # replaced (load_state_dict): move it again
+        if any(state.get(key) is not v for key, v in views.items()) or \
+                any(key not in views and isinstance(v, torch.Tensor) and v.shape == p.shape for key, v in state.items()):
+            return self._adopt(p)            # replaced (load_state_dict) or made since: move it again
         return True
 
     # -- runs ----------------------------------------------------------------------------------
@@ -635,6 +636,14 @@ class FlatStepper:
         range's masters there; its state views of the flat state buffers."""
         key = (k, start, stop, gi)
         twin = self._twins.get(key)
+        if twin is not None:
+            opt, run = twin
+            state = opt.state[run]
+            for name in example_state:       # (state the run got since: _new_state, _adopt)
+                buf = self._state_bufs.get((k, name, self._position(k, start)[1]))
+                if name not in state and buf is not None:
+                    i = self._position(k, start)[2]
+                    state[name] = buf[i:i + stop - start]
         if twin is None:
             r, where, i = self._position(k, start)
             if r is None:
@@ -817,7 +826,7 @@ class FlatStepper:
         # the parts on devices first (their copies and steps run while the host steps the rest)
         slices = self._slices(k, start, stop, grad.dtype != master.dtype)
         slices.sort(key=lambda x: x[2] is None)
-        used = {}
+        used, made = {}, {}
         try:
             for a, b, device in slices:
                 stream = self._stream(device) if device is not None else None
@@ -847,6 +856,7 @@ class FlatStepper:
                             opt.step()
                         finally:
                             flat.grad = None
+                        made.update(self._new_state(k, a, twin_state, state0))
                     self._span(device, stream, "optimizer", "step_on_device", start_mark, elements=b - a)
                     if masters != "each":
                         self._masters_pending[(k, a)] = (device, stream, master[a:b], flat)
@@ -867,12 +877,32 @@ class FlatStepper:
                     opt.step()
                 finally:
                     flat.grad = None
+                made.update(self._new_state(k, a, twin_state, state0))
         finally:
             _wait(used.values())     # the masters are read (refresh) and the gradients rewritten next
+        for name, dtype in made.items():     # the run's parameters view it too
+            for p, _, off in run:
+                buf, i = self._state_buf(k, name, off, dtype)
+                self.optimizer.state[p][name] = self._views[id(p)][name] = buf[i:i + p.numel()].view(p.shape)
         src = [twin_state[name].cpu() for name in scalars]
         for name, v in zip(scalars, src):
             torch._foreach_copy_([self.optimizer.state[p][name] for p, _, _ in run], [v] * len(run))
         return True
+
+    def _new_state(self, k, a, twin_state, known) -> dict:
+        """Note [state made mid-run]: tensor state a twin's step made that its run had none of
+        (SGD's momentum turned on after steps without it) lived in the twin only:
+        missing from `optimizer.state` and so from its state_dict, and made anew by the next
+        twin. It moves into the flat state buffers (the twin's state views them from now on);
+        returns {name: dtype} of what moved, which the caller gives the run's parameters."""
+        out = {}
+        for name, v in list(twin_state.items()):
+            if name in known or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                continue
+            buf, i = self._state_buf(k, name, a, v.dtype)
+            twin_state[name] = buf[i:i + v.numel()].copy_(v.view(-1))
+            out[name] = v.dtype
+        return out
 
     def step(self, params: list, grads: list, masters: str = "each", groups=None) -> None:
         """One optimizer step of `params` with `grads` (aligned lists), by the param groups
