@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import qwen3
 
 import rpcompile
@@ -53,17 +54,19 @@ def grad_recorder():
     return Grads()
 
 
-def train(out, rp, config=None, **kw):
-    """A Trainer (RPTrainer when rp, with `config` or two CPU devices) run of 4 optimizer steps on
-    a fresh model; the trainer, its model and the gradients of each step. (benchmarks/gpu_check.py
-    runs it on a GPU.)"""
+def train(out, rp, config=None, mixin=None, trainer_kw=(), make_model=qwen3, rows=Rows, **kw):
+    """A Trainer (RPTrainer when rp, with `config` or two CPU devices; a subclass of it and `mixin`
+    when given) run of 4 optimizer steps on a fresh model; the trainer, its model and the gradients
+    of each step. (benchmarks/gpu_check.py runs it on a GPU.)"""
     from transformers import Trainer
-    model = qwen3()
+    model = make_model()
     grads = grad_recorder()
     extra = dict(rp_config=config or rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)) if rp else {}
-    trainer = (_rptrainer() if rp else Trainer)(
-        model=model, args=arguments(out, **kw), train_dataset=Rows(), eval_dataset=Rows(8, seed=3),
-        callbacks=[grads], **extra)
+    cls = _rptrainer() if rp else Trainer
+    if mixin is not None:
+        cls = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    trainer = cls(model=model, args=arguments(out, **kw), train_dataset=rows(), eval_dataset=rows(8, seed=3),
+                  callbacks=[grads], **extra, **dict(trainer_kw))
     trainer.train()
     return trainer, model, grads.steps
 
@@ -72,7 +75,7 @@ def logged(trainer, key):
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def assert_same_training(rp, eager):
+def assert_same_training(rp, eager, make_model=qwen3):
     (tr, model, grads), (tr_e, model_e, grads_e) = rp, eager
     losses, losses_e = logged(tr, "loss"), logged(tr_e, "loss")
     assert len(losses) == 4 and len(set(losses_e)) == 4
@@ -84,7 +87,7 @@ def assert_same_training(rp, eager):
     for step, step_e in zip(grads, grads_e):
         largest = max(g.abs().max() for g in step_e)
         assert max(((g - e).abs().max() / largest).item() for g, e in zip(step, step_e)) < 1e-5
-    moved = max((p - q).abs().max().item() for p, q in zip(model_e.parameters(), qwen3().parameters()))
+    moved = max((p - q).abs().max().item() for p, q in zip(model_e.parameters(), make_model().parameters()))
     worst = max((p - q).abs().max().item() for p, q in zip(model.parameters(), model_e.parameters()))
     assert moved > 1e-2 and worst < 1e-5 * moved
 
@@ -135,6 +138,115 @@ def test_trainer_recipe_label_smoothing_matches_eager(tmp_path):
     assert rp[0].evaluate()["eval_loss"] == pytest.approx(eager[0].evaluate()["eval_loss"], rel=1e-5)
 
 
+def classifier():
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    torch.manual_seed(0)
+    return Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_labels=3, pad_token_id=VOCAB - 1))
+
+
+class Classes(torch.utils.data.Dataset):
+    """Rows (no padding token in them) with one class label each."""
+
+    def __init__(self, n=ROWS, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB - 1, (n, SEQ), generator=g)
+        self.classes = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.classes[i]}
+
+
+def test_trainer_label_smoothing_classifier_matches_eager(tmp_path):
+    """Label smoothing shifts the labels for a causal LM only (Trainer decides by the model's
+    class); RPTrainer shifted a classifier's [rows] labels too (loss 0.26 for eager's 1.10)."""
+    kw = dict(make_model=classifier, rows=Classes, label_smoothing_factor=0.1)
+    rp, eager = train(tmp_path / "rp", True, **kw), train(tmp_path / "eager", False, **kw)
+    assert_same_training(rp, eager, make_model=classifier)
+    assert rp[0].evaluate()["eval_loss"] == pytest.approx(eager[0].evaluate()["eval_loss"], rel=1e-5)
+
+
+def weighted_loss(outputs, labels, num_items_in_batch=None):
+    """A loss of one's own: next-token cross entropy with tokens weighted by their label, summed over
+    the accumulated batch's count, and an auxiliary term from the logits (a z-loss)."""
+    logits, target = outputs.logits[:, :-1].float(), labels[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+    n = num_items_in_batch if num_items_in_batch is not None else (target != -100).sum()
+    return (ce * (1 + target.reshape(-1) % 3)).sum() / n + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+class WeightedLoss:
+    """A Trainer subclass's compute_loss (as a mixin): weighted_loss, reading model.config as such
+    losses do."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        assert outputs.logits.shape[-1] == model.config.vocab_size
+        loss = weighted_loss(outputs, labels, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+class AuxTerm:
+    """A compute_loss adding an auxiliary term to Trainer's own loss (super().compute_loss)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = loss + 1e-2 * outputs.logits.float().logsumexp(-1).pow(2).mean()
+        return (loss, outputs) if return_outputs else loss
+
+
+def assert_same_evaluation(tr, tr_e):
+    assert tr.evaluate()["eval_loss"] == pytest.approx(tr_e.evaluate()["eval_loss"], rel=1e-5)
+    rows = Rows(4, seed=5)
+    pred, pred_e = tr.predict(rows), tr_e.predict(rows)
+    assert pred.metrics["test_loss"] == pytest.approx(pred_e.metrics["test_loss"], rel=1e-5)
+
+
+def test_trainer_own_compute_loss_matches_eager(tmp_path):
+    """A subclass's compute_loss trains (through the compiled model's call) and evaluates as eager
+    Trainer's subclass does. RPTrainer's steps trained with the model's loss instead (losses 0.53
+    off eager's, gradients 0.50 of the largest), and its evaluation's model.config was rpcompile's."""
+    rp = train(tmp_path / "rp", True, mixin=WeightedLoss)
+    eager = train(tmp_path / "eager", False, mixin=WeightedLoss)
+    assert_same_training(rp, eager)
+    assert rp[0].cm.plan.mode == "call"      # (trained through the compiled model's call)
+    assert_same_evaluation(rp[0], eager[0])
+
+
+def test_trainer_compute_loss_func_matches_eager(tmp_path):
+    """compute_loss_func, which RPTrainer refused, trains and evaluates as with eager Trainer."""
+    rp = train(tmp_path / "rp", True, trainer_kw=dict(compute_loss_func=weighted_loss))
+    eager = train(tmp_path / "eager", False, trainer_kw=dict(compute_loss_func=weighted_loss))
+    assert_same_training(rp, eager)
+    assert_same_evaluation(rp[0], eager[0])
+
+
+def test_trainer_aux_term_on_label_smoothing_matches_eager(tmp_path):
+    """A compute_loss that adds to super().compute_loss's, with label smoothing (RPTrainer's own
+    compute_loss given the model's view); the term was left out of training (losses 0.09 off)."""
+    rp = train(tmp_path / "rp", True, mixin=AuxTerm, label_smoothing_factor=0.1)
+    eager = train(tmp_path / "eager", False, mixin=AuxTerm, label_smoothing_factor=0.1)
+    assert_same_training(rp, eager)
+    assert_same_evaluation(rp[0], eager[0])
+
+
+class PerBatchLoss:
+    loss_is_scaled_for_ga = False     # (Trainer divides the loss by the accumulation steps)
+
+
+def test_trainer_loss_is_scaled_for_ga_matches_eager(tmp_path):
+    """Trainer's loss_is_scaled_for_ga, set without a compute_loss of one's own (RPTrainer's
+    train_step steps), scales as eager Trainer does; RPTrainer scaled by num_items_in_batch alone
+    (twice eager's loss at 2 accumulation steps)."""
+    assert_same_training(train(tmp_path / "rp", True, mixin=PerBatchLoss),
+                         train(tmp_path / "eager", False, mixin=PerBatchLoss))
+
+
 def test_accelerate_loop_matches_eager():
     """The README's accelerate loop: train_step in place of forward + accelerator.backward."""
     from accelerate import Accelerator
@@ -169,9 +281,8 @@ def test_accelerate_loop_matches_eager():
 
 
 def test_trainer_refuses_settings_that_undo_rpcompile(tmp_path):
-    """bf16 / fp16 (Trainer's autocast over evaluation), an optimizer mode that steps an attached
-    optimizer (Trainer steps its own) and a compute_loss_func the steps would not call:
-    InputErrors before Trainer acts on them."""
+    """bf16 / fp16 (Trainer's autocast over evaluation) and an optimizer mode that steps an attached
+    optimizer (Trainer steps its own): InputErrors before Trainer acts on them."""
     from rpcompile.trainer import RPTrainer
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2)
     with pytest.raises(rpcompile.InputError, match=r"bf16=True / fp16=True.*leave them off"):
@@ -179,6 +290,3 @@ def test_trainer_refuses_settings_that_undo_rpcompile(tmp_path):
     with pytest.raises(rpcompile.InputError, match=r"optimizer_mode='delayed'.*use the default"):
         RPTrainer(model=qwen3(vocab=VOCAB), args=arguments(tmp_path), train_dataset=Rows(),
                   rp_config=rpcompile.Config(devices=["cpu", "cpu"], optimizer_mode="delayed"))
-    with pytest.raises(rpcompile.InputError, match=r"compute_loss_func.*loss_fn"):
-        RPTrainer(model=qwen3(vocab=VOCAB), args=arguments(tmp_path), train_dataset=Rows(), rp_config=cfg,
-                  compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
