@@ -18,27 +18,35 @@ class FirstParameters:
     shape or dtype (`model.to(torch.bfloat16)`) went unnoticed: the old plan kept training the old
     tensors, which the user no longer sees (a silently wrong loss, no gradient on the new
     parameters), or failed inside a stage job. So each call compares the parameters with the first
-    call's, by identity, shape and dtype, and a change is an InputError that says to compile the
-    model again (a new CompiledModel starts from the parameters as they are)."""
+    call's, by identity, shape, dtype and device, and a change is an InputError that says to
+    compile the model again (a new CompiledModel starts from the parameters as they are).
+
+    Note [parameters on the host]: rpcompile keeps the parameters in host memory and moves what
+    each stage job reads to its device itself, so a parameter elsewhere is an InputError at the
+    first call: a model made on the meta device (accelerate's init_empty_weights) failed in its
+    first stage job ("Cannot copy out of meta tensor"), and one moved to a GPU by habit
+    (`model.cuda()`, `device_map="cuda"`) is not what the host buffers are made for."""
 
     def __init__(self):
-        self.first = None       # (name, parameter, shape, dtype) the first call found
+        self.first = None       # (name, parameter, shape, dtype, device) the first call found
 
     def check(self, params) -> None:
-        now = [(name, p, p.shape, p.dtype) for name, p in params]
+        now = [(name, p, p.shape, p.dtype, p.device) for name, p in params]
         if self.first is None:
+            _refuse_off_host(now)
             self.first = now
             return
         old = self.first
-        if len(now) == len(old) and all(a[1] is b[1] and a[2] == b[2] and a[3] == b[3] for a, b in zip(now, old)):
+        if len(now) == len(old) and all(a[1] is b[1] and a[2:] == b[2:] for a, b in zip(now, old)):
             return
-        before = {name: (p, shape, dtype) for name, p, shape, dtype in old}
+        before = {name: rest for name, *rest in old}
         changes: dict = {}          # what changed -> the names it changed for
-        for name, p, shape, dtype in now:
-            q, qshape, qdtype = before.pop(name, (None, None, None))
+        for name, p, shape, dtype, device in now:
+            q, qshape, qdtype, qdevice = before.pop(name, (None, None, None, None))
             what = ("is new" if q is None else "is a new Parameter" if p is not q else
                     f"changed shape {tuple(qshape)} -> {tuple(shape)}" if shape != qshape else
-                    f"changed dtype {qdtype} -> {dtype}" if dtype != qdtype else None)
+                    f"changed dtype {qdtype} -> {dtype}" if dtype != qdtype else
+                    f"moved {qdevice} -> {device}" if device != qdevice else None)
             if what:
                 changes.setdefault(what, []).append(name)
         for name in before:
@@ -52,6 +60,25 @@ class FirstParameters:
             "(a module or Parameter replaced, load_state_dict(..., assign=True), resize_token_embeddings or "
             "model.to(dtype) after it). Compile the model again, rpcompile.compile(model, config), and give the "
             "optimizer the new parameters; or make such changes before the first call.")
+
+
+def _refuse_off_host(params) -> None:
+    """Note [parameters on the host]."""
+    off: dict = {}
+    for name, p, *_, device in params:
+        if device.type != "cpu":
+            off.setdefault(device, []).append(name)
+    if not off:
+        return
+    said = "; ".join(f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} on {device}"
+                     for device, names in off.items())
+    meta = any(d.type == "meta" for d in off)
+    fix = ("A model made on the meta device has no weights yet: load them onto the CPU first "
+           "(from_pretrained(...) without device_map, or model.to_empty(device='cpu') and load_state_dict)"
+           if meta else "Leave the model on the CPU (no model.cuda() or device_map='cuda'), or move it back "
+           "with model.to('cpu') before compiling")
+    raise InputError(f"the model's parameters must be in host memory (CPU): {said}. rpcompile keeps them "
+                     f"there and moves what each stage job reads to Config.devices itself. {fix}.")
 
 
 def no_autocast() -> None:

@@ -389,3 +389,21 @@ def test_a_loss_fn_closing_over_a_tensor_is_told_to_pass_it_in_the_target():
     ids = torch.randint(0, 128, (4, 8))
     with pytest.raises(rpcompile.CaptureError, match=r"pass it in the target instead"):
         cm.train_step(input_ids=ids, target=ids)
+
+
+def test_parameters_off_the_host_are_an_error_saying_how_to_load_them():
+    """Note [parameters on the host] (call_checks.py): a model made on the meta device failed in
+    its first stage job ("Cannot copy out of meta tensor"); parameters moved after the first call
+    went unnoticed. Both are InputErrors now, raised before anything runs."""
+    with torch.device("meta"):
+        empty = qwen3(layers=1)
+    cm = rpcompile.compile(empty, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match=r"host memory \(CPU\): model.embed_tokens.weight and \d+ more on meta.*"
+                                                   r"to_empty\(device='cpu'\)"):
+        cm.train_step(**lm_batch(batch=4))
+    model = qwen3(layers=1)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    cm.train_step(**lm_batch(batch=4))
+    model.model.norm.to("meta")
+    with pytest.raises(rpcompile.InputError, match=r"model.norm.weight (moved cpu -> meta|is a new Parameter)"):
+        cm.train_step(**lm_batch(batch=4))
