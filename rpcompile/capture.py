@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
 from .passes.graph_utils import is_impure
+from .reads import guard_reads, reads_after
 
 _capture_ids = itertools.count()
 
@@ -57,6 +58,7 @@ class Captured:
     costs: dict = field(default_factory=dict)   # the cost pass's results by graph (Note [costs per capture] in passes/cost.py)
     node_costs: dict = field(default_factory=dict)   # its measurements by node signature (the same Note)
     pass_texts: dict = field(default_factory=dict)   # graph texts of the rewriting passes, for re-plans (passes/__init__.py)
+    reads: Any = None        # the values the forward read, which a call must agree with (Note [what the forward read])
 
     def placeholders(self):
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -274,10 +276,10 @@ def _capture_config():
 
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
                                                       sysconfig.get_paths()["stdlib"]})
-_OWN_DIR = os.path.dirname(os.path.realpath(__file__))
+OWN_DIR = os.path.dirname(os.path.realpath(__file__))
 
 
-def _library_of(filename: str) -> Optional[str]:
+def library_of(filename: str) -> Optional[str]:
     """The installed package (or "the Python standard library") a source file belongs to, None
     for the user's own code."""
     path = os.path.realpath(filename)
@@ -299,8 +301,8 @@ def _model_frames(err: Exception) -> list:
     stack = getattr(err, "real_stack", None)
     if not stack:
         stack = traceback.extract_tb(err.__traceback__) if err.__traceback__ is not None else []
-        stack = [f for f in stack if _library_of(f.filename) != "torch"]
-    return [f for f in stack if not os.path.realpath(f.filename).startswith(_OWN_DIR + os.sep)]
+        stack = [f for f in stack if library_of(f.filename) != "torch"]
+    return [f for f in stack if not os.path.realpath(f.filename).startswith(OWN_DIR + os.sep)]
 
 
 def _where(frame) -> str:
@@ -353,17 +355,17 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
                           f"rpcompile traced the call{called}). Called eagerly with these arguments the model fails "
                           "the same way: check them (their names, shapes and dtypes). If the same call runs eagerly, "
                           "please report it to rpcompile.")
-    mine = [f for f in frames if _library_of(f.filename) is None]
+    mine = [f for f in frames if library_of(f.filename) is None]
     need = ("rpcompile captures the forward (and the loss) as one graph, as torch.compile(model, "
             "fullgraph=True) does, so every line it runs must be traceable: no .item() or Python branch on "
             "a tensor's values, no call dynamo cannot trace.")
     if not frames:
         hint = f"{need} Find the call named above, in forward() or the loss."
-    elif _library_of(frames[-1].filename) is None:
+    elif library_of(frames[-1].filename) is None:
         hint = (f"It stopped in your code, at {_where(frames[-1])}. {need} Change that line: compute the "
                 "value with tensor ops (torch.where instead of an if on a tensor), or move the call out of forward().")
     else:
-        lib = _library_of(frames[-1].filename)
+        lib = library_of(frames[-1].filename)
         hint = (f"It stopped inside {lib}, not in your code, at {_where(frames[-1])}")
         hint += (f", reached from your code at {_where(mine[-1])}." if mine else ".")
         hint += (f" {need} The call is in the code of {lib}, so what can change is how the model is built or "
@@ -429,9 +431,12 @@ def _refuse_short_rows(leaves, labels, batch, batched, unbatched) -> None:
 
 
 def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
-                 wrap=None, dynamic_batch: bool = True, unbatched=(), dynamic_lengths: bool = False) -> Captured:
+                 wrap=None, dynamic_batch: bool = True, unbatched=(), dynamic_lengths: bool = False,
+                 loss_fn=None) -> Captured:
     """Capture `wrap(model, *args, **kwargs)` (default: model(*args, **kwargs)) on fake copies
-    on `device` (the device the stages run on: Note [capture device]).
+    on `device` (the device the stages run on: Note [capture device]). `loss_fn`: the loss
+    function `wrap` calls, whose values read are kept beside the model's (Note [what the forward
+    read]).
 
     Dim 0 of every tensor argument whose dim 0 is the batch size is dynamic (Note [batched
     inputs] in passes/batch.py), except those `unbatched` names (Config.unbatched_inputs); with
@@ -467,12 +472,22 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     meta_args, meta_kwargs = pytree.tree_unflatten(meta_leaves, in_spec)
     call = wrap or (lambda mod, *a, **k: mod(*a, **k))
 
-    got = {}
+    # (Reads are read from the scope, which got lets go after the capture: dynamo's cache keeps the
+    # backend, and the scope would keep the loss_fn's closure values alive)
+    scope = {"model": model, "loss_fn": loss_fn}
+    got = {"scope": scope}
+    cells = [c.cell_contents for c in (getattr(wrap, "__closure__", None) or ())]
+    at = next((i for i, c in enumerate(cells) if loss_fn is not None and c is loss_fn), None)
+    loss_root = None if at is None else f"L['call'].__closure__[{at}].cell_contents"
 
     def backend(gm, example_inputs):
         got["gm"], got["inputs"] = gm, list(example_inputs)
         tracing = torch._guards.TracingContext.try_get()
         got["shape_env"] = tracing.fake_mode.shape_env if tracing is not None and tracing.fake_mode else None
+        try:        # (read here, before dynamo replays the forward's side effects on the model)
+            got["reads"] = guard_reads(tracing, got["scope"], loss_root, fn.__globals__) if tracing is not None else None
+        except Exception:   # noqa: BLE001 - another torch's guards: the fallback
+            got["reads"] = None
         got["dummies"] = dummies = _dummy_outputs(gm)
         return lambda *a: dummies
 
@@ -494,15 +509,18 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
             raise _explain_dynamo_error(e, names) from None
         except Exception as e:  # errors raised by model code while tracing
             raise _explain_dynamo_error(e, names) from e
+        finally:
+            got.pop("scope")
     if "gm" not in got:
         raise CaptureError("dynamo returned without calling the rpcompile backend (the model produced no graph)")
     gm, example_inputs = got["gm"], got["inputs"]
+    reads = reads_after(got.get("reads"), model, scope)
     id_to_leaf = {id(m): i for i, m in enumerate(meta_leaves) if isinstance(m, torch.Tensor)}
 
     params, param_names, buffers, buffer_names = [], [], [], []
     index_of: dict[int, int] = {}
     cap = Captured(gm, params, param_names, buffers, buffer_names, copies.device,
-                   in_spec=in_spec, batch_size=batch, on_copies=True, shape_env=got["shape_env"])
+                   in_spec=in_spec, batch_size=batch, on_copies=True, shape_env=got["shape_env"], reads=reads)
     for node, ex in zip(cap.placeholders(), example_inputs):
         if isinstance(ex, (torch.SymInt, int)):
             _mark_sym(node, ex)

@@ -1,6 +1,7 @@
 """CompiledModel: what `rpcompile.compile(model)` returns."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 import types
@@ -19,6 +20,7 @@ from .passes import PlanningError, compile_graph
 from .passes.batch import LOSS_TARGET
 from .passes.host_memory import HostMemoryError
 from .plan_cache import PlanCache
+from .reads import Unfreezable, frozen
 from .runner import GraphRunner
 from .runtime import timeline
 from .runtime.trace import write_chrome_trace
@@ -26,16 +28,9 @@ from .runtime.trace import write_chrome_trace
 _TARGET = LOSS_TARGET
 
 
-def _function_key(fn):
-    """A plain function as its code, closure values and defaults (Note [loss_fn in the key]);
-    any other callable as itself."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    try:
-        cells = tuple(c.cell_contents for c in fn.__closure__ or ())
-    except ValueError:     # (an empty cell)
-        return fn
-    return ("function", fn.__code__, cells, fn.__defaults__, tuple(sorted((fn.__kwdefaults__ or {}).items())))
+# loss_fn values told apart by identity alone, each kept with its capture (Note [loss_fn in the
+# key]): beyond this many a call with another is refused
+_KEPT_BY_IDENTITY = 16
 
 
 class CompiledModel(torch.nn.Module):
@@ -58,7 +53,8 @@ class CompiledModel(torch.nn.Module):
         self._one_call = OneCall()
         self._read_hooks: dict = {}     # id(model or optimizer) -> its synchronizing hooks' handles
         self._adapter_layers = None     # peft's adapter layers, found at the first call
-        self._kept_loss_fns: dict = {}  # unhashable loss_fns the plan keys name by id (Note [loss_fn in the key])
+        self._kept_loss_fns: dict = {}  # loss_fn values the plan keys name by id (Note [loss_fn in the key])
+        self._microbatches = None       # Config.num_microbatches at the first train plan (Note [microbatches fixed])
         dump = self.config.dump_dir or os.environ.get("RPCOMPILE_DUMP")
         self._dump_dir = dump
 
@@ -97,17 +93,54 @@ class CompiledModel(torch.nn.Module):
         holds what the function computes by: a plain function's code, closure values and defaults
         (a lambda written in the training loop is a new object each step, the same function: one
         capture serves them all, where keying the object captured again every step and kept each
-        capture), any other callable itself (equal ones share the plan: a bound method of the same
-        object and function); an unhashable one is kept alive and keyed by id."""
+        capture), a bound method's function and object, a functools.partial's function and
+        arguments, and any other callable itself (equal ones share the plan). Values are taken by
+        what they hold where that is their equality (reads.frozen: lists, dicts, sets, tuples,
+        dataclass instances, nested functions and partials; a loss module with no parameters or
+        submodules, nn.CrossEntropyLoss(label_smoothing=0.1), as its type and plain attributes):
+        a closure made each step over an equal dict of weights serves from the first capture, where
+        keying the unhashable dict by id captured again every step and kept every capture. A value
+        with no such key (an unhashable object of no known structure) is keyed by id and kept
+        alive, so that its id names no other; a new one each step captures again each step, and
+        each capture is kept (a plan cannot be let go: the runner's programs are keyed by the
+        plan's id), so past _KEPT_BY_IDENTITY such values a call with another is refused with
+        what to pass instead (a count, not which of them their user still holds: a reference
+        count says that differently from one Python to the next). (What
+        the capture read of the loss_fn, an attribute of a loss object, is checked at each call
+        besides: Note [what the forward read] in reads.py.)"""
         if loss_fn is None:
             return None
-        key = _function_key(loss_fn)
+        return self._value_key(loss_fn, "loss_fn")
+
+    def _value_key(self, value, what: str, depth: int = 0):
+        """Part of a loss_fn key (Note [loss_fn in the key]) for `value` (`what` names it)."""
         try:
-            hash(key)
-            return key
-        except TypeError:
-            self._kept_loss_fns.setdefault(id(loss_fn), loss_fn)
-            return ("id", id(loss_fn))
+            return frozen(value)
+        except Unfreezable:
+            pass
+        # (whose parts are keyed each as it can be: the unhashable ones by identity)
+        if depth < 4 and isinstance(value, functools.partial):
+            return ("partial", self._value_key(value.func, what, depth + 1),
+                    tuple(self._value_key(a, f"{what}'s argument", depth + 1) for a in value.args),
+                    tuple((k, self._value_key(v, f"{what}'s {k}=", depth + 1)) for k, v in value.keywords.items()))
+        if depth < 4 and isinstance(value, types.MethodType):
+            return ("method", value.__func__, self._value_key(value.__self__, f"{what}.__self__", depth + 1))
+        if depth < 4 and isinstance(value, types.FunctionType):
+            code = value.__code__
+            cells = tuple(self._value_key(c.cell_contents, f"{what}'s {name!r}", depth + 1)
+                          for name, c in zip(code.co_freevars, value.__closure__ or ()))
+            return ("function", code, cells, self._value_key(value.__defaults__, f"{what}'s defaults", depth + 1),
+                    self._value_key(value.__kwdefaults__, f"{what}'s defaults", depth + 1))
+        if id(value) not in self._kept_loss_fns:
+            if len(self._kept_loss_fns) >= _KEPT_BY_IDENTITY:
+                raise InputError(
+                    f"{what} is a {type(value).__name__}, which rpcompile can neither hash nor compare by what it holds, "
+                    f"so each new one is captured anew, and {len(self._kept_loss_fns)} such values are kept with their "
+                    "captures. Pass the same object each step, or values rpcompile compares by what they hold (numbers, "
+                    "strings, tuples, lists, dicts, dataclasses), or pass it in the target "
+                    "(target={'labels': y, 'weight': w}) and read it there.")
+            self._kept_loss_fns[id(value)] = value
+        return ("id", id(value))
 
     def _plan(self, mode, args, kwargs, loss_fn=None):
         if self._last_plan is None:
@@ -119,6 +152,7 @@ class CompiledModel(torch.nn.Module):
         params = list(self.model.named_parameters())
         self._parameters_seen.check(params)
         leaves, spec = flatten_call(args, kwargs)
+        self._refuse_new_microbatches()
         key = self._key(mode, leaves, spec, self._loss_fn_key(loss_fn), params)
         config = self.config
 
@@ -138,7 +172,7 @@ class CompiledModel(torch.nn.Module):
             t0 = time.perf_counter()
             cap = capture_call(self.model, args, kwargs, dtype=config.compute_dtype, wrap=wrap,
                                device=config.devices[0], unbatched=config.unbatched_inputs,
-                               dynamic_lengths=config.dynamic_lengths)
+                               dynamic_lengths=config.dynamic_lengths, loss_fn=loss_fn)
             captured_s.append(time.perf_counter() - t0)
             timeline.mark("captured", captured_s[-1])
             timeline.mark_compile_seconds()     # (the capture's TorchDynamo trace, by phase)
@@ -157,10 +191,35 @@ class CompiledModel(torch.nn.Module):
 
         # captured and planned with gradients on whatever the caller's mode (Note [plans made with
         # gradients on]): the train and call plans of a key share the capture
-        with torch.inference_mode(False), torch.enable_grad():
-            plan = self._plans.lookup(key, leaves, capture, compile)
+        # (the values the captures' forward read are checked on this model and loss_fn: Note [what
+        # the forward read] in reads.py)
+        self._plans.scope = {"model": self.model, "loss_fn": loss_fn}
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                plan = self._plans.lookup(key, leaves, capture, compile)
+        finally:
+            self._plans.scope = None    # (kept, it would keep the call's loss_fn alive)
         self._last_plan = plan
         return plan, leaves
+
+    def _refuse_new_microbatches(self) -> None:
+        """Note [microbatches fixed]: the model's first train plan fixes how many microbatches a
+        batch is split into (runner.num_microbatches: Config.num_microbatches, or more where that
+        plan split finer, Note [finer microbatches] in passes/__init__.py), and every later plan
+        splits as it does: its host buffers, held to that plan's budget (Note [host room]), and
+        the optimizer's share on the devices are chosen for it. `cm.config.num_microbatches`
+        changed after that plan was silently ignored: the old count went on. Planning everything
+        anew at the new count is what compiling the model again does, so a changed count is an
+        InputError that says so (and changing it back goes on as before)."""
+        asked, now = self._microbatches, self.config.num_microbatches
+        if asked is None or now == asked:
+            return
+        raise InputError(
+            f"cm.config.num_microbatches was changed from {asked} to {now!r} after the first train step of this compiled "
+            f"model, whose plans, host buffers and optimizer share are made for {asked} (the first train plan fixes "
+            f"the count). To train with {now!r} microbatches, compile the model again with it: "
+            f"cm = rpcompile.compile(model, Config(..., num_microbatches={now!r})) (and attach the optimizer to the "
+            f"new one); or set cm.config.num_microbatches back to {asked}.")
 
     # Note [plans made with gradients on]: a first call under torch.no_grad() or
     # torch.inference_mode() (an evaluation before training) captured the model without autograd,
@@ -218,6 +277,7 @@ class CompiledModel(torch.nn.Module):
         budgets.keep(plan, first_train)
         if first_train:
             runner.num_microbatches, runner.host_share = plan.num_microbatches, plan.host_share
+            self._microbatches = self.config.num_microbatches     # (Note [microbatches fixed])
         if runner.optimizer_share is None or again:     # the first plan chose it: every later one reserves it
             if again and plan.optimizer_share > runner.optimizer_share:
                 self._plans.reserve(plan.optimizer_share)

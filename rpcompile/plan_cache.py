@@ -15,10 +15,16 @@ the new sizes (no dynamo), which gives more, smaller stage jobs and the LM head 
 capture at those sizes would (Note [shards by memory] in passes/lm_head.py), or a PlanningError when no
 cut fits (saying the longest length that does: Note [longest length] in passes/longest.py).
 The choice is memoised per size, so a steady step costs one dict lookup.
+
+A capture also serves only calls whose model (and loss_fn) hold the values its forward read, as
+it read them (Note [what the forward read] in reads.py): `scope` names the call's model and
+loss_fn. Where a capture's sizes agree but such a value changed, the call captures anew and
+says which value changed: a value changed at every step captures at every step.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from .passes.at_sizes import job_memory_at
@@ -41,6 +47,7 @@ class PlanCache:
         self._groups: dict = {}      # key -> [_Capture]
         self.least_share = 0.0       # a plan made beside a smaller share of the optimizer no longer serves
         self.budgets = ModelBudgets(config)   # what the model's plans are held to (passes/budgets.py)
+        self.scope = None            # {"model": ..., "loss_fn": ...} of the call looked up (Captured.reads)
 
     def reserve(self, share: float) -> None:
         """From now on the plans reserve `share` of the optimizer on the devices: those made beside
@@ -59,10 +66,18 @@ class PlanCache:
     def lookup(self, key, leaves, capture, compile):
         """The plan for a call: capture() -> Captured and compile(captured, at) -> Plan make new ones."""
         group = self._groups.setdefault(key, [])
+        stale = None
         for c in group:
             sizes = c.shapes.bind(leaves)
-            if sizes is not None:
-                return self._plan_at(c, sizes, compile)
+            if sizes is None:
+                continue
+            reads = c.captured.reads
+            if reads is not None and self.scope is not None and not reads.holds(self.scope):
+                stale = c
+                continue
+            return self._plan_at(c, sizes, compile)
+        if stale is not None:
+            _warn_changed(stale.captured.reads.changes(self.scope), len(group) + 1)
         cap = capture()
         plan = compile(cap, None)
         c = _Capture(cap, InputShapes(cap, plan.batch.symbols), [plan])
@@ -110,6 +125,17 @@ class PlanCache:
         if first is None or plan.host_memory is None:
             return True
         return host_bytes_at(plan, self.config.optimizer_mode, at) <= first.budget
+
+
+def _warn_changed(changes: list, n: int) -> None:
+    """Say which values the forward read changed since the capture, whose change captures anew."""
+    if not changes:
+        return
+    more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
+    warnings.warn(f"rpcompile: {changes[0]}{more}; the forward reads it as a constant, so this call captures the "
+                  f"model again ({n} captures kept for calls like it). A value changed at every step captures at "
+                  "every step: change it less often, or keep it in a tensor (a buffer the forward reads), which the "
+                  "graph takes as an input.", stacklevel=5)
 
 
 def _batch_names(plan) -> set:
