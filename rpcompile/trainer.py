@@ -80,7 +80,8 @@ class RPTrainer(Trainer):
         # as Trainer scales (unless loss_is_scaled_for_ga says): given num_items_in_batch the loss is
         # a token sum over the count of all accumulated batches; without it, a batch mean divided by
         # the accumulation steps
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        # (a Trainer without this setting, transformers 5.17's, ignores it)
+        scaled = getattr(self, "loss_is_scaled_for_ga", None) if hasattr(Trainer, "loss_is_scaled_for_ga") else None
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         scale = 1.0 if scaled else 1 / self.current_gradient_accumulation_steps
