@@ -371,21 +371,24 @@ def trainer(args):
     (tests/test_trainer.py's run and checks: losses, grad norms, gradients and parameters over 4
     steps), and its refusal of TrainingArguments that would put the model on the GPU."""
     import tempfile
-    from test_trainer import Rows, arguments, assert_same_training, logged, train
+    from test_trainer import Rows, WeightedLoss, arguments, assert_same_training, logged, train
     from models import qwen3
     from rpcompile.trainer import RPTrainer
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     cfg = rpcompile.Config(devices=[dev, dev], num_microbatches=2, dtype=torch.float32, workers=args.workers)
     out, res = tempfile.mkdtemp(), {}
-    try:
-        rp, eager = train(f"{out}/rp", True, config=cfg), train(f"{out}/eager", False)
-        res["losses"], res["eager_losses"] = logged(rp[0], "loss"), logged(eager[0], "loss")
-        res["param_err_rel_largest"] = max((p - q).abs().max().item() for p, q in zip(
-            rp[1].parameters(), eager[1].parameters())) / max(q.abs().max().item() for q in eager[1].parameters())
-        assert_same_training(rp, eager)
-        res["parity"] = "test_trainer's checks hold"
-    except Exception as e:
-        res["parity"] = f"{type(e).__name__}: {e}"[:600]
+    # (77th session) a subclass's compute_loss: Note [compute_loss of your own]
+    for case, mixin in (("", None), ("own_compute_loss_", WeightedLoss)):
+        try:
+            rp = train(f"{out}/{case}rp", True, config=cfg, mixin=mixin)
+            eager = train(f"{out}/{case}eager", False, mixin=mixin)
+            res[case + "losses"], res[case + "eager_losses"] = logged(rp[0], "loss"), logged(eager[0], "loss")
+            res[case + "param_err_rel_largest"] = max((p - q).abs().max().item() for p, q in zip(
+                rp[1].parameters(), eager[1].parameters())) / max(q.abs().max().item() for q in eager[1].parameters())
+            assert_same_training(rp, eager)
+            res[case + "parity"] = "test_trainer's checks hold"
+        except Exception as e:
+            res[case + "parity"] = f"{type(e).__name__}: {e}"[:600]
     try:
         RPTrainer(model=qwen3(), args=arguments(f"{out}/gpu", use_cpu=False), train_dataset=Rows(), rp_config=cfg)
         res["without_use_cpu"] = "not refused"

@@ -138,7 +138,7 @@ def test_param_groups_and_add_param_group_mid_run(mode):
     _same(losses, model, ref_losses, ref, mode)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert "momentum_buffer" in opt.state[p], f"{name}: no momentum in optimizer.state"
-        close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], 1e-4, 1e-6, f"momentum of {name}")
+        close(opt.state[p]["momentum_buffer"].cpu(), ref_opt.state[q]["momentum_buffer"], 1e-4, 1e-6, f"momentum of {name}")
 
 
 @pytest.mark.parametrize("mode", ["overlapped", "delayed"])
@@ -377,4 +377,4 @@ def test_momentum_turned_on_mid_run_is_in_the_optimizer_state(mode):
     _same(losses, model, ref_losses, ref, mode)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert isinstance(opt.state[p].get("momentum_buffer"), torch.Tensor), f"{name}: no momentum in optimizer.state"
-        close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"], 1e-4, 1e-6, f"momentum of {name}")
+        close(opt.state[p]["momentum_buffer"].cpu(), ref_opt.state[q]["momentum_buffer"], 1e-4, 1e-6, f"momentum of {name}")
