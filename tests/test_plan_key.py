@@ -48,6 +48,16 @@ def _compiled(model, loss_fn=F.mse_loss, microbatches=2):
                                                      loss_fn=loss_fn))
 
 
+def _after_a_step(model):
+    """(an eager copy of `model`, its compiled model, x, y) after one train step, .grad cleared."""
+    ref = copy.deepcopy(model)
+    cm = _compiled(model)
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    cm.train_step(x, target=y)
+    model.zero_grad()
+    return ref, cm, x, y
+
+
 def _step_both(cm, model, ref, x, y, loss_fn=F.mse_loss, what=""):
     """One train step of cm and of eager `ref`: losses and gradients agree."""
     loss = cm.train_step(x, target=y)
@@ -62,11 +72,7 @@ def test_annealed_dropout_captures_again():
     (loss 0.7642 against eager's 0.7838, gradients off by 0.37 of the largest)."""
     torch.manual_seed(0)
     model = WithDropout()
-    ref = copy.deepcopy(model)
-    cm = _compiled(model)
-    x, y = torch.randn(6, 8), torch.randn(6, 4)
-    cm.train_step(x, target=y)
-    model.zero_grad()
+    ref, cm, x, y = _after_a_step(model)
     model.drop.p = ref.drop.p = 0.0
     with pytest.warns(UserWarning, match=r"model\.drop\.p is 0\.0 where the model was captured with 0\.3"):
         _step_both(cm, model, ref, x, y, what="at p=0")
@@ -144,11 +150,7 @@ def test_without_dynamo_guards_every_module_attribute_is_compared(monkeypatch):
     monkeypatch.setattr(rpcompile.capture, "guard_reads", unreadable)
     torch.manual_seed(0)
     model = Scaled()
-    ref = copy.deepcopy(model)
-    cm = _compiled(model)
-    x, y = torch.randn(6, 8), torch.randn(6, 4)
-    cm.train_step(x, target=y)
-    model.zero_grad()
+    ref, cm, x, y = _after_a_step(model)
     assert [c.captured.reads.source for caps in cm._plans._groups.values() for c in caps] == ["module attributes"]
     model.scale = ref.scale = 3.0
     with pytest.warns(UserWarning, match=r"model\.scale is 3\.0"):
