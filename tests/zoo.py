@@ -242,6 +242,30 @@ def gemma2():
     return model
 
 
+def hrm_text():
+    """HRM's hierarchical recurrence: one low-level stack run L_cycles times per high-level cycle,
+    the early runs under torch.no_grad() (a 1-step gradient), shared weights; prefix-LM mask."""
+    from transformers import HrmTextConfig, HrmTextForCausalLM
+    return HrmTextForCausalLM(HrmTextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, head_dim=8,
+        num_layers_per_stack=1, H_cycles=2, L_cycles=3, L_bp_cycles=[1], num_hidden_layers=8,
+        max_position_embeddings=32))
+
+
+def deepseek_v4():
+    """DeepSeek-V4: compressed attention (a heavily compressed layer beside a compressed sparse
+    one with its indexer), hash-routed and learned-routed experts, hyper-connections. A size of
+    its graph, `L // (L // 4)`, is undefined below 4 tokens (Note [lengths a model cannot run
+    at] in rpcompile/passes/longest.py: the tight budget's probe raised ZeroDivisionError)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    return DeepseekV4ForCausalLM(DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe"], sliding_window=4, o_groups=2, o_lora_rank=16, index_n_heads=2,
+        index_head_dim=16, index_topk=4, qk_rope_head_dim=8, hc_mult=2))
+
+
 def batchnorm_eager(model, batch, M):
     """Eager gradient accumulation over the same microbatches: BatchNorm normalises each
     microbatch by its own statistics, as a pipelined step does."""
@@ -373,6 +397,58 @@ class LoopMoELM(nn.Module):
         return self.loss_fct(logits.flatten(0, 1), labels.flatten())
 
 
+class NoGradCycles(nn.Module):
+    """A shared block run three times, the first two under torch.no_grad() (HRM's 1-step
+    gradient in small), then a block of its own and the loss (Note [grad-mode regions] in
+    rpcompile/passes/graph_utils.py)."""
+
+    def __init__(self, d=16, vocab=VOCAB):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.low = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d), nn.LayerNorm(d))
+        self.high = nn.Sequential(nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d), nn.LayerNorm(d))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        z = torch.zeros_like(h)
+        with torch.no_grad():
+            for _ in range(2):
+                z = self.low(z + h)
+        z = self.low(z + h)
+        logits = self.head(self.high(h + z))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class NgramTargets(nn.Module):
+    """ProphetNet's n-gram loss in small: two prediction streams, their targets filled in place
+    (`new_zeros(...).fill_(-100)`, then `t[i] = labels`), the logits transposed stream-first, a
+    log_softmax and a mean nll_loss (Note [targets filled in place] in
+    rpcompile/passes/normalize_loss.py)."""
+
+    def __init__(self, d=16, vocab=VOCAB, ngram=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                    for _ in range(2))
+        self.streams = nn.Linear(d, d * ngram)
+        self.head = nn.Linear(d, vocab)
+        self.ngram = ngram
+
+    def forward(self, input_ids, labels):
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = h + block(h)
+        rows, seq, d = h.shape
+        logits = self.head(self.streams(h).view(rows, seq, self.ngram, d).transpose(1, 2))
+        targets = labels.new_zeros(self.ngram, rows, seq).fill_(-100)
+        for i in range(self.ngram):
+            targets[i, :, :] = labels
+        logits = logits.transpose(0, 1).contiguous()
+        lprobs = F.log_softmax(logits.view(-1, logits.size(-1)), dim=-1, dtype=torch.float32)
+        return F.nll_loss(lprobs, targets.view(-1), reduction="mean")
+
+
 def plain_eager(model, batch, M):
     out = model(**batch)
     loss = out if isinstance(out, torch.Tensor) else out["loss"]
@@ -402,5 +478,9 @@ CASES = [
     Case("tuple_output", _seeded(TupleOutput), tuple_batch, eager=tuple_eager, loss_fn=tuple_loss,
          call=lambda cm, b: cm.train_step(b["x"], target=b["target"])),
     Case("shared_dict", _seeded(SharedDict), shared_batch, eager=plain_eager),
+    Case("hrm_text", _seeded(hrm_text), lm_batch),
+    Case("no_grad_cycles", _seeded(NoGradCycles), lm_batch, eager=plain_eager),
+    Case("ngram_targets", _seeded(NgramTargets), lm_batch, eager=plain_eager),
+    Case("deepseek_v4", _seeded(deepseek_v4), lm_batch, tight=True),
 ]
 BY_NAME = {c.name: c for c in CASES}

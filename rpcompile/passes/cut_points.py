@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .cost import Hardware, NodeCost, evaluate, node_seconds, storage_key
-from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values
+from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, grad_off_positions, mutated_values
 from .partition import Segment
 from .regions import block_keys
 
@@ -60,8 +60,9 @@ class Liveness:
             L = len(self.body)
             live = dict.fromkeys(n for nodes in self.live for n in nodes)    # each node once (live at many positions)
             unsendable = {n for n in live if _data_dependent(n) or _tensor_tuple(n) or _of_a_parameter(n)}
-            self._blocked = _mutation_spans(self) | _buffer_spans(self) | _functorch_regions(self) | {
-                p for p in range(L + 1) if any(n in unsendable for n in self.live[p])}
+            self._blocked = (_mutation_spans(self) | _buffer_spans(self) | _functorch_regions(self)
+                             | _grad_off_regions(self)
+                             | {p for p in range(L + 1) if any(n in unsendable for n in self.live[p])})
         return self._blocked
 
     def node_bytes(self, bindings, positions=None) -> dict:
@@ -200,6 +201,11 @@ def _functorch_regions(lv: Liveness) -> set:
         elif node.op == "call_function" and node.target in FUNCTORCH_LEAVE:
             depth = max(0, depth - 1)
     return blocked
+
+
+def _grad_off_regions(lv: Liveness) -> set:
+    """Positions inside a torch.no_grad() region of the forward (Note [grad-mode regions])."""
+    return grad_off_positions(lv.body)
 
 
 def _data_dependent(node: fx.Node) -> bool:

@@ -86,6 +86,28 @@ def _functorch_switches():
 FUNCTORCH_ENTER, FUNCTORCH_LEAVE = _functorch_switches()
 
 
+# Note [grad-mode regions]: `with torch.no_grad():` inside forward (HRM's recurrence runs its
+# early cycles so, a 1-step gradient) is captured as two switches, _set_grad_enabled(False)
+# and (True), with no users. Dropped as dead code, the region's ops took gradients: a tiny
+# HrmText's were 10% of the largest gradient off eager's (tests/zoo.py; 0.04% at the any-model
+# sweep's sizes), silently, the loss exact. The switches must run (is_impure),
+# and a stage holds a grad-disabled region whole (cut_points), so every stage starts and ends
+# with gradients on, as the capture had them (Note [plans made with gradients on]).
+GRAD_SWITCH = torch._C._set_grad_enabled
+
+
+def grad_off_positions(body: list) -> set:
+    """Positions (of `body`, a graph's nodes in order) inside a grad-disabled region: after a
+    _set_grad_enabled(False) up to the _set_grad_enabled(True) that ends it, inclusive."""
+    inside, off = set(), False
+    for p, node in enumerate(body):
+        if off:
+            inside.add(p)
+        if node.op == "call_function" and node.target is GRAD_SWITCH:
+            off = not bool(node.args[0]) if node.args else off
+    return inside
+
+
 def mutated_values(node: fx.Node) -> list:
     """The graph values an in-place node writes into: x of `x[i] = v` (operator.setitem),
     `x += y` (operator.iadd), `x.add_(y)`, `torch.Tensor.add_(x, y)`, a mutable aten op's first argument, or an `out=`."""
@@ -128,6 +150,8 @@ def is_impure(node: fx.Node) -> bool:
         return isinstance(first, fx.Node) and isinstance(node_value(first), torch.Tensor)
     if node.op == "call_function" and (node.target in FUNCTORCH_ENTER or node.target in FUNCTORCH_LEAVE):
         return True   # Note [functorch regions]
+    if node.op == "call_function" and node.target is GRAD_SWITCH:
+        return True   # Note [grad-mode regions]
     if node.op == "call_method":
         name = node.target
         return name.endswith("_") and not name.endswith("__")

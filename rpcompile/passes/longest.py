@@ -209,12 +209,20 @@ def planning_error(st, e: PlanningError, rows: int) -> PlanningError:
             def need(L):
                 at = {**st.bindings, **dict.fromkeys(names, L)}
                 return min_budget_at(st if per_shards is None else per_shards[1](per_shards[0](L)), at)
-            max_length, _ = longest_fitting(need, budget, length, e.min_budget)
+            try:
+                max_length, _ = longest_fitting(need, budget, length, e.min_budget)
+                searched = True
+            except ArithmeticError:
+                # Note [lengths a model cannot run at]: a size of the graph may be undefined at a
+                # shorter length (DeepSeek-V4's compressed attention: `L // (L // 4)`, a division by
+                # zero below 4 tokens); the search raised sympy's ZeroDivisionError in place of
+                # this PlanningError. Then the error says the budget alone.
+                searched = False
             per = f"{rows} row{'s' * (rows != 1)} per microbatch"
             more = ", or use more microbatches" if rows > 1 else ""
-            if max_length is None:
+            if searched and max_length is None:
                 message += f" No sequence length fits this budget at {per}, not even 1 token."
-            else:
+            elif searched:
                 message += (f" The longest sequence that fits this budget is {max_length:,} tokens (at {per}; "
                             f"this call's is {length:,}): shorten sequences to that, raise memory_budget to at least "
                             f"{_gib(e.min_budget + st.reserved, up=True)} GiB{more}.")

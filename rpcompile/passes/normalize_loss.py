@@ -77,7 +77,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .batch import BatchInfo, find_batch
-from .graph_utils import bind_call, bind_cross_entropy, graph_module, output_values
+from .cost import storage_key
+from .graph_utils import (bind_call, bind_cross_entropy, graph_module, is_impure, mutated_values, node_value,
+                          output_values)
 
 
 @dataclass
@@ -144,14 +146,44 @@ def _ancestors(node: fx.Node) -> set:
     return found
 
 
+# Note [targets filled in place]: ProphetNet builds its n-gram targets as
+# `t = labels.new_zeros(ngram, B, S).fill_(-100)`, then `t[i, :, :] = labels` for each stream.
+# The writes are users of t, not ancestors of the target the loss reads (`t.view(-1)`): the
+# counter copied the fill alone, counted no token, and the loss was the token sum over 0, NaN
+# (eager's 4.86). So the counter copies, with the target's ancestors, every in-place node before
+# the loss that writes into a storage one of them holds (and that node's ancestors).
+def _ancestors_with_updates(gm: fx.GraphModule, node: fx.Node, reader: fx.Node) -> set:
+    """_ancestors(node) and the in-place updates of their values made before `reader` (Note
+    [targets filled in place])."""
+    needed = _ancestors(node)
+    before = []
+    for n in gm.graph.nodes:
+        if n is reader:
+            break
+        if is_impure(n) and n.op not in ("placeholder", "output"):
+            before.append(n)
+    grew = True
+    while grew:
+        grew = False
+        storages = {storage_key(v) for v in map(node_value, needed) if isinstance(v, torch.Tensor)}
+        for n in before:
+            written = [node_value(m) for m in mutated_values(n)]
+            if n not in needed and any(isinstance(v, torch.Tensor) and storage_key(v) in storages for v in written):
+                needed |= _ancestors(n)
+                grew = True
+    return needed
+
+
 def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weight,
-                   classes: Optional[int] = None, what: str = "cross_entropy") -> Optional[fx.GraphModule]:
+                   classes: Optional[int] = None, what: str = "cross_entropy",
+                   reader: Optional[fx.Node] = None) -> Optional[fx.GraphModule]:
     """A graph from the inputs to the count of targets != ignore_index, or with class weights
     to the weight total of those targets; None if the targets depend on parameters or buffers
     (the weight may be a buffer or parameter: the runtime passes the host tensor). It refuses a
     counted target outside [0, classes), as F.cross_entropy does (a vocabulary-split head would
-    otherwise give a finite, wrong loss); it runs on the host before the step's jobs."""
-    needed = _ancestors(target)
+    otherwise give a finite, wrong loss); it runs on the host before the step's jobs. `reader`:
+    the loss node that reads the target (what was written into it before counts)."""
+    needed = _ancestors(target) if reader is None else _ancestors_with_updates(gm, target, reader)
     if any(n.op == "placeholder" and n.meta.get("rp_kind") in ("param", "buffer") for n in needed):
         return None
     if isinstance(weight, fx.Node):
@@ -159,7 +191,17 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
     g = fx.Graph()
     env = {}
     for n in gm.graph.nodes:
-        if n in needed:
+        if n in needed and n.op == "placeholder":
+            env[n] = g.node_copy(n, lambda x: env[x])
+    # an input the model writes into (`labels.masked_fill_(...)`) is written in a clone: the
+    # counter runs on the caller's batch, which the stage jobs read afterwards
+    written = {storage_key(node_value(m)) for n in needed if n.op != "placeholder" and is_impure(n)
+               for m in mutated_values(n) if isinstance(node_value(m), torch.Tensor)}
+    for n in list(env):
+        if isinstance(node_value(n), torch.Tensor) and storage_key(node_value(n)) in written:
+            env[n] = g.call_method("clone", (env[n],))
+    for n in gm.graph.nodes:
+        if n in needed and n.op != "placeholder":
             env[n] = g.node_copy(n, lambda x: env[x])
     counted = g.call_function(torch.ne, (env[target], ignore_index))
     if classes is not None:
@@ -219,7 +261,8 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
         return gm
     found = mean_cross_entropy(loss) if bound is not None else None
     weight = bound["weight"] if found else None
-    counter = _counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss)) if found else None
+    counter = (_counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss), reader=loss)
+               if found else None)
     if counter is None:
         gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=_scale_terms(gm, loss, batch))
         return gm
@@ -415,7 +458,7 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
             counter = None          # scale 1 / w_m: added up as it is (Note [sums over a batch count])
         else:
             counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"],
-                                     _classes(bound["input"]), _loss_name(ce))
+                                     _classes(bound["input"]), _loss_name(ce), reader=ce)
             if counter is None:
                 continue
         value = ce.meta.get("example_value")
