@@ -639,10 +639,10 @@ class FlatStepper:
         if twin is not None:
             opt, run = twin
             state = opt.state[run]
+            _, where, i = self._position(k, start)
             for name in example_state:       # (state the run got since: _new_state, _adopt)
-                buf = self._state_bufs.get((k, name, self._position(k, start)[1]))
+                buf = self._state_bufs.get((k, name, where))
                 if name not in state and buf is not None:
-                    i = self._position(k, start)[2]
                     state[name] = buf[i:i + stop - start]
         if twin is None:
             r, where, i = self._position(k, start)

@@ -155,12 +155,12 @@ class OverlappedOptimizer:
         hyper = Hyperparameters(_groups_now(self.optimizer))
         sched = self.lr_scheduler
         if sched is not None:
-            before = (copy.deepcopy(sched.state_dict()), _rates(self.optimizer))
+            before = (copy.deepcopy(sched.state_dict()), _groups_now(self.optimizer, params=False))
             # (what optimizer.step() sets for the scheduler, which warns of a step before it: the
             # update this step follows is taken, and is stepped by twins, not optimizer.step())
             self.optimizer._opt_called = True
             sched.step()
-            hyper.schedule = (*before, _rates(self.optimizer))
+            hyper.schedule = (*before, _groups_now(self.optimizer, params=False))
         return hyper
 
     def take_back(self, hyper) -> None:
@@ -360,17 +360,12 @@ class Hyperparameters:
     schedule: tuple = None        # (the scheduler's state, the rates) before its step, the rates after
 
 
-def _groups_now(optimizer) -> list:
+def _groups_now(optimizer, params: bool = True) -> list:
     """The param groups as they are now: each a dict of its own, its parameter list and tensor
-    values (a tensor lr) copied."""
+    values (a tensor lr) copied; params=False: without the parameters (what an LR scheduler
+    writes)."""
     return [{k: (list(v) if k == "params" else v.clone() if isinstance(v, torch.Tensor) else v)
-             for k, v in g.items()} for g in optimizer.param_groups]
-
-
-def _rates(optimizer) -> list:
-    """What an LR scheduler writes: each group's values but its parameters (tensors copied)."""
-    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+             for k, v in g.items() if params or k != "params"} for g in optimizer.param_groups]
 
 
 def _global_norm(grads) -> float:
