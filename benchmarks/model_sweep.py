@@ -433,10 +433,9 @@ def run_child(model_type: str, timeout: float) -> dict:
 # What the triage found for the families that are not ok (results.md's last column).
 NOTES = {
     "big_bird": "BigBird's forward swaps its block-sparse attention for new full-attention modules (nn.Linear "
-                "built in forward) when rows are too short for block_sparse; the error blames torch's "
-                "linear.py. big_bird+original_full trains as eager",
-    "ctrl": "`self.pos_encoding = self.pos_encoding.to(device, dtype)` is a no-op in eager (same tensor) but "
-            "refused as a reassignment; fix belongs in capture.py (_refuse_reassigned)",
+                "built in forward) when rows are too short for block_sparse; the error names that line and the "
+                "ways out (Note [modules built in forward]). big_bird+original_full, or after one eager call, "
+                "trains as eager (tests/test_capture.py)",
     "dbrx": "expert loop over data-dependent `expert_hit` (torch.compile fullgraph cannot either)",
     "kolibri1_1": "indexer loops over `.unique().tolist()` (data-dependent; torch.compile fullgraph cannot either)",
     "qwen4_exp": "token selection branches on a data-dependent count (torch.compile fullgraph cannot either)",

@@ -127,7 +127,7 @@ class _SwapToCopies:
 
     def __exit__(self, *exc):
         # what forward assigned anew while tracing (`_refuse_reassigned`)
-        self.reassigned = [self.host_of[id(self.copy_of[id(t)])][2] for table, name, t in self._undo
+        self.reassigned = [(self.host_of[id(self.copy_of[id(t)])][2], table.get(name)) for table, name, t in self._undo
                            if table.get(name) is not self.copy_of[id(t)]]
         for table, name, t in reversed(self._undo):
             table[name] = t
@@ -142,17 +142,46 @@ class _SwapToCopies:
         self._plain = []
 
 
-def _refuse_reassigned(cap: "Captured", reassigned: list) -> None:
+def _refuse_reassigned(cap: "Captured", reassigned: list, dummies) -> None:
     """A parameter or buffer that forward assigns a new tensor (`self.b = self.b + 1`): putting the
     host tensor back after tracing lost the assignment, which every call makes: the buffer never
     changed, silently. (`self.b += 1` is assigned too, dynamo's result of an in-place operator,
-    which the graph makes on the buffer itself: that one is updated.)"""
-    for fqn in reassigned:
+    which the graph makes on the buffer itself: that one is updated.) An assignment of the tensor
+    itself (CTRL's `self.pos_encoding = self.pos_encoding.to(device, dtype)` at the dtype and
+    device it has) changes nothing and is let be (Note [no-op reassignments])."""
+    outputs = next(n for n in reversed(cap.gm.graph.nodes) if n.op == "output")
+    position = {id(d): i for i, d in enumerate(dummies) if isinstance(d, torch.Tensor)}
+    out_nodes = pytree.tree_leaves(outputs.args[0])
+    for fqn, value in reassigned:
         nodes = [n for n in cap.placeholders() if n.meta.get("rp_name") == fqn]
-        if not any(is_impure(u) for n in nodes for u in n.users):
-            raise CaptureError(f"the model assigns a new tensor to {fqn} in its forward (as `self.x = self.x + 1`); "
-                               f"rpcompile keeps parameters and buffers as the objects they are, so update it in "
-                               f"place instead (`self.x.add_(1)`, `self.x.copy_(new)`)")
+        if any(is_impure(u) for n in nodes for u in n.users):
+            continue
+        at = position.get(id(value))
+        if at is not None and _same_tensor_of(out_nodes[at], nodes):
+            continue
+        raise CaptureError(f"the model assigns a new tensor to {fqn} in its forward (as `self.x = self.x + 1`); "
+                           f"rpcompile keeps parameters and buffers as the objects they are, so update it in "
+                           f"place instead (`self.x.add_(1)`, `self.x.copy_(new)`)")
+
+
+# Note [no-op reassignments]: dynamo replays a forward's `self.b = <tensor>` after tracing with the
+# graph output it made for the value, a new (fake) tensor even where eager's `.to` returned the
+# buffer itself. A value that is the placeholder reached through ops that return their input
+# unchanged at its dtype, device, shape and strides (`to`, `contiguous`, `detach`) is that case.
+_RETURNS_SELF = {"to", "contiguous", "detach", torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.detach}
+
+
+def _same_tensor_of(node, placeholders) -> bool:
+    def like(a, b):
+        a, b = a.meta.get("example_value"), b.meta.get("example_value")
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device == b.device and a.shape == b.shape and a.stride() == b.stride())
+    while isinstance(node, fx.Node) and node not in placeholders:
+        if node.op not in ("call_method", "call_function") or node.target not in _RETURNS_SELF or not (
+                node.args and isinstance(node.args[0], fx.Node) and like(node, node.args[0])):
+            return False
+        node = node.args[0]
+    return isinstance(node, fx.Node)
 
 
 # Note [recorded outputs]: transformers (5.x) records hidden states, attentions and MoE router
@@ -355,6 +384,9 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
                           f"rpcompile traced the call{called}). Called eagerly with these arguments the model fails "
                           "the same way: check them (their names, shapes and dtypes). If the same call runs eagerly, "
                           "please report it to rpcompile.")
+    built = _module_built_in_forward(err, frames)
+    if built:
+        return built
     mine = [f for f in frames if library_of(f.filename) is None]
     need = ("rpcompile captures the forward (and the loss) as one graph, as torch.compile(model, "
             "fullgraph=True) does, so every line it runs must be traceable: no .item() or Python branch on "
@@ -375,6 +407,32 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
                  f"break is a bug to report to {lib}.")
     head = f"{kind}: {gb_type}" if gb_type else kind
     return CaptureError(f"could not capture the model as one graph ({head}): {msg}\n{hint}")
+
+
+def _module_built_in_forward(err, frames) -> Optional[CaptureError]:
+    """Note [modules built in forward]: a forward that builds a module (BigBird's, which swaps in
+    new full-attention modules on rows too short for its block-sparse attention) stops dynamo at
+    the nn.Parameter that the module's __init__ makes, inside torch: the capture named torch's
+    linear.py as the place and the break as torch's bug. The place is the model's line that
+    builds the module; what to change is where the model builds it."""
+    if "torch.nn.Parameter()" not in str(getattr(err, "gb_type", "") or ""):
+        return None
+    at = next((i for i, f in enumerate(frames) if f.name == "__init__"), None)
+    builder = next((f for f in reversed(frames[:at]) if library_of(f.filename) != "torch"), None) if at else None
+    if builder is None:
+        return None
+    called = next((f for f in reversed(frames[:at]) if f.name == "forward"), None)
+    via = f" (reached from {_where(called)})" if called is not None and called is not builder else ""
+    lib = library_of(builder.filename)
+    whose = "your code" if lib is None else f"the code of {lib}"
+    return CaptureError(
+        f"the model builds a module in its forward, at {_where(builder)}{via}, in {whose}. rpcompile captures the "
+        "forward as one graph, as torch.compile(model, fullgraph=True) does, and the parameters it trains must "
+        "exist before: a module made while tracing has none of its own. Build modules in __init__. A library's "
+        "model that builds one on a call it cannot serve as configured (BigBird's block-sparse attention on "
+        "rows too short for it switches to full attention) trains once configured not to need the switch (a "
+        "config option, BigBird's attention_type='original_full'), or after one eager call on a small batch "
+        "before rpcompile.compile has made it.")
 
 
 def _fake_call_failure(err, msg: str) -> Optional[str]:
@@ -546,7 +604,7 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
             raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
                                f"the call (a tensor created outside forward and closed over?): register it "
                                f"as a buffer of the module or pass it as an argument{loss_fn}")
-    _refuse_reassigned(cap, swap.reassigned)
+    _refuse_reassigned(cap, swap.reassigned, got["dummies"])
     _map_outputs(cap, out, got["dummies"])
     return cap
 

@@ -158,6 +158,49 @@ def test_error_in_a_library_says_so_and_names_the_callers_line(tmp_path, monkeyp
     assert "fullgraph=True" in hint and "report" in hint
 
 
+def test_a_module_built_in_forward_is_named_where_it_is_built():
+    """A module built in forward stopped dynamo at the nn.Parameter of nn.Linear's __init__: the
+    error named torch's linear.py and called it torch's bug (Note [modules built in forward])."""
+    class Builds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            extra = nn.Linear(4, 4)
+            return extra(self.lin(x)).sum()
+
+    cm = rpcompile.compile(Builds())
+    with pytest.raises(rpcompile.CaptureError) as e:
+        cm.train_step(torch.randn(3, 4))
+    msg = str(e.value)
+    assert f"builds a module in its forward, at {__file__}:" in msg and "extra = nn.Linear(4, 4)" in msg
+    assert "in your code" in msg and "Build modules in __init__" in msg and "linear.py" not in msg
+
+
+def test_bigbirds_switch_of_attention_is_named_and_trains_once_made():
+    """BigBird's block-sparse attention on rows too short for it builds full-attention modules in
+    forward (the model sweep's refusal): the error names transformers' line and the ways out; the
+    model trains as eager once the switch is made by an eager call, as the error says."""
+    from transformers import BigBirdConfig, BigBirdForCausalLM
+    from zoo import VOCAB, lm_batch
+    torch.manual_seed(0)
+    model = BigBirdForCausalLM(BigBirdConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, is_decoder=True, attention_type="block_sparse", block_size=2,
+        num_random_blocks=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, sep_token_id=1))
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
+    with pytest.raises(rpcompile.CaptureError) as e:
+        rpcompile.compile(model, cfg)(**lm_batch(0))
+    msg = str(e.value)
+    assert "modeling_big_bird.py" in msg and "in set_attention_type()" in msg and "the code of transformers" in msg
+    assert "attention_type='original_full'" in msg and "eager call" in msg
+    with torch.no_grad():
+        model(**lm_batch(0))
+    assert model.bert.attention_type == "original_full"
+    train_both(model, [lm_batch(s) for s in range(2)], cfg, steps=2)
+
+
 class VmapScan(nn.Module):
     """torch.vmap inside forward (as Mamba's parallel scan): each layer combines pairs of rows
     with a vmapped function."""

@@ -364,12 +364,17 @@ def test_buffers_updated_by_in_place_operators_are_updated():
     assert cm.plan.buffers_at_start == []      # (only updated: no recompute reads them)
 
 
-def test_a_buffer_assigned_anew_in_forward_is_refused():
+@pytest.mark.parametrize("new", [lambda c: c + 1, lambda c: c.to(torch.float16),
+                                 lambda c: c.to(torch.float16).to(torch.float32), lambda c: c.contiguous() * 1],
+                         ids=["added", "other_dtype", "rounded", "multiplied"])
+def test_a_buffer_assigned_anew_in_forward_is_refused(new):
     """`self.count = self.count + 1` assigns a new tensor while capturing; putting the host buffer
-    back lost it, and no call ever updated the buffer, silently."""
+    back lost it, and no call ever updated the buffer, silently. A `.to` that changes the dtype
+    (or rounds through another) is a new value too; the same tensor assigned is let be (CTRL in
+    the zoo, Note [no-op reassignments])."""
     class Reassigned(OperatorTally):
         def forward(self, x):
-            self.count = self.count + 1
+            self.count = new(self.count)
             return self.out(torch.tanh(self.inp(x)))
     model = Reassigned()
     count = model.count

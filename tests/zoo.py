@@ -252,6 +252,15 @@ def hrm_text():
         max_position_embeddings=32))
 
 
+def ctrl():
+    """CTRL: sinusoidal positions in a buffer that forward assigns to itself at the input's
+    device and dtype (`self.pos_encoding = self.pos_encoding.to(...)`, refused before: Note
+    [no-op reassignments] in rpcompile/capture.py); embeddings scaled by sqrt(d)."""
+    from transformers import CTRLConfig, CTRLLMHeadModel
+    return CTRLLMHeadModel(CTRLConfig(vocab_size=VOCAB, n_positions=32, n_embd=32, dff=64, n_layer=2, n_head=4,
+                                       resid_pdrop=0.0, embd_pdrop=0.0))
+
+
 def deepseek_v4():
     """DeepSeek-V4: compressed attention (a heavily compressed layer beside a compressed sparse
     one with its indexer), hash-routed and learned-routed experts, hyper-connections. A size of
@@ -482,5 +491,6 @@ CASES = [
     Case("no_grad_cycles", _seeded(NoGradCycles), lm_batch, eager=plain_eager),
     Case("ngram_targets", _seeded(NgramTargets), lm_batch, eager=plain_eager),
     Case("deepseek_v4", _seeded(deepseek_v4), lm_batch, tight=True),
+    Case("ctrl", _seeded(ctrl), lm_batch),
 ]
 BY_NAME = {c.name: c for c in CASES}
