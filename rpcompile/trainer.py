@@ -18,7 +18,16 @@ call is the compiled model's differentiable call (`cm(...)`; backward adds into 
 so compute_loss, the scaling for gradient accumulation (`loss_is_scaled_for_ga`) and the backward
 are eager Trainer's. prediction_step is given the same view: compute_loss reads `model.config` as
 the model's (given cm, it read rpcompile's Config: `model.config.vocab_size` failed in evaluation).
+
+Note [steps of your own]: a subclass's training_step (or prediction_step) that does not call
+super()'s, calling `model(**inputs)` and `self.accelerator.backward(loss)` itself, was given the
+plain model by Trainer's loop: the step ran eagerly on the host's CPU, the whole model at once
+(as slow as that is, and beyond the host's memory for the activations of a model rpcompile is for),
+with rpcompile never called. A subclass's own step is given the view too (`__init_subclass__`),
+so its forward is the compiled model's call; one that calls super()'s reaches RPTrainer's.
 """
+import functools
+
 from transformers import Trainer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -52,6 +61,13 @@ class RPTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.rp_config, self._cm = rp_config, None
         self._view = _CompiledView(self)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("training_step", "prediction_step"):     # Note [steps of your own]
+            step = getattr(cls, name)
+            if step is not getattr(RPTrainer, name) and not hasattr(step, "_rp_given_the_view"):
+                setattr(cls, name, _given_the_view(step))
 
     @property
     def cm(self):    # compiled at first use, and again for a new model (Trainer's model_init)
@@ -114,6 +130,15 @@ class RPTrainer(Trainer):
                                        num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def _given_the_view(step):
+    """A subclass's step, given the compiled model's view as `model` (Note [steps of your own])."""
+    @functools.wraps(step)
+    def given(self, model, inputs, *args, **kwargs):
+        return step(self, self._view, inputs, *args, **kwargs)
+    given._rp_given_the_view = True
+    return given
 
 
 def _is_peft_model(model) -> bool:

@@ -235,6 +235,41 @@ def test_trainer_aux_term_on_label_smoothing_matches_eager(tmp_path):
     assert_same_evaluation(rp[0], eager[0])
 
 
+class OwnStep:
+    """A training_step of one's own that does not call super()'s (its forward, loss and backward
+    written out, as recipes do), and a prediction_step likewise."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.pop("labels")
+        loss = weighted_loss(model(**inputs), labels, num_items_in_batch)
+        self.accelerator.backward(loss)
+        return loss.detach()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.pop("labels")
+        with torch.no_grad():
+            loss = weighted_loss(model(**inputs), labels, None)
+        return loss.detach(), None, None
+
+
+def test_trainer_own_training_step_runs_compiled_and_matches_eager(tmp_path, monkeypatch):
+    """A subclass's training_step and prediction_step that do not call super()'s were given the
+    plain model: every step ran eagerly on the host, rpcompile never called (Note [steps of your
+    own]). They run through the compiled model now, and train and evaluate as eager Trainer's."""
+    calls = []
+    monkeypatch.setattr(rpcompile.CompiledModel, "__call__",
+                        lambda cm, *a, _call=rpcompile.CompiledModel.__call__, **k: calls.append(1) or _call(cm, *a, **k))
+    rp = train(tmp_path / "rp", True, mixin=OwnStep)
+    assert len(calls) == 8           # (4 optimizer steps of 2 accumulated batches)
+    eager = train(tmp_path / "eager", False, mixin=OwnStep)
+    assert_same_training(rp, eager)
+    assert rp[0].evaluate()["eval_loss"] == pytest.approx(eager[0].evaluate()["eval_loss"], rel=1e-5)
+    assert len(calls) == 10          # (and the 2 evaluation batches)
+
+
 class PerBatchLoss:
     loss_is_scaled_for_ga = False     # (Trainer divides the loss by the accumulation steps)
 
