@@ -1,12 +1,23 @@
-"""`torch.compile(model, backend="rpcompile")`: the same compiler as a dynamo backend."""
+"""`torch.compile(model, backend="rpcompile")`: the same compiler as a dynamo backend.
+
+Note [sizes a graph returns]: where a forward breaks its graph (a print, an unsupported call) under
+`dynamic=True`, dynamo hands the size the next graph reads (`n = h.shape[0]` before the break) out
+of the first graph as an output, a SymInt. rpcompile's stage jobs return tensors, and the plan
+refused the graph ("returns a non-tensor value computed in forward"). A size is a function of the
+call's sizes: the backend takes it out of the graph and computes it per call from the sizes of
+the arguments, putting it back at its place among the outputs.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
+import sympy
 import torch
+import torch.fx as fx
 
 from .capture import from_dynamo
 from .config import Config
+from .errors import CaptureError
 from .passes import compile_graph
 from .runner import GraphRunner
 
@@ -18,17 +29,83 @@ def backend(config: Optional[Config] = None):
     plans = []
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
+        symbolic = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        sizes, sources = _take_out_sizes(gm, symbolic), _size_sources(symbolic)
         cap = from_dynamo(gm, example_inputs)
+        _sizes_given(cap, symbolic)
         plan = compile_graph(cap, config, "call")
 
         def run(*flat_args):
-            return runner.call(plan, list(flat_args))
+            outputs = runner.call(plan, list(flat_args))
+            if not sizes:
+                return outputs
+            outputs = list(outputs)
+            bound = {sym: sympy.Integer(int(flat_args[at] if d is None else flat_args[at].shape[d]))
+                     for sym, (at, d) in sources.items()}
+            for at, expr in sizes:
+                outputs.insert(at, int(expr.xreplace(bound)))
+            return outputs
 
         plans.append(plan)
         return run
 
     compile_fn.plans = plans   # every graph dynamo handed over, newest last
     return compile_fn
+
+
+def _take_out_sizes(gm: fx.GraphModule, symbolic: list) -> list:
+    """[(output position, sympy expression)] of the sizes gm returns, removed from its outputs
+    (Note [sizes a graph returns]). symbolic: the placeholders' example values."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0]
+    if not isinstance(values, (tuple, list)):
+        return []
+    sizes, kept = [], []
+    for at, v in enumerate(values):
+        ev = v.meta.get("example_value") if isinstance(v, fx.Node) else v
+        if isinstance(ev, torch.SymInt):
+            sizes.append((at, ev.node.expr))
+        elif isinstance(ev, int) and not isinstance(ev, bool):
+            sizes.append((at, sympy.Integer(ev)))
+        else:
+            kept.append(v)
+    if not sizes:
+        return []
+    for _, expr in sizes:
+        if not expr.free_symbols <= set(_size_sources(symbolic)):
+            raise CaptureError(f"the graph returns a size ({expr}) that is not a function of the sizes of its "
+                               "arguments (a count of the data's values): return it as a tensor")
+    out.args = (type(values)(kept),)
+    gm.recompile()
+    return sizes
+
+
+def _sizes_given(cap, symbolic: list) -> None:
+    """A size argument that is no dimension of a tensor argument (a size the graph before a break
+    returned: Note [sizes a graph returns]) is bound to the argument itself, whole-call value in
+    every microbatch, as the graph was given it."""
+    of_tensors = {sym for sym, (_, d) in _size_sources(symbolic, tensors_first=True).items() if d is not None}
+    for at, node in enumerate(cap.placeholders()):
+        ex = symbolic[at]
+        if isinstance(ex, torch.SymInt) and ex.node.expr not in of_tensors:
+            node.meta["rp_arg_index"] = (at, None)
+
+
+def _size_sources(symbolic: list, tensors_first: bool = False) -> dict:
+    """Each size symbol of the placeholders' example values -> where a call holds its value:
+    (argument position, None) for a size argument, (position, dim) for a tensor's dimension."""
+    sources = {}
+    order = sorted(range(len(symbolic)), key=lambda at: not isinstance(symbolic[at], torch.Tensor)) if tensors_first \
+        else range(len(symbolic))
+    for at in order:
+        ex = symbolic[at]
+        if isinstance(ex, torch.SymInt) and isinstance(ex.node.expr, sympy.Symbol):
+            sources.setdefault(ex.node.expr, (at, None))
+        elif isinstance(ex, torch.Tensor):
+            for d, s in enumerate(ex.shape):
+                if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                    sources.setdefault(s.node.expr, (at, d))
+    return sources
 
 
 def rpcompile_backend(gm, example_inputs):

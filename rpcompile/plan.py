@@ -162,10 +162,11 @@ class Plan:
     memory_budget: Optional[int]
     loss_scale: Any = None          # normalize_loss.LossScale (how microbatch losses combine)
     split_leaves: set = field(default_factory=set)     # call leaves split on dim 0
-    sym_sources: dict = field(default_factory=dict)    # sym name -> (leaf index, dim) or int
+    sym_sources: dict = field(default_factory=dict)    # sym name -> (leaf index, dim), (leaf index, None): the leaf, or int
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
                                                         # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
+    output_sums: set = field(default_factory=set)       # scalar outputs that are sums over rows (they add up)
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     # of those, the ones a backward job's recompute reads (Note [buffer values a recompute starts from])

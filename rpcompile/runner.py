@@ -143,7 +143,8 @@ class GraphRunner:
             mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]
             syms = {}
             for name, src in plan.sym_sources.items():
-                syms[name] = src if isinstance(src, int) else mleaves[src[0]].shape[src[1]]
+                syms[name] = (src if isinstance(src, int) else mleaves[src[0]] if src[1] is None
+                              else mleaves[src[0]].shape[src[1]])
             rows = mleaves[batched[0]].shape[0] if batched else None
             micro.append(Microbatch(mleaves, syms, rows=rows))
         return micro
@@ -191,9 +192,12 @@ class GraphRunner:
         return [s / sum(sizes) for s in sizes]
 
     def _scalar_weights(self, plan, micro, i, loss_weights) -> list:
-        """How scalar output i combines over microbatches: the loss by its weights, others by rows."""
+        """How scalar output i combines over microbatches: the loss by its weights, a sum over rows
+        adds up, others are means over rows."""
         if plan.loss_scale is not None and plan.loss_scale.output == i:
             return loss_weights
+        if i in plan.output_sums:
+            return [1.0] * len(micro)
         return self._row_weights(plan, micro)
 
     def new_step(self, plan, micro, host_weights=None, gate=None, ready=None, shared_grads=True,

@@ -194,6 +194,63 @@ def test_torch_compile_backend_string_and_config():
     assert configured.plans and len(configured.plans[-1].stages) >= 2
 
 
+class BreakAfterSize(nn.Module):
+    """A forward that reads a size, breaks its graph (a print or a call dynamo cannot trace), then
+    uses the size; its loss a sum over rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x))
+        n = h.shape[0]
+        torch._dynamo.graph_break()
+        return ((self.b(h) - y).pow(2) * n).sum()
+
+
+def test_a_size_returned_before_a_graph_break_and_a_sum_over_rows_through_the_backend():
+    """torch.compile(backend=rpcompile.backend(cfg), dynamic=True) of a forward whose graph breaks
+    after reading a size: dynamo hands the size out of the first graph, which the backend refused
+    (Note [sizes a graph returns] in rpcompile/backend.py); and the second graph's loss, a sum
+    over rows, was weighed as a mean over rows (half of eager's loss and gradients at 2
+    microbatches). Uneven microbatches (5 rows over 2)."""
+    torch._dynamo.reset()
+    model = BreakAfterSize()
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def via_compile(cm, b):
+        loss = compiled(**b)
+        loss.backward()
+        return loss
+
+    train_both(model, xy_batches(5, 8), rpcompile.Config(), call=via_compile, eager_step=scalar_loss_step,
+               min_stages=0)
+    assert len(backend.plans) == 2 and all(p.num_microbatches == 2 for p in backend.plans)
+
+
+def test_a_calls_scalar_output_that_sums_over_rows_is_the_whole_batchs():
+    """A call's scalar output other than the loss that sums over the rows (a total) adds up over
+    the microbatches; it was weighed as a mean over rows (its microbatches' values averaged)."""
+    class WithTotal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            h = self.lin(x)
+            return {"loss": F.mse_loss(h, y), "total": h.abs().sum(), "mean": h.abs().mean()}
+
+    model = WithTotal()
+    batch = xy_batches(5, 8, steps=1)[0]
+    with torch.no_grad():
+        out = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))(**batch)
+        ref = model(**batch)
+    for k in ("loss", "total", "mean"):
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
 def test_eight_cpu_devices():
     """The runtime and the rotation work for any device count (8, as the 8-GPU machines have)."""
     cfg = rpcompile.Config(devices=["cpu"] * 8, num_microbatches=9, memory_budget=TIGHT)

@@ -73,7 +73,7 @@ from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
-from .normalize_loss import mean_cross_entropy, normalize_loss
+from .normalize_loss import mean_cross_entropy, normalize_loss, sum_over_rows
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
@@ -152,9 +152,12 @@ def capture(st: CompileState) -> CompileState:
             st.loss_output = idx if kind == "out" else None
     if st.loss_output is None:
         # No output structure (a dynamo backend's flat outputs): a mean cross-entropy output
-        # is the loss.
-        st.loss_output = next((i for i, v in enumerate(output_values(st.gm.graph))
-                               if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
+        # is the loss, else the one scalar output, as loss_leaf_index takes a call's (a sum
+        # over rows was weighed as a mean over rows: half of eager's at 2 microbatches)
+        outs = output_values(st.gm.graph)
+        st.loss_output = next((i for i, v in enumerate(outs) if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
+        if st.loss_output is None and len(_scalar_outputs(outs)) == 1:
+            st.loss_output = _scalar_outputs(outs)[0]
     return st
 
 
@@ -924,10 +927,14 @@ def _bindings(gm, batch, micro: int) -> dict:
     return out
 
 
+def _scalar_outputs(outs: list) -> list:
+    """Positions of the 0-d tensor outputs."""
+    return [i for i, v in enumerate(outs) if isinstance(v, fx.Node)
+            and isinstance(v.meta.get("example_value"), torch.Tensor) and v.meta["example_value"].dim() == 0]
+
+
 def _single_scalar_output(gm: fx.GraphModule) -> int:
-    outs = output_values(gm.graph)
-    scalars = [i for i, v in enumerate(outs) if isinstance(v, fx.Node)
-               and isinstance(v.meta.get("example_value"), torch.Tensor) and v.meta["example_value"].dim() == 0]
+    scalars = _scalar_outputs(output_values(gm.graph))
     if len(scalars) != 1:
         raise CaptureError("train_step needs a loss: the model returns no `loss` field and not exactly one scalar "
                            "output. Pass labels so the model computes its loss, or give Config(loss_fn=...) "
@@ -957,7 +964,7 @@ def _describe_io(plan: Plan) -> None:
                       "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get("rp_kind") == "sym":
-            plan.sym_sources[n.name] = _sym_source(gm, n.meta["rp_expr"])
+            plan.sym_sources[n.name] = n.meta.get("rp_arg_index") or _sym_source(gm, n.meta["rp_expr"])
     for v in output_values(gm.graph):
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
@@ -975,6 +982,8 @@ def _describe_io(plan: Plan) -> None:
                                f"its microbatches along dim 0 (the rows). Return it batch-first, or call with "
                                f"Config(num_microbatches=1)")
         plan.output_batched.append(batched)
+        if ev.dim() == 0 and sum_over_rows(v, batch):      # Note [sums over rows]: adds up over microbatches
+            plan.output_sums.add(len(plan.graph_outputs) - 1)
 
 
 def _sym_source(gm, expr):
