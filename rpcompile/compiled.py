@@ -47,7 +47,7 @@ class CompiledModel(torch.nn.Module):
         self.model = model
         self.config = config or Config()
         self.runner = GraphRunner(self.config)
-        self._plans = PlanCache(self.config)
+        self._plans = PlanCache(self.config, release=self.runner.release_plans)   # (Note [captures kept])
         self._last_plan = None
         self._parameters_seen = FirstParameters()
         self._one_call = OneCall()
@@ -101,11 +101,11 @@ class CompiledModel(torch.nn.Module):
         a closure made each step over an equal dict of weights serves from the first capture, where
         keying the unhashable dict by id captured again every step and kept every capture. A value
         with no such key (an unhashable object of no known structure) is keyed by id and kept
-        alive, so that its id names no other; a new one each step captures again each step, and
-        each capture is kept (a plan cannot be let go: the runner's programs are keyed by the
-        plan's id), so past _KEPT_BY_IDENTITY such values a call with another is refused with
-        what to pass instead (a count, not which of them their user still holds: a reference
-        count says that differently from one Python to the next). (What
+        alive, so that its id names no other; a new one each step captures again each step, each
+        capture in a call group of its own, which the bound on a group's captures (Note [captures
+        kept] in plan_cache.py) does not reach, so past _KEPT_BY_IDENTITY such values a call with
+        another is refused with what to pass instead (a count, not which of them their user still
+        holds: a reference count says that differently from one Python to the next). (What
         the capture read of the loss_fn, an attribute of a loss object, is checked at each call
         besides: Note [what the forward read] in reads.py.)"""
         if loss_fn is None:

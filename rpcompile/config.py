@@ -104,6 +104,11 @@ class Config:
         (Qwen3-1.7B, 2 H200s: setup 43.5-50.5 s against 56.0-60.4 s) but ran steps 1.4-2.6%
         slower on one H200 (48th session, RESULTS.md), so rpcompile leaves Inductor's default,
         autotuning, which a warm cache does not repeat.
+    captures_kept: how many captures (each with its plans and compiled stage programs) are kept
+        for calls alike but for the sizes or the Python values the forward reads (a Dropout's p,
+        a flag); past it the least recently used is dropped, as torch.compile bounds its
+        recompiles (torch._dynamo.config.recompile_limit, also 8): Note [captures kept] in
+        plan_cache.py.
     """
 
     devices: Sequence[str] = ("cpu",)
@@ -125,6 +130,7 @@ class Config:
     data_parallel: Optional[bool] = None
     split_microbatches: Optional[bool] = None
     host_memory_budget: Optional[object] = None
+    captures_kept: int = 8
 
     def __post_init__(self):
         if isinstance(self.devices, (str, torch.device)):
@@ -146,6 +152,8 @@ class Config:
         self.devices = [torch.device("cuda", d.index or 0) if d.type == "cuda" else d for d in self.devices]
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise ValueError(f"Config.num_microbatches={self.num_microbatches!r}: give an int >= 1")
+        if isinstance(self.captures_kept, bool) or not isinstance(self.captures_kept, int) or self.captures_kept < 1:
+            raise ValueError(f"Config.captures_kept={self.captures_kept!r}: give an int >= 1")
         self.memory_budget = parse_bytes(self.memory_budget)
         self.host_memory_budget = parse_bytes(self.host_memory_budget, "host_memory_budget")
         if isinstance(self.unbatched_inputs, (str, int)):

@@ -19,13 +19,19 @@ The choice is memoised per size, so a steady step costs one dict lookup.
 A capture also serves only calls whose model (and loss_fn) hold the values its forward read, as
 it read them (Note [what the forward read] in reads.py): `scope` names the call's model and
 loss_fn. Where a capture's sizes agree but such a value changed, the call captures anew and
-says which value changed: a value changed at every step captures at every step.
+says which value changed: a value changed at every step captures at every step, and the
+captures a group keeps are bounded (Note [captures kept]).
 """
 from __future__ import annotations
 
+import itertools
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
+
+import torch
 
 from .passes.at_sizes import job_memory_at
 from .passes.budgets import ModelBudgets
@@ -39,12 +45,28 @@ class _Capture:
     shapes: InputShapes
     plans: list                                   # plans of this capture, the first at its own sizes
     chosen: dict = field(default_factory=dict)    # planning sizes -> the plan that serves them
+    used: int = 0                                 # when a call last used it (Note [captures kept])
 
 
+# Note [captures kept]: every capture of a call group was kept, with its plans, and the runner's
+# compiled stage programs (with Inductor, their kernels), loss counters and worker processes'
+# copies of the plans, all keyed by plan: a Dropout's p annealed at every step captured at every
+# step and kept every capture, without end. torch.compile bounds its recompiles of a frame
+# (torch._dynamo.config.recompile_limit, 8) and says so when the bound is hit; here a group keeps
+# at most Config.captures_kept (also 8) captures, and a new one past that drops the least recently
+# used, whose plans the runner lets go of everything it keeps for (`release`:
+# GraphRunner.release_plans). The order the captures are tried in stays that of their making, so
+# which capture serves a call does not change with use. A value that alternates between a few
+# settings (two dropout rates, a flag set and cleared) keeps hitting its captures; one changed at
+# every step still captures at every step, and is said once, at the first capture the bound
+# drops, not at each step after it.
 class PlanCache:
-    def __init__(self, config):
+    def __init__(self, config, release=None):
         self.config = config
-        self._groups: dict = {}      # key -> [_Capture]
+        self.release = release       # plans -> None: what is kept for them goes (Note [captures kept])
+        self._groups: dict = {}      # key -> [_Capture], in the order they were made
+        self._dropping: set = set()  # keys of the groups whose bound dropped a capture (said once)
+        self._uses = itertools.count(1)
         self.least_share = 0.0       # a plan made beside a smaller share of the optimizer no longer serves
         self.budgets = ModelBudgets(config)   # what the model's plans are held to (passes/budgets.py)
         self.scope = None            # {"model": ..., "loss_fn": ...} of the call looked up (Captured.reads)
@@ -75,14 +97,28 @@ class PlanCache:
             if reads is not None and self.scope is not None and not reads.holds(self.scope):
                 stale = c
                 continue
+            c.used = next(self._uses)
             return self._plan_at(c, sizes, compile)
-        if stale is not None:
-            _warn_changed(stale.captured.reads.changes(self.scope), len(group) + 1)
+        changes = stale.captured.reads.changes(self.scope) if stale is not None else []
+        kept = self.config.captures_kept
+        if key not in self._dropping:
+            if len(group) >= kept:
+                self._dropping.add(key)
+                _warn_dropping(changes, kept)
+            elif changes:
+                _warn_changed(changes, len(group) + 1, kept)
         cap = capture()
         plan = compile(cap, None)
-        c = _Capture(cap, InputShapes(cap, plan.batch.symbols), [plan])
+        c = _Capture(cap, InputShapes(cap, plan.batch.symbols), [plan], used=next(self._uses))
         group.append(c)
+        while len(group) > kept:
+            self._drop(group, min(group, key=lambda old: old.used))
         return self._plan_at(c, c.shapes.accept(leaves), compile)
+
+    def _drop(self, group: list, c: _Capture) -> None:
+        group.remove(c)
+        if self.release is not None:
+            self.release(c.plans)
 
     def _plan_at(self, c: _Capture, sizes: dict, compile):
         at = self._planning_sizes(c.plans[0], sizes)
@@ -127,15 +163,47 @@ class PlanCache:
         return host_bytes_at(plan, self.config.optimizer_mode, at) <= first.budget
 
 
-def _warn_changed(changes: list, n: int) -> None:
-    """Say which values the forward read changed since the capture, whose change captures anew."""
+def _warn_changed(changes: list, n: int, kept: int) -> None:
+    """Say which value the forward read changed since the capture, whose change captures anew."""
     if not changes:
         return
+    _warn_at_caller(f"rpcompile: {_changed(changes)}; the forward reads it as a constant, so this call captures the "
+                    f"model again ({n} captures kept for calls like it, of at most {kept}: Config.captures_kept). A "
+                    f"value changed at every step captures at every step: {_REMEDY}.")
+
+
+def _warn_dropping(changes: list, kept: int) -> None:
+    """Say once that a group's bound drops captures (Note [captures kept])."""
+    why = (f"{_changed(changes)}, which the forward reads as a constant" if changes
+           else "none of the captures kept serves this call's sizes")
+    _warn_at_caller(f"rpcompile: {why}, and {kept} captures are kept for calls like it already "
+                    f"(Config.captures_kept), so this call captures the model again and the least recently used "
+                    f"capture is dropped with its plans and compiled stage programs; a call that needs it captures "
+                    f"again. Each later capture of these calls drops one too, and is not said again: {_REMEDY}.")
+
+
+_REMEDY = ("keep such a value in a tensor (a buffer the forward reads), which the graph takes as an input, or change "
+           "it less often")
+
+
+def _changed(changes: list) -> str:
     more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
-    warnings.warn(f"rpcompile: {changes[0]}{more}; the forward reads it as a constant, so this call captures the "
-                  f"model again ({n} captures kept for calls like it). A value changed at every step captures at "
-                  "every step: change it less often, or keep it in a tensor (a buffer the forward reads), which the "
-                  "graph takes as an input.", stacklevel=5)
+    return f"{changes[0]}{more}"
+
+
+# frames of rpcompile's own and torch's (nn.Module.__call__) files, between a call and its warning
+_NOT_THE_CALLER = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                   os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _warn_at_caller(message: str) -> None:
+    """warnings.warn, pointing at the line that called rpcompile (cm.train_step(...) or cm(...),
+    through nn.Module.__call__): the first frame outside rpcompile and torch. (Python 3.12's
+    skip_file_prefixes does this; 3.11 has only a stacklevel, counted here.)"""
+    frame, level = sys._getframe(), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_NOT_THE_CALLER):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
 
 
 def _batch_names(plan) -> set:

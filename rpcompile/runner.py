@@ -6,6 +6,7 @@ Works on flat call leaves (what dynamo hands a backend, or the pytree leaves of 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -51,6 +52,7 @@ class GraphRunner:
             self.host_placement = config.on_gpu            # pinned on GPUs
         self.programs = ProgramCache(config.compile_stages, config.on_gpu, config.inductor_options)
         self._counters: dict = {}
+        self._finalizers: dict = {}      # id(plan) -> what lets go of the programs and counters kept for it
         self._warned_static = False
         self.host_weights = HostWeights(pin=self.host_placement)
         self.host_grads = HostGrads(pin=self.host_placement, drop=getattr(self.executor, "forget_shared", None))
@@ -107,7 +109,30 @@ class GraphRunner:
 
     # --- programs per device ---------------------------------------------------------------
     def program_for(self, plan, stage, role, device):
+        self._kept_for(plan)
         return self.programs.get(id(plan), id(plan.captured), plan.captured.capture_device, stage, role, device)
+
+    def _kept_for(self, plan) -> None:
+        """What this runner keeps for `plan` by its id (programs, loss counters) goes when the
+        plan dies, or earlier, when it is dropped with its capture (release_plans): a later plan
+        may get its id (Note [captures kept] in plan_cache.py)."""
+        if id(plan) not in self._finalizers:
+            let_go = weakref.finalize(plan, _let_go, self.programs, self._counters, self._finalizers, id(plan),
+                                      id(plan.captured))
+            let_go.atexit = False       # (nothing to let go of at exit)
+            self._finalizers[id(plan)] = let_go
+
+    def release_plans(self, plans) -> None:
+        """Let go of everything kept for `plans`, dropped with their capture (Note [captures
+        kept]); their steps have ended (a new capture settles them first)."""
+        for plan in plans:
+            let_go = self._finalizers.get(id(plan))
+            if let_go is not None:
+                let_go()
+            self.mode.forget_plan(plan)
+        forget = getattr(self.executor, "forget_plans", None)     # worker processes' copies
+        if forget is not None:
+            forget(plans)
 
     @property
     def _programs(self) -> dict:
@@ -153,6 +178,7 @@ class GraphRunner:
         """The counted targets of a loss counter over the whole batch (Note [whole-batch loss])."""
         c = self._counters.get((id(plan), id(counter)))
         if c is None:
+            self._kept_for(plan)
             c = retarget(counter, {plan.captured.capture_device.type: torch.device("cpu")})
             self._counters[id(plan), id(counter)] = c
         names = [n for n in c.graph.nodes if n.op == "placeholder"]
@@ -507,6 +533,14 @@ class GraphRunner:
         param_grads = sum_param_grads(step.param_grads, step.grads.row_sums)
         step.grads.settle(True)
         return param_grads, input_grads
+
+
+def _let_go(programs, counters, finalizers, plan_key, capture_key) -> None:
+    """A plan's finalizer (GraphRunner._kept_for): holds no runner, so keeps none alive."""
+    programs.release(plan_key, capture_key)
+    for key in [k for k in list(counters) if k[0] == plan_key]:
+        counters.pop(key, None)
+    finalizers.pop(plan_key, None)
 
 
 def _call_backward_jobs(plan) -> list:

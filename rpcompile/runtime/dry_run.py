@@ -196,7 +196,7 @@ class DryRuns:
 
     def before_job(self, step, plan, stage, role) -> None:
         """Dry-run the job's program unless this worker has run it (or tried to)."""
-        key = (id(plan), stage.index, role)
+        key = (plan.key, stage.index, role)
         if key in self.seen:
             return
         self.seen.add(key)
@@ -204,7 +204,7 @@ class DryRuns:
             return
         t0 = time.perf_counter()
         try:
-            program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, role, self.dev.device)
+            program = self.programs.get(plan.key, plan.capture_key, plan.capture_device, stage, role, self.dev.device)
             dry_run(step, stage, role, self.dev, program, self.programs.locks)
         except Exception:   # noqa: BLE001 - the real first call compiles, and reports what fails
             last = traceback.format_exc().strip().splitlines()[-1]

@@ -82,6 +82,9 @@ class _Mode:
     def release(self, runner) -> None:
         """Before another mode takes over the host gradient set."""
 
+    def forget_plan(self, plan) -> None:
+        """A plan dropped with its capture (Note [captures kept] in plan_cache.py)."""
+
     def abandon(self, step):
         """A step started by start() that will not finish (it, or the step before it, failed);
         returns a note for the error, or None."""
@@ -341,6 +344,9 @@ class DelayedMode(OverlappedMode):
         gs.release(range(len(gs.consumed)), gs.submitted)
         self.started -= 1
         return None
+
+    def forget_plan(self, plan) -> None:
+        self.grad_keys.pop(id(plan), None)
 
     def submit_early(self, runner, plan, step, run):
         keys = self.grad_keys.get(id(plan))

@@ -303,6 +303,13 @@ class ProcessExecutor:
         self._plans[id(plan)] = (key, plan)
         return key
 
+    def forget_plans(self, plans) -> None:
+        """Plans dropped with their capture (Note [captures kept] in plan_cache.py): the workers
+        let go of them, their programs and their capture's pieces."""
+        keys = [self._plans.pop(id(p))[0] for p in plans if self._plans.get(id(p), (None, None))[1] is p]
+        if keys and self.hub is not None:
+            self.hub.forget([], keys)
+
     def _weights_key(self, step) -> int:
         """The table of shared working copies the step's jobs read, sent once per table."""
         refs = tuple(self.memory.ref(t) for t in weight_table(step))

@@ -173,5 +173,13 @@ class ProgramCache:
             timeline.mark(f"program {stage.index}{role} for {device} built", time.perf_counter() - t0)
         return prog
 
+    def release(self, plan_key, capture_key=None) -> None:
+        """Drop the programs of a plan let go (Note [captures kept] in plan_cache.py) and, with
+        `capture_key`, the pieces of its capture: keyed by ids, none may outlive its plan, whose
+        id a later one may get. (list(): a plan's finalizer may run this beside a lookup.)"""
+        for cache, gone in ((self._programs, plan_key), (self._pieces, capture_key)):
+            for key in [k for k in list(cache) if gone is not None and k[0] == gone]:
+                cache.pop(key, None)
+
     def clear(self):
         self._programs.clear()

@@ -184,7 +184,8 @@ class _Warm:
 class WorkerPlan:
     """What a worker keeps of a plan: its stages (with programs) and parameter facts."""
 
-    def __init__(self, bundle: dict):
+    def __init__(self, key: int, bundle: dict):
+        self.key = key      # the main process's, never reused: what its programs are kept by
         self.stages = bundle["stages"]
         self.param_index = bundle["param_index"]
         self.buffer_index = bundle["buffer_index"]
@@ -236,7 +237,7 @@ class WorkerStep(StepState):
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         if len(self.exchanges) == 1:     # a copy of one job keeps its accumulator (Note [copies' sum beside the next step])
             for job, ex in self.exchanges.items():
-                ex.kept, ex.kept_key = self.worker.kept_sum, (id(self.plan), job)
+                ex.kept, ex.kept_key = self.worker.kept_sum, (self.plan.key, job)
         self.order = [a.job for a in actions]
         self.job_stage = {a.job: a.stage for a in actions}
         self.position = {j: k for k, j in enumerate(self.order)}
@@ -437,6 +438,16 @@ class Worker:
             else:
                 traceback.print_exc()
 
+    def forget_plan(self, key) -> None:
+        """A plan dropped with its capture (Note [captures kept] in plan_cache.py): its programs
+        go, and its capture's pieces where no plan kept here is of that capture."""
+        plan = self.plans.pop(key, None)
+        if not isinstance(plan, WorkerPlan):
+            return
+        capture_gone = all(p.capture_key != plan.capture_key for p in self.plans.values() if isinstance(p, WorkerPlan))
+        self.programs.release(key, plan.capture_key if capture_gone else None)
+        self.dry_runs.seen -= {seen for seen in list(self.dry_runs.seen) if seen[0] == key}   # (the job thread adds)
+
     def refuse_run(self, step_id, desc, exc):
         """A run this worker cannot start (its plan did not load, ...): its jobs end failed,
         and the other workers' jobs of the run stop."""
@@ -455,7 +466,7 @@ class Worker:
         kind = msg[0]
         t0 = time.perf_counter()
         if kind == "plan":
-            self.plans[msg[1]] = WorkerPlan(_load_plan(msg[2]))
+            self.plans[msg[1]] = WorkerPlan(msg[1], _load_plan(msg[2]))
             timeline.mark("plan loaded", time.perf_counter() - t0)
         elif kind == "table":
             self.tables[msg[1]] = [self.memory.tensor(r) for r in msg[2]]
@@ -480,9 +491,10 @@ class Worker:
                 self.early.pop(msg[1], None)
             self.pools.pop(msg[1], None)     # its chunks serve a later step (Note [slot sets])
         elif kind == "forget":         # chunks no slot set holds (Note [outgrown slots]), copies let go,
-            for key in msg[2]:                                 # a step's own gradient set
+            for key in msg[2]:                                 # a step's own gradient set, plans dropped
                 self.tables.pop(key, None)
                 self.grad_sets.pop(key, None)
+                self.forget_plan(key)
             self.memory.forget(msg[1])
         elif kind in ("done", "fail", "replica"):
             with self.step_lock:
@@ -611,7 +623,7 @@ class Worker:
                                    worker=self.index))
         links = JobLinks.of(a, lambda job: plan.stages[step.job_stage[job]])
         try:
-            program = self.programs.get(id(plan), plan.capture_key, plan.capture_device, stage, a.role, self.device)
+            program = self.programs.get(plan.key, plan.capture_key, plan.capture_device, stage, a.role, self.device)
         except BaseException as exc:
             step.fail(_failure(f"stage {stage.index} ({a.role}) on {self.label}: building its program failed", exc,
                                stage=stage.index, device=self.label, job=a.job, worker=self.index))
