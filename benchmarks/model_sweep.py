@@ -430,6 +430,44 @@ def run_child(model_type: str, timeout: float) -> dict:
     return res
 
 
+# Vision-language models trained with images: checked by hand (the sweep's text-only call is not
+# what users train); results.md's last section, kept by --report.
+VLM_SECTION = [
+    "## Vision-language models, trained with images",
+    "",
+    "Not in the sweep above (its families are trained on token ids alone): tiny VLMs from configs, random "
+    "weights, 5 rows of 12 tokens with one image a row, its image tokens placed as the processor places them "
+    "and labels -100 up to the image's end; `train_step(input_ids=, pixel_values=, labels=, ...)` against eager "
+    "(loss, every gradient within 1e-4 of the largest, parameters after SGD-with-momentum steps), transformers "
+    "5.25, torch 2.13. Tests: tests/zoo.py (`gemma3_vlm`, `paligemma`), tests/test_vlm.py.",
+    "",
+    "| family | images | result |",
+    "|---|---|---|",
+    "| gemma3 (Gemma3ForConditionalGeneration) | SigLIP 16x16 px, 4x4 patches pooled to 4 tokens, "
+    "token_type_ids | as eager, 5 rows over 4 microbatches on 3 devices (zoo). Before: InputError, pixel_values' batch "
+    "fixed by the f-string of the feature-count check (Note [sizes in messages], rpcompile/capture.py) |",
+    "| paligemma | SigLIP 8x8 px, 4 tokens first, prefix-LM token_type_ids | as eager, 5 rows over 3 microbatches "
+    "on 2 devices (zoo, tight budget; the same fix) |",
+    "| llava | CLIP 8x8 px, 4 tokens (CLS dropped) | as eager with num_microbatches=1, pipelined (test_vlm). "
+    "Before: CaptureError at transformers' hook-installation lock (its vision tower's hidden states are asked "
+    "for inside forward: Note [recorded outputs]). With microbatches: an InputError naming "
+    "`image_features = list(image_features)` (modeling_llava.py:164), a Python list of the batch's images "
+    "that fixes pixel_values' batch; torch.compile(fullgraph=True) specialises it the same way |",
+    "| smolvlm, idefics3 | pixel_values (rows, images, 3, 8, 8), pixel shuffle to 4 tokens | smolvlm as eager "
+    "with num_microbatches=1 (test_vlm; before: a TypeError inside the capture on its output of data-dependent "
+    "rows). Microbatches: InputError naming `image_features.split(num_real_images_per_batch.tolist())` "
+    "(idefics3: the same) |",
+    "| mistral3 (Pixtral tower) | image_sizes | CaptureError: per-image patch grids from `image_sizes.tolist()` "
+    "are data-dependent (Pixtral's sdpa `q_length > 1`; with eager attention, the patch merger's `unfold`); "
+    "torch.compile(fullgraph=True) cannot either |",
+    "| qwen2_vl (qwen2_5_vl, qwen3_vl share the code, not run) | flattened patches + image_grid_thw, "
+    "mm_token_type_ids | CaptureError: the vision attention splits by `cu_seqlens.tolist()` (sdpa/eager; "
+    "flash-attention's path needs a GPU) and M-RoPE's get_rope_index loops over rows with `.tolist()`; "
+    "torch.compile(fullgraph=True) cannot either. Even captured, pixel_values' rows are patches, not the "
+    "batch's rows, and precomputed position_ids are (3, rows, seq): rpcompile splits dim 0 only |",
+]
+
+
 # What the triage found for the families that are not ok (results.md's last column).
 NOTES = {
     "big_bird": "BigBird's forward swaps its block-sparse attention for new full-attention modules (nn.Linear "
@@ -503,6 +541,7 @@ def write_results(results: dict) -> None:
                 detail = "(not an RPCompileError) " + detail
         lines.append(f"| {r['family']} | {r.get('class', '')} | {s} | {_cell(detail, 300)} | "
                      f"{_cell(NOTES.get(r['family'], ''), 300)} |")
+    lines += ["", *VLM_SECTION]
     with open(os.path.join(OUT_DIR, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

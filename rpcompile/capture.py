@@ -189,21 +189,21 @@ def _same_tensor_of(node, placeholders) -> bool:
 # a model's first call asking for them installs, under a threading.Lock that TorchDynamo cannot
 # trace: torch.compile(model, fullgraph=True) of a fresh model fails there, and works once the
 # model has run eagerly. rpcompile never runs the model eagerly (it may not fit), so before a
-# capture that asks for recorded outputs (an output_* argument of the call or of a config) it
-# installs those hooks as that first call would; they do nothing unless a call records.
-def _install_output_recorders(model: torch.nn.Module, kwargs) -> None:
+# capture it installs those hooks on every transformers model of the tree, as that first call
+# would; they do nothing unless a call records. Not only where the call or a config asks
+# (an output_* argument): a vision-language model asks its vision tower for the hidden states of
+# its vision_feature_layer inside its own forward (LLaVA, Mistral 3: transformers'
+# select_hidden_states), which nothing in the call or the configs shows (a CaptureError at the
+# lock, "not in your code").
+def _install_output_recorders(model: torch.nn.Module) -> None:
     import sys
     recorders = sys.modules.get("transformers.utils.output_capturing")
     install = getattr(recorders, "maybe_install_capturing_hooks", None)
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     if install is None or pretrained is None:
         return
-    models = [m for m in model.modules() if isinstance(m, pretrained)]
-    asked = any(k.startswith("output_") and v is True for k, v in kwargs.items()) or any(
-        k.startswith("output_") and v is True for m in models for k, v in vars(getattr(m, "config", None) or
-                                                                               types.SimpleNamespace()).items())
-    if asked:
-        for m in models:
+    for m in model.modules():
+        if isinstance(m, pretrained):
             install(m)
 
 
@@ -217,6 +217,19 @@ def _mark_sym(node: fx.Node, ex) -> None:
     node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
 
 
+def _hint_of(size) -> int:
+    """A size's value at capture. An output whose size the data decides (an unbacked symbol, as
+    SmolVLM's image features after it drops the padding images by a mask) has none: the dummy
+    output takes dynamo's optimization hint (the capture computes nothing: only its identity and
+    rank are read)."""
+    if not isinstance(size, torch.SymInt):
+        return size
+    if size.node.hint is not None:
+        return size.node.hint
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    return optimization_hint(size, fallback=1)
+
+
 def _dummy_outputs(gm: fx.GraphModule):
     """Meta tensors shaped like the graph outputs: what the capture call returns, computing nothing."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -224,10 +237,9 @@ def _dummy_outputs(gm: fx.GraphModule):
     for a in pytree.tree_leaves(out_node.args[0]):
         ev = a.meta.get("example_value") if isinstance(a, fx.Node) else a
         if isinstance(ev, torch.Tensor):
-            shape = [s.node.hint if isinstance(s, torch.SymInt) else s for s in ev.shape]
-            vals.append(torch.empty(shape, dtype=ev.dtype, device="meta"))
+            vals.append(torch.empty([_hint_of(s) for s in ev.shape], dtype=ev.dtype, device="meta"))
         elif isinstance(ev, torch.SymInt):
-            vals.append(ev.node.hint)
+            vals.append(_hint_of(ev))
         else:
             vals.append(ev)
     return vals
@@ -281,6 +293,39 @@ def _checkpointing_off(model):
         for m, hooks in hooked:
             m._forward_hooks.clear()
             m._forward_hooks.update(hooks)
+
+
+# Note [sizes in messages]: dynamo formats a size in a string (an f-string, str.format) by
+# evaluating it, which guards the size to its value at capture: transformers' vision-language
+# models build the message of their feature-count check eagerly, f"... features: {n}" with n the
+# image features' rows (pixel_values' dim 0 times the tokens per image), and the check itself
+# discards the message while tracing. The batch of pixel_values was fixed at capture (an
+# InputError: "the captured graph fixed that size") where eager and every microbatch's rows
+# agree. Dynamo already keeps a string of a size it cannot evaluate (an unbacked one) as a
+# deferred format; while capturing, a symbolic size is formatted that way too, so a message
+# costs no guard. Dynamo does not read a deferred string's value: a model that uses it (a dict
+# key, a branch) should stop the capture (a CaptureError) rather than fix the size silently.
+@contextlib.contextmanager
+def _sizes_formatted_lazily():
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    lazy = getattr(torch._dynamo.variables.lazy, "LazySymNodeFormatString", None)
+    if lazy is None:        # (another torch: sizes are formatted as it does)
+        yield
+        return
+    real = lazy.__repr__
+
+    def deferred(self):
+        size = getattr(self.sym_node_var, "sym_num", None)
+        expr = getattr(getattr(size, "node", None), "expr", None)
+        if isinstance(expr, sympy.Expr) and expr.free_symbols:
+            raise GuardOnDataDependentSymNode(expr, "rpcompile: a size formatted while capturing")
+        return real(self)
+
+    lazy.__repr__ = deferred
+    try:
+        yield
+    finally:
+        lazy.__repr__ = real
 
 
 # Note [log calls]: dynamo stops at a call of logging.Logger methods, logging.warning,
@@ -558,9 +603,10 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     fn = types.FunctionType(traced.__code__.replace(co_name=f"rp_capture_{n}"), traced.__globals__,
                             f"rp_capture_{n}", traced.__defaults__, traced.__closure__)
     named = kwargs if isinstance(kwargs, dict) else {}
-    _install_output_recorders(model, named)
+    _install_output_recorders(model)
     names = [k for k in named if k != LOSS_TARGET]
-    with _SwapToCopies(model, copies) as swap, _capture_config(), traceable_lora_params(model), _checkpointing_off(model):
+    with _SwapToCopies(model, copies) as swap, _capture_config(), _sizes_formatted_lazily(), \
+            traceable_lora_params(model), _checkpointing_off(model):
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:

@@ -17,6 +17,8 @@ import dataclasses
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.capture import _install_output_recorders
+
 
 def _leaf_sig(leaf):
     if isinstance(leaf, torch.Tensor):
@@ -76,6 +78,9 @@ def kept(capture_call):
         if key is not None and key in store:
             cap = _bound(store[key], model)
             if cap is not None:
+                # (as a capture does: transformers' output recorders on the model, which its
+                # reads count: Note [recorded outputs] in rpcompile/capture.py)
+                _install_output_recorders(model)
                 call.hits += 1
                 return cap
         cap = capture_call(model, args, kwargs, **kw)

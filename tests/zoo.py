@@ -275,6 +275,75 @@ def deepseek_v4():
         index_head_dim=16, index_topk=4, qk_rope_head_dim=8, hc_mult=2))
 
 
+# --- vision-language models --------------------------------------------------------------------
+# Rows as the processor lays them out: text, the image's tokens (one id per image feature, between
+# begin/end-of-image ids where the family has them), then the answer; labels -100 up to the
+# image's end. One image a row: pixel_values' dim 0 is the batch's (split with the rows).
+
+IMAGE_ID, BOI_ID, EOI_ID, VLM_SEQ = VOCAB - 1, VOCAB - 3, VOCAB - 4, 12
+
+
+def _vlm_text(**kw):
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=32, **kw)
+
+
+def vlm_batch(seed, image_tokens, size, begin=None, end=None):
+    """input_ids with each row's image tokens after 2 or 3 text tokens, labels -100 up to the
+    image's end, pixel_values (rows, 3, size, size) and token_type_ids 1 on the image tokens
+    (Gemma 3's processor: bidirectional attention over each image)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB - 8, (BATCH, VLM_SEQ), generator=g)
+    labels = ids.clone()
+    segment = torch.tensor(([begin] if begin is not None else []) + [IMAGE_ID] * image_tokens
+                           + ([end] if end is not None else []))
+    for r in range(BATCH):
+        at = 2 + r % 2
+        ids[r, at:at + len(segment)] = segment
+        labels[r, :at + len(segment)] = -100
+    return {"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, size, size, generator=g), "labels": labels,
+            "token_type_ids": (ids == IMAGE_ID).long()}
+
+
+def gemma3_vlm():
+    """Gemma 3 with images: a SigLIP tower (16x16 pixels, 4x4 patches), its 16 patches pooled to 4
+    image tokens, bidirectional attention over each image (token_type_ids), a sliding-window text
+    layer. Its feature-count check formats the image features' rows in its message: that fixed
+    the batch of pixel_values at capture (Note [sizes in messages] in rpcompile/capture.py)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    return Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=_vlm_text(sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=IMAGE_ID, boi_token_index=BOI_ID, eoi_token_index=EOI_ID))
+
+
+def gemma3_vlm_batch(seed):
+    return vlm_batch(seed, 4, 16, BOI_ID, EOI_ID)
+
+
+def paligemma():
+    """PaliGemma: SigLIP tower (8x8 pixels, 4x4 patches: 4 image tokens) projected into Gemma; a
+    prefix-LM mask (token_type_ids 0 on the image and prompt, 1 on the answer the loss reads)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+    return PaliGemmaForConditionalGeneration(PaliGemmaConfig(
+        text_config=dict(model_type="gemma", **_vlm_text()),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4, projection_dim=32),
+        image_token_index=IMAGE_ID, projection_dim=32))
+
+
+def paligemma_batch(seed):
+    """As PaliGemma's processor lays out a row: the image tokens first, then the prompt, then the
+    answer (token_type_ids 1, the labels)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB - 8, (BATCH, VLM_SEQ), generator=g)
+    ids[:, :4] = IMAGE_ID
+    answer = torch.arange(VLM_SEQ) >= 7 + (torch.arange(BATCH)[:, None] % 2)
+    return {"input_ids": ids, "pixel_values": torch.randn(BATCH, 3, 8, 8, generator=g),
+            "labels": torch.where(answer, ids, torch.full_like(ids, -100)), "token_type_ids": answer.long()}
+
+
 def batchnorm_eager(model, batch, M):
     """Eager gradient accumulation over the same microbatches: BatchNorm normalises each
     microbatch by its own statistics, as a pipelined step does."""
@@ -492,5 +561,7 @@ CASES = [
     Case("ngram_targets", _seeded(NgramTargets), lm_batch, eager=plain_eager),
     Case("deepseek_v4", _seeded(deepseek_v4), lm_batch, tight=True),
     Case("ctrl", _seeded(ctrl), lm_batch),
+    Case("gemma3_vlm", _seeded(gemma3_vlm), gemma3_vlm_batch),
+    Case("paligemma", _seeded(paligemma), paligemma_batch, tight=True),
 ]
 BY_NAME = {c.name: c for c in CASES}

@@ -27,6 +27,7 @@ StageError naming the value and the stage.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -45,6 +46,7 @@ class BatchInfo:
     symbols: frozenset = frozenset()                    # sympy symbols of the batched inputs' dim 0
     leaves: set = field(default_factory=set)            # call leaf indices split on dim 0
     fixed: list = field(default_factory=list)           # names of inputs of dim 0 == B the graph fixed
+    fixed_at: dict = field(default_factory=dict)        # name -> the model's line that fixed it (fixed_where)
     shared: list = field(default_factory=list)          # (input name, dim): a batch symbol used elsewhere
 
     def is_batch_dim(self, size) -> bool:
@@ -132,6 +134,9 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
             symbols.add(d0.node.expr)
         else:
             info.fixed.append(name)
+            where = fixed_where(ev, name)
+            if where:
+                info.fixed_at[name] = where
     info.symbols = frozenset(symbols)
     for n, ev in inputs:
         for d, s in enumerate(ev.shape):
@@ -142,17 +147,61 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
     return info
 
 
+def _source_leaf(source: str) -> Optional[str]:
+    """The leaf name (leaf_names) of a dim-0 size source of the capture's call, as
+    "L['k']['pixel_values'].size()[0]" -> "pixel_values", "L['a'][0].size()[0]" -> "args[0]"
+    (the dynamo backend's sources: "L['kwargs'][...]", "L['args'][...]"); None for another size."""
+    if not source.endswith(".size()[0]"):
+        return None
+    keys = re.findall(r"\[(?:'([^']*)'|(\d+))\]", source[: -len(".size()[0]")])
+    parts = [k if k else int(i) for k, i in keys]
+    if len(parts) < 2 or not source.startswith("L["):
+        return None
+    rest = "".join(f"[{p!r}]" for p in parts[2:])
+    if parts[0] in ("a", "args"):
+        return f"args[{parts[1]}]{rest}"
+    if parts[0] in ("k", "kwargs"):
+        return f"{parts[1]}{rest}"
+    return None
+
+
+def fixed_where(ev, name: str) -> Optional[str]:
+    """Where the capture fixed dim 0 of the input `name` (the model's line whose guard made its size
+    symbol a constant: `image_features = list(image_features)  # .../modeling_llava.py:164 in
+    get_image_features`), or None. Read off the ShapeEnv of the input's fake value: the size symbol
+    dynamo gave the dim (its sources) and the first guard on it (its source location)."""
+    env = getattr(getattr(ev, "fake_mode", None), "shape_env", None)
+    if env is None:
+        return None
+    try:
+        symbols = set()
+        for sym, sources in getattr(env, "var_to_sources", {}).items():
+            for src in sources:
+                text = src.name() if callable(src.name) else src.name
+                if _source_leaf(str(text)) == name:
+                    symbols.add(sym)
+        for guard in env.guards:
+            if symbols & guard.expr.free_symbols:
+                loc = getattr(guard, "sloc", None)
+                return (getattr(loc, "maybe_user_loc", None) or str(loc)).strip() if loc is not None else None
+    except Exception:   # noqa: BLE001 - another torch's ShapeEnv: the error says less, nothing else changes
+        return None
+    return None
+
+
 def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where a split would pair rows wrongly (Note [batched inputs])."""
     if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
         return
     if info.fixed:
+        at = "".join(f"; {name!r} at `{where}`" for name, where in info.fixed_at.items())
         raise InputError(
             f"input(s) {', '.join(map(repr, info.fixed))} have dim 0 of size {info.size}, the batch size, but the "
-            "captured graph fixed that size (the model code specialised it), so rpcompile cannot split them into "
-            f"{num_microbatches} microbatches beside the other batched inputs. If such an input is not batched, name "
-            "it in Config(unbatched_inputs=[...]); if it is, keep its dim 0 dynamic in the model (no branch or "
-            "reshape on the batch size), or use num_microbatches=1.")
+            f"captured graph fixed that size (the model code specialised it{at}), so rpcompile cannot split them "
+            f"into {num_microbatches} microbatches beside the other batched inputs. If such an input is not batched, "
+            "name it in Config(unbatched_inputs=[...]); if it is, keep its dim 0 dynamic in the model (no branch, "
+            "reshape or Python list over the batch: `list(x)`, `x.split(counts.tolist())`, as some "
+            "vision-language models do with their images), or use num_microbatches=1.")
     if info.shared:
         where = ", ".join(f"{name!r} dim {d}" for name, d in info.shared)
         raise InputError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import operator
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -631,11 +632,25 @@ class _Annotator:
 
     # -- measuring on fakes -----------------------------------------------------------------
     def _measure(self, node, flat_args, spec, in_rg, in_param):
+        # (a fake implementation that fails logs its traceback as an error before it raises: the
+        # failures here are tried again, and said once, by the warning below)
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        was, fake_log.disabled = fake_log.disabled, True
+        try:
+            return self._measure_logged(node, flat_args, spec, in_rg, in_param)
+        finally:
+            fake_log.disabled = was
+
+    def _measure_logged(self, node, flat_args, spec, in_rg, in_param):
         try:
             return self._measure_once(node, flat_args, spec, in_rg, in_param, clone=False)
         except Exception as first:
             try:  # in-place ops cannot run on leaves that require grad: run on clones
                 return self._measure_once(node, flat_args, spec, in_rg, in_param, clone=True)
+            except Exception:
+                pass
+            try:  # Note [ops that need the python dispatcher]
+                return self._measure_once(node, flat_args, spec, in_rg, in_param, clone=False, dispatcher=True)
             except Exception:
                 # a node reading only 0-dim tensors (a module's scalar attribute, `.item()`) is
                 # cheap whatever it does: costing it as 0 loses nothing worth a warning
@@ -647,7 +662,14 @@ class _Annotator:
                                   f"({type(first).__name__}: {first}); costed as 0 FLOPs")
                 return (_ZERO, _ZERO, _ZERO, (), (), [])
 
-    def _measure_once(self, node, flat_args, spec, in_rg, in_param, clone):
+    # Note [ops that need the python dispatcher]: some ops' fake implementations run their
+    # Python reference only under the python dispatcher, which dynamo's tracing enables and a
+    # measurement on fakes did not: masked_scatter of symbolic sizes (how a vision-language model
+    # puts its image features into the text embeddings) failed with "SymIntArrayRef expected to
+    # contain only concrete integers", a warning at every capture, and was costed as 0 with
+    # nothing saved. A measurement that fails is tried again under it (the others stay as
+    # measured).
+    def _measure_once(self, node, flat_args, spec, in_rg, in_param, clone, dispatcher=False):
         saved: dict = {}
         excluded: set = set()  # storages of parameters and buffers: not activations
         inputs: dict = {}      # storage -> the flat position of the input leaf that owns it
@@ -666,6 +688,9 @@ class _Annotator:
             if self.shape_env is not None:  # planning must not add guards to the capture
                 stack.enter_context(self.shape_env.suppress_guards())
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            if dispatcher:
+                from torch._dispatch.python import enable_python_dispatcher
+                stack.enter_context(enable_python_dispatcher())
 
             # leaves shaped like the inputs' example values (same sizes, strides, dtype), one per
             # producer value, reused by its consumers; in-place ops get fresh ones
