@@ -6,9 +6,17 @@ of the first graph as an output, a SymInt. rpcompile's stage jobs return tensors
 refused the graph ("returns a non-tensor value computed in forward"). A size is a function of the
 call's sizes: the backend takes it out of the graph and computes it per call from the sizes of
 the arguments, putting it back at its place among the outputs.
+
+Note [graphs shared by modules]: dynamo passes a module's parameters and buffers to its graph as
+inputs, so one graph serves every module whose forward it traced alike (each expert of an MoE
+layer whose loop over experts breaks the graph, compiled frame by frame): the plan read the
+parameters it was captured with, the first expert's, for all of them (a loop MoE's loss 0.04 off
+eager's, every gradient given to one expert). A call passing other parameters or buffers gets a
+plan of its own, bound to them.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import sympy
@@ -30,13 +38,16 @@ def backend(config: Optional[Config] = None):
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
         symbolic = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        _inline_numbers(gm)
         sizes, sources = _take_out_sizes(gm, symbolic), _size_sources(symbolic)
         cap = from_dynamo(gm, example_inputs)
         _sizes_given(cap, symbolic)
         plan = compile_graph(cap, config, "call")
+        plan_for = _plans_by_module_state(cap, plan, lambda bound: plans.append(compile_graph(bound, config, "call"))
+                                          or plans[-1])
 
         def run(*flat_args):
-            outputs = runner.call(plan, list(flat_args))
+            outputs = runner.call(plan_for(flat_args), list(flat_args))
             if not sizes:
                 return outputs
             outputs = list(outputs)
@@ -51,6 +62,42 @@ def backend(config: Optional[Config] = None):
 
     compile_fn.plans = plans   # every graph dynamo handed over, newest last
     return compile_fn
+
+
+def _plans_by_module_state(cap, plan, compile):
+    """flat_args -> the plan reading the parameters and buffers this call passes (Note [graphs
+    shared by modules]); compile(bound capture) -> a new one."""
+    at = {kind: [i for i, n in enumerate(cap.placeholders()) if n.meta.get("rp_kind") == kind]
+          for kind in ("param", "buffer")}
+    others: dict = {}     # ids of the state a call passes -> its plan (which holds that state)
+
+    def plan_for(flat_args):
+        params, buffers = ([flat_args[i] for i in at[kind]] for kind in ("param", "buffer"))
+        if all(a is b for a, b in zip(params + buffers, cap.params + cap.buffers)):
+            return plan
+        key = tuple(map(id, params + buffers))
+        if key not in others:
+            others[key] = compile(dataclasses.replace(cap, params=params, buffers=buffers))
+        return others[key]
+    return plan_for
+
+
+def _inline_numbers(gm: fx.GraphModule) -> None:
+    """Note [numbers dynamo passes]: under dynamic=True dynamo passes an int argument the graph
+    specialised on (a guard holds its value: the loss's `ignore_index=-100`) as an input, whose
+    example value is the number. The passes read such arguments as constants (a mean
+    cross-entropy's ignore_index: taken as another loss, its microbatches were weighed by rows, a
+    loss 0.005 off eager's on GPT-2 with ignored labels), so its uses read the number itself."""
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        ev = node.meta.get("example_value")
+        if isinstance(ev, torch.SymInt) and ev.node.expr.is_Integer:
+            ev = int(ev.node.expr)
+        if not isinstance(ev, int) or isinstance(ev, bool):
+            continue
+        for user in list(node.users):
+            user.args = fx.map_arg(user.args, lambda a, node=node, ev=ev: ev if a is node else a)
+            user.kwargs = fx.map_arg(user.kwargs, lambda a, node=node, ev=ev: ev if a is node else a)
+    gm.recompile()
 
 
 def _take_out_sizes(gm: fx.GraphModule, symbolic: list) -> list:

@@ -702,8 +702,11 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
 def _dynamo_input_name(source: str) -> tuple:
     """(readable name, whether it is module state) of a dynamo input source such as
     "L['kwargs']['input_ids']" (-> "input_ids") or "L['args'][0]._modules['emb'].norm_type"
-    (module state: an attribute of a module, never a batched argument)."""
-    module_state = bool(re.search(r"\]\.", source)) or source.startswith("L['self']")
+    (module state: an attribute of a module, never a batched argument). An attribute of another
+    object is an argument's: "L['stack0'].last_hidden_state", the model output a graph before a
+    break returned, was taken as module state and left whole while the labels beside it were
+    split (a StageError on Qwen3-MoE through the backend)."""
+    module_state = source.startswith("L['self']") or bool(re.search(r"\._(modules|parameters|buffers)\[", source))
     keys = re.findall(r"\[(?:'([^']*)'|(\d+))\]", source)
     parts = [k or int(i) for k, i in keys]
     if len(parts) >= 2 and parts[0] == "kwargs":

@@ -167,6 +167,7 @@ class Plan:
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
                                                         # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
     output_sums: set = field(default_factory=set)       # scalar outputs that are sums over rows (they add up)
+    output_differentiable: list = field(default_factory=list)   # per graph output: it requires grad where traced
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place
     # of those, the ones a backward job's recompute reads (Note [buffer values a recompute starts from])

@@ -579,7 +579,9 @@ class PipelineCall(torch.autograd.Function):
         outputs, step = runner.call_forward(plan, leaves, keep_for_backward=True)
         ctx.runner, ctx.plan, ctx.step, ctx.n_params = runner, plan, step, n_params
         ctx.leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        ctx.mark_non_differentiable(*[o for o in outputs if not o.is_floating_point()])
+        # (an output that needs no gradient, a buffer's value: given a grad_fn, a backward reaching
+        # it again through a later call, as a buffer the forward assigns it to, met a spent step)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, plan.output_differentiable) if not d])
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 

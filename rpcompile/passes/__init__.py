@@ -68,12 +68,12 @@ from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
-from .graph_utils import clone_graph_module, is_impure, output_values
+from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
-from .normalize_loss import mean_cross_entropy, normalize_loss, sum_over_rows
+from .normalize_loss import flat_loss_output, normalize_loss, sum_over_rows
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
@@ -150,14 +150,8 @@ def capture(st: CompileState) -> CompileState:
         if loss is not None:
             kind, idx = cap.out_leaves[loss]
             st.loss_output = idx if kind == "out" else None
-    if st.loss_output is None:
-        # No output structure (a dynamo backend's flat outputs): a mean cross-entropy output
-        # is the loss, else the one scalar output, as loss_leaf_index takes a call's (a sum
-        # over rows was weighed as a mean over rows: half of eager's at 2 microbatches)
-        outs = output_values(st.gm.graph)
-        st.loss_output = next((i for i, v in enumerate(outs) if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
-        if st.loss_output is None and len(_scalar_outputs(outs)) == 1:
-            st.loss_output = _scalar_outputs(outs)[0]
+    if st.loss_output is None:     # no output structure: a dynamo backend's flat outputs
+        st.loss_output = flat_loss_output(st.gm)
     return st
 
 
@@ -920,21 +914,15 @@ def _bindings(gm, batch, micro: int) -> dict:
     out = {}
     for n in gm.graph.nodes:
         ev = n.meta.get("example_value") if n.op == "placeholder" else None
-        if isinstance(ev, torch.SymInt) and ev.node.expr.is_Symbol:
+        if isinstance(ev, (torch.SymInt, torch.SymFloat)) and ev.node.expr.is_Symbol:    # (a float too: backend)
             out[ev.node.expr.name] = ev.node.hint
     for s in batch.symbols:
         out[s.name] = micro
     return out
 
 
-def _scalar_outputs(outs: list) -> list:
-    """Positions of the 0-d tensor outputs."""
-    return [i for i, v in enumerate(outs) if isinstance(v, fx.Node)
-            and isinstance(v.meta.get("example_value"), torch.Tensor) and v.meta["example_value"].dim() == 0]
-
-
 def _single_scalar_output(gm: fx.GraphModule) -> int:
-    scalars = _scalar_outputs(output_values(gm.graph))
+    scalars = scalar_outputs(gm.graph)
     if len(scalars) != 1:
         raise CaptureError("train_step needs a loss: the model returns no `loss` field and not exactly one scalar "
                            "output. Pass labels so the model computes its loss, or give Config(loss_fn=...) "
@@ -982,6 +970,7 @@ def _describe_io(plan: Plan) -> None:
                                f"its microbatches along dim 0 (the rows). Return it batch-first, or call with "
                                f"Config(num_microbatches=1)")
         plan.output_batched.append(batched)
+        plan.output_differentiable.append(bool(ev.requires_grad) and ev.is_floating_point())
         if ev.dim() == 0 and sum_over_rows(v, batch):      # Note [sums over rows]: adds up over microbatches
             plan.output_sums.add(len(plan.graph_outputs) - 1)
 

@@ -199,6 +199,12 @@ def output_values(graph: fx.Graph) -> list:
     return pytree.tree_leaves(output_node(graph).args[0])
 
 
+def scalar_outputs(graph: fx.Graph) -> list:
+    """Positions of the 0-d tensor outputs."""
+    return [i for i, v in enumerate(output_values(graph)) if isinstance(v, fx.Node)
+            and isinstance(v.meta.get("example_value"), torch.Tensor) and v.meta["example_value"].dim() == 0]
+
+
 def set_outputs(gm: fx.GraphModule, values: list) -> None:
     out = output_node(gm.graph)
     out.args = (tuple(values),)

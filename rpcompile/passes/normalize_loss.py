@@ -79,7 +79,7 @@ import torch.nn.functional as F
 from .batch import BatchInfo, find_batch
 from .cost import storage_key
 from .graph_utils import (bind_call, bind_cross_entropy, graph_module, is_impure, mutated_values, node_value,
-                          output_values)
+                          output_values, scalar_outputs)
 
 
 @dataclass
@@ -133,6 +133,21 @@ def mean_cross_entropy(node: fx.Node):
     if not isinstance(bound["ignore_index"], int):
         return None
     return bound["input"], bound["target"], bound["ignore_index"]
+
+
+def flat_loss_output(gm: fx.GraphModule) -> Optional[int]:
+    """The loss among a dynamo backend's flat outputs (no `loss` field to read): a mean
+    cross-entropy output; else the first scalar output with a cross-entropy term (an MoE's `ce +
+    coef * aux`, Note [cross-entropy terms]); else the one scalar output, as loss_leaf_index takes
+    a call's. (Weighed as a mean over rows instead, a sum over rows was half of eager's at 2
+    microbatches, and an MoE's loss with ignored labels 0.016 off.)"""
+    outs = output_values(gm.graph)
+    found = next((i for i, v in enumerate(outs) if isinstance(v, fx.Node) and mean_cross_entropy(v)), None)
+    if found is not None:
+        return found
+    scalars, batch = scalar_outputs(gm.graph), find_batch(gm, None)
+    with_terms = [i for i in scalars if any(bind_class_loss(t) for t in _affine_terms(outs[i], outs[i], batch))]
+    return with_terms[0] if with_terms else scalars[0] if len(scalars) == 1 else None
 
 
 def _ancestors(node: fx.Node) -> set:
