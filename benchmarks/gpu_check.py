@@ -8,6 +8,7 @@
     python benchmarks/gpu_check.py peaks --seq-len 65536 --budget 24GiB --out $OUT/peaks.json
     python benchmarks/gpu_check.py call --out $OUT/call.json
     python benchmarks/gpu_check.py users --out $OUT/users.json
+    python benchmarks/gpu_check.py zoo --cases ctrl,gemma3_vlm --out $OUT/zoo.json
 
 Writes JSON (and prints it). Not a test: CI has no GPU.
 """
@@ -218,8 +219,10 @@ def _against_eager(make_model, batches, cfg, via, dev="cuda:0", tight=False):
         try:
             _against_eager(make_model, batches[:1], dataclasses.replace(cfg, memory_budget=1), via, dev)
         except Exception as e:
-            cfg = dataclasses.replace(cfg, memory_budget=int(1.2 * int(re.search(
-                r"the smallest budget a plan fits is [\d.]+ GiB \((\d+) bytes\)", str(e)).group(1))))
+            smallest = re.search(r"the smallest budget a plan fits is [\d.]+ GiB \((\d+) bytes\)", str(e))
+            if smallest is None:     # (not the PlanningError: the model's own failure)
+                raise
+            cfg = dataclasses.replace(cfg, memory_budget=int(1.2 * int(smallest.group(1))))
         torch._dynamo.reset()
     model = make_model()
     ref = copy.deepcopy(model).to(dev)
@@ -241,9 +244,11 @@ def _against_eager(make_model, batches, cfg, via, dev="cuda:0", tight=False):
         lr_ = ref(**{k: v.to(dev) for k, v in b.items()}).loss
         lr_.backward()
         loss_err = max(loss_err, abs(loss.item() - lr_.item()))
-        if step == 0:
-            scale = max(q.grad.abs().max().item() for q in ref_trained)
-            grad_err = max((p.grad - q.grad.cpu()).abs().max().item() for p, q in zip(trained, ref_trained)) / scale
+        if step == 0:     # (a parameter the loss does not reach has no gradient: zeros)
+            grads = [(torch.zeros_like(p) if p.grad is None else p.grad,
+                      torch.zeros_like(p) if q.grad is None else q.grad.cpu()) for p, q in zip(trained, ref_trained)]
+            scale = max(e.abs().max().item() for _, e in grads)
+            grad_err = max((g - e).abs().max().item() for g, e in grads) / scale
         opt.step(), opt.zero_grad(), opt_ref.step(), opt_ref.zero_grad()
     scale = max(q.abs().max().item() for q in ref_trained)
     perr = max((p.detach() - q.detach().cpu()).abs().max().item() for p, q in zip(trained, ref_trained)) / scale
@@ -371,14 +376,15 @@ def trainer(args):
     (tests/test_trainer.py's run and checks: losses, grad norms, gradients and parameters over 4
     steps), and its refusal of TrainingArguments that would put the model on the GPU."""
     import tempfile
-    from test_trainer import Rows, WeightedLoss, arguments, assert_same_training, logged, train
+    from test_trainer import OwnStep, Rows, WeightedLoss, arguments, assert_same_training, logged, train
     from models import qwen3
     from rpcompile.trainer import RPTrainer
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     cfg = rpcompile.Config(devices=[dev, dev], num_microbatches=2, dtype=torch.float32, workers=args.workers)
     out, res = tempfile.mkdtemp(), {}
-    # (77th session) a subclass's compute_loss: Note [compute_loss of your own]
-    for case, mixin in (("", None), ("own_compute_loss_", WeightedLoss)):
+    # (77th session) a subclass's compute_loss: Note [compute_loss of your own]; (78th) its own
+    # training_step and prediction_step: Note [steps of your own]
+    for case, mixin in (("", None), ("own_compute_loss_", WeightedLoss), ("own_training_step_", OwnStep)):
         try:
             rp = train(f"{out}/{case}rp", True, config=cfg, mixin=mixin)
             eager = train(f"{out}/{case}eager", False, mixin=mixin)
@@ -420,6 +426,27 @@ def loop(args):
     rc = pytest.main(["-q", "-p", "no:cacheprovider", "-o", "addopts=", os.path.join(here, "..", "tests", "test_training_loop.py"),
                       "-k", args.cases or "not dropout and not eval_mode"])
     return {"devices": [dev, dev], "on_devices": args.on_devices, "cases": args.cases, "pytest_exit": int(rc)}
+
+
+def zoo(args):
+    """tests/zoo.py's transformers families (--cases, comma-separated) on CUDA against eager
+    (_against_eager: fp32, two workers' jobs on one GPU, under a tight budget), through
+    train_step, the differentiable call and the torch.compile backend (dynamic=True)."""
+    from zoo import BY_NAME
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    res = {}
+    for name in args.cases.split(","):
+        case = BY_NAME[name]
+        for via in ("step", "call", "backend"):
+            cfg = rpcompile.Config(devices=[dev, dev], num_microbatches=3, dtype=torch.float32, workers=args.workers)
+            torch._dynamo.reset()
+            try:
+                res[f"{name}_{via}"] = _against_eager(case.build, [case.batch(s) for s in range(3)], cfg, via, dev,
+                                                      tight=via != "backend")
+            except Exception as e:
+                res[f"{name}_{via}"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+            print(name, via, json.dumps(res[f"{name}_{via}"]), flush=True)
+    return res
 
 
 def speed(args):
@@ -670,7 +697,7 @@ def peaks(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("what", choices=["parity", "speed", "lmhead", "peaks", "call", "users", "changes", "trainer",
-                                           "loop"])
+                                           "loop", "zoo"])
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=65536)
@@ -697,7 +724,7 @@ def main():
     ap.add_argument("--budget", default=None, help="the device memory budget (parity: 6MiB, several jobs a copy)")
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,num_items,tiny_qwen3,lora,"
-                    "moe_lora,dora,lora_checkpointing); loop: pytest's -k")
+                    "moe_lora,dora,lora_checkpointing); loop: pytest's -k; zoo: tests/zoo.py names")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
@@ -705,7 +732,7 @@ def main():
         import faulthandler
         faulthandler.dump_traceback_later(args.hang_s, exit=True)
     res = {"parity": parity, "speed": speed, "lmhead": lmhead, "peaks": peaks, "call": call, "users": users,
-           "changes": changes, "trainer": trainer, "loop": loop}[args.what](args)
+           "changes": changes, "trainer": trainer, "loop": loop, "zoo": zoo}[args.what](args)
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:

@@ -15,6 +15,7 @@ and `meta["rp_index"]` (its index among the captured params, buffers or call lea
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -323,9 +324,31 @@ def _sizes_formatted_lazily():
 
     lazy.__repr__ = deferred
     try:
+        if not _formats_deferred():     # (torch 2.11: the error leaves the trace; sizes are formatted as it does)
+            lazy.__repr__ = real
         yield
     finally:
         lazy.__repr__ = real
+
+
+def _discard(message) -> None:
+    pass
+
+
+@functools.cache
+def _formats_deferred() -> bool:
+    """Whether this torch keeps a string of a size it cannot evaluate as a deferred format (2.13
+    does; 2.11 lets the error out of the trace), tried once on a probe while `deferred` is in
+    place (Note [sizes in messages])."""
+    def probe(x):
+        _discard(f"rows {x.shape[0]}")     # (a message built and never read, as the models' checks do)
+        return x + 1
+    try:
+        fn = types.FunctionType(probe.__code__.replace(co_name="rp_format_probe"), probe.__globals__)
+        torch.compile(fn, backend="eager", fullgraph=True, dynamic=True)(torch.ones(3))
+        return True
+    except Exception:   # noqa: BLE001 - any failure: format as this torch does
+        return False
 
 
 # Note [log calls]: dynamo stops at a call of logging.Logger methods, logging.warning,
