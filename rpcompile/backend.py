@@ -43,8 +43,11 @@ def backend(config: Optional[Config] = None):
         cap = from_dynamo(gm, example_inputs)
         _sizes_given(cap, symbolic)
         plan = compile_graph(cap, config, "call")
-        plan_for = _plans_by_module_state(cap, plan, lambda bound: plans.append(compile_graph(bound, config, "call"))
-                                          or plans[-1])
+
+        def bound_plan(bound):
+            plans.append(compile_graph(bound, config, "call"))
+            return plans[-1]
+        plan_for = _plans_by_module_state(cap, plan, bound_plan)
 
         def run(*flat_args):
             outputs = runner.call(plan_for(flat_args), list(flat_args))
@@ -131,21 +134,19 @@ def _sizes_given(cap, symbolic: list) -> None:
     """A size argument that is no dimension of a tensor argument (a size the graph before a break
     returned: Note [sizes a graph returns]) is bound to the argument itself, whole-call value in
     every microbatch, as the graph was given it."""
-    of_tensors = {sym for sym, (_, d) in _size_sources(symbolic, tensors_first=True).items() if d is not None}
+    of_tensors = {s.node.expr for ex in symbolic if isinstance(ex, torch.Tensor) for s in ex.shape
+                  if isinstance(s, torch.SymInt)}
     for at, node in enumerate(cap.placeholders()):
         ex = symbolic[at]
         if isinstance(ex, torch.SymInt) and ex.node.expr not in of_tensors:
             node.meta["rp_arg_index"] = (at, None)
 
 
-def _size_sources(symbolic: list, tensors_first: bool = False) -> dict:
+def _size_sources(symbolic: list) -> dict:
     """Each size symbol of the placeholders' example values -> where a call holds its value:
     (argument position, None) for a size argument, (position, dim) for a tensor's dimension."""
     sources = {}
-    order = sorted(range(len(symbolic)), key=lambda at: not isinstance(symbolic[at], torch.Tensor)) if tensors_first \
-        else range(len(symbolic))
-    for at in order:
-        ex = symbolic[at]
+    for at, ex in enumerate(symbolic):
         if isinstance(ex, torch.SymInt) and isinstance(ex.node.expr, sympy.Symbol):
             sources.setdefault(ex.node.expr, (at, None))
         elif isinstance(ex, torch.Tensor):
