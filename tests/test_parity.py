@@ -251,6 +251,40 @@ def test_a_calls_scalar_output_that_sums_over_rows_is_the_whole_batchs():
         torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
+class AddsToItsLoss(nn.Module):
+    """A loss computed before a graph break, then added to in place (`loss += ...`, as
+    transformers 5.17's MoE adds its load-balancing loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        loss = F.mse_loss(self.b(torch.tanh(h)), y)
+        torch._dynamo.graph_break()
+        loss += 0.1 * h.pow(2).mean()
+        return loss
+
+
+def test_a_value_written_in_place_after_a_graph_break_trains_as_eager():
+    """The second graph writes into its input, the first graph's loss: a backward job recomputes
+    from a leaf of it, and the in-place add on a leaf that requires grad failed (a StageError);
+    Note [inputs written in place] in rpcompile/passes/codegen.py."""
+    torch._dynamo.reset()
+    model = AddsToItsLoss()
+    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"],
+                                                                              num_microbatches=2)), dynamic=True)
+
+    def via_compile(cm, b):
+        loss = compiled(**b)
+        loss.backward()
+        return loss
+
+    train_both(model, xy_batches(5, 8), rpcompile.Config(), call=via_compile, eager_step=scalar_loss_step,
+               min_stages=0)
+
+
 def _moe_with_aux_loss():
     from zoo import qwen3_moe
     model = qwen3_moe()

@@ -25,7 +25,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..runtime import ops as rp
-from .graph_utils import graph_module, output_node
+from .cut_points import view_bases
+from .graph_utils import graph_module, mutated_values, output_node
 
 _RANDOM_FUNCTIONS = {
     F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
@@ -122,10 +123,13 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     ph = {n.name: g.placeholder(n.name) for n in inputs}
     key = g.placeholder("rng_key") if has_random else None
     seeds = [g.placeholder(f"grad_{o}") for o in grad_outputs]
-    args = []
+    args, written = [], written_inputs(forward)
     for n in inputs:
         if n.name in grad_inputs or n.name in params:
             ph[n.name] = g.call_function(rp.grad_leaf, (ph[n.name],))
+            if n.name in written:    # Note [inputs written in place]
+                args.append(g.call_method("clone", (ph[n.name],)))
+                continue
         args.append(ph[n.name])
     if key is not None:
         args.append(key)
@@ -137,6 +141,20 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     g.output((tuple(outs[o] for o in outputs), grads))
     g.lint()
     return graph_module(root, g, name)
+
+
+# Note [inputs written in place]: a stage may write into a value it is handed (transformers 5.17's
+# MoE loss: `loss += coef * aux_loss`, the cross-entropy computed in the graph before a break).
+# Eagerly that value has a grad_fn; a backward job recomputes from a leaf of it, and an in-place
+# op on a leaf that requires grad is refused ("a leaf Variable that requires grad is being used in
+# an in-place operation": a StageError). The recompute writes into a clone, whose gradient
+# reaches the leaf; the value handed over stays as it was. A call input passed whole to every
+# microbatch (that loss, 0-d) was written once per microbatch, each adding to the last's (a loss
+# 0.034 off eager's at 2 microbatches): each microbatch writes a copy (Plan.written_whole).
+def written_inputs(gm: fx.GraphModule) -> set:
+    """Names of gm's placeholders an in-place node writes into, directly or through views."""
+    return {base.name for node in gm.graph.nodes for value in mutated_values(node) if isinstance(value, fx.Node)
+            for base in view_bases(value) if base.op == "placeholder"}
 
 
 def _stage_reads(nodes, inside):

@@ -147,7 +147,7 @@ def _mutation_spans(lv: Liveness) -> set:
     blocked = set()
     for q, node in enumerate(lv.body):
         for target in mutated_values(node):
-            for alias in _view_bases(target):
+            for alias in view_bases(target):
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
@@ -225,11 +225,11 @@ def _of_a_parameter(node: fx.Node) -> bool:
     the parameter's); handed over at a cut, a backward job that recomputes from the cut found
     no such value to start from (KeyError 'lm_head_weight_20': a 60-shard head's backward jobs
     cut between a shard's weight rows and its logits)."""
-    base = _view_bases(node)[-1]
+    base = view_bases(node)[-1]
     return "rp_param_slice" in base.meta or base.meta.get("rp_kind") == "param"
 
 
-def _view_bases(node: fx.Node) -> list:
+def view_bases(node: fx.Node) -> list:
     """node and the values it is a view of (through ops the cost pass marked as views)."""
     chain = [node]
     while True:
@@ -284,7 +284,7 @@ def _saved_once(cost: NodeCost, bindings, by_name, index, cuts, kept_values, loc
         if node is None:
             local[(name, j)] = max(local.get((name, j), 0), b)
             continue
-        base = _view_bases(node)[-1]
+        base = view_bases(node)[-1]
         key = (base.name, j if base is node else 0)
         if base in index:
             seg = bisect.bisect_right(cuts, index[base]) - 1
