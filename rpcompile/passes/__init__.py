@@ -948,8 +948,9 @@ def _describe_io(plan: Plan) -> None:
     plan.split_leaves = set(batch.leaves)
     # (an input passed whole to every microbatch that the graph writes into: each microbatch
     # writes a copy of its own, not the one tensor once per microbatch: Note [inputs written in place])
+    written = written_inputs(gm)
     plan.written_whole = {n.meta["rp_index"] for n in gm.graph.nodes if n.op == "placeholder"
-                          and n.meta.get("rp_kind") == "input" and n.name in written_inputs(gm)} - plan.split_leaves
+                          and n.meta.get("rp_kind") == "input" and n.name in written} - plan.split_leaves
     if not plan.split_leaves and batch.fixed and plan.num_microbatches > 1:
         warnings.warn(f"rpcompile: the captured graph fixed the batch size of {batch.fixed}, so the batch is not "
                       "split into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
