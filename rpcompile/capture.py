@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
-from .passes.graph_utils import is_impure
+from .passes.graph_utils import is_impure, size_hint
 from .reads import guard_reads, reads_after
 
 _capture_ids = itertools.count()
@@ -218,19 +218,6 @@ def _mark_sym(node: fx.Node, ex) -> None:
     node.meta["rp_expr"] = _sym_expr(ex) if isinstance(ex, torch.SymInt) else sympy.Integer(ex)
 
 
-def _hint_of(size) -> int:
-    """A size's value at capture. An output whose size the data decides (an unbacked symbol, as
-    SmolVLM's image features after it drops the padding images by a mask) has none: the dummy
-    output takes dynamo's optimization hint (the capture computes nothing: only its identity and
-    rank are read)."""
-    if not isinstance(size, torch.SymInt):
-        return size
-    if size.node.hint is not None:
-        return size.node.hint
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-    return optimization_hint(size, fallback=1)
-
-
 def _dummy_outputs(gm: fx.GraphModule):
     """Meta tensors shaped like the graph outputs: what the capture call returns, computing nothing."""
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -238,9 +225,9 @@ def _dummy_outputs(gm: fx.GraphModule):
     for a in pytree.tree_leaves(out_node.args[0]):
         ev = a.meta.get("example_value") if isinstance(a, fx.Node) else a
         if isinstance(ev, torch.Tensor):
-            vals.append(torch.empty([_hint_of(s) for s in ev.shape], dtype=ev.dtype, device="meta"))
+            vals.append(torch.empty([size_hint(s) for s in ev.shape], dtype=ev.dtype, device="meta"))
         elif isinstance(ev, torch.SymInt):
-            vals.append(_hint_of(ev))
+            vals.append(size_hint(ev))
         else:
             vals.append(ev)
     return vals

@@ -195,6 +195,24 @@ def output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def size_hint(size) -> int:
+    """A size's value where it was traced; for one the data decides (an unbacked symbol, as
+    SmolVLM's image features after it drops padding images by a mask), dynamo's optimization hint
+    (1 where it has none: only a plan's costs read it)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    if size.node.hint is not None:
+        return int(size.node.hint)
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        return int(optimization_hint(size, fallback=1))
+    except Exception:   # noqa: BLE001 - another torch (2.11 has size_hint), or no hint at all
+        try:
+            return int(size.node.shape_env.size_hint(size.node.expr))
+        except Exception:   # noqa: BLE001
+            return 1
+
+
 def output_values(graph: fx.Graph) -> list:
     return pytree.tree_leaves(output_node(graph).args[0])
 

@@ -98,7 +98,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .cost import node_value
-from .graph_utils import bind_cross_entropy
+from .graph_utils import bind_cross_entropy, size_hint
 
 __all__ = [
     "LMHead",
@@ -184,13 +184,7 @@ def _hint(x: Any, at: dict | None = None) -> int:
                 env = x.node.shape_env
                 hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
                 return int(expr.xreplace({s: at[s.name] if s.name in at else hints[s] for s in expr.free_symbols}))
-        h = x.node.hint
-        if h is None:
-            try:
-                h = x.node.shape_env.size_hint(x.node.expr)
-            except Exception:  # unbacked without a hint: any positive guess
-                h = 1
-        return int(h)
+        return size_hint(x)
     return int(x)
 
 
