@@ -194,6 +194,23 @@ def test_torch_compile_backend_string_and_config():
     assert configured.plans and len(configured.plans[-1].stages) >= 2
 
 
+def _train_through_backend(model, batches, microbatches, eager_step=None, steps=3):
+    """Train `model` through torch.compile(backend=rpcompile.backend(...), dynamic=True) on two
+    CPU devices beside eager (train_both); the backend, whose plans are every graph it was given."""
+    torch._dynamo.reset()
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=microbatches))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+
+    def via_compile(cm, b):
+        out = compiled(**b)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        return loss
+
+    train_both(model, batches, rpcompile.Config(), call=via_compile, eager_step=eager_step, min_stages=0, steps=steps)
+    return backend
+
+
 class BreakAfterSize(nn.Module):
     """A forward that reads a size, breaks its graph (a print or a call dynamo cannot trace), then
     uses the size; its loss a sum over rows."""
@@ -215,18 +232,7 @@ def test_a_size_returned_before_a_graph_break_and_a_sum_over_rows_through_the_ba
     (Note [sizes a graph returns] in rpcompile/backend.py); and the second graph's loss, a sum
     over rows, was weighed as a mean over rows (half of eager's loss and gradients at 2
     microbatches). Uneven microbatches (5 rows over 2)."""
-    torch._dynamo.reset()
-    model = BreakAfterSize()
-    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-
-    def via_compile(cm, b):
-        loss = compiled(**b)
-        loss.backward()
-        return loss
-
-    train_both(model, xy_batches(5, 8), rpcompile.Config(), call=via_compile, eager_step=scalar_loss_step,
-               min_stages=0)
+    backend = _train_through_backend(BreakAfterSize(), xy_batches(5, 8), 2, eager_step=scalar_loss_step)
     assert len(backend.plans) == 2 and all(p.num_microbatches == 2 for p in backend.plans)
 
 
@@ -271,18 +277,7 @@ def test_a_value_written_in_place_after_a_graph_break_trains_as_eager():
     """The second graph writes into its input, the first graph's loss: a backward job recomputes
     from a leaf of it, and the in-place add on a leaf that requires grad failed (a StageError);
     Note [inputs written in place] in rpcompile/passes/codegen.py."""
-    torch._dynamo.reset()
-    model = AddsToItsLoss()
-    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"],
-                                                                              num_microbatches=2)), dynamic=True)
-
-    def via_compile(cm, b):
-        loss = compiled(**b)
-        loss.backward()
-        return loss
-
-    train_both(model, xy_batches(5, 8), rpcompile.Config(), call=via_compile, eager_step=scalar_loss_step,
-               min_stages=0)
+    _train_through_backend(AddsToItsLoss(), xy_batches(5, 8), 2, eager_step=scalar_loss_step)
 
 
 def _moe_with_aux_loss():
@@ -307,21 +302,9 @@ def test_transformers_models_through_the_backend_train_as_eager(make):
       (AttributeError on a spent step): outputs that need no gradient are not differentiable."""
     from zoo import BY_NAME, lm_batch
     build = _moe_with_aux_loss if make == "moe_aux_loss" else BY_NAME[make].build
-    torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build()
-    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=3))
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-
-    def via_compile(cm, b):
-        out = compiled(**b)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
-        return loss
-
-    eager = (lambda m, b: scalar_loss_step(m, b)) if make == "loop_moe" else None
-    train_both(model, [lm_batch(seed=s) for s in range(2)], rpcompile.Config(), call=via_compile,
-               eager_step=eager, min_stages=0, steps=2)
+    backend = _train_through_backend(build(), [lm_batch(seed=s) for s in range(2)], 3, steps=2,
+                                     eager_step=scalar_loss_step if make == "loop_moe" else None)
     assert len(backend.plans) >= 2
 
 
