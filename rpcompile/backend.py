@@ -27,6 +27,7 @@ from .capture import from_dynamo
 from .config import Config
 from .errors import CaptureError
 from .passes import compile_graph
+from .passes.graph_utils import output_node
 from .runner import GraphRunner
 
 
@@ -106,7 +107,7 @@ def _inline_numbers(gm: fx.GraphModule) -> None:
 def _take_out_sizes(gm: fx.GraphModule, symbolic: list) -> list:
     """[(output position, sympy expression)] of the sizes gm returns, removed from its outputs
     (Note [sizes a graph returns]). symbolic: the placeholders' example values."""
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    out = output_node(gm.graph)
     values = out.args[0]
     if not isinstance(values, (tuple, list)):
         return []

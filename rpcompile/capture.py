@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
-from .passes.graph_utils import is_impure, size_hint
+from .passes.graph_utils import is_impure, output_values, size_hint
 from .reads import guard_reads, reads_after
 
 _capture_ids = itertools.count()
@@ -150,9 +150,8 @@ def _refuse_reassigned(cap: "Captured", reassigned: list, dummies) -> None:
     which the graph makes on the buffer itself: that one is updated.) An assignment of the tensor
     itself (CTRL's `self.pos_encoding = self.pos_encoding.to(device, dtype)` at the dtype and
     device it has) changes nothing and is let be (Note [no-op reassignments])."""
-    outputs = next(n for n in reversed(cap.gm.graph.nodes) if n.op == "output")
     position = {id(d): i for i, d in enumerate(dummies) if isinstance(d, torch.Tensor)}
-    out_nodes = pytree.tree_leaves(outputs.args[0])
+    out_nodes = output_values(cap.gm.graph)
     for fqn, value in reassigned:
         nodes = [n for n in cap.placeholders() if n.meta.get("rp_name") == fqn]
         if any(is_impure(u) for n in nodes for u in n.users):
