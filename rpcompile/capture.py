@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, InputError, RPCompileError
 from .lora_params import traceable_lora_params
-from .passes.graph_utils import is_impure, output_values, size_hint
+from .passes.graph_utils import call_leaf_name, is_impure, output_values, size_hint
 from .reads import guard_reads, reads_after
 
 _capture_ids = itertools.count()
@@ -716,12 +716,4 @@ def _dynamo_input_name(source: str) -> tuple:
     break returned, was taken as module state and left whole while the labels beside it were
     split (a StageError on Qwen3-MoE through the backend)."""
     module_state = source.startswith("L['self']") or bool(re.search(r"\._(modules|parameters|buffers)\[", source))
-    keys = re.findall(r"\[(?:'([^']*)'|(\d+))\]", source)
-    parts = [k or int(i) for k, i in keys]
-    if len(parts) >= 2 and parts[0] == "kwargs":
-        name = str(parts[1]) + "".join(f"[{p!r}]" for p in parts[2:])
-    elif len(parts) >= 2 and parts[0] == "args":
-        name = f"args[{parts[1]}]" + "".join(f"[{p!r}]" for p in parts[2:])
-    else:
-        name = str(parts[0]) if parts else source
-    return name, module_state
+    return call_leaf_name(source), module_state

@@ -296,6 +296,41 @@ def test_dynamo_backend_any_first_batch():
         assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-4 * scale)
 
 
+class _RowsListed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, labels):
+        rows = list(self.a(x))      # a Python list of the rows fixes their number
+        return F.cross_entropy(self.b(torch.stack(rows)), labels)
+
+
+def test_a_backend_graph_that_fixed_the_batch_says_where_once_and_trains_as_eager():
+    """A compiled forward (torch.compile(backend=...), dynamic=True) whose code fixed the batch
+    size runs in one microbatch. Its warning named no line (the sources of a compiled forward's
+    locals, "L['x']", were not read as the call's arguments) and told to mark the dim dynamic,
+    which the user had done; a second warning said it again."""
+    torch._dynamo.reset()
+    model = _RowsListed()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2,
+                                                                                num_microbatches=2)),
+                             dynamic=True)
+    x, labels = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    with pytest.warns(UserWarning) as seen:
+        loss = compiled(x, labels)
+    said = [str(w.message) for w in seen if "batch" in str(w.message)]
+    assert len(said) == 1 and "rows = list(self.a(x))" in said[0] and "test_batching.py" in said[0], said
+    assert "mark_dynamic" not in said[0]
+    loss.backward()
+    expected = F.cross_entropy(ref.b(ref.a(x)), labels)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-5 * q.grad.abs().max())
+
+
 def test_an_argument_short_of_the_batchs_rows_is_an_input_error():
     """Note [batched inputs]: an attention mask of 3 rows beside 4 rows of ids was taken as
     unbatched, and every microbatch read its first rows (eager fails on it); named unbatched, it

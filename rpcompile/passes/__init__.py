@@ -952,9 +952,13 @@ def _describe_io(plan: Plan) -> None:
     plan.written_whole = {n.meta["rp_index"] for n in gm.graph.nodes if n.op == "placeholder"
                           and n.meta.get("rp_kind") == "input" and n.name in written} - plan.split_leaves
     if not plan.split_leaves and batch.fixed and plan.num_microbatches > 1:
-        warnings.warn(f"rpcompile: the captured graph fixed the batch size of {batch.fixed}, so the batch is not "
-                      "split into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
-                      "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")
+        lines = sorted(set(batch.fixed_at.values()))
+        at = f" (the model code specialised it at {', '.join(f'`{w}`' for w in lines)})" if lines else ""
+        how = ("Keep the rows' number dynamic there (a Python list of the rows, or a loop over them, fixes it), or "
+               "pass num_microbatches=1" if lines else "Mark the batch dim dynamic (torch.compile(..., dynamic=True) "
+               "or torch._dynamo.mark_dynamic(x, 0))")
+        warnings.warn(f"rpcompile: the captured graph fixed the batch size of {batch.fixed}{at}, so the batch is "
+                      f"not split into microbatches (num_microbatches=1 is used). {how}.")
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get("rp_kind") == "sym":
             plan.sym_sources[n.name] = n.meta.get("rp_arg_index") or _sym_source(gm, n.meta["rp_expr"])

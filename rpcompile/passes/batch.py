@@ -27,7 +27,6 @@ StageError naming the value and the stage.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import InputError
+from .graph_utils import call_leaf_name
 
 
 @dataclass
@@ -148,21 +148,11 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
 
 
 def _source_leaf(source: str) -> Optional[str]:
-    """The leaf name (leaf_names) of a dim-0 size source of the capture's call, as
-    "L['k']['pixel_values'].size()[0]" -> "pixel_values", "L['a'][0].size()[0]" -> "args[0]"
-    (the dynamo backend's sources: "L['kwargs'][...]", "L['args'][...]"); None for another size."""
-    if not source.endswith(".size()[0]"):
+    """The leaf name (call_leaf_name) of a dim-0 size source of the call, as
+    "L['k']['pixel_values'].size()[0]" -> "pixel_values"; None for another size."""
+    if not source.startswith("L[") or not source.endswith(".size()[0]"):
         return None
-    keys = re.findall(r"\[(?:'([^']*)'|(\d+))\]", source[: -len(".size()[0]")])
-    parts = [k if k else int(i) for k, i in keys]
-    if len(parts) < 2 or not source.startswith("L["):
-        return None
-    rest = "".join(f"[{p!r}]" for p in parts[2:])
-    if parts[0] in ("a", "args"):
-        return f"args[{parts[1]}]{rest}"
-    if parts[0] in ("k", "kwargs"):
-        return f"{parts[1]}{rest}"
-    return None
+    return call_leaf_name(source[: -len(".size()[0]")])
 
 
 def fixed_where(ev, name: str) -> Optional[str]:

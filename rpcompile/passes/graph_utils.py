@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import re
 
 import torch
 import torch.fx as fx
@@ -22,6 +23,23 @@ _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 # recorded as `G['__import_..._modeling_qwen3'].apply_rotary_pos_emb` inside the attention. Such
 # an entry does not extend the chain, and taken as the node's module it put the rotary nodes of
 # every layer outside their layer (regions cut 11 pieces for 5; plans named the layers wrong).
+_SOURCE_KEY = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
+
+
+def call_leaf_name(source: str) -> str:
+    """The leaf name (leaf_names: the call's argument as errors and Config.unbatched name it) of a
+    dynamo source: "L['kwargs']['input_ids']" or the capture's "L['k']['input_ids']" ->
+    "input_ids", "L['args'][0]['ids']" or "L['a'][0]['ids']" -> "args[0]['ids']"; another local,
+    as a compiled forward's "L['labels']" or "L['stack0'].last_hidden_state", by its name."""
+    parts = [k or int(i) for k, i in _SOURCE_KEY.findall(source)]
+    rest = "".join(f"[{p!r}]" for p in parts[2:])
+    if len(parts) >= 2 and parts[0] in ("k", "kwargs"):
+        return f"{parts[1]}{rest}"
+    if len(parts) >= 2 and parts[0] in ("a", "args"):
+        return f"args[{parts[1]}]{rest}"
+    return str(parts[0]) if parts else source
+
+
 def module_path(node: fx.Node):
     """The source path of the innermost module of the model's own chain that `node` was traced
     in (Note [module path]), or None without a module stack."""
