@@ -146,7 +146,9 @@ class GraphRunner:
         batched = [i for i in sorted(plan.split_leaves) if isinstance(leaves[i], torch.Tensor)]
         leaves = [leaf.contiguous() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         if not batched:
-            if M > 1 and not self._warned_static and not plan.batch.fixed:    # (planning said why)
+            # (a graph with no batch, as longrope's frequency update, is not told; where the graph
+            # fixed the batch, planning said why)
+            if M > 1 and not self._warned_static and plan.batch.static:
                 warnings.warn("rpcompile: the captured graph has a static batch size, so the batch is not split "
                               "into microbatches (num_microbatches=1 is used). Mark the batch dim dynamic "
                               "(torch.compile(..., dynamic=True) or torch._dynamo.mark_dynamic(x, 0)).")

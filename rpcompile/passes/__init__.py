@@ -909,6 +909,24 @@ def _costs_text(gm) -> str:
     return "\n".join(lines) + "\n\n" + gm.graph.python_code("self").src
 
 
+# Note [float sizes]: dynamo passes a Python float of the model's (a config's
+# partial_rotary_factor, through the backend) as a 0-d tensor and reads it in the graph as a float
+# symbol (zf62); a size computed from it, `int(head_dim * factor)`, is an expression of that
+# symbol, which no argument's size binds. Planning binds it to the value dynamo saw (the
+# ShapeEnv's hint). The jobs compute such sizes from the values they are given, so only the
+# plan's byte counts read the hint: Phi-3's longrope through the backend failed in planning
+# ("no value bound for symbol(s) ['zf62']").
+def _float_hints(gm) -> dict:
+    """The values of the float symbols a graph's sizes read (Note [float sizes])."""
+    env = next((ev.fake_mode.shape_env for n in gm.graph.find_nodes(op="placeholder")
+                if isinstance(ev := n.meta.get("example_value"), torch.Tensor) and getattr(ev, "fake_mode", None)
+                is not None and ev.fake_mode.shape_env is not None), None)
+    if env is None:
+        return {}
+    values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val   # (torch 2.13's name)
+    return {s.name: float(v) for s, v in values.items() if s.name.startswith("zf")}
+
+
 def _bindings(gm, batch, micro: int) -> dict:
     """Values of the graph's size symbols to plan at: the planned microbatch for the batch."""
     out = {}
@@ -916,6 +934,7 @@ def _bindings(gm, batch, micro: int) -> dict:
         ev = n.meta.get("example_value") if n.op == "placeholder" else None
         if isinstance(ev, (torch.SymInt, torch.SymFloat)) and ev.node.expr.is_Symbol:    # (a float too: backend)
             out[ev.node.expr.name] = ev.node.hint
+    out.update({k: v for k, v in _float_hints(gm).items() if k not in out})
     for s in batch.symbols:
         out[s.name] = micro
     return out

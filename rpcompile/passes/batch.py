@@ -48,6 +48,7 @@ class BatchInfo:
     fixed: list = field(default_factory=list)           # names of inputs of dim 0 == B the graph fixed
     fixed_at: dict = field(default_factory=dict)        # name -> the model's line that fixed it (fixed_where)
     shared: list = field(default_factory=list)          # (input name, dim): a batch symbol used elsewhere
+    static: bool = False                                # no batch, and every input's shape static (dynamic=False)
 
     def is_batch_dim(self, size) -> bool:
         """Whether a size (int or SymInt) of a value is a batch symbol."""
@@ -107,6 +108,22 @@ def _hint(size) -> int:
     return size.node.hint if isinstance(size, torch.SymInt) else int(size)
 
 
+def _state_symbols(gm: fx.GraphModule) -> set:
+    """The size symbols of the graph's module state (parameters, buffers, module attributes): a
+    size a module holds is no batch. Longrope's frequency update (Phi-3, a graph of its own
+    through the backend) takes frequencies of a dynamic length beside the buffer they are
+    written to: taken as the batch, they were split per microbatch (a StageError)."""
+    out = set()
+    for n in gm.graph.find_nodes(op="placeholder"):
+        ev = n.meta.get("example_value")
+        if isinstance(ev, torch.Tensor) and (n.meta.get("rp_kind") in ("param", "buffer")
+                                             or n.meta.get("rp_module_state")):
+            for s in ev.shape:
+                if isinstance(s, torch.SymInt):
+                    out |= s.node.expr.free_symbols
+    return out
+
+
 def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> BatchInfo:
     """The batched inputs of a captured graph (placeholders with rp_kind "input")."""
     inputs = []
@@ -116,10 +133,13 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
                 and isinstance(ev, torch.Tensor) and ev.dim() >= 1):
             inputs.append((n, ev))
     B = batch_size
-    if B is None:   # the dynamo backend: the first input whose dim 0 is dynamic
-        B = next((_hint(ev.shape[0]) for _, ev in inputs if isinstance(ev.shape[0], torch.SymInt)), None)
+    if B is None:   # the dynamo backend: the first input whose dim 0 is dynamic and sizes no module state
+        state = _state_symbols(gm)
+        B = next((_hint(ev.shape[0]) for _, ev in inputs if isinstance(ev.shape[0], torch.SymInt)
+                  and not ev.shape[0].node.expr.free_symbols & state), None)
     info = BatchInfo(size=B)
     if B is None:
+        info.static = bool(inputs) and not any(isinstance(d, torch.SymInt) for _, ev in inputs for d in ev.shape)
         return info
     symbols = set()
     for n, ev in inputs:
