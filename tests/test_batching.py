@@ -275,15 +275,20 @@ def test_non_contiguous_inputs():
     train_both(qwen3(), [b], cfg, min_stages=0, steps=1)
 
 
-def test_dynamo_backend_any_first_batch():
-    """torch.compile(backend=rpcompile.backend(...), dynamic=True): a first call with an odd
-    batch (3, split 2 + 1), then a batch of 1 (dynamo specialises it) and 5."""
+def _through_backend(model):
+    """(model, an eager copy, model compiled with backend=rpcompile over 2 CPU devices, 2 microbatches)"""
     torch._dynamo.reset()
-    model = llama()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2,
                                                                                 num_microbatches=2)),
                              dynamic=True)
+    return model, ref, compiled
+
+
+def test_dynamo_backend_any_first_batch():
+    """torch.compile(backend=rpcompile.backend(...), dynamic=True): a first call with an odd
+    batch (3, split 2 + 1), then a batch of 1 (dynamo specialises it) and 5."""
+    model, ref, compiled = _through_backend(llama())
     for batch in (3, 1, 5):
         b = padded_batch(batch, 12, "right", seed=batch)
         out = compiled(**b)
@@ -311,12 +316,7 @@ def test_a_backend_graph_that_fixed_the_batch_says_where_once_and_trains_as_eage
     size runs in one microbatch. Its warning named no line (the sources of a compiled forward's
     locals, "L['x']", were not read as the call's arguments) and told to mark the dim dynamic,
     which the user had done; a second warning said it again."""
-    torch._dynamo.reset()
-    model = _RowsListed()
-    ref = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu"] * 2,
-                                                                                num_microbatches=2)),
-                             dynamic=True)
+    model, ref, compiled = _through_backend(_RowsListed())
     x, labels = torch.randn(4, 8), torch.randint(0, 3, (4,))
     with pytest.warns(UserWarning) as seen:
         loss = compiled(x, labels)
