@@ -17,7 +17,7 @@ from .capture import capture_call, flatten_call
 from .config import Config
 from .errors import InputError
 from .passes import PlanningError, compile_graph
-from .passes.batch import LOSS_TARGET
+from .passes.batch import LOSS_TARGET, leaf_names
 from .passes.host_memory import HostMemoryError
 from .plan_cache import PlanCache
 from .reads import Unfreezable, frozen
@@ -196,7 +196,7 @@ class CompiledModel(torch.nn.Module):
         self._plans.scope = {"model": self.model, "loss_fn": loss_fn}
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                plan = self._plans.lookup(key, leaves, capture, compile)
+                plan = self._plans.lookup(key, leaves, capture, compile, family=_family(key, args, kwargs))
         finally:
             self._plans.scope = None    # (kept, it would keep the call's loss_fn alive)
         self._last_plan = plan
@@ -441,6 +441,15 @@ class CompiledModel(torch.nn.Module):
         cap = plan.captured
         values = [outputs[idx] if kind == "out" else idx for kind, idx in cap.out_leaves]
         return pytree.tree_unflatten(values, cap.out_spec)
+
+
+def _family(key: tuple, args, kwargs):
+    """(key without the values of the call's non-tensor arguments, {argument: value}): Note
+    [constant arguments] in plan_cache.py."""
+    mode, spec, sig, *rest = key
+    names = leaf_names(args, kwargs)
+    constants = {names[i]: s[1] for i, s in enumerate(sig) if s[0] == "C"}
+    return (mode, spec, tuple(s if s[0] == "T" else ("C",) for s in sig), *rest), constants
 
 
 def _with_loss(loss_fn):

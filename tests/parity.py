@@ -64,14 +64,14 @@ def tight_budget(cm, batch, call, slack=1.15):
     plans = cm._plans
     kept = {}
 
-    def lookup(key, leaves, capture, compile):
+    def lookup(key, leaves, capture, compile, family=None):
         def capture_once():
             if "cap" not in kept:
                 kept["cap"] = capture()
                 return kept["cap"]
             del plans.lookup               # the kept capture serves one call: the next captures anew
             return kept.pop("cap")
-        return type(plans).lookup(plans, key, leaves, capture_once, compile)
+        return type(plans).lookup(plans, key, leaves, capture_once, compile, family)
 
     cm.config.memory_budget = 1
     plans.lookup = lookup
@@ -92,8 +92,8 @@ def plan_kept_capture(cm, kept: dict):
         if "cap" not in kept:
             kept["cap"] = capture()
         return kept["cap"]
-    plans.lookup = lambda key, leaves, capture, compile: type(plans).lookup(
-        plans, key, leaves, lambda: capture_once(capture), compile)
+    plans.lookup = lambda key, leaves, capture, compile, family=None: type(plans).lookup(
+        plans, key, leaves, lambda: capture_once(capture), compile, family)
     return cm
 
 

@@ -90,6 +90,48 @@ def test_a_value_changed_every_step_keeps_the_bound():
     assert {key[0] for key in runner.programs._pieces} <= {id(c()) for c in captures}
 
 
+class ScaledBy(nn.Module):
+    """Takes `scale`, a Python float, as an argument: a constant of its capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, scale):
+        return self.out(torch.tanh(self.inp(x)) * scale)
+
+
+def test_an_argument_changed_every_step_is_said_once_and_keeps_the_bound():
+    """Note [constant arguments]: train_step(x, scale=s) with a float changed at each of 6 steps and
+    3 captures kept: SGD follows eager's, one warning (at the caller's line) names the argument
+    and what to pass instead, 3 captures stay and no program of a dropped one is left in the
+    runner (before: a capture and plan each step, all kept, nothing said)."""
+    model = ScaledBy()
+    ref = copy.deepcopy(model)
+    cm = _compiled(model, kept=3)
+    opt, opt_ref = make_optimizer(model.parameters(), "sgd", 0.05), make_optimizer(ref.parameters(), "sgd", 0.05)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(6):
+            x, y, scale = torch.randn(6, 8), torch.randn(6, 4), 1.0 + 0.25 * step
+            loss = cm.train_step(x, target=y, scale=scale)
+            loss_ref = F.mse_loss(ref(x, scale), y)
+            loss_ref.backward()
+            close(loss.detach(), loss_ref.detach(), 1e-5, 1e-6, f"loss at step {step}")
+            check_grads(model, ref)
+            opt.step(), opt_ref.step()
+            opt.zero_grad(), opt_ref.zero_grad()
+            assert cm._plans.captures() == min(step + 1, 3), step
+    said = [w for w in record if "argument that is not a tensor" in str(w.message)]
+    assert len(said) == 1 and "scale is 1.25, where an earlier call passed 1.0" in str(said[0].message)
+    assert "torch.tensor(value)" in str(said[0].message) and os.path.abspath(said[0].filename) == os.path.abspath(__file__)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), 1e-4, 1e-6, f"{name} after 6 sgd steps")
+    kept = {id(p) for p in cm._plans.plans()}
+    assert len(kept) == 3 and {key[0] for key in cm.runner._programs} <= kept
+
+
 def test_worker_processes_let_go_of_dropped_plans():
     """With worker processes, the plans sent to the workers are the kept ones only (the workers
     forget the others: runtime/worker.py Worker.forget_plan)."""
