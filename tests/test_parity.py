@@ -258,6 +258,39 @@ def test_a_calls_scalar_output_that_sums_over_rows_is_the_whole_batchs():
         torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
+class WritesItsInput(nn.Module):
+    """Doubles its batched input in place (`x.mul_(2)`, an input that needs no gradient), reads it
+    through four layers and, with late_read, once more after the second."""
+
+    def __init__(self, late_read):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.late_read = late_read
+
+    def forward(self, x, y):
+        x.mul_(2)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h))
+            if self.late_read and i == 1:
+                h = h + x
+        return F.mse_loss(h, y)
+
+
+@pytest.mark.parametrize("late_read", [False, True])
+def test_a_batched_input_written_in_place_trains_as_eager(late_read):
+    """On CPU devices a job was given the caller's tensor itself: the forward job doubled it and
+    the backward job's recompute doubled it again (the first layer's weight gradient twice
+    eager's, silently). Each stage now writes a copy, and reads after the write stay in its
+    stage (Note [inputs written in place] in rpcompile/passes/codegen.py)."""
+    cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=TIGHT)
+    batches = xy_batches(6, 32)
+    given = [b["x"].clone() for b in batches]
+    train_both(WritesItsInput(late_read), batches, cfg, eager_step=scalar_loss_step)
+    # (eager doubled each batch's x once, in train_both's eager step; rpcompile wrote none of them)
+    assert all(torch.equal(b["x"], 2 * x) for b, x in zip(batches, given))
+
+
 class AddsToItsLoss(nn.Module):
     """A loss computed before a graph break, then added to in place (`loss += ...`, as
     transformers 5.17's MoE adds its load-balancing loss)."""

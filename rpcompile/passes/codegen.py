@@ -93,10 +93,15 @@ def _compute_graph(gm, body, a, b, inputs, outputs, rng_positions, name):
     """The compute of body[a:b] as a GraphModule; reseeds RNG per stretch (Note [RNG replay])."""
     g = fx.Graph()
     env = {}
+    written = {base for n in body[a:b] for value in mutated_values(n) if isinstance(value, fx.Node)
+               for base in view_bases(value)}
     for n in inputs:
         p = g.placeholder(n.name)
         p.meta = dict(n.meta)
         env[n] = p
+        if n in written and n.meta.get("rp_kind") == "input":    # Note [inputs written in place]
+            env[n] = g.call_method("clone", (p,))
+            env[n].meta = dict(n.meta)
     has_random = any(is_random(n) for n in body[a:b])
     key = g.placeholder("rng_key") if has_random else None
     seeded = set()
@@ -151,6 +156,12 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
 # reaches the leaf; the value handed over stays as it was. A call input passed whole to every
 # microbatch (that loss, 0-d) was written once per microbatch, each adding to the last's (a loss
 # 0.034 off eager's at 2 microbatches): each microbatch writes a copy (Plan.written_whole).
+# Any call input a stage writes is written in a copy the stage makes (_compute_graph): on CPU
+# devices a job is given the caller's tensor itself, and `x.mul_(2)` on a batched input doubled
+# it in the forward job and again in the backward job's recompute (the first layer's weight
+# gradient twice eager's, silently; the GPU's jobs each upload a copy). So the caller's tensor is
+# not written, on any device; reads of it after the write are kept in the writing stage
+# (cut_points._mutation_spans), where they read the copy.
 def written_inputs(gm: fx.GraphModule) -> set:
     """Names of gm's placeholders an in-place node writes into, directly or through views."""
     return {base.name for node in gm.graph.nodes for value in mutated_values(node) if isinstance(value, fx.Node)

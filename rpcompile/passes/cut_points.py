@@ -151,6 +151,12 @@ def _mutation_spans(lv: Liveness) -> set:
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
+                elif alias.op == "placeholder":
+                    # a call input: each job is given it as the caller passed it (Note [inputs
+                    # written in place] in codegen.py), so its reads after the write share the stage
+                    later = [lv.index[u] for u in alias.users if lv.index.get(u, -1) > q]
+                    if later:
+                        blocked.update(range(q + 1, max(later) + 1))
     return blocked
 
 
