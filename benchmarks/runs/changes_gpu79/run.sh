@@ -15,3 +15,5 @@ timeout 240 python -m pytest -q -p no:cacheprovider -o addopts= tests/test_parit
   tests/test_capture_lifetime.py tests/test_plan_text.py -k "backend or lifetime or static_batch or argument" \
   2>&1 | grep -E "passed|failed|^FAILED|^E " | head -30
 echo "cpu tests: $(( $(date +%s) - t0 )) s"
+# (a second call, at 9288bb8) a batched input written in place, on CUDA devices in fp32
+# timeout 200 python benchmarks/runs/changes_gpu79/inplace.py
