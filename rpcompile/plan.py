@@ -162,7 +162,6 @@ class Plan:
     memory_budget: Optional[int]
     loss_scale: Any = None          # normalize_loss.LossScale (how microbatch losses combine)
     split_leaves: set = field(default_factory=set)     # call leaves split on dim 0
-    written_whole: set = field(default_factory=set)    # call leaves not split that the graph writes into
     sym_sources: dict = field(default_factory=dict)    # sym name -> (leaf index, dim), (leaf index, None): the leaf, or int
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches

@@ -167,8 +167,7 @@ class GraphRunner:
         chunks = {i: torch.tensor_split(leaves[i], M) for i in batched}   # slices of contiguous leaves
         micro = []
         for m in range(M):
-            mleaves = [chunks[i][m] if i in chunks else leaf.clone() if i in plan.written_whole else leaf
-                       for i, leaf in enumerate(leaves)]
+            mleaves = [chunks[i][m] if i in chunks else leaf for i, leaf in enumerate(leaves)]
             syms = {}
             for name, src in plan.sym_sources.items():
                 syms[name] = (src if isinstance(src, int) else mleaves[src[0]] if src[1] is None

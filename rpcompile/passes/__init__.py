@@ -65,7 +65,7 @@ from ..plan import Plan, _fmt_bytes
 from .batch import attach_row_checks, check_splittable, find_batch
 from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
-from .codegen import build_program, build_stages, written_inputs
+from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs
@@ -965,11 +965,6 @@ def _describe_io(plan: Plan) -> None:
     """Which call leaves are split per microbatch, where each size symbol is read, and the outputs."""
     gm, batch = plan.gm, plan.batch
     plan.split_leaves = set(batch.leaves)
-    # (an input passed whole to every microbatch that the graph writes into: each microbatch
-    # writes a copy of its own, not the one tensor once per microbatch: Note [inputs written in place])
-    written = written_inputs(gm)
-    plan.written_whole = {n.meta["rp_index"] for n in gm.graph.nodes if n.op == "placeholder"
-                          and n.meta.get("rp_kind") == "input" and n.name in written} - plan.split_leaves
     if not plan.split_leaves and batch.fixed and plan.num_microbatches > 1:
         lines = sorted(set(batch.fixed_at.values()))
         at = f" (the model code specialised it at {', '.join(f'`{w}`' for w in lines)})" if lines else ""

@@ -93,8 +93,7 @@ def _compute_graph(gm, body, a, b, inputs, outputs, rng_positions, name):
     """The compute of body[a:b] as a GraphModule; reseeds RNG per stretch (Note [RNG replay])."""
     g = fx.Graph()
     env = {}
-    written = {base for n in body[a:b] for value in mutated_values(n) if isinstance(value, fx.Node)
-               for base in view_bases(value)}
+    written = written_values(body[a:b])
     for n in inputs:
         p = g.placeholder(n.name)
         p.meta = dict(n.meta)
@@ -128,13 +127,10 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     ph = {n.name: g.placeholder(n.name) for n in inputs}
     key = g.placeholder("rng_key") if has_random else None
     seeds = [g.placeholder(f"grad_{o}") for o in grad_outputs]
-    args, written = [], written_inputs(forward)
+    args = []
     for n in inputs:
         if n.name in grad_inputs or n.name in params:
             ph[n.name] = g.call_function(rp.grad_leaf, (ph[n.name],))
-            if n.name in written:    # Note [inputs written in place]
-                args.append(g.call_method("clone", (ph[n.name],)))
-                continue
         args.append(ph[n.name])
     if key is not None:
         args.append(key)
@@ -148,24 +144,24 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
     return graph_module(root, g, name)
 
 
-# Note [inputs written in place]: a stage may write into a value it is handed (transformers 5.17's
-# MoE loss: `loss += coef * aux_loss`, the cross-entropy computed in the graph before a break).
-# Eagerly that value has a grad_fn; a backward job recomputes from a leaf of it, and an in-place
-# op on a leaf that requires grad is refused ("a leaf Variable that requires grad is being used in
-# an in-place operation": a StageError). The recompute writes into a clone, whose gradient
-# reaches the leaf; the value handed over stays as it was. A call input passed whole to every
-# microbatch (that loss, 0-d) was written once per microbatch, each adding to the last's (a loss
-# 0.034 off eager's at 2 microbatches): each microbatch writes a copy (Plan.written_whole).
-# Any call input a stage writes is written in a copy the stage makes (_compute_graph): on CPU
-# devices a job is given the caller's tensor itself, and `x.mul_(2)` on a batched input doubled
-# it in the forward job and again in the backward job's recompute (the first layer's weight
-# gradient twice eager's, silently; the GPU's jobs each upload a copy). So the caller's tensor is
-# not written, on any device; reads of it after the write are kept in the writing stage
-# (cut_points._mutation_spans), where they read the copy.
-def written_inputs(gm: fx.GraphModule) -> set:
-    """Names of gm's placeholders an in-place node writes into, directly or through views."""
-    return {base.name for node in gm.graph.nodes for value in mutated_values(node) if isinstance(value, fx.Node)
-            for base in view_bases(value) if base.op == "placeholder"}
+# Note [inputs written in place]: a stage may write into a call input it is handed (transformers
+# 5.17's MoE loss: `loss += coef * aux_loss`, the cross-entropy computed in the graph before a
+# break; `x.mul_(2)` on a batched input). Each stage writes into a copy it makes
+# (_compute_graph), so that:
+# - a backward job, which recomputes from a leaf of the value, does not write into the leaf ("a
+#   leaf Variable that requires grad is being used in an in-place operation": a StageError);
+# - a call input passed whole to every microbatch (that loss, 0-d) is not written once per
+#   microbatch, each adding to the last's (a loss 0.034 off eager's at 2 microbatches);
+# - on CPU devices, where a job is given the caller's tensor itself, the backward job's recompute
+#   does not write it a second time (`x.mul_(2)` doubled it in the forward job and again in the
+#   recompute: the first layer's weight gradient twice eager's, silently; the GPU's jobs each
+#   upload a copy).
+# So the caller's tensor is not written, on any device; reads of it after the write are kept in
+# the writing stage (cut_points._mutation_spans), where they read the copy.
+def written_values(nodes) -> set:
+    """The values `nodes` write into in place, directly or through views (each view's bases)."""
+    return {base for node in nodes for value in mutated_values(node) if isinstance(value, fx.Node)
+            for base in view_bases(value)}
 
 
 def _stage_reads(nodes, inside):
