@@ -68,7 +68,7 @@ from .causal_mask import causal_attention
 from .codegen import build_program, build_stages
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
-from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs
+from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs, symbol_hints
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
@@ -923,8 +923,7 @@ def _float_hints(gm) -> dict:
                 is not None and ev.fake_mode.shape_env is not None), None)
     if env is None:
         return {}
-    values = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val   # (torch 2.13's name)
-    return {s.name: float(v) for s, v in values.items() if s.name.startswith("zf")}
+    return {s.name: float(v) for s, v in symbol_hints(env).items() if s.name.startswith("zf")}
 
 
 def _bindings(gm, batch, micro: int) -> dict:

@@ -33,7 +33,7 @@ from torch.utils import flop_counter as _fc
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values, node_value
+from .graph_utils import FUNCTORCH_ENTER, FUNCTORCH_LEAVE, mutated_values, node_value, symbol_hints
 
 __all__ = [
     "NodeCost",
@@ -624,9 +624,7 @@ class _Annotator:
             return key, (), self.formulas
         if env is None:
             return None
-        hints = getattr(env, "backed_var_to_val", None)
-        if hints is None:      # older torch: var_to_val
-            hints = env.var_to_val
+        hints = symbol_hints(env)
         facts = tuple(sorted((str(u), str(hints.get(u)), str(env.var_to_range.get(u))) for u in symbols))
         return key, facts, self.formulas
 

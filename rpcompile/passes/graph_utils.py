@@ -213,6 +213,12 @@ def output_node(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
+def symbol_hints(shape_env) -> dict:
+    """A ShapeEnv's values of its backed symbols where it traced them (torch 2.13's
+    backed_var_to_val, var_to_val before it)."""
+    return shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
+
+
 def size_hint(size) -> int:
     """A size's value where it was traced; for one the data decides (an unbacked symbol, as
     SmolVLM's image features after it drops padding images by a mask), dynamo's optimization hint

@@ -98,7 +98,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from .cost import node_value
-from .graph_utils import bind_cross_entropy, size_hint
+from .graph_utils import bind_cross_entropy, size_hint, symbol_hints
 
 __all__ = [
     "LMHead",
@@ -181,8 +181,7 @@ def _hint(x: Any, at: dict | None = None) -> int:
         if at:
             expr = x.node.expr
             if any(s.name in at for s in expr.free_symbols):
-                env = x.node.shape_env
-                hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val
+                hints = symbol_hints(x.node.shape_env)
                 return int(expr.xreplace({s: at[s.name] if s.name in at else hints[s] for s in expr.free_symbols}))
         return size_hint(x)
     return int(x)
