@@ -219,9 +219,8 @@ def _mark_sym(node: fx.Node, ex) -> None:
 
 def _dummy_outputs(gm: fx.GraphModule):
     """Meta tensors shaped like the graph outputs: what the capture call returns, computing nothing."""
-    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     vals = []
-    for a in pytree.tree_leaves(out_node.args[0]):
+    for a in output_values(gm.graph):
         ev = a.meta.get("example_value") if isinstance(a, fx.Node) else a
         if isinstance(ev, torch.Tensor):
             vals.append(torch.empty([size_hint(s) for s in ev.shape], dtype=ev.dtype, device="meta"))

@@ -16,13 +16,6 @@ _SIDE_EFFECT_FUNCTIONS = {torch._C._log_api_usage_once}
 _CROSS_ENTROPY = inspect.signature(F.cross_entropy)
 
 
-# Note [module path]: dynamo records in nn_module_stack every module a node was traced in,
-# outermost first, each by its source path: the model's chain nests (`L['model'].model`,
-# `L['model'].model.layers.0`, `...layers.0.self_attn`). A module kept elsewhere can sit inside
-# it: transformers 5.25 wraps `apply_rotary_pos_emb` in a module held by its modeling file,
-# recorded as `G['__import_..._modeling_qwen3'].apply_rotary_pos_emb` inside the attention. Such
-# an entry does not extend the chain, and taken as the node's module it put the rotary nodes of
-# every layer outside their layer (regions cut 11 pieces for 5; plans named the layers wrong).
 _SOURCE_KEY = re.compile(r"\[(?:'([^']*)'|(\d+))\]")
 
 
@@ -40,6 +33,13 @@ def call_leaf_name(source: str) -> str:
     return str(parts[0]) if parts else source
 
 
+# Note [module path]: dynamo records in nn_module_stack every module a node was traced in,
+# outermost first, each by its source path: the model's chain nests (`L['model'].model`,
+# `L['model'].model.layers.0`, `...layers.0.self_attn`). A module kept elsewhere can sit inside
+# it: transformers 5.25 wraps `apply_rotary_pos_emb` in a module held by its modeling file,
+# recorded as `G['__import_..._modeling_qwen3'].apply_rotary_pos_emb` inside the attention. Such
+# an entry does not extend the chain, and taken as the node's module it put the rotary nodes of
+# every layer outside their layer (regions cut 11 pieces for 5; plans named the layers wrong).
 def module_path(node: fx.Node):
     """The source path of the innermost module of the model's own chain that `node` was traced
     in (Note [module path]), or None without a module stack."""
