@@ -146,15 +146,12 @@ class PlanCache:
                                 "(torch.tensor(value)), which the graph takes as an input, or keep it the same. "
                                 "This is not said again.")
         members[key] = constants
-        while len(members) > self.config.captures_kept:
-            old = min((k for k in members if k in self._groups and k != key),
-                      key=lambda k: max((c.used for c in self._groups[k]), default=0), default=None)
-            if old is None:
-                break
+        while len(members) > self.config.captures_kept:    # (captures_kept >= 1: another member is there)
+            old = min((k for k in members if k != key), key=lambda k: max((c.used for c in self._groups[k]), default=0))
             del members[old]
-            for c in list(self._groups.pop(old)):
-                if self.release is not None:
-                    self.release(c.plans)
+            group = self._groups.pop(old)
+            for c in list(group):
+                self._drop(group, c)
 
     def _drop(self, group: list, c: _Capture) -> None:
         group.remove(c)
