@@ -273,3 +273,24 @@ def test_a_calls_router_logits_are_every_microbatchs():
     (out.router_logits[1] * weights).sum().backward()
     (want.router_logits[1] * weights).sum().backward()
     check_grads(model, ref, 1e-4)
+
+
+def test_a_sum_over_an_int_argument_through_the_backend_adds_up_over_microbatches():
+    """torch.compile(backend=rpcompile.backend(...), dynamic=True) makes an int argument a size
+    placeholder, passed whole to every microbatch as a number is. Before, a sum over rows divided
+    by it was taken as a mean over rows: loss and gradients 1/2 of eager's over 2 microbatches
+    (checked), with the count equal to the batch size or not."""
+    torch._dynamo.reset()
+    model = _Regression(lambda o, t, c, m: F.mse_loss(o, t, reduction="sum") / c)
+    ref = copy.deepcopy(model)
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
+    compiled = torch.compile(model, backend=rpcompile.backend(cfg), dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for count in (6, 40, 17):
+        x, t = torch.randn(6, 8, generator=g), torch.rand(6, 5, generator=g)
+        loss = compiled(x, t, count)
+        loss.backward()
+        expected = ref(x, t, count)
+        expected.backward()
+        close(loss, expected, 1e-5, 0.0, f"loss, count {count}")
+        check_grads(model, ref)

@@ -32,7 +32,8 @@ microbatch's, as under gradient accumulation.
 Note [sums over a batch count]: transformers' losses given `num_items_in_batch` (what its
 Trainer passes under gradient accumulation: the counted tokens of every accumulated batch) are
 `cross_entropy(..., reduction="sum") / num_items_in_batch`, a token sum over a count that is the
-same in every microbatch (a number, or a 0-d tensor the split passes whole). Taken as a mean over
+same in every microbatch (a number, a 0-d tensor, or an int argument the backend made a size
+placeholder: the split passes each whole). Taken as a mean over
 rows, each microbatch's loss was weighted by its rows: the loss and gradients 1/M of eager's. A
 sum cross-entropy the loss is affine in is a term too, its scale 1 / w_m alone (no counter): it
 adds up over microbatches as it is, and the rest of the loss keeps its row mean.
@@ -420,9 +421,12 @@ _METHODS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.d
 
 
 def _whole(placeholder: fx.Node) -> bool:
-    """A parameter, a buffer, or a 0-d tensor input (the microbatch split passes it whole)."""
+    """A parameter, a buffer, a 0-d tensor input, or a size argument (an int argument through the
+    backend, dynamic=True: no tensor's dimension) the microbatch split passes whole. A sum over
+    rows divided by such an int argument was taken as a mean over rows (1/M of eager's loss)."""
     ev = placeholder.meta.get("example_value")
-    return placeholder.meta.get("rp_kind") in ("param", "buffer") or (isinstance(ev, torch.Tensor) and ev.dim() == 0)
+    return (placeholder.meta.get("rp_kind") in ("param", "buffer") or (isinstance(ev, torch.Tensor) and ev.dim() == 0)
+            or (placeholder.meta.get("rp_kind") == "sym" and (placeholder.meta.get("rp_arg_index") or (0, 0))[1] is None))
 
 
 def _batch_free(value) -> bool:
