@@ -275,22 +275,36 @@ def test_a_calls_router_logits_are_every_microbatchs():
     check_grads(model, ref, 1e-4)
 
 
-def test_a_sum_over_an_int_argument_through_the_backend_adds_up_over_microbatches():
+def _regression_call(g, count):
+    return (torch.randn(6, 8, generator=g), torch.rand(6, 5, generator=g), count), {}
+
+
+def _qwen3_call(g, count):
+    """transformers' loss given an int num_items_in_batch (its Trainer's count before 5.x)."""
+    return (), dict(_uneven(int(torch.randint(0, 99, (), generator=g))), num_items_in_batch=count)
+
+
+@pytest.mark.parametrize("model,call", [
+    (lambda: _Regression(lambda o, t, c, m: F.mse_loss(o, t, reduction="sum") / c), _regression_call),
+    (lambda: qwen3(layers=1), _qwen3_call)], ids=["mse_sum", "qwen3_num_items"])
+def test_a_sum_over_an_int_argument_through_the_backend_adds_up_over_microbatches(model, call):
     """torch.compile(backend=rpcompile.backend(...), dynamic=True) makes an int argument a size
     placeholder, passed whole to every microbatch as a number is. Before, a sum over rows divided
     by it was taken as a mean over rows: loss and gradients 1/2 of eager's over 2 microbatches
-    (checked), with the count equal to the batch size or not."""
+    (checked, both models), with the count equal to the batch size or not."""
     torch._dynamo.reset()
-    model = _Regression(lambda o, t, c, m: F.mse_loss(o, t, reduction="sum") / c)
+    model = model()
     ref = copy.deepcopy(model)
     cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2)
     compiled = torch.compile(model, backend=rpcompile.backend(cfg), dynamic=True)
     g = torch.Generator().manual_seed(0)
     for count in (6, 40, 17):
-        x, t = torch.randn(6, 8, generator=g), torch.rand(6, 5, generator=g)
-        loss = compiled(x, t, count)
+        args, kwargs = call(g, count)
+        loss = compiled(*args, **kwargs)
+        loss = getattr(loss, "loss", loss)
         loss.backward()
-        expected = ref(x, t, count)
+        expected = ref(*args, **kwargs)
+        expected = getattr(expected, "loss", expected)
         expected.backward()
         close(loss, expected, 1e-5, 0.0, f"loss, count {count}")
         check_grads(model, ref)
