@@ -73,7 +73,7 @@ from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
-from .normalize_loss import flat_loss_output, normalize_loss, sum_over_rows
+from .normalize_loss import adds_up_over_rows, flat_loss_output, normalize_loss
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
@@ -993,7 +993,7 @@ def _describe_io(plan: Plan) -> None:
                                f"Config(num_microbatches=1)")
         plan.output_batched.append(batched)
         plan.output_differentiable.append(bool(ev.requires_grad) and ev.is_floating_point())
-        if ev.dim() == 0 and sum_over_rows(v, batch):      # Note [sums over rows]: adds up over microbatches
+        if ev.dim() == 0 and adds_up_over_rows(v, batch):      # Note [sums over rows]: adds up over microbatches
             plan.output_sums.add(len(plan.graph_outputs) - 1)
 
 

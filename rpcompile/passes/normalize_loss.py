@@ -59,6 +59,10 @@ same in every microbatch, it is part of the rest of the loss), a sum divided by 
 (`x.sum() / x.shape[0]`: a row mean), a sum of anything computed after a reduction over rows
 other than a sum (`x.mean(0).sum()`, `x.sum(0).pow(2).sum()`), and a loss not affine in a sum
 (`sqrt(x.sum())`).
+A call's scalar output other than the loss adds up over its microbatches where it is such a sum,
+or one negated, cast, scaled by a batch-free value, or a sum of such (adds_up_over_rows: `x.sum()
+/ 4`, `-x.sum()` came back as means over rows, 1/M of eager's); any other is a mean over rows (a
+sum plus a number is neither, and comes back as a mean).
 
 Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` and `F.nll_loss(x, y, ...)`
 with any of their arguments positional or by keyword, and the `nn.CrossEntropyLoss(weight=...,
@@ -460,6 +464,31 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
     else:
         return []
     return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
+
+
+def adds_up_over_rows(node, batch: BatchInfo) -> bool:
+    """A 0-d value the sum of its microbatches' values (a scalar output of a call that is not the
+    loss, Note [sums over rows]): a sum over rows, or one negated, cast, scaled by a batch-free
+    value (`x.sum() / 4`, `0.5 * x.abs().sum()`, `-x.sum()`, `x.sum() / count`), or a sum or
+    difference of such values. Before, only a bare sum was: the others came back a mean over
+    rows of their microbatches' values, 1/M of eager's."""
+    if not isinstance(node, fx.Node):
+        return False
+    if sum_over_rows(node, batch):
+        return True
+    if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
+        return False
+    t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
+    if t in _SUMS:
+        return len(args) == 2 and all(adds_up_over_rows(a, batch) for a in args)
+    if t in _SIGNS or t == "cast":
+        return adds_up_over_rows(args[0], batch)
+    if t in _SCALES and len(args) == 2:
+        if _batch_free(args[1]):
+            return adds_up_over_rows(args[0], batch)
+        return t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]) \
+            and adds_up_over_rows(args[1], batch)
+    return False
 
 
 def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
