@@ -220,8 +220,8 @@ class GraphRunner:
         return [s / sum(sizes) for s in sizes]
 
     def _scalar_weights(self, plan, micro, i, loss_weights) -> list:
-        """How scalar output i combines over microbatches: the loss by its weights, a sum over rows
-        adds up, others are means over rows."""
+        """How output i that is not batch-first combines over microbatches (Note [outputs over
+        rows]): the loss by its weights, a sum over rows adds up, others are means over rows."""
         if plan.loss_scale is not None and plan.loss_scale.output == i:
             return loss_weights
         if i in plan.output_sums:
@@ -498,7 +498,7 @@ class GraphRunner:
         if batched:
             whole = step.call_outputs and step.call_outputs.gather(name)
             return concatenated(vals) if whole is None else whole
-        if isinstance(vals[0], torch.Tensor) and vals[0].dim() == 0:
+        if isinstance(vals[0], torch.Tensor) and (vals[0].dim() == 0 or i in plan.output_sums or i in plan.output_means):
             w = self._scalar_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)
         return vals[0]
@@ -514,7 +514,7 @@ class GraphRunner:
             if plan.output_batched[i]:      # (dim 0 is rows, or rows times a factor: Plan.output_batched)
                 factor = g.shape[0] // sum(sizes)
                 parts = torch.split(g, [s * factor for s in sizes], 0)
-            elif g.dim() == 0:
+            elif g.dim() == 0 or i in plan.output_sums or i in plan.output_means:
                 parts = [g * wi for wi in self._scalar_weights(plan, micro, i, step.loss_weights)]
             else:
                 parts = [g] + [None] * (len(micro) - 1)

@@ -12,7 +12,7 @@ from torch import nn
 import rpcompile
 
 from models import MLP, SharedWeights, WithBatchNorm, llama, lm_batch, qwen3
-from parity import TIGHT, scalar_loss_step, train_both, xy_batches
+from parity import TIGHT, check_grads, scalar_loss_step, train_both, xy_batches
 
 
 def mse_batches(n=10, seed=3):
@@ -237,29 +237,60 @@ def test_a_size_returned_before_a_graph_break_and_a_sum_over_rows_through_the_ba
     assert len(backend.plans) == 2 and all(p.num_microbatches == 2 for p in backend.plans)
 
 
-def test_a_calls_scalar_output_that_sums_over_rows_is_the_whole_batchs():
-    """A call's scalar output other than the loss that sums over the rows (a total) adds up over
-    the microbatches; it was weighed as a mean over rows (its microbatches' values averaged). So
-    does one scaled by a number, negated, or a sum of such (Note [sums over rows]); these came
-    back as a mean over rows until the 80th session (about half of eager's, checked)."""
-    class WithTotal(nn.Module):
+class WithTotals(nn.Module):
+    """Outputs beside the loss that are not batch-first: sums and means over the rows (Note
+    [outputs over rows]), scaled, negated or added, and one computed from a parameter alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        return {"loss": F.mse_loss(h, y), "total": h.abs().sum(), "mean": h.abs().mean(),
+                "scaled": h.abs().sum() / 4, "half": 0.5 * h.sum(), "negated": -h.sum(),
+                "both": h.abs().sum() - 2 * h.pow(2).sum(), "column_sums": h.sum(0),
+                "column_means": 2 * h.mean(0), "both_means": h.mean(0) + h.pow(2).mean((0, 1)),
+                "weights": self.lin.weight.sum(0)}
+
+
+def test_a_calls_outputs_that_sum_or_average_over_rows_are_the_whole_batchs():
+    """A call's output other than the loss that sums over the rows (a total) adds up over the
+    microbatches, one that averages over them is weighted by rows, and so does each scaled,
+    negated or added (Note [outputs over rows]); their gradients reach every microbatch's rows.
+    Before, a 0-d total alone added up: `-h.sum()` and `h.sum() / 4` were taken as means over
+    rows, and `h.sum(0)`, `h.mean(0)` came back as the first microbatch's, their gradients that
+    microbatch's alone (checked)."""
+    model = WithTotals()
+    ref = copy.deepcopy(model)
+    batch = xy_batches(5, 8, steps=1)[0]
+    out = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))(**batch)
+    expected = ref(**batch)
+    for k in expected:
+        torch.testing.assert_close(out[k], expected[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    g = torch.Generator().manual_seed(3)
+    seeds = {k: torch.randn(v.shape, generator=g) for k, v in expected.items()}
+    sum((out[k] * seeds[k]).sum() for k in out).backward()
+    sum((expected[k] * seeds[k]).sum() for k in expected).backward()
+    check_grads(model, ref)
+
+
+def test_an_output_over_the_rows_that_is_neither_a_sum_nor_a_mean_is_an_error():
+    """`h.amax(0)` of a call split into microbatches came back as the first microbatch's value
+    (silently); it is a CaptureError that says what to do, and with one microbatch it is eager's."""
+    class Peak(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(8, 8)
 
-        def forward(self, x, y):
-            h = self.lin(x)
-            return {"loss": F.mse_loss(h, y), "total": h.abs().sum(), "mean": h.abs().mean(),
-                    "scaled": h.abs().sum() / 4, "half": 0.5 * h.sum(), "negated": -h.sum(),
-                    "both": h.abs().sum() - 2 * h.pow(2).sum()}
+        def forward(self, x):
+            return self.lin(x).amax(0)
 
-    model = WithTotal()
-    batch = xy_batches(5, 8, steps=1)[0]
-    with torch.no_grad():
-        out = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))(**batch)
-        ref = model(**batch)
-    for k in ref:
-        torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6)
+    model, x = Peak(), torch.randn(5, 8)
+    with pytest.raises(rpcompile.CaptureError, match=r"not row by row.*batch-first.*num_microbatches=1"):
+        rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))(x)
+    out = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1))(x)
+    torch.testing.assert_close(out, model(x))
 
 
 class WritesItsInput(nn.Module):

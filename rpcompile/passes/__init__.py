@@ -73,7 +73,7 @@ from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
-from .normalize_loss import adds_up_over_rows, flat_loss_output, normalize_loss
+from .normalize_loss import flat_loss_output, normalize_loss, over_rows, reads_the_batch
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
@@ -993,8 +993,18 @@ def _describe_io(plan: Plan) -> None:
                                f"Config(num_microbatches=1)")
         plan.output_batched.append(batched)
         plan.output_differentiable.append(bool(ev.requires_grad) and ev.is_floating_point())
-        if ev.dim() == 0 and adds_up_over_rows(v, batch):      # Note [sums over rows]: adds up over microbatches
-            plan.output_sums.add(len(plan.graph_outputs) - 1)
+        if not batched:         # Note [outputs over rows] (passes/normalize_loss.py)
+            i, kind = len(plan.graph_outputs) - 1, over_rows(v, batch)
+            if kind == "sum":
+                plan.output_sums.add(i)
+            elif kind == "mean" and ev.dim() > 0:
+                plan.output_means.add(i)
+            elif ev.dim() > 0 and kind is None and plan.num_microbatches > 1 and reads_the_batch(v, batch):
+                raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, computed from the whole "
+                                   f"batch but not row by row: rpcompile computes a call per microbatch and puts "
+                                   f"such an output together only where it is a sum or a mean over the rows (Note "
+                                   f"[outputs over rows]). Return it batch-first (a value per row) and reduce it "
+                                   f"outside the model, or call with Config(num_microbatches=1)")
 
 
 def _sym_source(gm, expr):

@@ -59,10 +59,19 @@ same in every microbatch, it is part of the rest of the loss), a sum divided by 
 (`x.sum() / x.shape[0]`: a row mean), a sum of anything computed after a reduction over rows
 other than a sum (`x.mean(0).sum()`, `x.sum(0).pow(2).sum()`), and a loss not affine in a sum
 (`sqrt(x.sum())`).
-A call's scalar output other than the loss adds up over its microbatches where it is such a sum,
-or one negated, cast, scaled by a batch-free value, or a sum of such (adds_up_over_rows: `x.sum()
-/ 4`, `-x.sum()` came back as means over rows, 1/M of eager's); any other is a mean over rows (a
-sum plus a number is neither, and comes back as a mean).
+
+Note [outputs over rows]: a call's output other than the loss whose dim 0 is not the rows is
+computed per microbatch, and the microbatches' values are put together as over_rows says: added
+up where it is a sum over rows (`h.sum(0)`, `h.abs().sum() / 4`, `-h.sum()`), weighted by rows
+where it is a mean over rows (`h.mean(0)`, `h.mean((0, 1)) * 2`), and through sums, differences,
+signs, casts and products with batch-free values of one kind. A 0-d output of neither kind is a
+mean over rows, as the loss is (an MoE's load-balancing loss: each microbatch's, as under
+gradient accumulation). Any other output computed from the batch (`h.amax(0)`, `h.T @ h`, a sum
+plus a number) is a CaptureError with more than one microbatch; one not computed from the batch
+is the same in every microbatch, and the first microbatch's is returned (its gradient seeded
+there alone). Before, only a bare 0-d sum added up; `h.sum(0)`, `h.mean(0)` and `h.amax(0)` came
+back as the first microbatch's value and `-h.sum()` as a mean, silently, and only the first
+microbatch's rows got a gradient from such an output.
 
 Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` and `F.nll_loss(x, y, ...)`
 with any of their arguments positional or by keyword, and the `nn.CrossEntropyLoss(weight=...,
@@ -355,12 +364,14 @@ def _loss_call_sums(node: fx.Node):
 
 
 _SUM_FUNCTIONS = {torch.sum, torch.Tensor.sum, torch.ops.aten.sum.default, torch.ops.aten.sum.dim_IntList}
+_MEAN_FUNCTIONS = {torch.mean, torch.Tensor.mean, torch.ops.aten.mean.default, torch.ops.aten.mean.dim}
 
 
-def _summed(node: fx.Node):
-    """(x, dims) when `node` sums x (dims None: every element; else a tuple of ints), else None."""
-    if (node.op == "call_method" and node.target == "sum") or (node.op == "call_function"
-                                                              and node.target in _SUM_FUNCTIONS):
+def _summed(node: fx.Node, method: str = "sum", functions=_SUM_FUNCTIONS):
+    """(x, dims) when `node` sums x (dims None: every element; else a tuple of ints), else None;
+    with method "mean" and _MEAN_FUNCTIONS, when it takes x's mean."""
+    if (node.op == "call_method" and node.target == method) or (node.op == "call_function"
+                                                               and node.target in functions):
         if not node.args or not isinstance(node.args[0], fx.Node):
             return None
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -466,29 +477,48 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
     return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
 
 
-def adds_up_over_rows(node, batch: BatchInfo) -> bool:
-    """A 0-d value the sum of its microbatches' values (a scalar output of a call that is not the
-    loss, Note [sums over rows]): a sum over rows, or one negated, cast, scaled by a batch-free
-    value (`x.sum() / 4`, `0.5 * x.abs().sum()`, `-x.sum()`, `x.sum() / count`), or a sum or
-    difference of such values. Before, only a bare sum was: the others came back a mean over
-    rows of their microbatches' values, 1/M of eager's."""
+def _means_rows(node: fx.Node, batch: BatchInfo) -> bool:
+    """`node` is a mean over dims including dim 0 of a value whose dim 0 is the rows."""
+    meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
+    if meaned is None or _value(meaned[0]) is None:
+        return False
+    x, dims = meaned
+    return _rows_first(x, batch) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
+
+
+def over_rows(node, batch: BatchInfo) -> Optional[str]:
+    """How a call's output that is not batch-first puts together from its microbatches' values
+    (Note [outputs over rows]): "sum" where it is their sum (a sum over rows, Note [sums over
+    rows]), "mean" where it is their mean weighted by rows (a mean over dims including dim 0 of
+    a batch-first value), each also negated, cast, scaled by a batch-free value, or a sum or
+    difference of two of one kind; None for anything else."""
     if not isinstance(node, fx.Node):
-        return False
-    if sum_over_rows(node, batch):
-        return True
+        return None
+    if sum_over_rows(node, batch) or _sums_rows(node, batch):
+        return "sum"
+    if _means_rows(node, batch):
+        return "mean"
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
-        return False
+        return None
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if t in _SUMS:
-        return len(args) == 2 and all(adds_up_over_rows(a, batch) for a in args)
+        kinds = {over_rows(a, batch) for a in args}
+        return kinds.pop() if len(args) == 2 and len(kinds) == 1 else None
     if t in _SIGNS or t == "cast":
-        return adds_up_over_rows(args[0], batch)
+        return over_rows(args[0], batch)
     if t in _SCALES and len(args) == 2:
         if _batch_free(args[1]):
-            return adds_up_over_rows(args[0], batch)
-        return t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]) \
-            and adds_up_over_rows(args[1], batch)
-    return False
+            return over_rows(args[0], batch)
+        if t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]):
+            return over_rows(args[1], batch)
+    return None
+
+
+def reads_the_batch(node, batch: BatchInfo) -> bool:
+    """Whether `node` is computed from a batched input (Note [outputs over rows])."""
+    return isinstance(node, fx.Node) and any(
+        n.op == "placeholder" and n.meta.get("rp_kind") == "input" and n.meta.get("rp_index") in batch.leaves
+        for n in _ancestors(node))
 
 
 def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
