@@ -239,7 +239,8 @@ def test_a_size_returned_before_a_graph_break_and_a_sum_over_rows_through_the_ba
 
 class WithTotals(nn.Module):
     """Outputs beside the loss that are not batch-first: sums and means over the rows (Note
-    [outputs over rows]), scaled, negated or added, and one computed from a parameter alone."""
+    [outputs over rows]), scaled, negated or added, and two computed from no row: a parameter's,
+    and one from a size of the batch (refused while the rule followed sizes too)."""
 
     def __init__(self):
         super().__init__()
@@ -251,7 +252,7 @@ class WithTotals(nn.Module):
                 "scaled": h.abs().sum() / 4, "half": 0.5 * h.sum(), "negated": -h.sum(),
                 "both": h.abs().sum() - 2 * h.pow(2).sum(), "column_sums": h.sum(0),
                 "column_means": 2 * h.mean(0), "both_means": h.mean(0) + h.pow(2).mean((0, 1)),
-                "weights": self.lin.weight.sum(0)}
+                "weights": self.lin.weight.sum(0), "positions": torch.arange(x.shape[1], dtype=x.dtype) * 2}
 
 
 def test_a_calls_outputs_that_sum_or_average_over_rows_are_the_whole_batchs():

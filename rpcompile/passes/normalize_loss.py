@@ -515,10 +515,18 @@ def over_rows(node, batch: BatchInfo) -> Optional[str]:
 
 
 def reads_the_batch(node, batch: BatchInfo) -> bool:
-    """Whether `node` is computed from a batched input (Note [outputs over rows])."""
-    return isinstance(node, fx.Node) and any(
-        n.op == "placeholder" and n.meta.get("rp_kind") == "input" and n.meta.get("rp_index") in batch.leaves
-        for n in _ancestors(node))
+    """Whether `node`'s values are computed from a batched input's (Note [outputs over rows]);
+    through tensors only: a size read off one (position ids of the sequence's length) is none."""
+    seen, stack = set(), [node] if isinstance(node, fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(_value(n), torch.Tensor):
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and n.meta.get("rp_kind") == "input" and n.meta.get("rp_index") in batch.leaves:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
