@@ -66,10 +66,10 @@ up where it is a sum over rows (`h.sum(0)`, `h.abs().sum() / 4`, `-h.sum()`), we
 where it is a mean over rows (`h.mean(0)`, `h.mean((0, 1)) * 2`), and through sums, differences,
 signs, casts and products with batch-free values of one kind. A 0-d output of neither kind is a
 mean over rows, as the loss is (an MoE's load-balancing loss: each microbatch's, as under
-gradient accumulation). Any other output computed from the batch (`h.amax(0)`, `h.T @ h`, a sum
-plus a number) is a CaptureError with more than one microbatch; one not computed from the batch
-is the same in every microbatch, and the first microbatch's is returned (its gradient seeded
-there alone). Before, only a bare 0-d sum added up; `h.sum(0)`, `h.mean(0)` and `h.amax(0)` came
+gradient accumulation). Any other output computed from the rows (`h.amax(0)`, `h.T @ h`,
+`h.sum(0) + 1`) is a CaptureError with more than one microbatch; one computed from no row (from
+parameters, or from a size of the batch alone: reads_the_batch follows tensors) is the same in
+every microbatch, and the first microbatch's is returned (its gradient seeded there alone). Before, only a bare 0-d sum added up; `h.sum(0)`, `h.mean(0)` and `h.amax(0)` came
 back as the first microbatch's value and `-h.sum()` as a mean, silently, and only the first
 microbatch's rows got a gradient from such an output.
 
