@@ -166,8 +166,8 @@ class Plan:
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
                                                         # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
-    output_sums: set = field(default_factory=set)       # outputs that are sums over rows (they add up)
-    output_means: set = field(default_factory=set)      # outputs not 0-d that are means over rows (weighted by rows)
+    output_kinds: dict = field(default_factory=dict)    # output index -> "sum", "mean", "max" or "min" over rows
+                                                        # (Note [outputs over rows]; a 0-d output not here: a mean)
     output_differentiable: list = field(default_factory=list)   # per graph output: it requires grad where traced
     lm_head: Any = None
     mutated_buffers: list = field(default_factory=list)  # buffer indices the graph updates in place

@@ -224,7 +224,7 @@ class GraphRunner:
         rows]): the loss by its weights, a sum over rows adds up, others are means over rows."""
         if plan.loss_scale is not None and plan.loss_scale.output == i:
             return loss_weights
-        if i in plan.output_sums:
+        if plan.output_kinds.get(i) == "sum":
             return [1.0] * len(micro)
         return self._row_weights(plan, micro)
 
@@ -498,7 +498,14 @@ class GraphRunner:
         if batched:
             whole = step.call_outputs and step.call_outputs.gather(name)
             return concatenated(vals) if whole is None else whole
-        if isinstance(vals[0], torch.Tensor) and (vals[0].dim() == 0 or i in plan.output_sums or i in plan.output_means):
+        kind = plan.output_kinds.get(i)
+        if kind in ("max", "min"):      # (each microbatch where it is reached shares the gradient)
+            stacked = torch.stack(vals)
+            whole = stacked.amax(0) if kind == "max" else stacked.amin(0)
+            reached = (stacked == whole).to(stacked.dtype)
+            step.output_shares[i] = list(reached / reached.sum(0))
+            return whole
+        if isinstance(vals[0], torch.Tensor) and (vals[0].dim() == 0 or kind is not None):
             w = self._scalar_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)
         return vals[0]
@@ -514,7 +521,9 @@ class GraphRunner:
             if plan.output_batched[i]:      # (dim 0 is rows, or rows times a factor: Plan.output_batched)
                 factor = g.shape[0] // sum(sizes)
                 parts = torch.split(g, [s * factor for s in sizes], 0)
-            elif g.dim() == 0 or i in plan.output_sums or i in plan.output_means:
+            elif i in step.output_shares:
+                parts = [g * share.to(g.device) for share in step.output_shares[i]]
+            elif g.dim() == 0 or i in plan.output_kinds:
                 parts = [g * wi for wi in self._scalar_weights(plan, micro, i, step.loss_weights)]
             else:
                 parts = [g] + [None] * (len(micro) - 1)

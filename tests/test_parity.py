@@ -238,9 +238,9 @@ def test_a_size_returned_before_a_graph_break_and_a_sum_over_rows_through_the_ba
 
 
 class WithTotals(nn.Module):
-    """Outputs beside the loss that are not batch-first: sums and means over the rows (Note
-    [outputs over rows]), scaled, negated or added, and two computed from no row: a parameter's,
-    and one from a size of the batch (refused while the rule followed sizes too)."""
+    """Outputs beside the loss that are not batch-first: sums, means, maxima and minima over the
+    rows (Note [outputs over rows]), scaled, negated or added, and two computed from no row: a
+    parameter's, and one from a size of the batch (refused while the rule followed sizes too)."""
 
     def __init__(self):
         super().__init__()
@@ -252,16 +252,18 @@ class WithTotals(nn.Module):
                 "scaled": h.abs().sum() / 4, "half": 0.5 * h.sum(), "negated": -h.sum(),
                 "both": h.abs().sum() - 2 * h.pow(2).sum(), "column_sums": h.sum(0),
                 "column_means": 2 * h.mean(0), "both_means": h.mean(0) + h.pow(2).mean((0, 1)),
-                "weights": self.lin.weight.sum(0), "positions": torch.arange(x.shape[1], dtype=x.dtype) * 2}
+                "weights": self.lin.weight.sum(0), "positions": torch.arange(x.shape[1], dtype=x.dtype) * 2,
+                "peak": h.max(), "column_peaks": h.amax(0), "column_lows": -2 * h.amin(0)}
 
 
 def test_a_calls_outputs_that_sum_or_average_over_rows_are_the_whole_batchs():
     """A call's output other than the loss that sums over the rows (a total) adds up over the
-    microbatches, one that averages over them is weighted by rows, and so does each scaled,
-    negated or added (Note [outputs over rows]); their gradients reach every microbatch's rows.
-    Before, a 0-d total alone added up: `-h.sum()` and `h.sum() / 4` were taken as means over
-    rows, and `h.sum(0)`, `h.mean(0)` came back as the first microbatch's, their gradients that
-    microbatch's alone (checked)."""
+    microbatches, one that averages over them is weighted by rows, a max or min over them is the
+    largest or smallest, and so does each scaled, negated or added (Note [outputs over rows]);
+    their gradients reach every microbatch's rows. Before, a 0-d total alone added up: `-h.sum()`,
+    `h.sum() / 4` and `h.max()` were taken as means over rows, and `h.sum(0)`, `h.mean(0)`,
+    `h.amax(0)` came back as the first microbatch's, their gradients that microbatch's alone
+    (checked)."""
     model = WithTotals()
     ref = copy.deepcopy(model)
     batch = xy_batches(5, 8, steps=1)[0]
@@ -277,17 +279,19 @@ def test_a_calls_outputs_that_sum_or_average_over_rows_are_the_whole_batchs():
 
 
 def test_an_output_over_the_rows_that_is_neither_a_sum_nor_a_mean_is_an_error():
-    """`h.amax(0)` of a call split into microbatches came back as the first microbatch's value
-    (silently); it is a CaptureError that says what to do, and with one microbatch it is eager's."""
-    class Peak(nn.Module):
+    """`h.T @ h` of a call split into microbatches came back as the first microbatch's value
+    (silently), as `h.amax(0)` did; it is a CaptureError that says what to do, and with one
+    microbatch it is eager's."""
+    class Gram(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(8, 8)
 
         def forward(self, x):
-            return self.lin(x).amax(0)
+            h = self.lin(x)
+            return h.T @ h
 
-    model, x = Peak(), torch.randn(5, 8)
+    model, x = Gram(), torch.randn(5, 8)
     with pytest.raises(rpcompile.CaptureError, match=r"not row by row.*batch-first.*num_microbatches=1"):
         rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))(x)
     out = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1))(x)

@@ -994,17 +994,15 @@ def _describe_io(plan: Plan) -> None:
         plan.output_batched.append(batched)
         plan.output_differentiable.append(bool(ev.requires_grad) and ev.is_floating_point())
         if not batched:         # Note [outputs over rows] (passes/normalize_loss.py)
-            i, kind = len(plan.graph_outputs) - 1, over_rows(v, batch)
-            if kind == "sum":
-                plan.output_sums.add(i)
-            elif kind == "mean" and ev.dim() > 0:
-                plan.output_means.add(i)
-            elif ev.dim() > 0 and kind is None and plan.num_microbatches > 1 and reads_the_batch(v, batch):
+            kind = over_rows(v, batch)
+            if kind is not None:
+                plan.output_kinds[len(plan.graph_outputs) - 1] = kind
+            elif ev.dim() > 0 and plan.num_microbatches > 1 and reads_the_batch(v, batch):
                 raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, computed from the whole "
                                    f"batch but not row by row: rpcompile computes a call per microbatch and puts "
-                                   f"such an output together only where it is a sum or a mean over the rows (Note "
-                                   f"[outputs over rows]). Return it batch-first (a value per row) and reduce it "
-                                   f"outside the model, or call with Config(num_microbatches=1)")
+                                   f"such an output together only where it is a sum, mean, max or min over the rows "
+                                   f"(Note [outputs over rows]). Return it batch-first (a value per row) and reduce "
+                                   f"it outside the model, or call with Config(num_microbatches=1)")
 
 
 def _sym_source(gm, expr):

@@ -61,17 +61,20 @@ other than a sum (`x.mean(0).sum()`, `x.sum(0).pow(2).sum()`), and a loss not af
 (`sqrt(x.sum())`).
 
 Note [outputs over rows]: a call's output other than the loss whose dim 0 is not the rows is
-computed per microbatch, and the microbatches' values are put together as over_rows says: added
-up where it is a sum over rows (`h.sum(0)`, `h.abs().sum() / 4`, `-h.sum()`), weighted by rows
-where it is a mean over rows (`h.mean(0)`, `h.mean((0, 1)) * 2`), and through sums, differences,
-signs, casts and products with batch-free values of one kind. A 0-d output of neither kind is a
-mean over rows, as the loss is (an MoE's load-balancing loss: each microbatch's, as under
-gradient accumulation). Any other output computed from the rows (`h.amax(0)`, `h.T @ h`,
-`h.sum(0) + 1`) is a CaptureError with more than one microbatch; one computed from no row (from
-parameters, or from a size of the batch alone: reads_the_batch follows tensors) is the same in
-every microbatch, and the first microbatch's is returned (its gradient seeded there alone). Before, only a bare 0-d sum added up; `h.sum(0)`, `h.mean(0)` and `h.amax(0)` came
-back as the first microbatch's value and `-h.sum()` as a mean, silently, and only the first
-microbatch's rows got a gradient from such an output.
+computed per microbatch, and the microbatches' values are put together as over_rows says: added up
+where it is a sum over rows (`h.sum(0)`, `h.abs().sum() / 4`, `-h.sum()`), weighted by rows where
+it is a mean over rows (`h.mean(0)`, `h.mean((0, 1)) * 2`), and through sums, differences, signs,
+casts and products with batch-free values of one kind; the largest or smallest where it is a max
+or min over rows (`h.max()`, `h.amax(0)`, `-h.amin(0)`), each microbatch that reaches it sharing
+its gradient (an exact tie across microbatches is split by microbatch, not by element as eager
+splits it). A 0-d output of no such kind is a mean over rows, as the loss is (an MoE's
+load-balancing loss: each microbatch's, as under gradient accumulation). Any other output computed
+from the rows (`h.T @ h`, `h.sum(0) + 1`, `h.amax(0) + h.amax(0)`) is a CaptureError with more
+than one microbatch; one computed from no row (from parameters, or from a size of the batch alone:
+reads_the_batch follows tensors) is the same in every microbatch, and the first microbatch's is
+returned (its gradient seeded there alone). Before, only a bare 0-d sum added up: `h.sum(0)`,
+`h.mean(0)` and `h.amax(0)` came back as the first microbatch's value and `-h.sum()`, `h.max()` as
+means, silently, and only the first microbatch's rows got a gradient from such an output.
 
 Every spelling of the call is handled: `F.cross_entropy(x, y, ...)` and `F.nll_loss(x, y, ...)`
 with any of their arguments positional or by keyword, and the `nn.CrossEntropyLoss(weight=...,
@@ -486,31 +489,66 @@ def _means_rows(node: fx.Node, batch: BatchInfo) -> bool:
     return _rows_first(x, batch) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
 
 
+_EXTREMES = {"max": "max", "amax": "max", "min": "min", "amin": "min", torch.max: "max", torch.amax: "max",
+             torch.min: "min", torch.amin: "min"}
+
+
+def _extreme_over_rows(node: fx.Node, batch: BatchInfo) -> Optional[str]:
+    """"max" or "min" where `node` is one over dims including dim 0 of a batch-first value: `h.max()`,
+    `h.amax(0)`, `torch.amin(h, dim=(0, 1))` (not `h.max(0)`, values and indices)."""
+    kind = _EXTREMES.get(node.target) if node.op in ("call_method", "call_function") else None
+    if kind is None or not node.args or not _rows_first(node.args[0], batch):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", ())
+    if node.target in ("max", "min", torch.max, torch.min):
+        return kind if len(node.args) == 1 and not node.kwargs else None
+    dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else None
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        return None
+    return kind if not dims or 0 in [d % _value(node.args[0]).dim() for d in dims] else None
+
+
 def over_rows(node, batch: BatchInfo) -> Optional[str]:
     """How a call's output that is not batch-first puts together from its microbatches' values
     (Note [outputs over rows]): "sum" where it is their sum (a sum over rows, Note [sums over
     rows]), "mean" where it is their mean weighted by rows (a mean over dims including dim 0 of
     a batch-first value), each also negated, cast, scaled by a batch-free value, or a sum or
-    difference of two of one kind; None for anything else."""
+    difference of two of one kind; "max" or "min" where it is their largest or smallest (also
+    cast, or negated or scaled by a number: by a negative one, the other); None for anything else."""
     if not isinstance(node, fx.Node):
         return None
     if sum_over_rows(node, batch) or _sums_rows(node, batch):
         return "sum"
     if _means_rows(node, batch):
         return "mean"
+    extreme = _extreme_over_rows(node, batch)
+    if extreme is not None:
+        return extreme
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
         return None
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if t in _SUMS:
         kinds = {over_rows(a, batch) for a in args}
-        return kinds.pop() if len(args) == 2 and len(kinds) == 1 else None
-    if t in _SIGNS or t == "cast":
+        kind = kinds.pop() if len(args) == 2 and len(kinds) == 1 else None
+        return kind if kind in ("sum", "mean") else None
+    if t == "cast":
         return over_rows(args[0], batch)
+    if t in _SIGNS:
+        kind = over_rows(args[0], batch)
+        return {"max": "min", "min": "max"}.get(kind, kind)
     if t in _SCALES and len(args) == 2:
         if _batch_free(args[1]):
-            return over_rows(args[0], batch)
-        if t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]):
-            return over_rows(args[1], batch)
+            value, by = args[0], args[1]
+        elif t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]):
+            value, by = args[1], args[0]
+        else:
+            return None
+        kind = over_rows(value, batch)
+        if kind in ("max", "min"):      # (a negative number turns one into the other)
+            if not isinstance(by, (int, float)) or by == 0:
+                return None
+            return kind if by > 0 else {"max": "min", "min": "max"}[kind]
+        return kind
     return None
 
 

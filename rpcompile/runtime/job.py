@@ -63,6 +63,7 @@ class StepState:
     gate: Any = None                                   # gate(param): waits for its pending optimizer step
     ready: Any = None                                  # ready(param): no pending optimizer step (non-blocking)
     loss_weights: Any = None                           # call mode: how the loss output combines
+    output_shares: dict = field(default_factory=dict)  # call mode: output index -> per microbatch, its share of a max/min's gradient
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
     first_upload: list = field(default_factory=list)   # [(device, future)]: its first job's weights, sent before the step
