@@ -397,19 +397,19 @@ def _rows_first(node, batch: BatchInfo) -> bool:
     return ev is not None and ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
 
 
+def _reduces_rows(x, dims, batch: BatchInfo) -> bool:
+    """A reduction of x over `dims` (None: every element) reduces its rows: x is batch-first and
+    dims include dim 0."""
+    return _rows_first(x, batch) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
+
+
 def _sums_rows(node: fx.Node, batch: BatchInfo) -> bool:
     """`node` sums over the rows of the batch: a sum over dims including dim 0 of a value whose
     dim 0 is the rows, or a sum of such a sum."""
     summed = _summed(node)
-    if summed is None:
+    if summed is None or _value(summed[0]) is None:
         return False
-    x, dims = summed
-    ev = _value(x)
-    if ev is None:
-        return False
-    if _rows_first(x, batch) and (dims is None or 0 in [d % ev.dim() for d in dims]):
-        return True
-    return _sums_rows(x, batch)
+    return _reduces_rows(*summed, batch) or _sums_rows(summed[0], batch)
 
 
 def sum_over_rows(node: fx.Node, batch: BatchInfo) -> bool:
@@ -444,7 +444,7 @@ def _whole(placeholder: fx.Node) -> bool:
     rows divided by such an int argument was taken as a mean over rows (1/M of eager's loss)."""
     ev = placeholder.meta.get("example_value")
     return (placeholder.meta.get("rp_kind") in ("param", "buffer") or (isinstance(ev, torch.Tensor) and ev.dim() == 0)
-            or (placeholder.meta.get("rp_kind") == "sym" and (placeholder.meta.get("rp_arg_index") or (0, 0))[1] is None))
+            or (placeholder.meta.get("rp_kind") == "sym" and "rp_arg_index" in placeholder.meta))
 
 
 def _batch_free(value) -> bool:
@@ -455,6 +455,18 @@ def _batch_free(value) -> bool:
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float))
     return all(n.op != "placeholder" or _whole(n) for n in _ancestors(value))
+
+
+def _scaled(t, args):
+    """(value, scale) of a product or quotient `t(*args)` by a batch-free scale (_batch_free: a
+    divisor, or either factor), else None."""
+    if t not in _SCALES or len(args) != 2:
+        return None
+    if _batch_free(args[1]):
+        return args[0], args[1]
+    if t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]):
+        return args[1], args[0]
+    return None
 
 
 def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
@@ -470,11 +482,8 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
         return []
     if t in _SUMS or t in _SIGNS or t == "cast":
         operands = args if t in _SUMS else args[:1]
-    elif t in _SCALES and len(args) == 2 and _batch_free(args[1]):
-        operands = args[:1]
-    elif t in _SCALES and t not in (operator.truediv, operator.itruediv, torch.div) and len(args) == 2 \
-            and _batch_free(args[0]):
-        operands = args[1:]
+    elif _scaled(t, args) is not None:
+        operands = _scaled(t, args)[:1]
     else:
         return []
     return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
@@ -483,29 +492,27 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
 def _means_rows(node: fx.Node, batch: BatchInfo) -> bool:
     """`node` is a mean over dims including dim 0 of a value whose dim 0 is the rows."""
     meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
-    if meaned is None or _value(meaned[0]) is None:
-        return False
-    x, dims = meaned
-    return _rows_first(x, batch) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
+    return meaned is not None and _reduces_rows(*meaned, batch)
 
 
 _EXTREMES = {"max": "max", "amax": "max", "min": "min", "amin": "min", torch.max: "max", torch.amax: "max",
              torch.min: "min", torch.amin: "min"}
+_FLIPPED = {"max": "min", "min": "max"}      # an extreme negated
 
 
 def _extreme_over_rows(node: fx.Node, batch: BatchInfo) -> Optional[str]:
     """"max" or "min" where `node` is one over dims including dim 0 of a batch-first value: `h.max()`,
     `h.amax(0)`, `torch.amin(h, dim=(0, 1))` (not `h.max(0)`, values and indices)."""
     kind = _EXTREMES.get(node.target) if node.op in ("call_method", "call_function") else None
-    if kind is None or not node.args or not _rows_first(node.args[0], batch):
+    if kind is None or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", ())
     if node.target in ("max", "min", torch.max, torch.min):
-        return kind if len(node.args) == 1 and not node.kwargs else None
+        return kind if len(node.args) == 1 and not node.kwargs and _reduces_rows(node.args[0], None, batch) else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", ())
     dims = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else None
     if dims is None or not all(isinstance(d, int) for d in dims):
         return None
-    return kind if not dims or 0 in [d % _value(node.args[0]).dim() for d in dims] else None
+    return kind if _reduces_rows(node.args[0], dims or None, batch) else None      # (dims (): every element)
 
 
 def over_rows(node, batch: BatchInfo) -> Optional[str]:
@@ -535,21 +542,17 @@ def over_rows(node, batch: BatchInfo) -> Optional[str]:
         return over_rows(args[0], batch)
     if t in _SIGNS:
         kind = over_rows(args[0], batch)
-        return {"max": "min", "min": "max"}.get(kind, kind)
-    if t in _SCALES and len(args) == 2:
-        if _batch_free(args[1]):
-            value, by = args[0], args[1]
-        elif t not in (operator.truediv, operator.itruediv, torch.div) and _batch_free(args[0]):
-            value, by = args[1], args[0]
-        else:
+        return _FLIPPED.get(kind, kind)
+    scaled = _scaled(t, args)
+    if scaled is None:
+        return None
+    value, by = scaled
+    kind = over_rows(value, batch)
+    if kind in _FLIPPED:      # (a negative number turns a max into a min)
+        if not isinstance(by, (int, float)) or by == 0:
             return None
-        kind = over_rows(value, batch)
-        if kind in ("max", "min"):      # (a negative number turns one into the other)
-            if not isinstance(by, (int, float)) or by == 0:
-                return None
-            return kind if by > 0 else {"max": "min", "min": "max"}[kind]
-        return kind
-    return None
+        return kind if by > 0 else _FLIPPED[kind]
+    return kind
 
 
 def reads_the_batch(node, batch: BatchInfo) -> bool:
