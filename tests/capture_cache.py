@@ -8,16 +8,21 @@ model's. The first test of each model and shape captures as a user's call does; 
 changes that the graph could depend on (a config field, a hook, a frozen parameter, train/eval,
 the grad mode, an added loss function) makes it a new capture.
 
-Only transformers models are kept (their config says what the graph depends on); tests of the
-capture itself (errors, graph breaks, its timeline) use other models or call
-rpcompile.capture.capture_call directly, which this leaves alone. RPCOMPILE_TEST_FRESH_CAPTURES=1
-turns it off."""
+Only transformers models and peft models of them are kept (their config, and a peft model's
+adapter configs and adapter state, say what the graph depends on); a call with a loss_fn is kept
+by what the loss_fn computes by, as rpcompile's plan key holds it (reads.frozen: code, closure
+values, defaults; one it cannot freeze is not kept). A model with hooks is not kept, but for
+transformers' output recorders, which every capture installs. Tests of the capture itself
+(errors, graph breaks, its timeline) use other models or call rpcompile.capture.capture_call
+directly, which this leaves alone. RPCOMPILE_TEST_FRESH_CAPTURES=1 turns it off."""
 import dataclasses
 
 import torch
 from torch.utils import _pytree as pytree
 
+from rpcompile.adapter_state import adapter_layers, adapter_state
 from rpcompile.capture import _install_output_recorders
+from rpcompile.reads import Unfreezable, frozen
 
 
 def _leaf_sig(leaf):
@@ -28,7 +33,22 @@ def _leaf_sig(leaf):
 
 def _plain_attrs(module):
     """A module's plain attributes (training, eps, dropout p, gradient_checkpointing, ...)."""
-    return tuple(sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str, type(None)))))
+    return tuple(sorted((k, v) for k, v in vars(module).items()
+                        if isinstance(v, (bool, int, float, str, type(None))) and k != _RECORDERS_INSTALLED))
+
+
+# transformers' output recorders: forward hooks its models' first call installs, and every
+# capture before it traces (Note [recorded outputs] in rpcompile/capture.py), so a model that has
+# them (it ran eagerly, or was captured before) captures as one without them
+_RECORDERS = "transformers.utils.output_capturing"
+_RECORDERS_INSTALLED = "_output_capturing_hooks_installed"
+
+
+def _hooked(module) -> bool:
+    """Whether `module` has a hook other than transformers' output recorders."""
+    tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+              getattr(module, "_backward_pre_hooks", None) or {})
+    return any(getattr(h, "__module__", None) != _RECORDERS for t in tables for h in t.values())
 
 
 # torch.nn.modules.module's hooks on every module (a module's own are checked module by module)
@@ -37,14 +57,20 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 
 def _key(model, args, kwargs, kw):
-    if kw.get("wrap") is not None or not type(model).__module__.startswith("transformers."):
+    loss_fn = kw.get("loss_fn")
+    if kw.get("wrap") is not None and loss_fn is None:
+        return None
+    if not type(model).__module__.startswith(("transformers.", "peft.")):
         return None
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         return None
+    try:        # (a loss_fn by what it computes by, as rpcompile's plan key holds it: Note [loss_fn in the key])
+        loss_key = frozen(loss_fn) if loss_fn is not None else None
+    except Unfreezable:
+        return None
     modules = list(model.named_modules(remove_duplicate=False))
-    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
-           for _, m in modules) or any(getattr(torch.nn.modules.module, g, None) for g in _GLOBAL_HOOKS):
+    if any(map(_hooked, (m for _, m in modules))) or any(getattr(torch.nn.modules.module, g, None) for g in _GLOBAL_HOOKS):
         return None
     owner: dict = {}
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad, owner.setdefault(id(p), n))
@@ -52,10 +78,14 @@ def _key(model, args, kwargs, kw):
     buffers = tuple((n, tuple(b.shape), b.dtype, owner.setdefault(id(b), n))
                     for n, b in model.named_buffers(remove_duplicate=False))
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    # (a peft model: its adapters' configs, and the state its layers branch on, Note [adapter state
+    # in the key] in rpcompile/adapter_state.py)
+    adapters = (repr(getattr(model, "peft_config", None)), adapter_state(adapter_layers(model)))
     return (type(model), config.to_json_string(use_diff=False), getattr(config, "_attn_implementation", None),
             tuple((n, type(m), _plain_attrs(m)) for n, m in modules), params, buffers,
             tuple(_leaf_sig(x) for x in leaves), str(spec), torch.is_grad_enabled(),
-            torch.is_autocast_enabled(), torch.get_default_dtype(), repr(sorted((k, repr(v)) for k, v in kw.items())))
+            torch.is_autocast_enabled(), torch.get_default_dtype(), loss_key, adapters,
+            repr(sorted((k, repr(v)) for k, v in kw.items() if k not in ("wrap", "loss_fn"))))
 
 
 def _bound(cap, model):

@@ -73,3 +73,59 @@ def test_what_the_graph_could_depend_on_makes_a_new_capture(captures, change):
         if handle is not None:
             handle.remove()
     assert captures.hits == hits
+
+
+def test_a_model_transformers_output_recorders_hook_is_served(captures):
+    """transformers' output recorders (forward hooks that every capture installs, as a first
+    eager call asking for outputs does) are no reason to capture again: a model captured before
+    is served, and the kept capture trains it as eager."""
+    from rpcompile.capture import _install_output_recorders
+    _loss(qwen3(layers=1, seed=11))
+    model = qwen3(layers=1, seed=12)
+    eager = copy.deepcopy(model)
+    _install_output_recorders(model)
+    assert any(m._forward_hooks for m in model.modules())
+    hits = captures.hits
+    assert _loss(model) == pytest.approx(float(eager(**lm_batch(seed=3)).loss), rel=1e-5)
+    assert captures.hits == hits + 1
+
+
+def _scaled_loss(c):
+    return lambda out, target: c * torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def test_a_loss_fn_is_served_by_what_it_computes(captures):
+    """A call with a loss_fn is kept by its code and closure values: a new closure over an equal
+    value is served, one over another value captures again and trains with its own."""
+    def loss(model, loss_fn):
+        cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+        batch = lm_batch(seed=3)
+        return float(cm.train_step(input_ids=batch["input_ids"], target=batch["labels"], loss_fn=loss_fn))
+
+    base = loss(qwen3(layers=1, seed=11), _scaled_loss(2.0))
+    hits = captures.hits
+    assert loss(qwen3(layers=1, seed=11), _scaled_loss(2.0)) == pytest.approx(base, rel=1e-6)
+    assert captures.hits == hits + 1
+    assert loss(qwen3(layers=1, seed=11), _scaled_loss(3.0)) == pytest.approx(1.5 * base, rel=1e-5)
+    assert captures.hits == hits + 1
+
+
+def test_a_peft_model_is_served_unless_its_adapter_state_changed(captures):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    def lora(seed):
+        return get_peft_model(qwen3(layers=1, seed=seed), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                     init_lora_weights=False))
+    _loss(lora(11))
+    hits = captures.hits
+    model = lora(12)
+    eager = copy.deepcopy(model)
+    assert _loss(model) == pytest.approx(float(eager(**lm_batch(seed=3)).loss), rel=1e-5)
+    assert captures.hits == hits + 1
+    scaled = lora(11)
+    for m in scaled.modules():
+        if hasattr(m, "set_scale") and "default" in getattr(m, "scaling", {}):
+            m.set_scale("default", 0.5)
+    _loss(scaled)
+    assert captures.hits == hits + 1
