@@ -482,8 +482,8 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
         return []
     if t in _SUMS or t in _SIGNS or t == "cast":
         operands = args if t in _SUMS else args[:1]
-    elif _scaled(t, args) is not None:
-        operands = _scaled(t, args)[:1]
+    elif (scaled := _scaled(t, args)) is not None:
+        operands = scaled[:1]
     else:
         return []
     return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
