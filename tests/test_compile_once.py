@@ -17,7 +17,7 @@ from rpcompile.runtime import programs
 from rpcompile.runtime import compile_once
 from rpcompile.runtime.compile_once import CompileLocks, sharing_pass
 from rpcompile.runtime.programs import LengthDynamic
-from rpcompile.runtime.warmup import WarmupGuard, _signature
+from rpcompile.runtime.warmup import WarmupGuard, _signature, program_key
 
 
 _helpers: list = []         # _blocks' threads: each ends within the test that started it
@@ -255,7 +255,7 @@ def test_a_program_whose_sharing_pass_left_pieces_runs_them_next_without_its_own
             return self.piece(x)
     program = WarmupGuard(Program(), two)
     x = torch.ones(3)
-    piece_lock, program_lock = one(gm.code, _signature((x,))), one("program", _signature((x,)))
+    piece_lock, program_lock = one(gm.code, _signature((x,))), one(program_key(Program), _signature((x,)))
     with program_lock:                      # held by another process throughout
         with piece_lock:                    # another process compiles the piece
             with sharing_pass() as shared:
@@ -265,3 +265,22 @@ def test_a_program_whose_sharing_pass_left_pieces_runs_them_next_without_its_own
         time.sleep(0.5)
         assert program._seen                # ... then makes its first call, the program's lock still held
     assert compile_once.skipped() == 0 and not compile_once.in_sharing_pass()
+
+
+def test_a_program_of_one_piece_takes_its_lock_by_the_pieces_code(tmp_path, monkeypatch):
+    """A stage program's compute graph without repeated blocks is one piece (an Arriving around
+    the compiled graph, not a GraphModule). With worker processes' locks its first call takes
+    the program's lock and, inside it, the piece's, under another key (warmup.program_key). It
+    failed ("'Arriving' object has no attribute 'code'") for a two-layer regression through the
+    backend on one H200; under the piece's own key the piece waited on its program."""
+    monkeypatch.setattr(torch, "compile", lambda gm, **kw: gm)     # what Inductor makes is not tested here
+    g = fx.Graph()
+    g.output(g.call_module("forward_graph", (g.placeholder("x"),)))
+    prog = programs.compiled(fx.GraphModule({"forward_graph": _piece(3.0)}, g), locks=CompileLocks(str(tmp_path)))
+    assert isinstance(prog.forward_graph, WarmupGuard)
+    assert isinstance(prog.forward_graph.inner, programs.Arriving)
+    x = torch.ones(2)
+    assert torch.equal(prog(x), 3 * x)
+    locks = CompileLocks(str(tmp_path))
+    for code in (_piece(3.0).code, program_key(prog.forward_graph.inner)):
+        assert os.path.exists(locks(code, _signature((x,))).lock_file + ".done")

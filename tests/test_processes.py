@@ -684,3 +684,34 @@ def test_a_models_finalizer_run_while_its_thread_writes_to_a_worker_does_not_han
     with pytest.raises(EOFError):
         theirs.recv()
     assert others.recv() == ("stop",)
+
+
+class _Regression(torch.nn.Module):
+    """Two layers, nothing repeated: each stage program's compute graph is one piece."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x, t, count):
+        return torch.nn.functional.mse_loss(self.b(torch.tanh(self.a(x))), t, reduction="sum") / count
+
+
+def test_compiled_programs_of_one_piece_train_as_eager(aot_eager_workers):
+    """With compiled stages, a program whose compute graph is one piece (no repeated blocks)
+    takes its compile lock in a worker process under its own key, apart from its piece's
+    (warmup.program_key). A dry run takes no program lock (Note [pieces compiled side by
+    side]); through the backend with dynamic=True an int argument is the program's input, so
+    its second value is a job's first call, which failed with "'Arriving' object has no
+    attribute 'code'" (on GPUs the default for any such model)."""
+    model = _Regression()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=rpcompile.backend(_config(compile_stages=True)), dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for count in (6, 40):
+        x, t = torch.randn(6, 8, generator=g), torch.rand(6, 5, generator=g)
+        loss, expected = compiled(x, t, count), ref(x, t, count)
+        loss.backward()
+        expected.backward()
+        close(loss.detach(), expected.detach(), 1e-5, 0.0, f"loss with count {count}")
+    check_grads(model, ref)

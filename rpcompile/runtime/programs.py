@@ -62,6 +62,11 @@ class Arriving(torch.nn.Module):
         # .forward: a GraphModule's __call__ prints its code around a failing line (ops.compute)
         return self.inner.forward(*args)
 
+    @property
+    def code(self) -> str:
+        """The piece's code: a program of one piece is keyed by it (warmup.program_key)."""
+        return self.inner.code
+
 
 class LengthDynamic(torch.nn.Module):
     """A compiled graph whose sequence-length dims are dynamic from its first call.

@@ -150,7 +150,7 @@ class WarmupGuard(torch.nn.Module):
             if self.locks is None or sig in self._shared or compile_once.in_sharing_pass():
                 out = self.inner(*args)
             else:
-                out = self.locks.first_call("program", self.inner.code, sig, lambda: self.inner(*args))
+                out = self.locks.first_call("program", program_key(self.inner), sig, lambda: self.inner(*args))
             if compile_once.skipped() == skipped:
                 self._seen.add(sig)
             else:                          # made in part: the next call is alone again
@@ -162,6 +162,14 @@ class WarmupGuard(torch.nn.Module):
             timeline.mark(f"call alone on {device}", first_calls[-1][1])
             _last_alone[0] = time.monotonic()
             _LOCK.release_write()
+
+
+def program_key(program) -> str:
+    """The code a program's lock is keyed by (Note [compile each piece once], compile_once.py).
+    Marked as a program's: a program of one piece (programs.Arriving) has its piece's code, and
+    the piece takes its own lock inside the program's first call, which waited on itself under
+    one key."""
+    return "program\n" + program.code
 
 
 def compiled_graphs() -> int:
