@@ -1,11 +1,14 @@
 """The executed schedule: rotation, prefetch order and event order, read off cm.last_trace."""
 import json
 
+import torch
+
 import pytest
 
 import rpcompile
 
 from models import lm_batch, qwen3
+from rpcompile.runtime.trace import Tracer
 
 N = 3   # devices
 
@@ -162,3 +165,34 @@ def test_a_capture_marks_its_compile_seconds_by_phase(monkeypatch):
     phases = [r for r in marks if r["what"].startswith("compile seconds so far: ")]
     assert any("compile_inner" in r["what"] and r["seconds"] > 0 for r in phases), whats
     assert all(r["where"] == "main" for r in phases) and whats.index(phases[0]["what"]) > whats.index("captured")
+
+
+class _Event(torch.cuda.Event):
+    """Stands for a CUDA event (none on CPU): elapsed_time needs both events waited for, as
+    torch's does ("Both events must be completed"), or it raises."""
+
+    def __new__(cls, *args):
+        return object.__new__(cls)
+
+    def __init__(self, ms):
+        self.ms, self.done = ms, False
+
+    def synchronize(self):
+        self.done = True
+
+    def elapsed_time(self, other):
+        if not (self.done and other.done):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return other.ms - self.ms
+
+
+def test_gpu_spans_wait_for_every_event_they_read():
+    """A GPU span's times are read against the device's start event, recorded on an idle stream:
+    the span's end done does not make that event done (a stream can share a hardware queue with a
+    busy one), and reading it unfinished raised (one H200, a small model's two worker processes,
+    once in three runs: a worker's notifier printed it, and its landing carried the error)."""
+    tracer = Tracer([])
+    tracer._cuda_t0["cuda:0"] = _Event(5.0)
+    tracer.add("cuda:0", "compute", "forward", _Event(1005.0), _Event(3005.0), job=0)
+    [span] = tracer.spans()
+    assert (span["start_s"], span["end_s"]) == (1.0, 3.0)

@@ -80,8 +80,11 @@ class Tracer:
         out = []
         for device, stream, name, attrs, start, end in raw:
             if isinstance(start, torch.cuda.Event):
-                end.synchronize()
+                # every event read, the device's start too: its idle stream may share a hardware
+                # queue with a busy one, so it need not be done when the span's end is
                 t0 = self._cuda_t0[device]
+                for ev in (t0, start, end):
+                    ev.synchronize()
                 s, e = t0.elapsed_time(start) / 1e3, t0.elapsed_time(end) / 1e3
             else:
                 s, e = start - self.t0, end - self.t0
