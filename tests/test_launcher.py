@@ -131,7 +131,7 @@ def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
         "                                               optimizer_mode='delayed', workers='processes'))\n"
         "class Slow(torch.optim.SGD):\n"
         "    def step(self, closure=None):\n"
-        "        import time; time.sleep(1)\n"
+        "        import time; time.sleep(0.3)\n"
         "        return super().step(closure)\n"
         "cm.attach_optimizer(Slow(model.parameters(), lr=0.1), chunks=2)\n"
         "for t in range(3):\n"
@@ -139,6 +139,7 @@ def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
         "(l,) = launcher._launchers.values()\n"
         "print(l.proc.pid, *[p.pid for p in cm.runner.executor.hub.procs], flush=True)\n"
         "print(cm.runner.executor.memory.directory, flush=True)\n"
+        "print(bool(cm.runner.executor.hub.runs), flush=True)\n"     # a step in flight as it ends
         f"{end}\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "RPCOMPILE_ROOT": root,
@@ -148,12 +149,14 @@ def test_workers_in_a_step_end_with_the_main_process(tmp_path, end):
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
         directory = proc.stdout.readline().strip()
+        in_flight = proc.stdout.readline().strip()
         ended = time.monotonic()
         out, err = proc.communicate(timeout=120)      # (stdout closes once nothing holds it)
         took = time.monotonic() - ended
     finally:
         proc.kill()
     assert proc.returncode == 0 and pids and directory, err[-2000:]
+    assert in_flight == "True", "the step had ended before the main process did: the optimizer is not slow enough"
     deadline = time.monotonic() + 30
     while (any(map(_stat, pids)) or os.path.exists(directory)) and time.monotonic() < deadline:
         time.sleep(0.05)
