@@ -298,6 +298,41 @@ def test_an_output_over_the_rows_that_is_neither_a_sum_nor_a_mean_is_an_error():
     torch.testing.assert_close(out, model(x))
 
 
+def test_a_0d_output_of_no_kind_over_the_rows_is_said_to_be_its_microbatches_mean():
+    """A 0-d call output that reads the batch but is no sum, mean, max or min over its rows
+    (`h.sum() + 1`, a router's auxiliary loss) cannot be put together from microbatches: it came
+    back as their values' mean (weighted by rows), silently. The call says so (which outputs, what
+    to do), the value is that mean, an output of a known kind beside it is eager's, and with one microbatch each
+    is eager's without a word."""
+    class Stats(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h.sum() + 1, h.sum(), h.pow(2).sum().sqrt()
+
+    torch.manual_seed(0)
+    model, x = Stats(), torch.randn(6, 4)
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"outputs 0, 2 .*microbatches' values averaged.*"
+                                                          r"num_microbatches=1") as said:
+        out = cm(x)
+        halves = [model(part) for part in x.split(3)]
+        whole = model(x)
+    assert len([w for w in said if "microbatches' values" in str(w.message)]) == 1
+    for i in (0, 2):
+        torch.testing.assert_close(out[i], (halves[0][i] + halves[1][i]) / 2)
+        assert not torch.allclose(out[i], whole[i])
+    torch.testing.assert_close(out[1], whole[1])
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for got, expected in zip(cm(x), whole):
+            torch.testing.assert_close(got, expected)
+
+
 class WritesItsInput(nn.Module):
     """Doubles its batched input in place (`x.mul_(2)`, an input that needs no gradient), reads it
     through four layers and, with late_read, once more after the second."""

@@ -975,6 +975,7 @@ def _describe_io(plan: Plan) -> None:
     for n in gm.graph.nodes:
         if n.op == "placeholder" and n.meta.get("rp_kind") == "sym":
             plan.sym_sources[n.name] = n.meta.get("rp_arg_index") or _sym_source(gm, n.meta["rp_expr"])
+    means = []      # 0-d outputs of no kind over the rows: their microbatches' mean
     for v in output_values(gm.graph):
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
@@ -997,12 +998,25 @@ def _describe_io(plan: Plan) -> None:
             kind = over_rows(v, batch)
             if kind is not None:
                 plan.output_kinds[len(plan.graph_outputs) - 1] = kind
-            elif ev.dim() > 0 and plan.num_microbatches > 1 and reads_the_batch(v, batch):
+            elif plan.num_microbatches == 1 or not reads_the_batch(v, batch):
+                pass
+            elif ev.dim() == 0:
+                if plan.loss_scale is None or plan.loss_scale.output != len(plan.graph_outputs) - 1:
+                    means.append(len(plan.graph_outputs) - 1)
+            else:
                 raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, computed from the whole "
                                    f"batch but not row by row: rpcompile computes a call per microbatch and puts "
                                    f"such an output together only where it is a sum, mean, max or min over the rows "
                                    f"(Note [outputs over rows]). Return it batch-first (a value per row) and reduce "
                                    f"it outside the model, or call with Config(num_microbatches=1)")
+    if means:
+        # (a router's auxiliary loss, a norm of the whole batch: microbatches cannot make it)
+        which = f"output{'s' * (len(means) > 1)} {', '.join(map(str, means))}"
+        warnings.warn(f"rpcompile: the model returns 0-d values computed from the whole batch but not as a sum, "
+                      f"mean, max or min over its rows ({which} of its flattened outputs): rpcompile computes a call "
+                      f"per microbatch and returns for each such output the microbatches' values averaged (weighted "
+                      f"by their rows), which is not eager's value. Return its parts batch-first and reduce them "
+                      f"outside the model, or call with Config(num_microbatches=1) for eager's value")
 
 
 def _sym_source(gm, expr):
