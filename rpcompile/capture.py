@@ -195,9 +195,12 @@ def _same_tensor_of(node, placeholders) -> bool:
 # its vision_feature_layer inside its own forward (LLaVA, Mistral 3: transformers'
 # select_hidden_states), which nothing in the call or the configs shows (a CaptureError at the
 # lock, "not in your code").
+OUTPUT_RECORDERS = "transformers.utils.output_capturing"     # the module of those hooks
+
+
 def _install_output_recorders(model: torch.nn.Module) -> None:
     import sys
-    recorders = sys.modules.get("transformers.utils.output_capturing")
+    recorders = sys.modules.get(OUTPUT_RECORDERS)
     install = getattr(recorders, "maybe_install_capturing_hooks", None)
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
     if install is None or pretrained is None:

@@ -21,7 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from rpcompile.adapter_state import adapter_layers, adapter_state
-from rpcompile.capture import _install_output_recorders
+from rpcompile.capture import OUTPUT_RECORDERS, _install_output_recorders
 from rpcompile.reads import Unfreezable, frozen
 
 
@@ -40,7 +40,6 @@ def _plain_attrs(module):
 # transformers' output recorders: forward hooks its models' first call installs, and every
 # capture before it traces (Note [recorded outputs] in rpcompile/capture.py), so a model that has
 # them (it ran eagerly, or was captured before) captures as one without them
-_RECORDERS = "transformers.utils.output_capturing"
 _RECORDERS_INSTALLED = "_output_capturing_hooks_installed"
 
 
@@ -48,7 +47,7 @@ def _hooked(module) -> bool:
     """Whether `module` has a hook other than transformers' output recorders."""
     tables = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
               getattr(module, "_backward_pre_hooks", None) or {})
-    return any(getattr(h, "__module__", None) != _RECORDERS for t in tables for h in t.values())
+    return any(getattr(h, "__module__", None) != OUTPUT_RECORDERS for t in tables for h in t.values())
 
 
 # torch.nn.modules.module's hooks on every module (a module's own are checked module by module)
