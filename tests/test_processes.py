@@ -715,3 +715,18 @@ def test_compiled_programs_of_one_piece_train_as_eager(aot_eager_workers):
         expected.backward()
         close(loss.detach(), expected.detach(), 1e-5, 0.0, f"loss with count {count}")
     check_grads(model, ref)
+
+
+def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers):
+    """A worker whose trace cannot be read (here Tracer.resolve raises in the workers, as reading
+    an unfinished CUDA event did on an H200) lands its jobs without their spans: the steps and
+    a call train as eager, and the trace holds the main process's spans alone."""
+    def workers_spans(cm):
+        return [s for s in cm.last_trace if s["name"] in ("forward", "forward+backward", "recompute+backward")]
+    cm = train_both(qwen3(layers=1), [lm_batch(seed=0)], _config(), steps=1)
+    assert workers_spans(cm)
+    monkeypatch.setenv("RPCOMPILE_TEST_TRACE_FAILS", "1")
+    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)], _config(), steps=2)
+    assert not workers_spans(cm)
+    lost = [r for r in cm.setup_timeline if r["what"].startswith("spans of job ")]
+    assert lost and all(r["where"].startswith("worker ") and "(a test's)" in r["what"] for r in lost)

@@ -685,7 +685,12 @@ class Worker:
         self.first_calls_sent += len(calls)
 
         def landed(error=None):
-            spans = step.tracer.resolve(raw, step.trace_shift) if error is None and step.tracer is not None else []
+            spans = []
+            if error is None and step.tracer is not None:
+                try:
+                    spans = step.tracer.resolve(raw, step.trace_shift)
+                except Exception as exc:  # noqa: BLE001 - an instrument: the job's copies did land
+                    timeline.mark(f"spans of job {a.job} lost: {type(exc).__name__}: {exc}")
             self.to_main(("landed", step.step_id, run_no, a.job,
                           {"replica": a.replica, "spans": spans, "first_calls": [(self.label, sec) for _, sec in calls],
                            "marks": timeline.take_new(),

@@ -4,6 +4,8 @@ aot_eager instead of Inductor, for tests of what worker processes do with compil
 (Note [dry runs]) without Inductor's C++ compiles (3 minutes on 2 cores). A worker imports none
 of the model's modules (Note [early workers]), so this is where such a test reaches it.
 
+With RPCOMPILE_TEST_TRACE_FAILS set, a worker cannot read its spans (Tracer.resolve raises).
+
 With RPCOMPILE_TEST_MARKS set to a folder, a worker also writes there a file for each of its
 timeline marks as it makes it (a worker sends its marks only with its landed jobs): a test's main
 process can wait for a worker's mark made before any job, instead of holding a guessed time."""
@@ -35,3 +37,11 @@ if os.environ.get("RPCOMPILE_WORKER_INDEX") is not None or os.environ.get("RPCOM
             os.replace(name + ".part", name)      # a reader sees whole marks only
 
         timeline.mark = _mark_and_write
+
+    if os.environ.get("RPCOMPILE_TEST_TRACE_FAILS"):     # a worker's spans cannot be read
+        from rpcompile.runtime.trace import Tracer
+
+        def _resolve_fails(self, raw, shift=0.0):
+            raise RuntimeError("Both events must be completed before calculating elapsed time. (a test's)")
+
+        Tracer.resolve = _resolve_fails
