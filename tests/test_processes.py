@@ -719,8 +719,9 @@ def test_compiled_programs_of_one_piece_train_as_eager(aot_eager_workers):
 
 def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers):
     """A worker whose trace cannot be read (here Tracer.resolve raises in the workers, as reading
-    an unfinished CUDA event did on an H200) lands its jobs without their spans: the steps and
-    a call train as eager, and the trace holds the main process's spans alone."""
+    an unfinished CUDA event did on an H200) lands its jobs without their spans: the steps train
+    as eager (the landing failed them), the trace has no job spans (a run without the failure
+    has), and the setup timeline says why."""
     def workers_spans(cm):
         return [s for s in cm.last_trace if s["name"] in ("forward", "forward+backward", "recompute+backward")]
     cm = train_both(qwen3(layers=1), [lm_batch(seed=0)], _config(), steps=1)
