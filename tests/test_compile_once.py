@@ -267,7 +267,7 @@ def test_a_program_whose_sharing_pass_left_pieces_runs_them_next_without_its_own
     assert compile_once.skipped() == 0 and not compile_once.in_sharing_pass()
 
 
-def test_a_program_of_one_piece_takes_its_lock_by_the_pieces_code(tmp_path, monkeypatch):
+def test_a_program_of_one_piece_takes_its_lock_apart_from_its_pieces(tmp_path, monkeypatch):
     """A stage program's compute graph without repeated blocks is one piece (an Arriving around
     the compiled graph, not a GraphModule). With worker processes' locks its first call takes
     the program's lock and, inside it, the piece's, under another key (warmup.program_key). It

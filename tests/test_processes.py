@@ -703,7 +703,7 @@ def test_compiled_programs_of_one_piece_train_as_eager(aot_eager_workers):
     (warmup.program_key). A dry run takes no program lock (Note [pieces compiled side by
     side]); through the backend with dynamic=True an int argument is the program's input, so
     its second value is a job's first call, which failed with "'Arriving' object has no
-    attribute 'code'" (on GPUs the default for any such model)."""
+    attribute 'code'" (worker processes are the default on two or more GPUs)."""
     model = _Regression()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend=rpcompile.backend(_config(compile_stages=True)), dynamic=True)
@@ -720,8 +720,8 @@ def test_compiled_programs_of_one_piece_train_as_eager(aot_eager_workers):
 def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers):
     """A worker whose trace cannot be read (here Tracer.resolve raises in the workers, as reading
     an unfinished CUDA event did on an H200) lands its jobs without their spans: the steps train
-    as eager (the landing failed them), the trace has no job spans (a run without the failure
-    has), and the setup timeline says why."""
+    as eager (before, the landing carried the error and failed them), the trace has no job spans
+    (a run without the failure has them), and the setup timeline says why."""
     def workers_spans(cm):
         return [s for s in cm.last_trace if s["name"] in ("forward", "forward+backward", "recompute+backward")]
     cm = train_both(qwen3(layers=1), [lm_batch(seed=0)], _config(), steps=1)
