@@ -65,7 +65,7 @@ from ..plan import Plan, _fmt_bytes
 from .batch import attach_row_checks, check_splittable, find_batch
 from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
-from .codegen import build_program, build_stages
+from .codegen import build_program, build_stages, written_inputs
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
 from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs, symbol_hints
@@ -145,6 +145,13 @@ def capture(st: CompileState) -> CompileState:
     """A private copy of the captured graph; the loss output located in it."""
     cap = st.captured
     st.gm = clone_graph_module(cap.gm)
+    written = [n.meta.get("rp_leaf_name") or n.name for n in written_inputs(st.gm)] if cap.on_copies else []
+    if written:     # Note [inputs written in place] (codegen.py)
+        which = ", ".join(written)
+        warnings.warn(f"rpcompile: the model's forward writes into its argument{'s' * (len(written) > 1)} {which} in "
+                      f"place: rpcompile computes with a copy (the loss and gradients are eager's) and leaves your "
+                      f"tensor as you passed it, where eager PyTorch changes it. If code after the call reads "
+                      f"{which}, compute the new value outside the model or return it from forward")
     if st.loss_output is None:
         loss = loss_leaf_index(cap.out_spec, len(cap.out_leaves)) if cap.out_spec is not None else None
         if loss is not None:

@@ -157,11 +157,21 @@ def _backward_graph(forward: fx.GraphModule, inputs, outputs, grad_outputs, grad
 #   recompute: the first layer's weight gradient twice eager's, silently; the GPU's jobs each
 #   upload a copy).
 # So the caller's tensor is not written, on any device; reads of it after the write are kept in
-# the writing stage (cut_points._mutation_spans), where they read the copy.
+# the writing stage (cut_points._mutation_spans), where they read the copy. Eager PyTorch writes
+# the caller's tensor, so a model compiled by rpcompile.compile whose graph writes a call input
+# says so at its plan (passes.capture: code after the call that reads the argument would read it
+# unwritten). Through a dynamo backend such an input is mostly the model's own value passed
+# between graphs at a break (that loss), which the graph returns as written: nothing is said.
 def written_values(nodes) -> set:
     """The values `nodes` write into in place, directly or through views (each view's bases)."""
     return {base for node in nodes for value in mutated_values(node) if isinstance(value, fx.Node)
             for base in view_bases(value)}
+
+
+def written_inputs(gm: fx.GraphModule) -> list:
+    """The call inputs (placeholders of rp_kind "input") the graph writes into in place."""
+    written = written_values(gm.graph.nodes)
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("rp_kind") == "input" and n in written]
 
 
 def _stage_reads(nodes, inside):
