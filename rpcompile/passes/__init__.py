@@ -67,7 +67,7 @@ from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages, written_inputs
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
-from .cut_points import buffer_spans, legal_cuts, liveness, segment_table
+from .cut_points import buffer_spans, input_write_spans, legal_cuts, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs, symbol_hints
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
@@ -297,20 +297,34 @@ def solve_stages_pass(st: CompileState) -> CompileState:
     return st
 
 
-def _with_buffer_spans(st: CompileState, e: PlanningError) -> PlanningError:
-    """e, saying which buffers updated in place hold a stretch of the graph in one stage (Note
-    [a buffer updated in place stays in one stage]), where one spans more than a few nodes."""
+def _with_spans(st: CompileState, e: PlanningError) -> PlanningError:
+    """e, saying which buffers updated in place (Note [a buffer updated in place stays in one
+    stage]) and which call inputs written in place (Note [inputs written in place], codegen.py)
+    hold a stretch of the graph in one stage, where one spans more than a few nodes."""
     L = len(st.liveness.body)
-    wide = {i: span for i, span in buffer_spans(st.liveness).items() if span[1] - span[0] > max(8, L // 20)}
-    if not wide:
-        return e
+
+    def wide(spans):
+        return sorted((name, a, b) for name, (a, b) in spans if b - a > max(8, L // 20))
     names = st.captured.buffer_names
-    spans = ", ".join(f"{names[i]} (nodes {a} to {b} of {L})" for i, (a, b) in sorted(wide.items()))
-    return PlanningError(f"{e} The model updates buffers in place and reads them far from the update: {spans}. A "
-                         "stage holds such a buffer's update with every read of it (its value changes microbatch "
-                         "after microbatch), so no stage may end in between; reading it only near its update (or "
-                         "passing the value as an input) lets the plan cut there.",
-                         min_budget=e.min_budget, stage=e.stage, max_length=e.max_length)
+    buffers = wide((names[i], span) for i, span in buffer_spans(st.liveness).items())
+    inputs = wide((n.meta.get("rp_leaf_name") or n.name, (min(q for q, _ in spans), max(r for _, r in spans)))
+                  for n, spans in input_write_spans(st.liveness).items())
+    message = str(e)
+    if buffers:
+        spans = ", ".join(f"{name} (nodes {a} to {b} of {L})" for name, a, b in buffers)
+        message += (f" The model updates buffers in place and reads them far from the update: {spans}. A stage holds "
+                    "such a buffer's update with every read of it (its value changes microbatch after microbatch), "
+                    "so no stage may end in between; reading it only near its update (or passing the value as an "
+                    "input) lets the plan cut there.")
+    if inputs:
+        spans = ", ".join(f"{name} (written at node {a}, read up to node {b} of {L})" for name, a, b in inputs)
+        message += (f" The model writes into its arguments in place and reads them far from the write: {spans}. A "
+                    "stage writes a copy of such an argument, and every read after the write is in that stage, so "
+                    "no stage may end in between; computing the new value as a new tensor (x = x * 2, not "
+                    "x.mul_(2)) lets the plan cut there.")
+    if not (buffers or inputs):
+        return e
+    return PlanningError(message, min_budget=e.min_budget, stage=e.stage, max_length=e.max_length)
 
 
 def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
@@ -322,7 +336,7 @@ def _stage_plan(st: CompileState, budget_set, explain: bool = True) -> tuple:
     replicas = _replicas(st, N, M)
 
     def failed(e):   # with the longest length that fits (Note [longest length])
-        return _with_buffer_spans(st, planning_error(st, e, rows=_rows_per_microbatch(st)) if explain else e)
+        return _with_spans(st, planning_error(st, e, rows=_rows_per_microbatch(st)) if explain else e)
     try:   # (Config.data_parallel=True: only the replicas)
         pipeline = None if config.data_parallel and replicas > 1 else _best_stage_plan(st, N, M, budget_set)
     except PlanningError as e:

@@ -151,13 +151,26 @@ def _mutation_spans(lv: Liveness) -> set:
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
-                elif alias.op == "placeholder":
-                    # a call input: each job is given it as the caller passed it (Note [inputs
-                    # written in place] in codegen.py), so its reads after the write share the stage
+    for spans in input_write_spans(lv).values():
+        for q, last in spans:
+            blocked.update(range(q + 1, last + 1))
+    return blocked
+
+
+def input_write_spans(lv: Liveness) -> dict:
+    """{call input (a placeholder): [(the position of a write into it, of its last read after
+    that write)]} for the writes with a read after them. Each job is given the input as the
+    caller passed it and its stage writes a copy (Note [inputs written in place] in codegen.py),
+    so the reads after the write share the writing stage."""
+    spans: dict = {}
+    for q, node in enumerate(lv.body):
+        for target in mutated_values(node):
+            for alias in view_bases(target):
+                if lv.index.get(alias) is None and alias.op == "placeholder":
                     later = [lv.index[u] for u in alias.users if lv.index.get(u, -1) > q]
                     if later:
-                        blocked.update(range(q + 1, max(later) + 1))
-    return blocked
+                        spans.setdefault(alias, []).append((q, max(later)))
+    return spans
 
 
 # Note [a buffer updated in place stays in one stage]: every read of a buffer the graph
