@@ -302,27 +302,25 @@ def _with_spans(st: CompileState, e: PlanningError) -> PlanningError:
     stage]) and which call inputs written in place (Note [inputs written in place], codegen.py)
     hold a stretch of the graph in one stage, where one spans more than a few nodes."""
     L = len(st.liveness.body)
-
-    def wide(spans):
-        return sorted((name, a, b) for name, (a, b) in spans if b - a > max(8, L // 20))
     names = st.captured.buffer_names
-    buffers = wide((names[i], span) for i, span in buffer_spans(st.liveness).items())
-    inputs = wide((n.meta.get("rp_leaf_name") or n.name, (min(q for q, _ in spans), max(r for _, r in spans)))
-                  for n, spans in input_write_spans(st.liveness).items())
+    buffers = ((f"{names[i]} (nodes {{}} to {{}} of {L})", span) for i, span in buffer_spans(st.liveness).items())
+    inputs = ((f"{n.meta.get('rp_leaf_name') or n.name} (written at node {{}}, read up to node {{}} of {L})",
+               (min(q for q, _ in spans), max(r for _, r in spans))) for n, spans in input_write_spans(st.liveness).items())
+    told = [
+        (buffers, "The model updates buffers in place and reads them far from the update: {}. A stage holds such a "
+                  "buffer's update with every read of it (its value changes microbatch after microbatch), so no stage "
+                  "may end in between; reading it only near its update (or passing the value as an input) lets the "
+                  "plan cut there."),
+        (inputs, "The model writes into its arguments in place and reads them far from the write: {}. A stage writes "
+                 "a copy of such an argument, and every read after the write is in that stage, so no stage may end "
+                 "in between; computing the new value as a new tensor (x = x * 2, not x.mul_(2)) lets the plan cut "
+                 "there.")]
     message = str(e)
-    if buffers:
-        spans = ", ".join(f"{name} (nodes {a} to {b} of {L})" for name, a, b in buffers)
-        message += (f" The model updates buffers in place and reads them far from the update: {spans}. A stage holds "
-                    "such a buffer's update with every read of it (its value changes microbatch after microbatch), "
-                    "so no stage may end in between; reading it only near its update (or passing the value as an "
-                    "input) lets the plan cut there.")
-    if inputs:
-        spans = ", ".join(f"{name} (written at node {a}, read up to node {b} of {L})" for name, a, b in inputs)
-        message += (f" The model writes into its arguments in place and reads them far from the write: {spans}. A "
-                    "stage writes a copy of such an argument, and every read after the write is in that stage, so "
-                    "no stage may end in between; computing the new value as a new tensor (x = x * 2, not "
-                    "x.mul_(2)) lets the plan cut there.")
-    if not (buffers or inputs):
+    for spans, text in told:
+        wide = sorted(what.format(a, b) for what, (a, b) in spans if b - a > max(8, L // 20))
+        if wide:
+            message += " " + text.format(", ".join(wide))
+    if message == str(e):
         return e
     return PlanningError(message, min_budget=e.min_budget, stage=e.stage, max_length=e.max_length)
 
