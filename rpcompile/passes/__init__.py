@@ -67,7 +67,7 @@ from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages, written_inputs
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
-from .cut_points import buffer_spans, input_write_spans, legal_cuts, liveness, segment_table
+from .cut_points import buffer_spans, legal_cuts, placeholder_write_spans, liveness, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs, symbol_hints
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
@@ -305,7 +305,8 @@ def _with_spans(st: CompileState, e: PlanningError) -> PlanningError:
     names = st.captured.buffer_names
     buffers = ((f"{names[i]} (nodes {{}} to {{}} of {L})", span) for i, span in buffer_spans(st.liveness).items())
     inputs = ((f"{n.meta.get('rp_leaf_name') or n.name} (written at node {{}}, read up to node {{}} of {L})",
-               (min(q for q, _ in spans), max(r for _, r in spans))) for n, spans in input_write_spans(st.liveness).items())
+               (min(q for q, _ in spans), max(r for _, r in spans)))
+              for n, spans in placeholder_write_spans(st.liveness).items() if n.meta.get("rp_kind") == "input")
     told = [
         (buffers, "The model updates buffers in place and reads them far from the update: {}. A stage holds such a "
                   "buffer's update with every read of it (its value changes microbatch after microbatch), so no stage "

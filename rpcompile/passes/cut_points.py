@@ -151,17 +151,17 @@ def _mutation_spans(lv: Liveness) -> set:
                 i = lv.index.get(alias)
                 if i is not None:
                     blocked.update(range(i + 1, q + 1))
-    for spans in input_write_spans(lv).values():
+    for spans in placeholder_write_spans(lv).values():
         for q, last in spans:
             blocked.update(range(q + 1, last + 1))
     return blocked
 
 
-def input_write_spans(lv: Liveness) -> dict:
-    """{call input (a placeholder): [(the position of a write into it, of its last read after
-    that write)]} for the writes with a read after them. Each job is given the input as the
-    caller passed it and its stage writes a copy (Note [inputs written in place] in codegen.py),
-    so the reads after the write share the writing stage."""
+def placeholder_write_spans(lv: Liveness) -> dict:
+    """{placeholder: [(the position of a write into it, of its last read after that write)]}
+    for the writes with a read after them. A call input: each job is given it as the caller
+    passed it and its stage writes a copy (Note [inputs written in place] in codegen.py), so the
+    reads after the write share the writing stage."""
     spans: dict = {}
     for q, node in enumerate(lv.body):
         for target in mutated_values(node):
