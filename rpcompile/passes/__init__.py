@@ -67,7 +67,7 @@ from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages, written_inputs
 from .cost import Hardware, annotate_costs, exchange_seconds, graph_costs, graph_key, node_value, set_costs, storage_key
-from .cut_points import buffer_spans, legal_cuts, placeholder_write_spans, liveness, segment_table
+from .cut_points import buffer_spans, legal_cuts, liveness, placeholder_write_spans, segment_table
 from .graph_utils import clone_graph_module, is_impure, output_values, scalar_outputs, symbol_hints
 from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes, host_bytes_at,
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
@@ -303,26 +303,26 @@ def _with_spans(st: CompileState, e: PlanningError) -> PlanningError:
     hold a stretch of the graph in one stage, where one spans more than a few nodes."""
     L = len(st.liveness.body)
     names = st.captured.buffer_names
-    buffers = ((f"{names[i]} (nodes {{}} to {{}} of {L})", span) for i, span in buffer_spans(st.liveness).items())
-    inputs = ((f"{n.meta.get('rp_leaf_name') or n.name} (written at node {{}}, read up to node {{}} of {L})",
-               (min(q for q, _ in spans), max(r for _, r in spans)))
-              for n, spans in placeholder_write_spans(st.liveness).items() if n.meta.get("rp_kind") == "input")
+    buffers = [(names[i], span) for i, span in sorted(buffer_spans(st.liveness).items())]
+    inputs = [(n.meta.get("rp_leaf_name") or n.name, (min(q for q, _ in spans), max(r for _, r in spans)))
+              for n, spans in placeholder_write_spans(st.liveness).items() if n.meta.get("rp_kind") == "input"]
     told = [
-        (buffers, "The model updates buffers in place and reads them far from the update: {}. A stage holds such a "
-                  "buffer's update with every read of it (its value changes microbatch after microbatch), so no stage "
-                  "may end in between; reading it only near its update (or passing the value as an input) lets the "
-                  "plan cut there."),
-        (inputs, "The model writes into its arguments in place and reads them far from the write: {}. A stage writes "
-                 "a copy of such an argument, and every read after the write is in that stage, so no stage may end "
-                 "in between; computing the new value as a new tensor (x = x * 2, not x.mul_(2)) lets the plan cut "
-                 "there.")]
-    message = str(e)
-    for spans, text in told:
-        wide = sorted(what.format(a, b) for what, (a, b) in spans if b - a > max(8, L // 20))
+        (buffers, "{} (nodes {} to {} of {})",
+         "The model updates buffers in place and reads them far from the update: {}. A stage holds such a buffer's "
+         "update with every read of it (its value changes microbatch after microbatch), so no stage may end in "
+         "between; reading it only near its update (or passing the value as an input) lets the plan cut there."),
+        (inputs, "{} (written at node {}, read up to node {} of {})",
+         "The model writes into its arguments in place and reads them far from the write: {}. A stage writes a copy "
+         "of such an argument, and every read after the write is in that stage, so no stage may end in between; "
+         "computing the new value as a new tensor (x = x * 2, not x.mul_(2)) lets the plan cut there.")]
+    parts = []
+    for spans, each, text in told:
+        wide = [each.format(name, a, b, L) for name, (a, b) in spans if b - a > max(8, L // 20)]
         if wide:
-            message += " " + text.format(", ".join(wide))
-    if message == str(e):
+            parts.append(text.format(", ".join(wide)))
+    if not parts:
         return e
+    message = " ".join([str(e), *parts])
     return PlanningError(message, min_budget=e.min_budget, stage=e.stage, max_length=e.max_length)
 
 
