@@ -249,6 +249,46 @@ def test_capture_silences_dynamos_metrics_log_only_while_capturing():
     assert not log.disabled
 
 
+class Counting(nn.Module):
+    """Counts its calls in an attribute: a side effect dynamo replays after the capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(8, 8), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x).sum()
+
+
+@pytest.mark.parametrize("policy, logged, seen", [("info", False, "silent"), ("warn", False, "warn"),
+                                                  ("info", True, "info")])
+def test_a_capture_keeps_no_side_effect_messages_no_one_reads(monkeypatch, policy, logged, seen):
+    """Note [side effects unlogged]: under dynamo's default policy a capture records no user stacks
+    for its side-effect log messages; a policy the user chose, or TORCH_LOGS="side_effects", is
+    kept. The side effect itself is replayed as before, and the policy is back after the capture."""
+    from torch._dynamo import side_effects
+    policies = []
+    real = side_effects.SideEffects._capture_user_stack
+
+    def capture_user_stack(self, key):
+        policies.append(torch._dynamo.config.side_effect_replay_policy)
+        return real(self, key)
+    monkeypatch.setattr(side_effects.SideEffects, "_capture_user_stack", capture_user_stack)
+    monkeypatch.setattr(torch._dynamo.config, "side_effect_replay_policy", policy)
+    if logged:
+        torch._logging.set_logs(side_effects=True)
+    try:
+        model = Counting()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # (the "warn" policy's own warning)
+            capture_call(model, (torch.randn(4, 8),), {}, dtype=torch.float32)
+    finally:
+        torch._logging.set_logs()
+    assert policies and set(policies) == {seen}
+    assert model.calls == 1 and torch._dynamo.config.side_effect_replay_policy == policy
+
+
 def test_a_model_with_its_own_gradient_checkpointing_trains_as_eager():
     """Note [model's own checkpointing] (capture.py): with transformers' gradient checkpointing on,
     the capture was a CaptureError ("HOP: Unsafe side effect") that did not name it. The layers
