@@ -145,15 +145,14 @@ def _mutation_spans(lv: Liveness) -> set:
     value it writes into, or from a value that value is a view of: the next stage would update
     its own copy, and the stages holding the other copy would never see the update."""
     blocked = set()
-    for q, node in enumerate(lv.body):
-        for target in mutated_values(node):
-            for alias in view_bases(target):
-                i = lv.index.get(alias)
-                if i is not None:
-                    blocked.update(range(i + 1, q + 1))
-    for spans in placeholder_write_spans(lv).values():
-        for q, last in spans:
-            blocked.update(range(q + 1, last + 1))
+    for q, alias in _writes(lv):
+        i = lv.index.get(alias)
+        if i is not None:
+            blocked.update(range(i + 1, q + 1))
+        elif alias.op == "placeholder":
+            last = _last_read_after(lv, alias, q)
+            if last is not None:
+                blocked.update(range(q + 1, last + 1))
     return blocked
 
 
@@ -161,16 +160,28 @@ def placeholder_write_spans(lv: Liveness) -> dict:
     """{placeholder: [(the position of a write into it, of its last read after that write)]}
     for the writes with a read after them. A call input: each job is given it as the caller
     passed it and its stage writes a copy (Note [inputs written in place] in codegen.py), so the
-    reads after the write share the writing stage."""
+    reads after the write share the writing stage (_mutation_spans blocks these spans)."""
     spans: dict = {}
+    for q, alias in _writes(lv):
+        if lv.index.get(alias) is None and alias.op == "placeholder":
+            last = _last_read_after(lv, alias, q)
+            if last is not None:
+                spans.setdefault(alias, []).append((q, last))
+    return spans
+
+
+def _writes(lv: Liveness):
+    """(position, value) for every value a body node writes into in place, and each value that
+    one is a view of."""
     for q, node in enumerate(lv.body):
         for target in mutated_values(node):
             for alias in view_bases(target):
-                if lv.index.get(alias) is None and alias.op == "placeholder":
-                    later = [lv.index[u] for u in alias.users if lv.index.get(u, -1) > q]
-                    if later:
-                        spans.setdefault(alias, []).append((q, max(later)))
-    return spans
+                yield q, alias
+
+
+def _last_read_after(lv: Liveness, value: fx.Node, q: int):
+    """The position of the last body node after q that reads value, None if none does."""
+    return max((lv.index[u] for u in value.users if lv.index.get(u, -1) > q), default=None)
 
 
 # Note [a buffer updated in place stays in one stage]: every read of a buffer the graph
