@@ -996,7 +996,7 @@ def _describe_io(plan: Plan) -> None:
         if n.op == "placeholder" and n.meta.get("rp_kind") == "sym":
             plan.sym_sources[n.name] = n.meta.get("rp_arg_index") or _sym_source(gm, n.meta["rp_expr"])
     means = []      # 0-d outputs of no kind over the rows: their microbatches' mean
-    for v in output_values(gm.graph):
+    for i, v in enumerate(output_values(gm.graph)):
         ev = v.meta.get("example_value") if isinstance(v, fx.Node) else None
         if not isinstance(ev, torch.Tensor):
             raise CaptureError(f"the model returns a non-tensor value computed in forward ({v}); rpcompile "
@@ -1017,12 +1017,12 @@ def _describe_io(plan: Plan) -> None:
         if not batched:         # Note [outputs over rows] (passes/normalize_loss.py)
             kind = over_rows(v, batch)
             if kind is not None:
-                plan.output_kinds[len(plan.graph_outputs) - 1] = kind
+                plan.output_kinds[i] = kind
             elif plan.num_microbatches == 1 or not reads_the_batch(v, batch):
                 pass
             elif ev.dim() == 0:
-                if plan.loss_scale is None or plan.loss_scale.output != len(plan.graph_outputs) - 1:
-                    means.append(len(plan.graph_outputs) - 1)
+                if plan.loss_scale is None or plan.loss_scale.output != i:
+                    means.append(i)
             else:
                 raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, computed from the whole "
                                    f"batch but not row by row: rpcompile computes a call per microbatch and puts "
