@@ -145,14 +145,8 @@ def _mutation_spans(lv: Liveness) -> set:
     value it writes into, or from a value that value is a view of: the next stage would update
     its own copy, and the stages holding the other copy would never see the update."""
     blocked = set()
-    for q, alias in _writes(lv):
-        i = lv.index.get(alias)
-        if i is not None:
-            blocked.update(range(i + 1, q + 1))
-        elif alias.op == "placeholder":
-            last = _last_read_after(lv, alias, q)
-            if last is not None:
-                blocked.update(range(q + 1, last + 1))
+    for _, first, last in _write_spans(lv):
+        blocked.update(range(first + 1, last + 1))
     return blocked
 
 
@@ -162,26 +156,27 @@ def placeholder_write_spans(lv: Liveness) -> dict:
     passed it and its stage writes a copy (Note [inputs written in place] in codegen.py), so the
     reads after the write share the writing stage (_mutation_spans blocks these spans)."""
     spans: dict = {}
-    for q, alias in _writes(lv):
-        if lv.index.get(alias) is None and alias.op == "placeholder":
-            last = _last_read_after(lv, alias, q)
-            if last is not None:
-                spans.setdefault(alias, []).append((q, last))
+    for value, q, last in _write_spans(lv):
+        if value.op == "placeholder":
+            spans.setdefault(value, []).append((q, last))
     return spans
 
 
-def _writes(lv: Liveness):
-    """(position, value) for every value a body node writes into in place, and each value that
-    one is a view of."""
+def _write_spans(lv: Liveness):
+    """(value, first, last) for every in-place write into a value or a value it is a view of:
+    the body positions the write ties together, cuts first + 1 .. last. A body value: from its
+    node to the write. A placeholder (never in the body): from the write to its last read after
+    it, where one reads it later."""
     for q, node in enumerate(lv.body):
         for target in mutated_values(node):
             for alias in view_bases(target):
-                yield q, alias
-
-
-def _last_read_after(lv: Liveness, value: fx.Node, q: int):
-    """The position of the last body node after q that reads value, None if none does."""
-    return max((lv.index[u] for u in value.users if lv.index.get(u, -1) > q), default=None)
+                i = lv.index.get(alias)
+                if i is not None:
+                    yield alias, i, q
+                elif alias.op == "placeholder":
+                    last = max((lv.index[u] for u in alias.users if lv.index.get(u, -1) > q), default=None)
+                    if last is not None:
+                        yield alias, q, last
 
 
 # Note [a buffer updated in place stays in one stage]: every read of a buffer the graph
