@@ -13,9 +13,19 @@ layer whose loop over experts breaks the graph, compiled frame by frame): the pl
 parameters it was captured with, the first expert's, for all of them (a loop MoE's loss 0.04 off
 eager's, every gradient given to one expert). A call passing other parameters or buffers gets a
 plan of its own, bound to them.
+
+Note [module floats]: under `dynamic=True` dynamo passes a module's float attributes (a norm's
+epsilon, the attention's dropout probability and scale) as 0-d tensors and the graph `.item()`s
+them. SDPA's `dropout_p` was then an fx node, not 0.0, so every stage job with attention was
+taken as random: it stayed eager (ProgramCache.use_inductor) and replayed RNG streams it never
+drew from; and each `.item()` broke the Inductor piece compiled around it. Such a float is module
+state, not data: the backend reads it as the constant it is and compiles the graph with it, and a
+call that passes another value (an attribute changed since) gets a plan of its own. Floats the
+call passes as arguments stay as dynamo gives them (a per-call number would re-plan every call).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
@@ -23,7 +33,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .capture import from_dynamo
+from .capture import dynamo_input_name, dynamo_source_name, from_dynamo
 from .config import Config
 from .errors import CaptureError
 from .passes import compile_graph
@@ -41,14 +51,17 @@ def backend(config: Optional[Config] = None):
         symbolic = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         _inline_numbers(gm)
         sizes, sources = _take_out_sizes(gm, symbolic), _size_sources(symbolic)
-        cap = from_dynamo(gm, example_inputs)
-        _sizes_given(cap, symbolic)
-        plan = compile_graph(cap, config, "call")
 
         def bound_plan(bound):
             plans.append(compile_graph(bound, config, "call"))
             return plans[-1]
-        plan_for = _plans_by_module_state(cap, plan, bound_plan)
+
+        def plans_of(graph_module):
+            cap = from_dynamo(graph_module, example_inputs)
+            _sizes_given(cap, symbolic)
+            plans.append(compile_graph(cap, config, "call"))
+            return _plans_by_module_state(cap, plans[-1], bound_plan)
+        plan_for = _plans_by_module_floats(gm, example_inputs, plans_of)
 
         def run(*flat_args):
             outputs = runner.call(plan_for(flat_args), list(flat_args))
@@ -61,10 +74,9 @@ def backend(config: Optional[Config] = None):
                 outputs.insert(at, int(expr.xreplace(bound)))
             return outputs
 
-        plans.append(plan)
         return run
 
-    compile_fn.plans = plans   # every graph dynamo handed over, newest last
+    compile_fn.plans = plans   # every plan made (one per graph dynamo handed over at least), newest last
     return compile_fn
 
 
@@ -84,6 +96,45 @@ def _plans_by_module_state(cap, plan, compile):
             others[key] = compile(dataclasses.replace(cap, params=params, buffers=buffers))
         return others[key]
     return plan_for
+
+
+def _plans_by_module_floats(gm, example_inputs, plans_of):
+    """flat_args -> the plan for the values of the module floats this call passes (Note [module
+    floats]), each compiled by plans_of(graph with those values inlined) -> flat_args -> plan.
+    The plan for the example inputs' values is compiled now."""
+    floats = [at for at, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+              if _is_module_float(node, example_inputs[at])]
+    by_values: dict = {}
+
+    def plan_for(flat_args):
+        values = tuple(float(flat_args[at]) for at in floats)
+        if values not in by_values:
+            graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if floats else gm
+            _inline_floats(graph_module, dict(zip(floats, values)))
+            by_values[values] = plans_of(graph_module)
+        return by_values[values](flat_args)
+    plan_for(example_inputs)
+    return plan_for
+
+
+def _is_module_float(node: fx.Node, example) -> bool:
+    """A float attribute of a module that dynamo passes as a 0-d tensor (Note [module floats])."""
+    arg = node.meta.get("grapharg")
+    if arg is None or not arg.pass_arg_as_tensor:
+        return False
+    if not (isinstance(example, torch.Tensor) and example.dim() == 0 and example.is_floating_point()):
+        return False
+    return dynamo_input_name(dynamo_source_name(node))[1]
+
+
+def _inline_floats(gm: fx.GraphModule, values: dict) -> None:
+    """Each `.item()` of the placeholders at the positions `values` names becomes that number."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for at, value in values.items():
+        for item in [u for u in placeholders[at].users if u.op == "call_method" and u.target == "item"]:
+            item.replace_all_uses_with(value)
+            gm.graph.erase_node(item)
+    gm.recompile()
 
 
 def _inline_numbers(gm: fx.GraphModule) -> None:

@@ -699,9 +699,7 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
     params, param_names, buffers, buffer_names = [], [], [], []
     cap = Captured(gm, params, param_names, buffers, buffer_names, torch.device("cpu"))
     for i, (node, ex) in enumerate(zip(cap.placeholders(), example_inputs)):
-        source = node.meta.get("grapharg")
-        source_name = source.source.name if source is not None and source.source is not None else node.name
-        source_name = source_name() if callable(source_name) else str(source_name)
+        source_name = dynamo_source_name(node)
         if isinstance(ex, (torch.SymInt, int)):
             _mark_sym(node, ex)
         elif isinstance(ex, torch.nn.Parameter):
@@ -717,13 +715,21 @@ def from_dynamo(gm: fx.GraphModule, example_inputs) -> Captured:
         else:
             node.meta["rp_kind"], node.meta["rp_index"] = "input", i
             node.meta["rp_requires_grad"] = bool(getattr(ex, "requires_grad", False))
-            node.meta["rp_leaf_name"], node.meta["rp_module_state"] = _dynamo_input_name(source_name)
+            node.meta["rp_leaf_name"], node.meta["rp_module_state"] = dynamo_input_name(source_name)
         if isinstance(ex, torch.Tensor) and ex.device.type != "meta":
             cap.capture_device = ex.device
     return cap
 
 
-def _dynamo_input_name(source: str) -> tuple:
+def dynamo_source_name(node: fx.Node) -> str:
+    """Where dynamo reads a graph input from, "L['kwargs']['input_ids']" (the node's name where it
+    does not say)."""
+    arg = node.meta.get("grapharg")
+    name = arg.source.name if arg is not None and arg.source is not None else node.name
+    return name() if callable(name) else str(name)
+
+
+def dynamo_input_name(source: str) -> tuple:
     """(readable name, whether it is module state) of a dynamo input source such as
     "L['kwargs']['input_ids']" (-> "input_ids") or "L['args'][0]._modules['emb'].norm_type"
     (module state: an attribute of a module, never a batched argument). An attribute of another

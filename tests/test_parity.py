@@ -195,12 +195,14 @@ def test_torch_compile_backend_string_and_config():
     assert configured.plans and len(configured.plans[-1].stages) >= 2
 
 
-def _train_through_backend(model, batches, microbatches, eager_step=None, steps=3):
+def _train_through_backend(model, batches, microbatches, eager_step=None, steps=3, **config):
     """Train `model` through torch.compile(backend=rpcompile.backend(...), dynamic=True) on two
-    CPU devices beside eager (train_both); the backend, whose plans are every graph it was given."""
+    CPU devices beside eager (train_both); the backend, whose plans are every graph it was given.
+    config: more Config fields."""
     torch._dynamo.reset()
-    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=microbatches))
+    backend = rpcompile.backend(rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=microbatches, **config))
     compiled = torch.compile(model, backend=backend, dynamic=True)
+    backend.compiled = compiled
 
     def via_compile(cm, b):
         out = compiled(**b)
@@ -468,6 +470,40 @@ def test_transformers_models_through_the_backend_train_as_eager(make):
     assert len(backend.plans) >= 2
     # (a graph with no batch, as longrope's frequency update, runs whole without a word)
     assert not [w for w in caught if "batch" in str(w.message) and "rpcompile" in str(w.message)]
+
+
+def test_module_floats_through_the_backend_are_constants_of_the_plan():
+    """Note [module floats]: under dynamic=True dynamo passed Qwen3's attention dropout (0.0) to
+    SDPA as an `.item()` of a 0-d tensor, so every stage job with attention was taken as random
+    (eager, RNG replayed) and every epsilon and scale `.item()` broke the Inductor pieces. The plan
+    now reads them as numbers: no stage random, no `.item()` left, trains as eager; an epsilon
+    changed later (dynamo does not guard it) gets a plan of its own with eager's loss; a dropout
+    set in train mode (dynamo guards it: a new graph) makes the attention's stage jobs random. (On
+    CPU with compile_stages=True: 7 graph breaks and 5 of 10 stage jobs random before, none now.)"""
+    from models import lm_batch
+    model = qwen3(layers=3)
+    batches = [lm_batch(seed=s) for s in range(2)]
+    backend = _train_through_backend(model, batches, 2, steps=2, memory_budget=250_000)
+    (plan,) = backend.plans
+    assert len(plan.stages) >= 2 and not any(st.random for st in plan.stages)
+    assert "zf" not in str(plan), "no float symbol is a size the plan was costed at"
+    graphs = [g for st in plan.stages for prog in st.programs.values() for g in prog.modules()
+              if isinstance(g, torch.fx.GraphModule)]
+    assert graphs and not [n for g in graphs for n in g.graph.nodes if n.target == "item"]
+
+    ref = copy.deepcopy(model)
+    before = backend.compiled(**batches[0]).loss
+    for m in (model, ref):
+        for norm in (mod for mod in m.modules() if hasattr(mod, "variance_epsilon")):
+            norm.variance_epsilon = 0.5
+    loss, expected = backend.compiled(**batches[0]).loss, ref(**batches[0]).loss
+    assert len(backend.plans) == 2, "a plan for the new epsilon"
+    assert not torch.allclose(loss, before, rtol=1e-4) and torch.allclose(loss, expected, rtol=1e-5)
+
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    backend.compiled(**batches[0]).loss.backward()
+    assert len(backend.plans) == 3 and any(st.random for st in backend.plans[-1].stages)
 
 
 def test_eight_cpu_devices():

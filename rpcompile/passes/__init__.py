@@ -59,6 +59,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from ..errors import CaptureError, InputError
 from ..plan import Plan, _fmt_bytes
@@ -943,7 +944,11 @@ def _float_hints(gm) -> dict:
                 is not None and ev.fake_mode.shape_env is not None), None)
     if env is None:
         return {}
-    return {s.name: float(v) for s, v in symbol_hints(env).items() if s.name.startswith("zf")}
+    read = {s.name for n in gm.graph.nodes for v in pytree.tree_leaves(n.meta.get("example_value"))
+            for size in (v.shape if isinstance(v, torch.Tensor) else (v,))
+            if isinstance(size, (torch.SymInt, torch.SymFloat)) for s in size.node.expr.free_symbols}
+    # (only those: a module's float the backend read as a number (Note [module floats]) is none)
+    return {s.name: float(v) for s, v in symbol_hints(env).items() if s.name.startswith("zf") and s.name in read}
 
 
 def _bindings(gm, batch, micro: int) -> dict:
