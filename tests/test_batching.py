@@ -13,7 +13,7 @@ import rpcompile
 from rpcompile.runtime import job as job_mod
 
 from models import llama, lm_batch, qwen3
-from parity import scalar_loss_step, train_both
+from parity import TIGHT, scalar_loss_step, train_both
 
 
 def padded_batch(batch, seq, side, vocab=128, seed=0):
@@ -356,3 +356,49 @@ def test_an_empty_batch_is_an_input_error(first):
         cm.train_step(input_ids=ids, labels=ids)
     with pytest.raises(rpcompile.InputError, match="the batch has no rows"):
         cm.train_step(input_ids=ids[:0], labels=ids[:0])
+
+
+class _InBatchContrastive(nn.Module):
+    """An embedding model's in-batch contrastive loss: each row scored against every row's pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        u, v = (F.normalize(self.b(torch.tanh(self.a(t))), dim=-1) for t in (x, y))
+        return F.cross_entropy(u @ v.T / 0.05, torch.arange(x.shape[0]))
+
+
+class _CentredRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        h = h - h.mean(0, keepdim=True)
+        return F.mse_loss(h, y)
+
+
+@pytest.mark.parametrize("make,line", [(_InBatchContrastive, "u @ v.T / 0.05"),
+                                       (_CentredRows, "h - h.mean(0, keepdim=True)")], ids=["contrastive", "centred"])
+def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
+    """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
+    7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
+    microbatch's, silently. Now an InputError names the model's line, before any step, and
+    changes nothing; with one microbatch the model trains as eager."""
+    torch.manual_seed(0)
+    model = make()
+    before = copy.deepcopy(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 8 if make is _InBatchContrastive else 4,
+                                                                         generator=g)}]
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match="from other rows") as err:
+        cm.train_step(**batches[0])
+    assert line in str(err.value) and "num_microbatches=1" in str(err.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1, memory_budget=TIGHT),
+               eager_step=scalar_loss_step, steps=2, min_stages=0)

@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import CaptureError, InputError
 from ..plan import Plan, _fmt_bytes
-from .batch import attach_row_checks, check_splittable, find_batch
+from .batch import attach_row_checks, check_rows_apart, check_splittable, find_batch
 from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages, written_inputs
@@ -252,6 +252,7 @@ def annotate_costs_pass(st: CompileState) -> CompileState:
 def find_batch_pass(st: CompileState) -> CompileState:
     st.batch = find_batch(st.gm, st.captured.batch_size, st.config.unbatched_inputs)
     check_splittable(st.batch, st.num_microbatches)
+    check_rows_apart(st.gm, st.batch, st.num_microbatches)
     st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.num_microbatches))
     if st.at:   # re-planned for another size of the same capture (Note [plans per length])
         st.bindings.update({name: v for name, v in st.at.items() if name in st.bindings})

@@ -24,6 +24,18 @@ At run time a stage job checks, before it uses a microbatch's value that the pla
 batched (an input, an activation, a gradient), that its dim 0 is what the plan's expression
 gives for that microbatch (`row_checks`). The check is not optional: a mismatch is a
 StageError naming the value and the stage.
+
+Note [rows kept apart]: split into microbatches, a forward that computes one row from other rows
+sees only its microbatch's rows, and its result is not eager's, silently: an in-batch contrastive
+loss (`u @ v.T` scored against `arange(B)`: 7.72 where eager gives 12.31 over 2 microbatches) or
+rows centred on the batch's mean (`h - h.mean(0)`). With more than one microbatch such a forward
+is an InputError naming the model's line: a value with the batch size in two dims (rows against
+rows), or a batched floating-point value computed from one that a reduction over the rows made
+(`mean(0)`, a contraction over the batch). Integer values (an MoE's counts of tokens per expert,
+routing indices) carry no rows' numbers into others' and are not followed, and an operation given
+indices (`x[token]`, a gather) picks rows whole rather than reducing them; batch norm's statistics
+are one operation's business, per microbatch as under gradient accumulation (checked against
+that), and are not refused.
 """
 from __future__ import annotations
 
@@ -32,6 +44,7 @@ from typing import Optional
 
 import sympy
 import torch
+import torch._functorch.predispatch
 import torch.fx as fx
 
 from ..errors import InputError
@@ -218,6 +231,54 @@ def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
             f"the batch size {info.size} is also the size of {where}, and the capture gave them one symbol, so a "
             f"microbatch would change both. Use a batch size that differs from the other dimensions, or mark only the "
             "batch dimension dynamic (torch._dynamo.mark_dynamic(x, 0) instead of dynamic=True).")
+
+
+_FRESH = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}   # (a value of its own)
+_add_batch_dim = getattr(torch._functorch.predispatch, "_add_batch_dim", None)
+
+
+def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
+    """(node, why) of the first value computed from rows other than its own (Note [rows kept
+    apart]), or None."""
+    def tensor(n):
+        ev = n.meta.get("example_value", n.meta.get("val"))
+        return ev if isinstance(ev, torch.Tensor) else None
+
+    reduced = set()    # floating-point values a reduction over the rows made, and values from them
+    for n in gm.graph.nodes:
+        ev = tensor(n)
+        if n.op not in ("call_function", "call_method", "call_module") or ev is None or not ev.is_floating_point():
+            continue
+        if (n.op == "call_method" and n.target in _FRESH) or n.target is _add_batch_dim:
+            continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
+        if sum(map(info.is_batch_dim, ev.shape)) >= 2:
+            return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
+        floats = [a for a in n.all_input_nodes if (t := tensor(a)) is not None and t.is_floating_point()]
+        if any(map(info.mentions, ev.shape)):
+            if any(a in reduced for a in floats):
+                return n, f"{n.name} computes the batch's rows from a value reduced over its rows"
+        elif (any(a in reduced or any(map(info.mentions, tensor(a).shape)) for a in floats)
+              and len(floats) == sum(tensor(a) is not None for a in n.all_input_nodes)):
+            reduced.add(n)     # (not with indices: x[token], a gather, picks rows, whole)
+    return None
+
+
+def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int) -> None:
+    """Raise an InputError where microbatches would compute rows from other rows (Note [rows kept apart])."""
+    if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+        return
+    found = rows_mixed(gm, info)
+    if found is None:
+        return
+    node, why = found
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    files = [i for i, line in enumerate(trace) if line.startswith("File ") and i + 1 < len(trace)]
+    at = f" at `{trace[files[-1] + 1]}` ({trace[files[-1]]})" if files else ""
+    raise InputError(f"the forward computes a row of the batch from other rows: {why}{at}. Split into "
+                     f"{num_microbatches} microbatches, each would see only its own rows and the result would not "
+                     f"be eager's (an in-batch contrastive loss, a norm over the batch). Use "
+                     f"Config(num_microbatches=1): the whole batch goes through the pipeline of stage jobs as one "
+                     f"microbatch.")
 
 
 class RowCheck:
