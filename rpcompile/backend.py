@@ -109,8 +109,10 @@ def _plans_by_module_floats(gm, example_inputs, plans_of):
     def plan_for(flat_args):
         values = tuple(float(flat_args[at]) for at in floats)
         if values not in by_values:
-            graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph)) if floats else gm
-            _inline_floats(graph_module, dict(zip(floats, values)))
+            graph_module = gm
+            if floats:     # (a copy: a later value inlines into the graph as dynamo gave it)
+                graph_module = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+                _inline_floats(graph_module, dict(zip(floats, values)))
             by_values[values] = plans_of(graph_module)
         return by_values[values](flat_args)
     plan_for(example_inputs)

@@ -48,7 +48,7 @@ import torch._functorch.predispatch
 import torch.fx as fx
 
 from ..errors import InputError
-from .graph_utils import call_leaf_name
+from .graph_utils import call_leaf_name, node_value
 
 
 @dataclass
@@ -240,26 +240,24 @@ _add_batch_dim = getattr(torch._functorch.predispatch, "_add_batch_dim", None)
 def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     """(node, why) of the first value computed from rows other than its own (Note [rows kept
     apart]), or None."""
-    def tensor(n):
-        ev = n.meta.get("example_value", n.meta.get("val"))
-        return ev if isinstance(ev, torch.Tensor) else None
-
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
     for n in gm.graph.nodes:
-        ev = tensor(n)
-        if n.op not in ("call_function", "call_method", "call_module") or ev is None or not ev.is_floating_point():
+        ev = node_value(n)
+        if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
+                or not ev.is_floating_point()):
             continue
         if (n.op == "call_method" and n.target in _FRESH) or n.target is _add_batch_dim:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
             return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
-        floats = [a for a in n.all_input_nodes if (t := tensor(a)) is not None and t.is_floating_point()]
+        tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if any(map(info.mentions, ev.shape)):
-            if any(a in reduced for a in floats):
+            if any(a in reduced for a in tensors):
                 return n, f"{n.name} computes the batch's rows from a value reduced over its rows"
-        elif (any(a in reduced or any(map(info.mentions, tensor(a).shape)) for a in floats)
-              and len(floats) == sum(tensor(a) is not None for a in n.all_input_nodes)):
-            reduced.add(n)     # (not with indices: x[token], a gather, picks rows, whole)
+        # (not with an index tensor: x[token], a gather, picks rows whole)
+        elif (all(t.is_floating_point() for t in tensors.values())
+              and any(a in reduced or any(map(info.mentions, t.shape)) for a, t in tensors.items())):
+            reduced.add(n)
     return None
 
 
