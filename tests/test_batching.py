@@ -2,6 +2,7 @@
 dim 0 is split per microbatch, every stage sees exactly its microbatch's slices, and whatever
 cannot be split soundly is an error, never a silent wrong result."""
 import copy
+import functools
 import random
 
 import pytest
@@ -381,12 +382,34 @@ class _CentredRows(nn.Module):
         return F.mse_loss(h, y)
 
 
+class _AlongRows(nn.Module):
+    """An operation along the rows that keeps the shape: nothing in the values' shapes shows the mixing."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        if self.kind == "softmax":
+            h = torch.softmax(h, dim=0)
+        elif self.kind == "cumsum":
+            h = h.cumsum(0)
+        else:
+            h = h.sort(0).values
+        return F.mse_loss(h, y)
+
+
 @pytest.mark.parametrize("make,line", [(_InBatchContrastive, "u @ v.T / 0.05"),
-                                       (_CentredRows, "h - h.mean(0, keepdim=True)")], ids=["contrastive", "centred"])
+                                       (_CentredRows, "h - h.mean(0, keepdim=True)"),
+                                       (functools.partial(_AlongRows, "softmax"), "torch.softmax(h, dim=0)"),
+                                       (functools.partial(_AlongRows, "cumsum"), "h.cumsum(0)"),
+                                       (functools.partial(_AlongRows, "sort"), "h.sort(0).values")],
+                         ids=["contrastive", "centred", "softmax", "cumsum", "sort"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
-    microbatch's, silently. Now an InputError names the model's line, before any step, and
+    microbatch's, silently (and a softmax, cumsum or sort over the rows). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -30,12 +30,13 @@ sees only its microbatch's rows, and its result is not eager's, silently: an in-
 loss (`u @ v.T` scored against `arange(B)`: 7.72 where eager gives 12.31 over 2 microbatches) or
 rows centred on the batch's mean (`h - h.mean(0)`). With more than one microbatch such a forward
 is an InputError naming the model's line: a value with the batch size in two dims (rows against
-rows), or a batched floating-point value computed from one that a reduction over the rows made
-(`mean(0)`, a contraction over the batch). Integer values (an MoE's counts of tokens per expert,
-routing indices) carry no rows' numbers into others' and are not followed, and an operation given
-indices (`x[token]`, a gather) picks rows whole rather than reducing them; batch norm's statistics
-are one operation's business, per microbatch as under gradient accumulation (checked against
-that), and are not refused.
+rows), a batched floating-point value computed from one that a reduction over the rows made
+(`mean(0)`, a contraction over the batch), or an operation along the rows that keeps the shape (a
+softmax, a cumulative sum, a sort, a flip over dim 0: `_ALONG`). Integer values (an MoE's counts
+of tokens per expert, routing indices) carry no rows' numbers into others' and are not followed,
+and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them;
+batch norm's statistics are one operation's business, per microbatch as under gradient
+accumulation (checked against that), and are not refused.
 """
 from __future__ import annotations
 
@@ -235,6 +236,33 @@ def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
 
 _FRESH = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}   # (a value of its own)
 _add_batch_dim = getattr(torch._functorch.predispatch, "_add_batch_dim", None)
+# Operations that compute each entry from the others along their dims, keeping the shape (a
+# function's or a method's name: position of the dims argument, its keyword, its default; None
+# for roll's is every dim): over the rows they mix rows that `rows_mixed`'s shapes do not show.
+_ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum": (1, "dim", None),
+          "cumprod": (1, "dim", None), "cummax": (1, "dim", None), "cummin": (1, "dim", None),
+          "logcumsumexp": (1, "dim", None), "sort": (1, "dim", -1), "flip": (1, "dims", None),
+          "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1)}
+
+
+def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
+    """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or None."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+    if n.op not in ("call_function", "call_method") or name not in _ALONG or not n.args:
+        return None
+    x = node_value(n.args[0])
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        return None
+    at, key, default = _ALONG[name]
+    dims = n.kwargs.get(key, n.args[at] if len(n.args) > at else default)
+    if name == "flip" and len(n.args) > 2:
+        dims = n.args[1:]                                   # x.flip(0, 1)
+    if name == "roll" and dims is None:
+        dims = range(x.dim())                               # (the value rolled flat)
+    dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
+    if any(isinstance(d, int) and -x.dim() <= d < x.dim() and info.mentions(x.shape[d]) for d in dims):
+        return name
+    return None
 
 
 def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
@@ -242,6 +270,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     apart]), or None."""
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
     for n in gm.graph.nodes:
+        if (along := _along_rows(n, info)) is not None:
+            return n, f"{n.name} ({along}) works along the batch's rows"
         ev = node_value(n)
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
