@@ -400,16 +400,35 @@ class _AlongRows(nn.Module):
         return F.mse_loss(h, y)
 
 
+class _ClassCentroids(nn.Module):
+    """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
+    class indices beside the rows), read back by each row's class."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        labels = (x[:, 0] > 0).long()
+        sums = torch.zeros(2, 4).index_add(0, labels, h)
+        counts = torch.zeros(2).index_add(0, labels, torch.ones_like(h[:, 0]))
+        h = h - (sums / counts.clamp(min=1)[:, None])[labels]
+        return F.mse_loss(h, y)
+
+
 @pytest.mark.parametrize("make,line", [(_InBatchContrastive, "u @ v.T / 0.05"),
                                        (_CentredRows, "h - h.mean(0, keepdim=True)"),
                                        (functools.partial(_AlongRows, "softmax"), "torch.softmax(h, dim=0)"),
                                        (functools.partial(_AlongRows, "cumsum"), "h.cumsum(0)"),
-                                       (functools.partial(_AlongRows, "sort"), "h.sort(0).values")],
-                         ids=["contrastive", "centred", "softmax", "cumsum", "sort"])
+                                       (functools.partial(_AlongRows, "sort"), "h.sort(0).values"),
+                                       (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]")],
+                         ids=["contrastive", "centred", "softmax", "cumsum", "sort", "class_centroids"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
-    microbatch's, silently (and a softmax, cumsum or sort over the rows). Now an InputError names the model's line, before any step, and
+    microbatch's, silently (and a softmax, cumsum or sort over the rows, and rows centred on
+    their class's mean made by index_add). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -34,7 +34,8 @@ rows), a batched floating-point value computed from one that a reduction over th
 (`mean(0)`, a contraction over the batch), or an operation along the rows that keeps the shape (a
 softmax, a cumulative sum, a sort, a flip over dim 0: `_ALONG`). Integer values (an MoE's counts
 of tokens per expert, routing indices) carry no rows' numbers into others' and are not followed,
-and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them;
+and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
+unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
 batch norm's statistics are one operation's business, per microbatch as under gradient
 accumulation (checked against that), and are not refused.
 """
@@ -245,9 +246,26 @@ _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum"
           "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1)}
 
 
+# Operations that add (or otherwise reduce) values into the slots an index tensor names: given
+# the rows, a sum per class or per expert, whatever dims their result keeps.
+_INDEX_REDUCTIONS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+                     "index_reduce", "index_reduce_"}
+
+
+def _op_name(n: fx.Node) -> Optional[str]:
+    """A call's function or method name (`softmax` for torch.softmax, F.softmax and x.softmax)."""
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+
+
+def _reduces_by_index(n: fx.Node) -> bool:
+    name = _op_name(n)
+    return name in _INDEX_REDUCTIONS or (name in ("index_put", "index_put_") and bool(
+        n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False)))
+
+
 def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or None."""
-    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+    name = _op_name(n)
     if n.op not in ("call_function", "call_method") or name not in _ALONG or not n.args:
         return None
     x = node_value(n.args[0])
@@ -284,9 +302,10 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if any(map(info.mentions, ev.shape)):
             if any(a in reduced for a in tensors):
                 return n, f"{n.name} computes the batch's rows from a value reduced over its rows"
-        # (not with an index tensor: x[token], a gather, picks rows whole)
-        elif (all(t.is_floating_point() for t in tensors.values())
-              and any(a in reduced or any(map(info.mentions, t.shape)) for a, t in tensors.items())):
+        # (not with an index tensor: x[token], a gather, picks rows whole; but a sum per index does not)
+        elif ((all(t.is_floating_point() for t in tensors.values()) or _reduces_by_index(n))
+              and any(a in reduced or (t.is_floating_point() and any(map(info.mentions, t.shape)))
+                      for a, t in tensors.items())):
             reduced.add(n)
     return None
 
