@@ -50,7 +50,7 @@ import torch._functorch.predispatch
 import torch.fx as fx
 
 from ..errors import InputError
-from .graph_utils import call_leaf_name, node_value
+from .graph_utils import call_leaf_name, node_value, size_hint
 
 
 @dataclass
@@ -119,10 +119,6 @@ def _input_name(node: fx.Node) -> str:
     return node.meta.get("rp_leaf_name", node.name)
 
 
-def _hint(size) -> int:
-    return size.node.hint if isinstance(size, torch.SymInt) else int(size)
-
-
 def _state_symbols(gm: fx.GraphModule) -> set:
     """The size symbols of the graph's module state (parameters, buffers, module attributes): a
     size a module holds is no batch. Longrope's frequency update (Phi-3, a graph of its own
@@ -150,7 +146,7 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
     B = batch_size
     if B is None:   # the dynamo backend: the first input whose dim 0 is dynamic and sizes no module state
         state = _state_symbols(gm)
-        B = next((_hint(ev.shape[0]) for _, ev in inputs if isinstance(ev.shape[0], torch.SymInt)
+        B = next((size_hint(ev.shape[0]) for _, ev in inputs if isinstance(ev.shape[0], torch.SymInt)
                   and not ev.shape[0].node.expr.free_symbols & state), None)
     info = BatchInfo(size=B)
     if B is None:
@@ -162,7 +158,7 @@ def find_batch(gm: fx.GraphModule, batch_size: Optional[int], unbatched=()) -> B
         if is_unbatched(name, unbatched):
             continue
         d0 = ev.shape[0]
-        if _hint(d0) != B:
+        if size_hint(d0) != B:
             continue
         if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol:
             info.leaves.add(n.meta["rp_index"])
