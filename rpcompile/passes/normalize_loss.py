@@ -387,7 +387,8 @@ def _summed(node: fx.Node, method: str = "sum", functions=_SUM_FUNCTIONS):
 
 
 def _value(node) -> Optional[torch.Tensor]:
-    ev = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    """A node's fake tensor (node_value), or None: a constant argument, a value that is not a tensor."""
+    ev = node_value(node) if isinstance(node, fx.Node) else None
     return ev if isinstance(ev, torch.Tensor) else None
 
 
