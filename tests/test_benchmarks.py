@@ -562,7 +562,9 @@ def test_harness_walks_no_large_process_unless_asked(tmp_path, monkeypatch):
     parts = r["host_rss_peak_parts"]                         # what made the peak, and when it came
     assert parts["anon"] + parts["files"] + parts["shmem"] == r["host_rss_peak_bytes"]
     assert parts["processes"] >= 1 and 0 <= parts["at_s"] <= r["wall_s"]
-    res, _, _ = _harness(tmp_path, *args, "--pss-interval", "1000")
+    # (one timed step: the walk comes at the first poll, as the child starts, and no later one)
+    res, _, _ = _harness(tmp_path, "--systems", "simulated", "--option", "sleep=0.25", "--steps", "1", "--warmup", "1",
+                         "--timeout", "60", "--pss-interval", "1000")
     r = res["simulated"]
     assert len(walks) == 1 and r["host_pss_peak_bytes"] > 0   # the first poll's walk (the child just started)
 
@@ -1140,11 +1142,13 @@ def test_device_peaks_take_the_worker_processes_in():
     the largest over the child and the workers' reports (info's peak_gpu_workers)."""
     import rpcompile
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from models import lm_batch, qwen3
+    from models import MLP
 
-    cm = rpcompile.compile(qwen3(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers="processes"))
+    # (an MLP: its jobs land on both workers as a Qwen3's do, and its capture takes a tenth of the time)
+    cm = rpcompile.compile(MLP(), rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, workers="processes",
+                                                   loss_fn=torch.nn.functional.mse_loss))
     assert cm.runner.executor.worker_device_peaks() == {}
-    cm.train_step(**lm_batch())
+    cm.train_step(torch.randn(8, 8), target=torch.randn(8, 4))
     assert cm.runner.executor.worker_device_peaks() == {"0:cpu": [0, 0], "1:cpu": [0, 0]}
     workers = {"peak_gpu_workers": {"0:cuda:0": [30, 50], "1:cuda:1": [40, 45]}}
     assert harness._peak(10, workers, 0) == 40 and harness._peak(10, workers, 1) == 50

@@ -12,7 +12,7 @@ import torch
 import rpcompile
 
 from models import lm_batch, qwen3
-from parity import check_grads, close, delayed_run, train_both
+from parity import check_grads, close, delayed_run, scalar_loss_step, train_both
 from rpcompile.runtime.processes import WorkerDied
 from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull, remove_stale_directories
 
@@ -20,6 +20,28 @@ from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull, remove_stal
 def _config(workers="processes", memory_budget="300KiB", **kw):
     return rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=memory_budget, workers=workers,
                             **kw)
+
+
+class _TinyLM(torch.nn.Module):
+    """Token embeddings, residual blocks of a Linear and tanh, an LM head and a mean cross-entropy
+    over the counted labels (lm_batch's): a model of sequences, its length dynamic as a decoder's,
+    planned on two CPU devices at a 300KiB budget as qwen3(layers=1) is (fwd, fused, bwd jobs; with
+    replicas, a copy of them on each device), for tests of the workers rather than the model. A
+    worker dry-runs (compiles through aot_eager) its three programs in about 3 s, against about
+    13 s for qwen3(layers=1)'s."""
+
+    def __init__(self, vocab=128, width=64, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
 def test_exact_mode_in_worker_processes_matches_eager():
@@ -431,81 +453,6 @@ def test_workers_are_told_the_models_modules(monkeypatch):
     assert "transformers.models.qwen3.modeling_qwen3" in seen[0] and "__main__" not in seen[0]
 
 
-@pytest.fixture
-def aot_eager_workers(monkeypatch):
-    """Worker processes that compile stage programs with aot_eager (tests/aot_eager_workers), and
-    the process's setup timeline emptied (its marks are the process's; a test reads its own model's)."""
-    from rpcompile.runtime import timeline
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
-    timeline.reset()
-
-
-@pytest.mark.parametrize("replicas", [False, True])
-def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, tmp_path, aot_eager_workers,
-                                                                    replicas):
-    """With compiled stages, a worker process dry-runs a stage program when a job of it comes up
-    for the first time (Note [dry runs]): every graph compiles there, none in a job, each
-    program once per worker, and the results equal eager's. Note [first programs compiled beside
-    the setup]: each worker's first program (with replicas: every program) is dry-run while the
-    main process still makes the first step, not after it: the main process's part of the first
-    step is held here until the workers have marked those dry runs (up to two minutes; without
-    the warm-up none comes before the step's jobs, and the order asserted below fails)."""
-    from rpcompile.runner import GraphRunner
-    from rpcompile.runtime import timeline
-    real_new_step, held = GraphRunner.new_step, []
-    monkeypatch.setenv("RPCOMPILE_TEST_MARKS", str(tmp_path))     # (tests/aot_eager_workers)
-
-    def dry_runs_marked(w):     # worker w's marks so far are files named "w.n"
-        return sum(open(f).read().startswith("dry run of ") for f in tmp_path.glob(f"{w}.*") if f.suffix != ".part")
-
-    def new_step(self, *a, **k):      # the main process's own part of the first step, held
-        if not held:
-            deadline = time.monotonic() + 120.0
-            while min(map(dry_runs_marked, (0, 1))) < (3 if replicas else 1) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            held.append(True)
-            timeline.mark("first step made")
-        return real_new_step(self, *a, **k)
-    monkeypatch.setattr(GraphRunner, "new_step", new_step)
-    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],
-                    _config(compile_stages=True, max_jobs=3, data_parallel=replicas or None), steps=2)
-    assert [st.kind for st in cm.plan.stages] == ["fwd", "fused", "bwd"] and cm.plan.replicas == (2 if replicas else 1)
-    marks = [(r["where"], r["what"]) for r in cm.setup_timeline]
-    dry = [(w, what.split()[3]) for w, what in marks if what.startswith("dry run of ")]
-    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
-    made = next(r["t"] for r in cm.setup_timeline if r["what"] == "first step made")
-    for w in ("worker 0", "worker 1"):
-        runs = [r["t"] for r in cm.setup_timeline if r["where"] == w and r["what"].startswith("dry run of ")]
-        assert max(runs) < made if replicas else runs[0] < made, (w, runs, made)
-    assert not [m for m in marks if "failed" in m[1] or (m[1].startswith("job ") and "compiled" in m[1])]
-    for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
-        whats = [what for where, what in marks if where == w]
-        assert whats.index("compile stack imported") < whats.index("set up")
-        # Note [compile seconds by phase] (timeline.py): TorchDynamo's frame compiles, after the first dry run
-        first = next(i for i, what in enumerate(whats) if what.startswith("dry run of "))
-        phases = [r for r in cm.setup_timeline if r["where"] == w and r["what"].startswith("compile seconds so far: ")]
-        assert any("compile_inner" in r["what"] and r["seconds"] > 0 for r in phases), phases
-        assert whats.index(phases[0]["what"]) > first
-
-
-def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch, aot_eager_workers):
-    """Note [first programs compiled beside the setup]: a warm-up the worker cannot read (here its
-    parameters are missing) is marked failed; each job's program is then dry-run before the job,
-    as without a warm-up, and the results equal eager's."""
-    from rpcompile.runtime import processes
-    real = processes._Hub.to_all
-    monkeypatch.setattr(processes._Hub, "to_all", lambda self, msg: real(self, msg if msg[0] != "warm" else (
-        msg[0], msg[1], {k: v for k, v in msg[2].items() if k != "params"})))
-    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)],
-                    _config(compile_stages=True, max_jobs=3), steps=2)
-    whats = [(r["where"], r["what"]) for r in cm.setup_timeline]
-    assert sorted(w for w, what in whats if what.startswith("warm-up on ")) == ["worker 0", "worker 1"]
-    assert all("failed: KeyError: 'params'" in what for _, what in whats if what.startswith("warm-up on "))
-    dry = [(w, what.split()[3]) for w, what in whats if what.startswith("dry run of ")]
-    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
-
-
 def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     """Note [hand-overs of a run] (worker.py): a differentiable call's backward run reaches one
     worker late (here 0.5 s after the other), so the first backward job's hand-over comes to it
@@ -544,6 +491,85 @@ def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     ref_out.loss.backward()
     close(done[0], ref_out.loss.detach(), 1e-5, 1e-6, "loss")
     check_grads(model, ref)
+
+
+# (The tests that take this fixture and see the same environment follow one another, with no
+# test that starts workers in another environment between them: they share a worker launcher,
+# _one_launcher_across_tests in conftest.py.)
+@pytest.fixture
+def aot_eager_workers(monkeypatch):
+    """Worker processes that compile stage programs with aot_eager (tests/aot_eager_workers), and
+    the process's setup timeline emptied (its marks are the process's; a test reads its own model's)."""
+    from rpcompile.runtime import timeline
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "aot_eager_workers")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    timeline.reset()
+
+
+@pytest.mark.parametrize("replicas", [False, True])
+def test_each_worker_compiles_a_program_in_a_dry_run_before_its_job(monkeypatch, tmp_path, aot_eager_workers,
+                                                                    replicas):
+    """With compiled stages, a worker process dry-runs a stage program when a job of it comes up
+    for the first time (Note [dry runs]): every graph compiles there, none in a job, each
+    program once per worker, and the results equal eager's. Note [first programs compiled beside
+    the setup]: each worker's first program (with replicas: every program) is dry-run while the
+    main process still makes the first step, not after it: the main process's part of the first
+    step is held here until the workers have marked those dry runs (up to two minutes; without
+    the warm-up none comes before the step's jobs, and the order asserted below fails)."""
+    from rpcompile.runner import GraphRunner
+    from rpcompile.runtime import timeline
+    real_new_step, held = GraphRunner.new_step, []
+    monkeypatch.setenv("RPCOMPILE_TEST_MARKS", str(tmp_path))     # (tests/aot_eager_workers)
+
+    def dry_runs_marked(w):     # worker w's marks so far are files named "w.n"
+        return sum(open(f).read().startswith("dry run of ") for f in tmp_path.glob(f"{w}.*") if f.suffix != ".part")
+
+    def new_step(self, *a, **k):      # the main process's own part of the first step, held
+        if not held:
+            deadline = time.monotonic() + 120.0
+            while min(map(dry_runs_marked, (0, 1))) < (3 if replicas else 1) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            held.append(True)
+            timeline.mark("first step made")
+        return real_new_step(self, *a, **k)
+    monkeypatch.setattr(GraphRunner, "new_step", new_step)
+    cm = train_both(_TinyLM(), [lm_batch(seed=s) for s in range(2)],
+                    _config(compile_stages=True, max_jobs=3, data_parallel=replicas or None),
+                    eager_step=scalar_loss_step, steps=2)
+    assert [st.kind for st in cm.plan.stages] == ["fwd", "fused", "bwd"] and cm.plan.replicas == (2 if replicas else 1)
+    marks = [(r["where"], r["what"]) for r in cm.setup_timeline]
+    dry = [(w, what.split()[3]) for w, what in marks if what.startswith("dry run of ")]
+    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
+    made = next(r["t"] for r in cm.setup_timeline if r["what"] == "first step made")
+    for w in ("worker 0", "worker 1"):
+        runs = [r["t"] for r in cm.setup_timeline if r["where"] == w and r["what"].startswith("dry run of ")]
+        assert max(runs) < made if replicas else runs[0] < made, (w, runs, made)
+    assert not [m for m in marks if "failed" in m[1] or (m[1].startswith("job ") and "compiled" in m[1])]
+    for w in ("worker 0", "worker 1"):     # Note [compile stack imported early] (worker.py)
+        whats = [what for where, what in marks if where == w]
+        assert whats.index("compile stack imported") < whats.index("set up")
+        # Note [compile seconds by phase] (timeline.py): TorchDynamo's frame compiles, after the first dry run
+        first = next(i for i, what in enumerate(whats) if what.startswith("dry run of "))
+        phases = [r for r in cm.setup_timeline if r["where"] == w and r["what"].startswith("compile seconds so far: ")]
+        assert any("compile_inner" in r["what"] and r["seconds"] > 0 for r in phases), phases
+        assert whats.index(phases[0]["what"]) > first
+
+
+def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch, aot_eager_workers):
+    """Note [first programs compiled beside the setup]: a warm-up the worker cannot read (here its
+    parameters are missing) is marked failed; each job's program is then dry-run before the job,
+    as without a warm-up, and the results equal eager's."""
+    from rpcompile.runtime import processes
+    real = processes._Hub.to_all
+    monkeypatch.setattr(processes._Hub, "to_all", lambda self, msg: real(self, msg if msg[0] != "warm" else (
+        msg[0], msg[1], {k: v for k, v in msg[2].items() if k != "params"})))
+    cm = train_both(_TinyLM(), [lm_batch(seed=s) for s in range(2)], _config(compile_stages=True, max_jobs=3),
+                    eager_step=scalar_loss_step, steps=2)
+    whats = [(r["where"], r["what"]) for r in cm.setup_timeline]
+    assert sorted(w for w, what in whats if what.startswith("warm-up on ")) == ["worker 0", "worker 1"]
+    assert all("failed: KeyError: 'params'" in what for _, what in whats if what.startswith("warm-up on "))
+    dry = [(w, what.split()[3]) for w, what in whats if what.startswith("dry run of ")]
+    assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
 
 
 def test_a_jobs_outputs_are_read_once_their_copies_completed():
@@ -724,10 +750,10 @@ def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers)
     (a run without the failure has them), and the setup timeline says why."""
     def workers_spans(cm):
         return [s for s in cm.last_trace if s["name"] in ("forward", "forward+backward", "recompute+backward")]
-    cm = train_both(qwen3(layers=1), [lm_batch(seed=0)], _config(), steps=1)
+    cm = train_both(_TinyLM(), [lm_batch(seed=0)], _config(), eager_step=scalar_loss_step, steps=1)
     assert workers_spans(cm)
     monkeypatch.setenv("RPCOMPILE_TEST_TRACE_FAILS", "1")
-    cm = train_both(qwen3(layers=1), [lm_batch(seed=s) for s in range(2)], _config(), steps=2)
+    cm = train_both(_TinyLM(), [lm_batch(seed=s) for s in range(2)], _config(), eager_step=scalar_loss_step, steps=2)
     assert not workers_spans(cm)
     lost = [r for r in cm.setup_timeline if r["what"].startswith("spans of job ")]
     assert lost and all(r["where"].startswith("worker ") and "(a test's)" in r["what"] for r in lost)
