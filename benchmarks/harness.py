@@ -247,7 +247,9 @@ def _resident(pid: str):
 
 
 def group_pids(pgid: int) -> list:
-    """The processes of process group `pgid` (a child and what it spawned), as /proc names."""
+    """The live processes of process group `pgid` (a child and what it spawned), as /proc names.
+    A zombie is left out: a child killed stays one until the harness waits for it, and kill_group
+    waited its whole grace for it after every timeout."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -257,7 +259,7 @@ def group_pids(pgid: int) -> list:
                 rest = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(rest[2]) == pgid:
+        if int(rest[2]) == pgid and rest[0] != "Z":
             pids.append(name)
     return pids
 
