@@ -72,15 +72,3 @@ _LONGEST_FIRST = ("test_benchmarks", "test_zoo", "test_processes", "test_launche
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
-
-
-@pytest.fixture(autouse=True)
-def _one_launcher_across_tests(monkeypatch):
-    """Note [worker launcher]: a launcher serves one environment, and pytest names the running
-    test in os.environ (PYTEST_CURRENT_TEST), so every test's workers waited for a launcher of
-    their own to import torch and rpcompile. Without that variable the tests whose workers see
-    the same environment share one, as the models of a user's process do."""
-    from rpcompile.runtime import processes
-    real = processes.start_worker
-    monkeypatch.setattr(processes, "start_worker",
-                        lambda env: real({k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}))

@@ -48,8 +48,9 @@ def _env(tmp_path):
 def test_workers_fork_from_one_launcher_and_say_how_they_ended(tmp_path):
     server = worker.serve_socket(str(tmp_path / "main.sock"))
     env = _env(tmp_path)
-    procs = [launcher.start_worker({**env, "RPCOMPILE_WORKER_INDEX": str(i), "CUDA_VISIBLE_DEVICES": str(i)})
-             for i in range(2)]
+    # (pytest names the running test in os.environ: two tests' workers, one launcher)
+    procs = [launcher.start_worker({**env, "RPCOMPILE_WORKER_INDEX": str(i), "CUDA_VISIBLE_DEVICES": str(i),
+                                    "PYTEST_CURRENT_TEST": f"test_{i} (call)"}) for i in range(2)]
     (key, first), = launcher._launchers.items()       # one launcher for both (each worker's own variables aside)
     assert {_stat(p.pid)[1] for p in procs} == {first.proc.pid}
     conns = [worker.accept(server, TOKEN, timeout=60) for _ in procs]     # they connected, and wait for their part

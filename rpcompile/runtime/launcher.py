@@ -51,9 +51,11 @@ import traceback
 from multiprocessing.connection import Connection, wait as wait_connections
 from typing import Optional
 
-# each worker's own variables: set in the child, not part of the launcher's environment
+# each worker's own variables: set in the child, not part of the launcher's environment.
+# PYTEST_CURRENT_TEST: pytest names the running test in os.environ, so a user's test suite (and
+# ours) started a launcher per test, each importing torch again
 _OWN = ("RPCOMPILE_WORKER_DIR", "RPCOMPILE_WORKER_INDEX", "RPCOMPILE_WORKER_TOKEN", "RPCOMPILE_WORKER_IMPORTS",
-        "RPCOMPILE_WORKER_COMPILES", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_COMPILE_THREADS")
+        "RPCOMPILE_WORKER_COMPILES", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_COMPILE_THREADS", "PYTEST_CURRENT_TEST")
 _FDS = "RPCOMPILE_LAUNCHER_FDS"
 _REAP_S = 0.05
 
