@@ -310,6 +310,8 @@ def users(args):
             continue
         for gpus in (1, 2):
             for via in ("step", "call", "backend") if name == "tiny_qwen3" else ("step", "call"):
+                if args.via and via not in args.via.split(","):
+                    continue
                 key = f"{name}_{gpus}dev_{via}{'_processes' if args.workers == 'processes' else ''}"
                 dev = "cuda:0" if torch.cuda.is_available() else "cpu"
                 cfg = rpcompile.Config(devices=[dev] * gpus, num_microbatches=3, dtype=torch.float32,
@@ -725,6 +727,7 @@ def main():
     ap.add_argument("--model", default="qwen3-1.7b", help="peaks: a model of benchmarks/common.py MODELS")
     ap.add_argument("--cases", default="", help="users: only these cases (comma-separated: moe,moe_aux,padded,num_items,tiny_qwen3,lora,"
                     "moe_lora,dora,lora_checkpointing); loop: pytest's -k; zoo: tests/zoo.py names")
+    ap.add_argument("--via", default="", help="users: only these ways in (comma-separated: step,call,backend)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--hang-s", type=float, default=0, help="dump every thread's stack and exit after this long")
     args = ap.parse_args()
