@@ -395,9 +395,36 @@ class _AlongRows(nn.Module):
             h = torch.softmax(h, dim=0)
         elif self.kind == "cumsum":
             h = h.cumsum(0)
+        elif self.kind == "layer_norm":
+            h = F.layer_norm(h, h.shape)
+        elif self.kind == "rms_norm":
+            h = F.rms_norm(h, h.shape)
+        elif self.kind == "legacy_softmax":     # (no dim: a 3-D value's is 0)
+            h = F.softmax(h.view(h.shape[0], 2, 2)).view(h.shape[0], 4)
+        elif self.kind == "argsort":            # (the rows in the order of their first column)
+            h = h[h[:, 0].argsort()]
+        elif self.kind == "msort":
+            h = torch.msort(h)
         else:
             h = h.sort(0).values
         return F.mse_loss(h, y)
+
+
+class _PairedHalves(nn.Module):
+    """A preference loss (DPO's concatenated forward): the batch's first half the chosen
+    answers, its second half the rejected ones, each row scored against its pair in the other half."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        score = self.b(torch.tanh(self.a(x)))[:, 0]      # (y unused)
+        if self.kind == "chunk":
+            chosen, rejected = score.chunk(2)
+        else:
+            chosen, rejected = score.view(2, -1)
+        return -F.logsigmoid(chosen - rejected).mean()
 
 
 class _ClassCentroids(nn.Module):
@@ -422,12 +449,22 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "softmax"), "torch.softmax(h, dim=0)"),
                                        (functools.partial(_AlongRows, "cumsum"), "h.cumsum(0)"),
                                        (functools.partial(_AlongRows, "sort"), "h.sort(0).values"),
+                                       (functools.partial(_AlongRows, "layer_norm"), "F.layer_norm(h, h.shape)"),
+                                       (functools.partial(_AlongRows, "rms_norm"), "F.rms_norm(h, h.shape)"),
+                                       (functools.partial(_AlongRows, "legacy_softmax"), "F.softmax(h.view("),
+                                       (functools.partial(_AlongRows, "argsort"), "h[h[:, 0].argsort()]"),
+                                       (functools.partial(_AlongRows, "msort"), "torch.msort(h)"),
+                                       (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
+                                       (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]")],
-                         ids=["contrastive", "centred", "softmax", "cumsum", "sort", "class_centroids"])
+                         ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
+                              "legacy_softmax", "argsort", "msort", "halves_chunk", "halves_view", "class_centroids"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
-    microbatch's, silently (and a softmax, cumsum or sort over the rows, and rows centred on
+    microbatch's, silently (and a softmax, cumsum or sort over the rows, a layer or RMS norm over
+    a shape that takes in the rows, a softmax without dim, rows reordered by an argsort over them,
+    a preference loss pairing the batch's halves, and rows centred on
     their class's mean made by index_add). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)

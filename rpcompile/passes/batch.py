@@ -32,7 +32,10 @@ rows centred on the batch's mean (`h - h.mean(0)`). With more than one microbatc
 is an InputError naming the model's line: a value with the batch size in two dims (rows against
 rows), a batched floating-point value computed from one that a reduction over the rows made
 (`mean(0)`, a contraction over the batch), or an operation along the rows that keeps the shape (a
-softmax, a cumulative sum, a sort, a flip over dim 0: `_ALONG`). Integer values (an MoE's counts
+softmax, a cumulative sum, a sort, a flip over dim 0, a layer or RMS norm whose normalized shape
+takes in the rows, a softmax without dim over a 3-D value: `_ALONG`), or a value holding a part
+of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's concatenated batch: a
+size of the batch size halved or less one, not a multiple of it: BatchInfo.rows_dim). Integer values (an MoE's counts
 of tokens per expert, routing indices) carry no rows' numbers into others' and are not followed,
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
@@ -239,7 +242,11 @@ _add_batch_dim = getattr(torch._functorch.predispatch, "_add_batch_dim", None)
 _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum": (1, "dim", None),
           "cumprod": (1, "dim", None), "cummax": (1, "dim", None), "cummin": (1, "dim", None),
           "logcumsumexp": (1, "dim", None), "sort": (1, "dim", -1), "flip": (1, "dims", None),
-          "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1)}
+          "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1),
+          "softmin": (1, "dim", None), "layer_norm": (1, "normalized_shape", None),
+          "rms_norm": (1, "normalized_shape", None), "argsort": (1, "dim", -1), "msort": (1, None, 0)}
+_IMPLICIT_DIM = ("softmax", "log_softmax", "softmin")   # F.softmax(x): the legacy dim, torch's _get_softmax_dim
+_NORMALIZED = ("layer_norm", "rms_norm")     # over the last len(normalized_shape) dims
 
 
 # Operations that add (or otherwise reduce) values into the slots an index tensor names: given
@@ -273,6 +280,11 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
         dims = n.args[1:]                                   # x.flip(0, 1)
     if name == "roll" and dims is None:
         dims = range(x.dim())                               # (the value rolled flat)
+    if name in _IMPLICIT_DIM and dims is None:
+        dims = 0 if x.dim() in (0, 1, 3) else 1
+    if name in _NORMALIZED:
+        shape = node_value(dims) if isinstance(dims, fx.Node) else dims     # (x.shape: a torch.Size node)
+        dims = range(x.dim() - (len(shape) if isinstance(shape, (list, tuple)) else 1), x.dim())
     dims = dims if isinstance(dims, (list, tuple, range)) else [dims]
     if any(isinstance(d, int) and -x.dim() <= d < x.dim() and info.mentions(x.shape[d]) for d in dims):
         return name
@@ -294,6 +306,9 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
             return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
+        if any(info.mentions(d) and not info.rows_dim(d) for d in ev.shape):
+            return n, (f"{n.name} of shape {tuple(ev.shape)} holds a part of the batch's rows picked by their "
+                       f"position in the batch (half of them, all but one), which a microbatch counts from its own")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if any(map(info.mentions, ev.shape)):
             if any(a in reduced for a in tensors):
@@ -316,6 +331,9 @@ def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int)
     node, why = found
     trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
     files = [i for i, line in enumerate(trace) if line.startswith("File ") and i + 1 < len(trace)]
+    from ..capture import library_of      # (capture imports the passes)
+    # the innermost frame outside torch: the model's call of F.rms_norm, not rms_norm's own line
+    files = [i for i in files if library_of(trace[i].split('"')[1] if '"' in trace[i] else "") != "torch"] or files
     at = f" at `{trace[files[-1] + 1]}` ({trace[files[-1]]})" if files else ""
     raise InputError(f"the forward computes a row of the batch from other rows: {why}{at}. Split into "
                      f"{num_microbatches} microbatches, each would see only its own rows and the result would not "
