@@ -427,6 +427,31 @@ class _PairedHalves(nn.Module):
         return -F.logsigmoid(chosen - rejected).mean()
 
 
+class _PairsAsArguments(nn.Module):
+    """The same preference loss, its halves two arguments of the batch's rows each."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, chosen, rejected):
+        score = self.b(torch.tanh(self.a(torch.cat([chosen, rejected]))))[:, 0]
+        chosen, rejected = score.chunk(2)
+        return -F.logsigmoid(chosen - rejected).mean()
+
+
+def test_pairs_given_as_two_arguments_train_split_as_eager():
+    """Note [rows kept apart]: halves of a concatenation of two batched arguments ((s1 + s2 + 1)//2
+    rows) are whole rows, each microbatch's share of both (BatchInfo.whole_rows)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"chosen": torch.randn(8, 8, generator=g), "rejected": torch.randn(8, 8, generator=g)}
+               for _ in range(2)]
+    train_both(_PairsAsArguments(), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                              memory_budget=TIGHT),
+               eager_step=scalar_loss_step, steps=2, min_stages=0)
+
+
 class _ClassCentroids(nn.Module):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""

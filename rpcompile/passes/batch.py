@@ -35,7 +35,8 @@ rows), a batched floating-point value computed from one that a reduction over th
 softmax, a cumulative sum, a sort, a flip over dim 0, a layer or RMS norm whose normalized shape
 takes in the rows, a softmax without dim over a 3-D value: `_ALONG`), or a value holding a part
 of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's concatenated batch: a
-size of the batch size halved or less one, not a multiple of it: BatchInfo.rows_dim). Integer values (an MoE's counts
+size of the batch size halved or less one, not proportional to it: BatchInfo.whole_rows; the
+same halves of `torch.cat([chosen, rejected])`, two batched arguments, are whole rows). Integer values (an MoE's counts
 of tokens per expert, routing indices) carry no rows' numbers into others' and are not followed,
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
@@ -84,6 +85,28 @@ class BatchInfo:
             if s not in factor.free_symbols and factor.is_polynomial():
                 return True
         return False
+
+    def whole_rows(self, size) -> bool:
+        """Whether a size that depends on the batch size is proportional to it, every batch symbol
+        taken as the microbatch's rows, the other sizes as they are: the rows of batched values
+        one after another (`torch.cat([chosen, rejected])`: s1 + s2 rows; its halves, `chunk(2)`:
+        (s1 + s2 + 1)//2 rows each; (batch * seq, ...)), which microbatches' values concatenate
+        into. Not a part of the rows picked by position (`h.chunk(2)`, `h[1:]`: (s1 + 1)//2, s1 - 1
+        rows), which each microbatch would count from its own first row (Note [rows kept apart])."""
+        expr = size.node.expr
+        rows = self.symbols & expr.free_symbols
+        others = expr.free_symbols - rows
+        for at in (3, 10):      # (the other sizes at two values: a factor, not a term, of theirs)
+            ratios = set()
+            for v in (1, 2, 3, 5, 8, 13):
+                value = sympy.sympify(expr.xreplace({**{s: sympy.Integer(at) for s in others},
+                                                     **{s: sympy.Integer(v) for s in rows}}))
+                if not value.is_number:
+                    return False
+                ratios.add(sympy.Rational(value) / v)
+            if len(ratios) > 1:
+                return False
+        return True
 
     def mentions(self, size) -> bool:
         """Whether a size depends on the batch size."""
@@ -306,9 +329,11 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
             return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
-        if any(info.mentions(d) and not info.rows_dim(d) for d in ev.shape):
+        if any(info.mentions(d) and not info.whole_rows(d) for d in ev.shape):
             return n, (f"{n.name} of shape {tuple(ev.shape)} holds a part of the batch's rows picked by their "
-                       f"position in the batch (half of them, all but one), which a microbatch counts from its own")
+                       f"position in the batch (half of them, all but one), which a microbatch counts from its own; "
+                       f"a batch of pairs (DPO's chosen and rejected answers) trains split when the halves come as "
+                       f"two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if any(map(info.mentions, ev.shape)):
             if any(a in reduced for a in tensors):
