@@ -385,11 +385,19 @@ class _CentredRows(nn.Module):
 class _AlongRows(nn.Module):
     """An operation along the rows that keeps the shape: nothing in the values' shapes shows the mixing."""
 
-    def __init__(self, kind):
+    def __init__(self, kind, batch_first=False):
         super().__init__()
         self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+        if kind == "multihead":
+            self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
 
     def forward(self, x, y):
+        if self.kind == "multihead":          # (rows of 2 tokens; without batch_first, dim 0 is the sequence)
+            t = torch.tanh(self.a(x)).view(x.shape[0], 2, 8)
+            return F.mse_loss(self.b(self.attention(t, t, t)[0].reshape(x.shape[0], 16)), y)
+        if self.kind == "sdpa":               # (the rows as one set of tokens)
+            t = torch.tanh(self.a(x))[None, None]
+            return F.mse_loss(self.b(F.scaled_dot_product_attention(t, t, t)[0, 0]), y)
         h = self.b(torch.tanh(self.a(x)))
         if self.kind == "softmax":
             h = torch.softmax(h, dim=0)
@@ -452,6 +460,17 @@ def test_pairs_given_as_two_arguments_train_split_as_eager():
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
 
+def test_multihead_attention_along_its_sequence_trains_split_as_eager():
+    """Note [rows kept apart]: nn.MultiheadAttention(batch_first=True) attends along each row's
+    tokens (dim 0 of the key it is given is theirs): not refused, split as eager."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
+    train_both(_AlongRows("multihead", batch_first=True), batches,
+               rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
+               eager_step=scalar_loss_step, steps=2, min_stages=0)
+
+
 class _ClassCentroids(nn.Module):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""
@@ -479,17 +498,20 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "legacy_softmax"), "F.softmax(h.view("),
                                        (functools.partial(_AlongRows, "argsort"), "h[h[:, 0].argsort()]"),
                                        (functools.partial(_AlongRows, "msort"), "torch.msort(h)"),
+                                       (functools.partial(_AlongRows, "multihead"), "self.attention(t, t, t)"),
+                                       (functools.partial(_AlongRows, "sdpa"), "F.scaled_dot_product_attention(t, t, t)"),
                                        (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
                                        (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "halves_chunk", "halves_view", "class_centroids"])
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "halves_chunk", "halves_view", "class_centroids"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
     microbatch's, silently (and a softmax, cumsum or sort over the rows, a layer or RMS norm over
     a shape that takes in the rows, a softmax without dim, rows reordered by an argsort over them,
-    a preference loss pairing the batch's halves, and rows centred on
+    a preference loss pairing the batch's halves, an attention along the rows (nn.MultiheadAttention
+    given (batch, seq, embed) without batch_first), and rows centred on
     their class's mean made by index_add). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)

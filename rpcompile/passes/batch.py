@@ -33,7 +33,8 @@ is an InputError naming the model's line: a value with the batch size in two dim
 rows), a batched floating-point value computed from one that a reduction over the rows made
 (`mean(0)`, a contraction over the batch), or an operation along the rows that keeps the shape (a
 softmax, a cumulative sum, a sort, a flip over dim 0, a layer or RMS norm whose normalized shape
-takes in the rows, a softmax without dim over a 3-D value: `_ALONG`), or a value holding a part
+takes in the rows, a softmax without dim over a 3-D value: `_ALONG`; an attention along the rows:
+`_ATTENDS`), or a value holding a part
 of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's concatenated batch: a
 size of the batch size halved or less one, not proportional to it: BatchInfo.whole_rows; the
 same halves of `torch.cat([chosen, rejected])`, two batched arguments, are whole rows). Integer values (an MoE's counts
@@ -268,6 +269,10 @@ _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum"
           "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1),
           "softmin": (1, "dim", None), "layer_norm": (1, "normalized_shape", None),
           "rms_norm": (1, "normalized_shape", None), "argsort": (1, "dim", -1), "msort": (1, None, 0)}
+# Attentions: the dim of the key that each query attends along (multi_head_attention_forward
+# takes (seq, batch, embed) or an unbatched (seq, embed): nn.MultiheadAttention without
+# batch_first given (batch, seq, embed) attends along the batch)
+_ATTENDS = {"scaled_dot_product_attention": -2, "flex_attention": -2, "multi_head_attention_forward": 0}
 _IMPLICIT_DIM = ("softmax", "log_softmax", "softmin")   # F.softmax(x): the legacy dim, torch's _get_softmax_dim
 _NORMALIZED = ("layer_norm", "rms_norm")     # over the last len(normalized_shape) dims
 
@@ -292,6 +297,12 @@ def _reduces_by_index(n: fx.Node) -> bool:
 def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or None."""
     name = _op_name(n)
+    if n.op == "call_function" and name in _ATTENDS:
+        key = node_value(n.kwargs.get("key", n.args[1] if len(n.args) > 1 else None))
+        if (isinstance(key, torch.Tensor) and key.is_floating_point() and key.dim() > 0
+                and info.mentions(key.shape[_ATTENDS[name] if key.dim() > 1 else 0])):
+            return name
+        return None
     if n.op not in ("call_function", "call_method") or name not in _ALONG or not n.args:
         return None
     x = node_value(n.args[0])
