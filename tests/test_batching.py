@@ -471,6 +471,18 @@ def test_multihead_attention_along_its_sequence_trains_split_as_eager():
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
 
+class _HardestRows(nn.Module):
+    """Hard example mining: the loss of the batch's rows of the largest loss (topk over the rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        per_row = F.mse_loss(self.b(torch.tanh(self.a(x))), y, reduction="none").mean(-1)
+        return per_row[per_row.topk(2).indices].mean()
+
+
 class _ClassCentroids(nn.Module):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""
@@ -500,18 +512,19 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "msort"), "torch.msort(h)"),
                                        (functools.partial(_AlongRows, "multihead"), "self.attention(t, t, t)"),
                                        (functools.partial(_AlongRows, "sdpa"), "F.scaled_dot_product_attention(t, t, t)"),
+                                       (_HardestRows, "per_row[per_row.topk(2).indices]"),
                                        (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
                                        (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "halves_chunk", "halves_view", "class_centroids"])
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "halves_chunk", "halves_view", "class_centroids"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
     microbatch's, silently (and a softmax, cumsum or sort over the rows, a layer or RMS norm over
     a shape that takes in the rows, a softmax without dim, rows reordered by an argsort over them,
     a preference loss pairing the batch's halves, an attention along the rows (nn.MultiheadAttention
-    given (batch, seq, embed) without batch_first), and rows centred on
+    given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), and rows centred on
     their class's mean made by index_add). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)

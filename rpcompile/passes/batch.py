@@ -268,7 +268,10 @@ _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum"
           "logcumsumexp": (1, "dim", None), "sort": (1, "dim", -1), "flip": (1, "dims", None),
           "roll": (2, "dims", None), "diff": (2, "dim", -1), "normalize": (2, "dim", 1),
           "softmin": (1, "dim", None), "layer_norm": (1, "normalized_shape", None),
-          "rms_norm": (1, "normalized_shape", None), "argsort": (1, "dim", -1), "msort": (1, None, 0)}
+          "rms_norm": (1, "normalized_shape", None), "argsort": (1, "dim", -1), "msort": (1, None, 0),
+          # (rows picked by comparing them: the hardest rows of the batch, `loss[loss.topk(k).indices]`)
+          "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1), "mode": (1, "dim", -1),
+          "argmax": (1, "dim", None), "argmin": (1, "dim", None)}
 # Attentions: the dim of the key that each query attends along (multi_head_attention_forward
 # takes (seq, batch, embed) or an unbatched (seq, embed): nn.MultiheadAttention without
 # batch_first given (batch, seq, embed) attends along the batch)
@@ -312,8 +315,8 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     dims = n.kwargs.get(key, n.args[at] if len(n.args) > at else default)
     if name == "flip" and len(n.args) > 2:
         dims = n.args[1:]                                   # x.flip(0, 1)
-    if name == "roll" and dims is None:
-        dims = range(x.dim())                               # (the value rolled flat)
+    if name in ("roll", "argmax", "argmin") and dims is None:
+        dims = range(x.dim())                               # (the value taken flat)
     if name in _IMPLICIT_DIM and dims is None:
         dims = 0 if x.dim() in (0, 1, 3) else 1
     if name in _NORMALIZED:
