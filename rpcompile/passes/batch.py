@@ -339,7 +339,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
             continue
-        if (n.op == "call_method" and n.target in _FRESH) or n.target is _add_batch_dim:
+        if _op_name(n) in _FRESH or n.target is _add_batch_dim:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
             return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
