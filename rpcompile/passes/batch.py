@@ -33,12 +33,13 @@ is an InputError naming the model's line: a value with the batch size in two dim
 rows), a batched floating-point value computed from one that a reduction over the rows made
 (`mean(0)`, a contraction over the batch), or an operation along the rows that keeps the shape (a
 softmax, a cumulative sum, a sort, a flip over dim 0, a layer or RMS norm whose normalized shape
-takes in the rows, a softmax without dim over a 3-D value: `_ALONG`; an attention along the rows:
-`_ATTENDS`), or a value holding a part
-of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's concatenated batch: a
-size of the batch size halved or less one, not proportional to it: BatchInfo.whole_rows; the
-same halves of `torch.cat([chosen, rejected])`, two batched arguments, are whole rows). Integer values (an MoE's counts
-of tokens per expert, routing indices) carry no rows' numbers into others' and are not followed,
+takes in the rows, a softmax without dim over a 3-D value, a topk or argmax over the rows that
+picks rows by comparing them: `_ALONG`; an attention along the rows: `_ATTENDS`), or a value
+holding a part of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's
+concatenated batch: a size of the batch size halved or less one, not proportional to it:
+BatchInfo.whole_rows; the same halves of `torch.cat([chosen, rejected])`, two batched arguments,
+are whole rows). Integer values (an MoE's counts of tokens per expert, routing indices, a count
+of a class's rows) carry no rows' numbers into others' and are not followed,
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
 batch norm's statistics are one operation's business, per microbatch as under gradient
@@ -46,6 +47,7 @@ accumulation (checked against that), and are not refused.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -95,23 +97,29 @@ class BatchInfo:
         into. Not a part of the rows picked by position (`h.chunk(2)`, `h[1:]`: (s1 + 1)//2, s1 - 1
         rows), which each microbatch would count from its own first row (Note [rows kept apart])."""
         expr = size.node.expr
-        rows = self.symbols & expr.free_symbols
-        others = expr.free_symbols - rows
-        for at in (3, 10):      # (the other sizes at two values: a factor, not a term, of theirs)
-            ratios = set()
-            for v in (1, 2, 3, 5, 8, 13):
-                value = sympy.sympify(expr.xreplace({**{s: sympy.Integer(at) for s in others},
-                                                     **{s: sympy.Integer(v) for s in rows}}))
-                if not value.is_number:
-                    return False
-                ratios.add(sympy.Rational(value) / v)
-            if len(ratios) > 1:
-                return False
-        return True
+        return expr in self.symbols or _proportional(expr, frozenset(self.symbols & expr.free_symbols))
 
     def mentions(self, size) -> bool:
         """Whether a size depends on the batch size."""
         return isinstance(size, torch.SymInt) and bool(self.symbols & size.node.expr.free_symbols)
+
+
+@functools.lru_cache(maxsize=4096)
+def _proportional(expr: sympy.Expr, rows: frozenset) -> bool:
+    """Whether expr over the batch size is one number, every symbol of `rows` at the batch size,
+    the others at two values (a factor, not a term, of theirs): BatchInfo.whole_rows."""
+    others = expr.free_symbols - rows
+    for at in (3, 10):
+        ratios = set()
+        for v in (1, 2, 3, 5, 8, 13):
+            value = sympy.sympify(expr.xreplace({**{s: sympy.Integer(at) for s in others},
+                                                 **{s: sympy.Integer(v) for s in rows}}))
+            if not value.is_number:
+                return False
+            ratios.add(sympy.Rational(value) / v)
+        if len(ratios) > 1:
+            return False
+    return True
 
 
 LOSS_TARGET = "__rp_target__"     # the keyword train_step passes a loss_fn's target under
