@@ -483,6 +483,33 @@ class _HardestRows(nn.Module):
         return per_row[per_row.topk(2).indices].mean()
 
 
+class _CentredLM(nn.Module):
+    """A language model whose hidden states are centred on the batch's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = qwen3(layers=2)
+
+    def forward(self, input_ids, labels):
+        h = self.inner.model(input_ids=input_ids).last_hidden_state
+        h = h - h.mean(0, keepdim=True)
+        return F.cross_entropy(self.inner.lm_head(h).flatten(0, 1), labels.flatten())
+
+
+def test_rows_kept_together_are_not_split_finer():
+    """Note [rows kept apart], Note [finer microbatches]: asked for one microbatch, under a budget
+    where the plan weighs finer counts (split_microbatches, the GPUs' default), a forward that
+    mixes rows was refused by the finer count's check, telling the user to pass
+    num_microbatches=1, which they had. The batch now stays whole, and trains as eager."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": (ids := torch.randint(0, 128, (8, 16), generator=g)), "labels": ids} for _ in range(2)]
+    cm = train_both(_CentredLM(), batches, rpcompile.Config(devices=["cpu"], num_microbatches=1,
+                                                            split_microbatches=True, memory_budget=TIGHT),
+                    eager_step=scalar_loss_step, steps=2, min_stages=0)
+    assert cm.plan.num_microbatches == 1
+
+
 class _ClassCentroids(nn.Module):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""
