@@ -219,9 +219,10 @@ class GraphRunner:
         sizes = [self._rows(plan, m) for m in micro]
         return [s / sum(sizes) for s in sizes]
 
-    def _scalar_weights(self, plan, micro, i, loss_weights) -> list:
-        """How output i that is not batch-first combines over microbatches (Note [outputs over
-        rows]): the loss by its weights, a sum over rows adds up, others are means over rows."""
+    def _microbatch_weights(self, plan, micro, i, loss_weights) -> list:
+        """The weight of each microbatch's value of output i, one that is not batch-first, in the
+        call's value (Note [outputs over rows]): the loss by its weights, a sum over rows adds up,
+        others are means over rows."""
         if plan.loss_scale is not None and plan.loss_scale.output == i:
             return loss_weights
         if plan.output_kinds.get(i) == "sum":
@@ -506,7 +507,7 @@ class GraphRunner:
             step.output_shares[i] = list(reached / reached.sum(0))
             return whole
         if isinstance(vals[0], torch.Tensor) and (vals[0].dim() == 0 or kind is not None):
-            w = self._scalar_weights(plan, micro, i, weights)
+            w = self._microbatch_weights(plan, micro, i, weights)
             return sum(wi * v.double() for wi, v in zip(w, vals)).to(vals[0].dtype)
         return vals[0]
 
@@ -524,7 +525,7 @@ class GraphRunner:
             elif i in step.output_shares:
                 parts = [g * share.to(g.device) for share in step.output_shares[i]]
             elif g.dim() == 0 or i in plan.output_kinds:
-                parts = [g * wi for wi in self._scalar_weights(plan, micro, i, step.loss_weights)]
+                parts = [g * wi for wi in self._microbatch_weights(plan, micro, i, step.loss_weights)]
             else:
                 parts = [g] + [None] * (len(micro) - 1)
             for m, part in zip(micro, parts):
