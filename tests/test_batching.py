@@ -510,6 +510,21 @@ def test_rows_kept_together_are_not_split_finer():
     assert cm.plan.num_microbatches == 1
 
 
+def test_whole_rows_are_sizes_proportional_to_the_batch():
+    """BatchInfo.whole_rows' question (Note [rows kept apart]): rows of batched values one after
+    another (a concatenation of two batched arguments, its halves, rows times the sequence) are
+    whole rows; half of the batch's rows, all but one of them, are a part picked by position."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+    from rpcompile.passes.batch import _proportional
+    b1, b2, seq = sympy.symbols("s1 s2 s3", integer=True, positive=True)
+    rows = frozenset({b1, b2})
+    whole = [b1, 2 * b1, b1 + b2, FloorDiv(b1 + b2 + 1, 2), b1 * seq, b1 * (seq - 1), FloorDiv(2 * b1 * seq, 2)]
+    part = [FloorDiv(b1, 2), FloorDiv(b1 + 1, 2), b1 - 1, b1 + 1, b1 + seq, b1 * b2]
+    assert [_proportional(e, rows & e.free_symbols) for e in whole] == [True] * len(whole)
+    assert [_proportional(e, rows & e.free_symbols) for e in part] == [False] * len(part)
+
+
 class _ClassCentroids(nn.Module):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""
