@@ -435,7 +435,7 @@ def split_finer_pass(st: CompileState) -> CompileState:
                 cand = fn(cand)
         except PlanningError:
             continue
-        except InputError:      # (rows split apart would not be eager's: the batch stays as asked, Note [rows kept apart])
+        except InputError:      # (its rows split apart are not eager's: Note [rows kept apart])
             break
         again, pace = cand.stage_plan.fused[0] > 0, _pace(cand)
         st.finer.append((M * k, pace, again))
