@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 
 from ..errors import CaptureError, InputError
 from ..plan import Plan, _fmt_bytes
-from .batch import attach_row_checks, check_rows_apart, check_splittable, find_batch
+from .batch import attach_row_checks, check_rows_apart, check_splittable, find_batch, rows_in_blocks
 from .budgets import Budgets, device_budget
 from .causal_mask import causal_attention
 from .codegen import build_program, build_stages, written_inputs
@@ -1013,7 +1013,15 @@ def _describe_io(plan: Plan) -> None:
                                "cache, whose sliding-window layers hold lengths: call it with use_cache=False, as "
                                "rpcompile.compile does unless told otherwise)")
         plan.graph_outputs.append(v.name)
-        batched = ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
+        # (dim 0 the rows, or each row's entries together: a multiple of them, Note [rows kept apart])
+        rows = ev.dim() >= 1 and batch.mentions(ev.shape[0]) and batch.whole_rows(ev.shape[0])
+        batched = rows and not rows_in_blocks(v, batch)
+        if rows and not batched and plan.num_microbatches > 1:
+            raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose dim 0 holds the batch's "
+                               f"rows in blocks, whole batches one after another (`torch.cat([chosen, rejected])`, "
+                               f"`h.repeat(2, 1)`): rpcompile puts a call's outputs together from its microbatches "
+                               f"along dim 0, which would interleave the blocks. Return each block as an output of "
+                               f"its own (`chosen, rejected = h.chunk(2)`), or call with Config(num_microbatches=1)")
         if not batched and plan.num_microbatches > 1 and any(map(batch.mentions, ev.shape)):
             # (an output of another layout would come back as its first microbatch's alone)
             raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose size depends on the "

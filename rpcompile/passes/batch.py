@@ -38,7 +38,8 @@ picks rows by comparing them: `_ALONG`; an attention along the rows: `_ATTENDS`)
 holding a part of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's
 concatenated batch: a size of the batch size halved or less one, not proportional to it:
 BatchInfo.whole_rows; the same halves of `torch.cat([chosen, rejected])`, two batched arguments,
-are whole rows). Integer values (an MoE's counts of tokens per expert, routing indices, a count
+are whole rows; a call's outputs, put together from the microbatches' along dim 0, must not hold
+them in blocks either: rows_in_blocks, refused in _describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count
 of a class's rows) carry no rows' numbers into others' and are not followed,
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
@@ -48,6 +49,7 @@ accumulation (checked against that), and are not refused.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -336,6 +338,33 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     return None
 
 
+_BLOCKS = {"cat", "concat", "concatenate", "repeat", "tile"}   # whole batches of rows one after another
+_VIEWS = {"view", "reshape", "flatten", "_unsafe_view"}
+
+
+def rows_in_blocks(node: fx.Node, info: BatchInfo) -> bool:
+    """Whether dim 0 of `node`'s value, a multiple of the batch size, holds the rows in blocks,
+    whole batches of rows one after another (`torch.cat([h, h])`, `h.repeat(2, 1)`, a (2, batch,
+    ...) value flattened), rather than each row's entries together (a (batch, seq, ...) value
+    flattened, `repeat_interleave`): the microbatches' values put together along dim 0 would
+    interleave the blocks. Read off the node that made that dim 0 (Note [rows kept apart])."""
+    size = node_value(node).shape[0]
+    if not info.mentions(size):
+        return False
+    n = node
+    while True:     # (up through the values of the same dim 0 to the node that made it)
+        same = [a for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor) and t.dim() >= 1
+                and isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr == size.node.expr]
+        if not same:
+            break
+        n = same[0]
+    name = _op_name(n)
+    if name in _VIEWS and n.args and isinstance(x := node_value(n.args[0]), torch.Tensor):
+        first = next((j for j, d in enumerate(x.shape) if info.mentions(d)), 0)
+        return any(size_hint(d) != 1 for d in x.shape[:first])
+    return name in _BLOCKS
+
+
 def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     """(node, why) of the first value computed from rows other than its own (Note [rows kept
     apart]), or None."""
@@ -389,6 +418,14 @@ def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int)
                      f"microbatch.")
 
 
+# torch's size functions (torch.utils._sympy.functions) as a lambdified size expression calls
+# them: the halves of a batch of pairs (`torch.cat([chosen, rejected]).chunk(2)`) have
+# (s1 + s2 + 1)//2 rows, FloorDiv, which lambdify left an unknown name (a NameError at the check)
+_SIZE_FUNCTIONS = {"FloorDiv": operator.floordiv, "CleanDiv": operator.floordiv, "IntTrueDiv": operator.truediv,
+                   "CeilDiv": lambda a, b: -(-a // b), "PythonMod": operator.mod, "Mod": operator.mod,
+                   "Max": max, "Min": min}
+
+
 class RowCheck:
     """fn(rows, syms) -> int: the dim 0 the plan expects of a value for a microbatch of `rows`
     rows and size symbols `syms` ({name: int}). A module-level callable, not a closure, so a
@@ -404,7 +441,7 @@ class RowCheck:
     def __call__(self, rows, syms) -> int:
         fn = self._fn
         if fn is None:
-            fn = self._fn = sympy.lambdify(self.symbols, self.expr, modules=[{}, "math"])
+            fn = self._fn = sympy.lambdify(self.symbols, self.expr, modules=[_SIZE_FUNCTIONS, "math"])
         return int(fn(*[rows if b else syms[s.name] for s, b in zip(self.symbols, self.batch)]))
 
     def __getstate__(self):
