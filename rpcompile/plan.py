@@ -165,7 +165,7 @@ class Plan:
     sym_sources: dict = field(default_factory=dict)    # sym name -> (leaf index, dim), (leaf index, None): the leaf, or int
     graph_outputs: list = field(default_factory=list)  # per graph output: node name or None
     output_batched: list = field(default_factory=list)  # per graph output: concatenated over microbatches
-                                                        # (dim 0 is its rows, or rows times a factor: BatchInfo.rows_dim)
+                                                        # (dim 0 is its rows, not in blocks: BatchInfo.whole_rows, rows_in_blocks)
     output_kinds: dict = field(default_factory=dict)    # output index -> "sum", "mean", "max" or "min" over rows
                                                         # (Note [outputs over rows]; a 0-d output not here: a mean)
     output_differentiable: list = field(default_factory=list)   # per graph output: it requires grad where traced

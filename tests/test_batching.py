@@ -438,9 +438,9 @@ class _PairedHalves(nn.Module):
 class _PairsAsArguments(nn.Module):
     """The same preference loss, its halves two arguments of the batch's rows each."""
 
-    def __init__(self):
+    def __init__(self, reduce="mean"):
         super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.reduce, self.a, self.b = reduce, nn.Linear(8, 16), nn.Linear(16, 1)
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
 
     def forward(self, chosen, rejected):
@@ -448,19 +448,22 @@ class _PairsAsArguments(nn.Module):
         chosen, rejected = h.chunk(2)       # ((s1 + s2 + 1)//2 rows each, read across stage jobs)
         for layer in self.layers:
             chosen, rejected = torch.tanh(layer(chosen)), torch.tanh(layer(rejected))
-        return -F.logsigmoid(self.b(chosen) - self.b(rejected)).mean()
+        losses = -F.logsigmoid(self.b(chosen) - self.b(rejected))
+        return losses.sum() if self.reduce == "sum" else losses.mean()
 
 
-def test_pairs_given_as_two_arguments_train_split_as_eager():
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_pairs_given_as_two_arguments_train_split_as_eager(reduce):
     """Note [rows kept apart]: halves of a concatenation of two batched arguments ((s1 + s2 + 1)//2
     rows) are whole rows, each microbatch's share of both (BatchInfo.whole_rows). Read by a later
     stage job, their row check's size expression called torch's FloorDiv, which the lambdified
-    check did not know (a StageError's NameError)."""
+    check did not know (a StageError's NameError). A sum over them is a sum over rows, adding up
+    over the microbatches (it was taken as a mean: half of eager's loss over 2 microbatches)."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     batches = [{"chosen": torch.randn(8, 8, generator=g), "rejected": torch.randn(8, 8, generator=g)}
                for _ in range(2)]
-    train_both(_PairsAsArguments(), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+    train_both(_PairsAsArguments(reduce), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
                                                               memory_budget=TIGHT),
                eager_step=scalar_loss_step, steps=2)
 

@@ -1014,7 +1014,7 @@ def _describe_io(plan: Plan) -> None:
                                "rpcompile.compile does unless told otherwise)")
         plan.graph_outputs.append(v.name)
         # (dim 0 the rows, or each row's entries together: a multiple of them, Note [rows kept apart])
-        rows = ev.dim() >= 1 and batch.mentions(ev.shape[0]) and batch.whole_rows(ev.shape[0])
+        rows = ev.dim() >= 1 and batch.whole_rows(ev.shape[0])
         batched = rows and not rows_in_blocks(v, batch)
         if rows and not batched and plan.num_microbatches > 1:
             raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose dim 0 holds the batch's "

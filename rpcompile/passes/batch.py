@@ -38,9 +38,10 @@ picks rows by comparing them: `_ALONG`; an attention along the rows: `_ATTENDS`)
 holding a part of the rows picked by position (`chosen, rejected = scores.chunk(2)`, DPO's
 concatenated batch: a size of the batch size halved or less one, not proportional to it:
 BatchInfo.whole_rows; the same halves of `torch.cat([chosen, rejected])`, two batched arguments,
-are whole rows; a call's outputs, put together from the microbatches' along dim 0, must not hold
-them in blocks either: rows_in_blocks, refused in _describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count
-of a class's rows) carry no rows' numbers into others' and are not followed,
+are whole rows, and a sum over them a sum over rows; a call's outputs, put together from the
+microbatches' along dim 0, must not hold them in blocks either: rows_in_blocks, refused in
+_describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count of a
+class's rows) carry no rows' numbers into others' and are not followed,
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
 batch norm's statistics are one operation's business, per microbatch as under gradient
@@ -78,26 +79,17 @@ class BatchInfo:
         """Whether a size (int or SymInt) of a value is a batch symbol."""
         return isinstance(size, torch.SymInt) and size.node.expr in self.symbols
 
-    def rows_dim(self, size) -> bool:
-        """Whether a size is a batch symbol times a factor free of it: the rows of the batch, each
-        the same number of entries, one after another (a view of (batch, seq, ...) as (batch *
-        seq, ...): an MoE's router logits), which microbatches' values concatenate into."""
-        if not isinstance(size, torch.SymInt):
-            return False
-        expr = size.node.expr
-        for s in self.symbols & expr.free_symbols:
-            factor = sympy.cancel(expr / s)
-            if s not in factor.free_symbols and factor.is_polynomial():
-                return True
-        return False
-
     def whole_rows(self, size) -> bool:
-        """Whether a size that depends on the batch size is proportional to it, every batch symbol
-        taken as the microbatch's rows, the other sizes as they are: the rows of batched values
-        one after another (`torch.cat([chosen, rejected])`: s1 + s2 rows; its halves, `chunk(2)`:
-        (s1 + s2 + 1)//2 rows each; (batch * seq, ...)), which microbatches' values concatenate
-        into. Not a part of the rows picked by position (`h.chunk(2)`, `h[1:]`: (s1 + 1)//2, s1 - 1
-        rows), which each microbatch would count from its own first row (Note [rows kept apart])."""
+        """Whether a size depends on the batch size and is proportional to it, every batch symbol
+        taken as the microbatch's rows, the other sizes as they are: the rows of batched values,
+        each the same number of entries (a view of (batch, seq, ...) as (batch * seq, ...): an
+        MoE's router logits), one value after another (`torch.cat([chosen, rejected])`: s1 + s2
+        rows; its halves, `chunk(2)`: (s1 + s2 + 1)//2 rows each), which microbatches' values
+        concatenate into (in blocks or not: rows_in_blocks). Not a part of the rows picked by
+        position (`h.chunk(2)`, `h[1:]`: (s1 + 1)//2, s1 - 1 rows), which each microbatch would
+        count from its own first row (Note [rows kept apart])."""
+        if not self.mentions(size):
+            return False
         expr = size.node.expr
         return expr in self.symbols or _proportional(expr, frozenset(self.symbols & expr.free_symbols))
 

@@ -393,9 +393,10 @@ def _value(node) -> Optional[torch.Tensor]:
 
 
 def _rows_first(node, batch: BatchInfo) -> bool:
-    """Dim 0 of `node`'s value is the batch's rows (a batch symbol, or one times a factor)."""
+    """Dim 0 of `node`'s value is the batch's rows (a batch symbol, one times a factor, the rows of
+    batched values one after another or a half of them: BatchInfo.whole_rows)."""
     ev = _value(node)
-    return ev is not None and ev.dim() >= 1 and batch.rows_dim(ev.shape[0])
+    return ev is not None and ev.dim() >= 1 and batch.whole_rows(ev.shape[0])
 
 
 def _reduces_rows(x, dims, batch: BatchInfo) -> bool:
