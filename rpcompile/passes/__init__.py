@@ -1017,15 +1017,15 @@ def _describe_io(plan: Plan) -> None:
         rows = ev.dim() >= 1 and batch.whole_rows(ev.shape[0])
         batched = rows and not rows_in_blocks(v, batch)
         if rows and not batched and plan.num_microbatches > 1:
-            raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose dim 0 holds the batch's "
-                               f"rows in blocks, whole batches one after another (`torch.cat([chosen, rejected])`, "
+            raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, whose dim 0 "
+                               f"holds the batch's rows in blocks, whole batches one after another (`torch.cat([chosen, rejected])`, "
                                f"`h.repeat(2, 1)`): rpcompile puts a call's outputs together from its microbatches "
                                f"along dim 0, which would interleave the blocks. Return each block as an output of "
                                f"its own (`chosen, rejected = h.chunk(2)`), or call with Config(num_microbatches=1)")
         if not batched and plan.num_microbatches > 1 and any(map(batch.mentions, ev.shape)):
             # (an output of another layout would come back as its first microbatch's alone)
-            raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, whose size depends on the "
-                               f"batch size elsewhere than in dim 0: rpcompile puts a call's outputs together from "
+            raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, whose size "
+                               f"depends on the batch size elsewhere than in dim 0: rpcompile puts a call's outputs together from "
                                f"its microbatches along dim 0 (the rows). Return it batch-first, or call with "
                                f"Config(num_microbatches=1)")
         plan.output_batched.append(batched)
@@ -1040,8 +1040,8 @@ def _describe_io(plan: Plan) -> None:
                 if plan.loss_scale is None or plan.loss_scale.output != i:
                     means.append(i)
             else:
-                raise CaptureError(f"the model returns {v.name} of shape {tuple(ev.shape)}, computed from the whole "
-                                   f"batch but not row by row: rpcompile computes a call per microbatch and puts "
+                raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, computed "
+                                   f"from the whole batch but not row by row: rpcompile computes a call per microbatch and puts "
                                    f"such an output together only where it is a sum, mean, max or min over the rows "
                                    f"(Note [outputs over rows]). Return it batch-first (a value per row) and reduce "
                                    f"it outside the model, or call with Config(num_microbatches=1)")

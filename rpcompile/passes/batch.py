@@ -97,6 +97,24 @@ class BatchInfo:
         """Whether a size depends on the batch size."""
         return isinstance(size, torch.SymInt) and bool(self.symbols & size.node.expr.free_symbols)
 
+    def shape_text(self, shape) -> str:
+        """A shape as an error shows it, each batch symbol named `batch`: `(batch, batch)`,
+        `((batch + 1)//2, 8)`, not dynamo's `(s10, s10)`."""
+        batch = sympy.Symbol("batch", integer=True, positive=True)
+        dims = [_unwrapped(str(d.node.expr.xreplace({s: batch for s in self.symbols})))
+                if isinstance(d, torch.SymInt) else str(d) for d in shape]
+        return f"({', '.join(dims)}{',' * (len(dims) == 1)})"
+
+
+def _unwrapped(text: str) -> str:
+    """`(batch + 1)//2` for sympy's `((batch + 1)//2)`: one pair of parentheses around it all dropped."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0 and i < len(text) - 1:
+            return text
+    return text[1:-1] if text.startswith("(") else text
+
 
 @functools.lru_cache(maxsize=4096)
 def _proportional(expr: sympy.Expr, rows: frozenset) -> bool:
@@ -363,7 +381,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
     for n in gm.graph.nodes:
         if (along := _along_rows(n, info)) is not None:
-            return n, f"{n.name} ({along}) works along the batch's rows"
+            named = f"`{n.name}`" if n.name.rstrip("_0123456789") == along else f"`{n.name}` ({along})"
+            return n, f"{named} works along the batch's rows"
         ev = node_value(n)
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
@@ -371,16 +390,17 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if _op_name(n) in _FRESH or n.target is _add_batch_dim:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
-            return n, f"{n.name} of shape {tuple(ev.shape)} pairs the batch's rows with its rows"
+            return n, f"`{n.name}` of shape {info.shape_text(ev.shape)} pairs the batch's rows with its rows"
         if any(info.mentions(d) and not info.whole_rows(d) for d in ev.shape):
-            return n, (f"{n.name} of shape {tuple(ev.shape)} holds a part of the batch's rows picked by their "
-                       f"position in the batch (half of them, all but one), which a microbatch counts from its own; "
+            return n, (f"`{n.name}` of shape {info.shape_text(ev.shape)} holds a part of the batch's rows picked "
+                       f"by their position in the batch (half of them, all but one), which a microbatch counts from "
+                       f"its own; "
                        f"a batch of pairs (DPO's chosen and rejected answers) trains split when the halves come as "
                        f"two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if any(map(info.mentions, ev.shape)):
             if any(a in reduced for a in tensors):
-                return n, f"{n.name} computes the batch's rows from a value reduced over its rows"
+                return n, f"`{n.name}` computes the batch's rows from a value reduced over its rows"
         # (not with an index tensor: x[token], a gather, picks rows whole; but a sum per index does not)
         elif ((all(t.is_floating_point() for t in tensors.values()) or _reduces_by_index(n))
               and any(a in reduced or (t.is_floating_point() and any(map(info.mentions, t.shape)))
@@ -403,7 +423,7 @@ def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int)
     # the innermost frame outside torch: the model's call of F.rms_norm, not rms_norm's own line
     files = [i for i in files if library_of(trace[i].split('"')[1] if '"' in trace[i] else "") != "torch"] or files
     at = f" at `{trace[files[-1] + 1]}` ({trace[files[-1]]})" if files else ""
-    raise InputError(f"the forward computes a row of the batch from other rows: {why}{at}. Split into "
+    raise InputError(f"the forward computes a row of the batch from other rows{at}: {why}. Split into "
                      f"{num_microbatches} microbatches, each would see only its own rows and the result would not "
                      f"be eager's (an in-batch contrastive loss, a norm over the batch). Use "
                      f"Config(num_microbatches=1): the whole batch goes through the pipeline of stage jobs as one "
