@@ -492,6 +492,19 @@ class _HardestRows(nn.Module):
         return per_row[per_row.topk(2).indices].mean()
 
 
+class _MaskedMean(nn.Module):
+    """Rows centred on the mean of the batch's rows picked by a mask (a size the data decides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        h = h - h[x[:, 0] > 0].mean(0)
+        return F.mse_loss(h, y)
+
+
 class _CentredLM(nn.Module):
     """A language model whose hidden states are centred on the batch's mean."""
 
@@ -609,19 +622,22 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "multihead"), "self.attention(t, t, t)"),
                                        (functools.partial(_AlongRows, "sdpa"), "F.scaled_dot_product_attention(t, t, t)"),
                                        (_HardestRows, "per_row[per_row.topk(2).indices]"),
+                                       (_MaskedMean, "h - h[x[:, 0] > 0].mean(0)"),
                                        (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
                                        (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "halves_chunk", "halves_view", "class_centroids"])
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "halves_chunk",
+                              "halves_view", "class_centroids"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
     microbatch's, silently (and a softmax, cumsum or sort over the rows, a layer or RMS norm over
     a shape that takes in the rows, a softmax without dim, rows reordered by an argsort over them,
     a preference loss pairing the batch's halves, an attention along the rows (nn.MultiheadAttention
-    given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), and rows centred on
-    their class's mean made by index_add). Now an InputError names the model's line, before any step, and
+    given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), rows centred on
+    the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
+    index_add). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -134,3 +134,23 @@ def test_no_cut_hands_over_a_tuple_of_tensors():
     cuts = legal_cuts(gm, lv, {batch_symbol(cap).name: 2})
     assert any(tuple_live(p) for p in range(len(lv.body)))
     assert len(cuts) > 3 and not any(tuple_live(p) for p in cuts)
+
+
+def test_experts_grouped_by_counts_read_off_the_router_train_split():
+    """JetMoE groups a layer's tokens per expert by counts read off the router (`.tolist()`: a
+    size the data decides, u0 + u1 + u2 + u3 rows), gates them and adds them back into each token's
+    row (index_add). Those grouped rows were taken for a value reduced over the batch's rows, so
+    any num_microbatches > 1 was refused as rows computed from other rows (Note [rows kept apart]);
+    they are the batch's rows in another order, and the model trains as eager over 2 microbatches."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+    torch.manual_seed(0)
+    model = JetMoeForCausalLM(JetMoeConfig(vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=4, kv_channels=8,
+                                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                                           output_router_logits=False))
+    for p in model.parameters():      # (its experts' biases start as torch.empty)
+        nn.init.normal_(p, std=0.05)
+    batches = [lm_batch(s, vocab=64) for s in range(2)]
+    cm = train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
+                    steps=2)
+    assert cm.plan.num_microbatches == 2

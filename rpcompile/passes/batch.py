@@ -41,7 +41,9 @@ BatchInfo.whole_rows; the same halves of `torch.cat([chosen, rejected])`, two ba
 are whole rows, and a sum over them a sum over rows; a call's outputs, put together from the
 microbatches' along dim 0, must not hold them in blocks either: rows_in_blocks, refused in
 _describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count of a
-class's rows) carry no rows' numbers into others' and are not followed,
+class's rows) carry no rows' numbers into others' and are not followed; a value whose size the
+data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
+the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
 unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
 batch norm's statistics are one operation's business, per microbatch as under gradient
@@ -58,6 +60,7 @@ import sympy
 import torch
 import torch._functorch.predispatch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import InputError
 from .graph_utils import call_leaf_name, node_value, size_hint
@@ -379,11 +382,14 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     """(node, why) of the first value computed from rows other than its own (Note [rows kept
     apart]), or None."""
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
+    rows = set()       # values that hold the batch's rows (_holds_rows)
     for n in gm.graph.nodes:
         if (along := _along_rows(n, info)) is not None:
             named = f"`{n.name}`" if n.name.rstrip("_0123456789") == along else f"`{n.name}` ({along})"
             return n, f"{named} works along the batch's rows"
         ev = node_value(n)
+        if _holds_rows(n, ev, info, rows):
+            rows.add(n)
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
             continue
@@ -398,15 +404,27 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                        f"a batch of pairs (DPO's chosen and rejected answers) trains split when the halves come as "
                        f"two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
-        if any(map(info.mentions, ev.shape)):
+        if n in rows:
             if any(a in reduced for a in tensors):
                 return n, f"`{n.name}` computes the batch's rows from a value reduced over its rows"
         # (not with an index tensor: x[token], a gather, picks rows whole; but a sum per index does not)
         elif ((all(t.is_floating_point() for t in tensors.values()) or _reduces_by_index(n))
-              and any(a in reduced or (t.is_floating_point() and any(map(info.mentions, t.shape)))
-                      for a, t in tensors.items())):
+              and any(a in reduced or (t.is_floating_point() and a in rows) for a, t in tensors.items())):
             reduced.add(n)
     return None
+
+
+def _holds_rows(n: fx.Node, value, info: BatchInfo, rows: set) -> bool:
+    """Whether `n`'s value (a tensor, or tensors in a tuple) holds the batch's rows: a size of it
+    depends on the batch size, or the data decides a size of it (u0 + u1) and it is made from
+    values that hold rows: the rows picked by a mask (`h[labels == c]`), JetMoE's tokens grouped
+    per expert by counts read off the router (the rows in another order). Not a sum per index
+    (`zeros(classes.numel(), d).index_add(0, inverse, h)`: a value reduced over the rows)."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    if any(info.mentions(d) for t in tensors for d in t.shape):
+        return True
+    return (any(map(free_unbacked_symbols, tensors)) and not _reduces_by_index(n)
+            and any(a in rows for a in n.all_input_nodes))
 
 
 def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int) -> None:
