@@ -5,6 +5,9 @@ import math
 import random
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import rpcompile
 from rpcompile.passes import longest
@@ -98,6 +101,35 @@ def test_a_length_over_the_budget_says_the_longest_that_fits(monkeypatch):
     with pytest.raises(rpcompile.PlanningError) as e:
         cm.train_step(**lm_batch(batch=ROWS, seq=max_len + 1, seed=4))
     assert e.value.max_length == max_len
+
+
+class _InBlocks(nn.Module):
+    """Tokens mixed in blocks of 8 by a Python loop over the blocks, as MiniMax's lightning
+    attention: the capture at 16 tokens unrolls two blocks, the second Min(16, L) - 8 long."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(128, 16), nn.Linear(16, 16), nn.Linear(16, 128)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        L = h.shape[1]
+        blocks = (L + 7) // 8       # (a count the capture guards: L stays a symbol, in 9..16)
+        h = torch.cat([self.mix(h[:, 8 * i:min(8 * i + 8, L)].cumsum(1)) for i in range(blocks)], 1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_graph_whose_sizes_go_negative_at_shorter_lengths_says_the_budget_alone():
+    """Note [lengths a model cannot run at]: at a length shorter than its capture's guards allow,
+    a size of such a graph comes out negative (Min(16, L) - 8 at 1 token), and the search for the
+    longest length that fits raised the solver's ValueError ("segment 3: work_bytes must be >= 0",
+    MiniMax) in place of the PlanningError; now the error says the budget alone."""
+    ids = torch.randint(0, 128, (ROWS, 16))
+    cm = rpcompile.compile(_InBlocks(), _cfg(memory_budget=1))
+    with pytest.raises(rpcompile.PlanningError) as e:
+        cm.train_step(input_ids=ids, labels=ids)
+    assert e.value.max_length is None and e.value.min_budget > 1
+    assert "Raise Config.memory_budget to at least" in str(e.value)
 
 
 def test_static_lengths_say_no_length():
