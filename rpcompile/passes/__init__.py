@@ -1018,16 +1018,17 @@ def _describe_io(plan: Plan) -> None:
         batched = rows and not rows_in_blocks(v, batch)
         if rows and not batched and plan.num_microbatches > 1:
             raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, whose dim 0 "
-                               f"holds the batch's rows in blocks, whole batches one after another (`torch.cat([chosen, rejected])`, "
-                               f"`h.repeat(2, 1)`): rpcompile puts a call's outputs together from its microbatches "
-                               f"along dim 0, which would interleave the blocks. Return each block as an output of "
-                               f"its own (`chosen, rejected = h.chunk(2)`), or call with Config(num_microbatches=1)")
+                               f"holds the batch's rows in blocks, whole batches one after another "
+                               f"(`torch.cat([chosen, rejected])`, `h.repeat(2, 1)`): rpcompile puts a call's outputs "
+                               f"together from its microbatches along dim 0, which would interleave the blocks. "
+                               f"Return each block as an output of its own (`chosen, rejected = h.chunk(2)`), or call "
+                               f"with Config(num_microbatches=1)")
         if not batched and plan.num_microbatches > 1 and any(map(batch.mentions, ev.shape)):
             # (an output of another layout would come back as its first microbatch's alone)
             raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, whose size "
-                               f"depends on the batch size elsewhere than in dim 0: rpcompile puts a call's outputs together from "
-                               f"its microbatches along dim 0 (the rows). Return it batch-first, or call with "
-                               f"Config(num_microbatches=1)")
+                               f"depends on the batch size elsewhere than in dim 0: rpcompile puts a call's outputs "
+                               f"together from its microbatches along dim 0 (the rows). Return it batch-first, or "
+                               f"call with Config(num_microbatches=1)")
         plan.output_batched.append(batched)
         plan.output_differentiable.append(bool(ev.requires_grad) and ev.is_floating_point())
         if not batched:         # Note [outputs over rows] (passes/normalize_loss.py)
@@ -1041,10 +1042,10 @@ def _describe_io(plan: Plan) -> None:
                     means.append(i)
             else:
                 raise CaptureError(f"the model returns `{v.name}` of shape {batch.shape_text(ev.shape)}, computed "
-                                   f"from the whole batch but not row by row: rpcompile computes a call per microbatch and puts "
-                                   f"such an output together only where it is a sum, mean, max or min over the rows "
-                                   f"(Note [outputs over rows]). Return it batch-first (a value per row) and reduce "
-                                   f"it outside the model, or call with Config(num_microbatches=1)")
+                                   f"from the whole batch but not row by row: rpcompile computes a call per microbatch "
+                                   f"and puts such an output together only where it is a sum, mean, max or min over "
+                                   f"the rows (Note [outputs over rows]). Return it batch-first (a value per row) and "
+                                   f"reduce it outside the model, or call with Config(num_microbatches=1)")
     if means:
         # (a router's auxiliary loss, a norm of the whole batch: microbatches cannot make it)
         which = f"output{'s' * (len(means) > 1)} {', '.join(map(str, means))}"

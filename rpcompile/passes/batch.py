@@ -400,9 +400,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if any(info.mentions(d) and not info.whole_rows(d) for d in ev.shape):
             return n, (f"`{n.name}` of shape {info.shape_text(ev.shape)} holds a part of the batch's rows picked "
                        f"by their position in the batch (half of them, all but one), which a microbatch counts from "
-                       f"its own; "
-                       f"a batch of pairs (DPO's chosen and rejected answers) trains split when the halves come as "
-                       f"two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
+                       f"its own; a batch of pairs (DPO's chosen and rejected answers) trains split when the halves "
+                       f"come as two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if n in rows:
             if any(a in reduced for a in tensors):
