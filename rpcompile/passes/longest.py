@@ -74,11 +74,6 @@ def min_budget_at(st, bindings: dict) -> int:
     `bindings`: the cut_points and solve_stages passes' numbers there, memory only."""
     cuts = legal_cuts(st.gm, st.liveness, bindings)
     segments, cut_bytes = segment_table(st.gm, st.liveness, cuts, bindings, st.hardware)
-    # (Note [lengths a model cannot run at], planning_error: a size that comes out negative here,
-    # as MiniMax's lightning attention in blocks of 8 tokens at 1 token, is such a length too)
-    if any(min(s.param_bytes, s.grad_bytes, s.saved_bytes, s.peak_bytes, s.work_bytes) < 0 for s in segments
-           ) or min(cut_bytes) < 0:
-        raise ArithmeticError(f"a size of the graph is negative at {bindings}")
     config = st.config
     costs = _Costs(segments, cut_bytes, num_devices=len(config.devices), num_microbatches=st.num_microbatches,
                    memory_budget=None, upload_bw=math.inf, job_overhead_s=0.0, max_jobs=config.max_jobs)
@@ -220,9 +215,10 @@ def planning_error(st, e: PlanningError, rows: int) -> PlanningError:
             except ArithmeticError:
                 # Note [lengths a model cannot run at]: a size of the graph may be undefined at a
                 # shorter length (DeepSeek-V4's compressed attention: `L // (L // 4)`, a division by
-                # zero below 4 tokens; a size that comes out negative: min_budget_at); the search
-                # raised sympy's ZeroDivisionError (the solver's ValueError) in place of this
-                # PlanningError. Then the error says the budget alone.
+                # zero below 4 tokens; bytes that come out negative, the solver's NegativeSize:
+                # MiniMax's lightning attention unrolled in blocks of 8 tokens, Min(16, L) - 8 at 1
+                # token); the search raised those in place of this PlanningError. Then the error
+                # says the budget alone.
                 searched = False
             per = f"{rows} row{'s' * (rows != 1)} per microbatch"
             more = ", or use more microbatches" if rows > 1 else ""

@@ -114,6 +114,12 @@ class Segment:
 # that over-counts (one-layer backward jobs there: 12.95 GiB planned, 8.26 GiB traced).
 
 
+class NegativeSize(ValueError, ArithmeticError):
+    """A segment's or a cut's bytes below zero: the graph's sizes evaluated at a length it cannot
+    run at (Note [lengths a model cannot run at] in passes/longest.py: planning_error's search
+    takes it, as sympy's ZeroDivisionError, for such a length)."""
+
+
 class PlanningError(ValueError):
     """No stage plan satisfies the constraints (memory budget, max_jobs).
 
@@ -241,9 +247,9 @@ class _Costs:
                     raise ValueError(f"segment {k}: {name} must be finite and >= 0, got {v!r}")
             for name in ("param_bytes", "grad_bytes", "saved_bytes", "peak_bytes", "work_bytes"):
                 if getattr(s, name) < 0:
-                    raise ValueError(f"segment {k}: {name} must be >= 0")
+                    raise NegativeSize(f"segment {k}: {name} must be >= 0")
         if any(b < 0 for b in cut_bytes):
-            raise ValueError("cut_bytes must be >= 0")
+            raise NegativeSize("cut_bytes must be >= 0")
         if memory_budget is not None:
             if math.isnan(memory_budget) or memory_budget < 0:
                 raise ValueError(f"memory_budget must be bytes >= 0 or None, got {memory_budget!r}")
