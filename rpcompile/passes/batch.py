@@ -45,7 +45,10 @@ class's rows) carry no rows' numbers into others' and are not followed; a value 
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
-unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction);
+unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction),
+and the rows an index made from the batch size picks are checked at the microbatches' sizes
+(`arange(B)` picks each row's own, `arange(B - 1, -1, -1)` not), an index read from a batched
+argument refused (Note [rows picked by an index]);
 batch norm's statistics are one operation's business, per microbatch as under gradient
 accumulation (checked against that), and are not refused.
 """
@@ -63,7 +66,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import InputError
-from .graph_utils import call_leaf_name, node_value, size_hint
+from .batch_index import indices_into, made_from_sizes, picks_apart, read_from_input
+from .graph_utils import call_leaf_name, mutated_values, node_value, op_name, size_hint
 
 
 @dataclass
@@ -309,20 +313,15 @@ _INDEX_REDUCTIONS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "
                      "index_reduce", "index_reduce_"}
 
 
-def _op_name(n: fx.Node) -> Optional[str]:
-    """A call's function or method name (`softmax` for torch.softmax, F.softmax and x.softmax)."""
-    return n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
-
-
 def _reduces_by_index(n: fx.Node) -> bool:
-    name = _op_name(n)
+    name = op_name(n)
     return name in _INDEX_REDUCTIONS or (name in ("index_put", "index_put_") and bool(
         n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False)))
 
 
 def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or None."""
-    name = _op_name(n)
+    name = op_name(n)
     if n.op == "call_function" and name in _ATTENDS:
         key = node_value(n.kwargs.get("key", n.args[1] if len(n.args) > 1 else None))
         if (isinstance(key, torch.Tensor) and key.is_floating_point() and key.dim() > 0
@@ -371,7 +370,7 @@ def rows_in_blocks(node: fx.Node, info: BatchInfo) -> bool:
         if not same:
             break
         n = same[0]
-    name = _op_name(n)
+    name = op_name(n)
     if name in _VIEWS and n.args and isinstance(x := node_value(n.args[0]), torch.Tensor):
         first = next((j for j, d in enumerate(x.shape) if info.mentions(d)), 0)
         return any(size_hint(d) != 1 for d in x.shape[:first])
@@ -383,17 +382,26 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     apart]), or None."""
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
     rows = set()       # values that hold the batch's rows (_holds_rows)
+    sized = set()      # values made from sizes only, never written in place (Note [rows picked by an index])
+    read = {}          # integers read from a batched input: the input (read_from_input)
+    written = {t for n in gm.graph.nodes for t in mutated_values(n)}
     for n in gm.graph.nodes:
+        if n not in written and made_from_sizes(n, sized):
+            sized.add(n)
         if (along := _along_rows(n, info)) is not None:
             named = f"`{n.name}`" if n.name.rstrip("_0123456789") == along else f"`{n.name}` ({along})"
             return n, f"{named} works along the batch's rows"
+        if (picked := _picked_apart(n, info, sized, read)) is not None:
+            return n, picked
         ev = node_value(n)
         if _holds_rows(n, ev, info, rows):
             rows.add(n)
+        if (source := read_from_input(n, rows, read)) is not None:
+            read[n] = source
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
             continue
-        if _op_name(n) in _FRESH or n.target is _add_batch_dim:
+        if op_name(n) in _FRESH or n.target is _add_batch_dim:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
         if sum(map(info.is_batch_dim, ev.shape)) >= 2:
             return n, f"`{n.name}` of shape {info.shape_text(ev.shape)} pairs the batch's rows with its rows"
@@ -410,6 +418,27 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         elif ((all(t.is_floating_point() for t in tensors.values()) or _reduces_by_index(n))
               and any(a in reduced or (t.is_floating_point() and a in rows) for a, t in tensors.items())):
             reduced.add(n)
+    return None
+
+
+def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict) -> Optional[str]:
+    """Why `n` picks or writes the batch's rows by an index made from sizes that a microbatch
+    would make otherwise, or read from a batched input (Note [rows picked by an index]), or None."""
+    for index, dim in indices_into(n):
+        size = node_value(n.args[0]).shape[dim]
+        if not info.whole_rows(size):
+            continue
+        if index in read:
+            by = "" if index.op == "placeholder" else f"`{index.name}`, "
+            return (f"`{n.name}` picks the batch's rows by {by}positions read from the batched argument "
+                    f"`{_input_name(read[index])}`: a microbatch's slice of it still counts the whole batch's rows, "
+                    f"where its own are numbered from its first (pass the picked rows themselves as a batched "
+                    f"argument instead)")
+        if index not in sized:
+            continue
+        why = picks_apart(index, size, info, dim == 0 and rows_in_blocks(n.args[0], info))
+        if why is not None:
+            return f"`{n.name}` picks the batch's rows by `{index.name}`, an index made from sizes, not data: {why}"
     return None
 
 

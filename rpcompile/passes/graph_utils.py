@@ -155,6 +155,11 @@ def node_value(node):
     return node.meta.get("example_value", node.meta.get("val"))
 
 
+def op_name(n: fx.Node):
+    """A call's function or method name (`softmax` for torch.softmax, F.softmax and x.softmax), or None."""
+    return n.target if n.op == "call_method" else getattr(n.target, "__name__", None)
+
+
 def is_impure(node: fx.Node) -> bool:
     """True for nodes that must run even when nothing reads their value (in-place updates)."""
     if node.op in ("placeholder", "output"):

@@ -1,0 +1,252 @@
+"""Indices into the batch's rows made from the batch size, checked at the microbatches' sizes.
+
+Note [rows picked by an index]: an operation given an index tensor along the rows (`h[idx]`,
+index_select, gather, a write at `idx`) picks rows whole, so the shapes Note [rows kept apart]
+reads say nothing of which rows it picks. Where the index is made from the batch size alone
+(`torch.arange(B)`, an arange over a (B * S) value, `torch.randperm(B)`) a microbatch makes it
+from its own size, and it picks the rows eager does only where the microbatches' indices,
+each numbered from their own first row, put together are the whole batch's: `arange(B)` and
+`arange(B) * S + S - 1` (a sequence classifier's last token) are; `arange(B - 1, -1, -1)`,
+`(arange(B) + 1) % B` and `randperm(B)` (a row paired with another row of the batch) are not
+(before, they trained silently to other losses than eager's). So the index's graph (factory
+calls and arithmetic on sizes) runs on the CPU at the capture's batch size and at its halves
+and thirds (torch.tensor_split's, as the runner splits), twice with other random seeds, and
+the pieces are compared: rows of a value laid out one after another (S entries each) or, where
+the value holds the rows in blocks (`torch.cat([chosen, rejected])`), block by block. An index
+read from a batched argument (`h[partner]`, as it is or through arithmetic and views:
+_KEEPS_NUMBERS) counts the whole batch's rows, so a microbatch's slice of it picks rows past its
+end or its own rows by the batch's numbers: refused as well. An index the data makes in the
+forward (a router's chosen tokens, `nonzero` of a mask, an argsort of integer labels) is not
+checked: its positions are the microbatch's own, though its order may be the whole batch's.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .graph_utils import map_devices, node_value, op_name, symbol_hints
+
+# (position of the dim argument, of the index argument) of operations given one index tensor
+# along a dim of their first argument
+_ALONG_DIM = {"index_select": (1, 2), "index_copy": (1, 2), "index_copy_": (1, 2), "index_add": (1, 2),
+              "index_add_": (1, 2), "index_fill": (1, 2), "index_fill_": (1, 2), "index_reduce": (1, 2),
+              "index_reduce_": (1, 2), "gather": (1, 2), "scatter": (1, 2), "scatter_": (1, 2),
+              "scatter_add": (1, 2), "scatter_add_": (1, 2), "scatter_reduce": (1, 2), "scatter_reduce_": (1, 2),
+              "take_along_dim": (2, 1)}
+_SIZE = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _is_size(v) -> bool:
+    """A size or sizes (`x.size()`): what the index's graph computes from, not data."""
+    return isinstance(v, _SIZE) or (isinstance(v, (tuple, list)) and all(isinstance(d, _SIZE) for d in v))
+
+
+def made_from_sizes(n: fx.Node, sized: set) -> bool:
+    """Whether `n`'s value is a size, or a call's on sizes and values made from sizes only (`sized`:
+    the graph's earlier such nodes): an index this check can run at other batch sizes."""
+    return _is_size(node_value(n)) or (n.op in ("call_function", "call_method")
+                                         and all(a in sized for a in n.all_input_nodes))
+
+
+# Operations whose integer result holds its integer arguments' numbers (shifted, scaled, laid
+# out otherwise), not positions of its own: what an index read from an input goes through.
+_KEEPS_NUMBERS = {"add", "sub", "mul", "floordiv", "floor_divide", "remainder", "mod", "neg", "abs", "clamp",
+                  "clip", "view", "reshape", "flatten", "expand", "expand_as", "unsqueeze", "squeeze", "contiguous",
+                  "to", "long", "int", "getitem", "repeat", "repeat_interleave", "cat", "concat", "stack",
+                  "transpose", "permute", "t", "iadd", "isub", "imul"}
+
+
+def read_from_input(n: fx.Node, rows: set, read: dict) -> Optional[fx.Node]:
+    """The batched input (`rows`) whose integers `n`'s value holds as they are, or through
+    arithmetic and views (_KEEPS_NUMBERS; `read`: the graph's earlier such nodes, to their
+    input), or None: positions the caller counted over the whole batch."""
+    if not _is_index(n):
+        return None
+    if n.op == "placeholder":
+        return n if n in rows else None
+    if op_name(n) not in _KEEPS_NUMBERS:
+        return None
+    return next((read[a] for a in n.all_input_nodes if a in read), None)
+
+
+class _DataDecided(Exception):
+    """The index needs a size the data decides, or an operation this check cannot run."""
+
+
+def indices_into(n: fx.Node) -> list:
+    """(index node, dim) of each integer index tensor `n` picks or writes its first argument's
+    entries by along a dim: `h[idx]`, `h[:, idx]`, `h[idx] = v`, index_select, gather, scatter."""
+    name = op_name(n)
+    if not n.args or not isinstance(x := node_value(n.args[0]), torch.Tensor):
+        return []
+    if n.op == "call_function" and n.target in (operator.getitem, operator.setitem):
+        return _subscript(n.args[1], x.dim())
+    if name in ("index_put", "index_put_") and len(n.args) > 1:
+        return _subscript(tuple(slice(None) if k is None else k for k in n.args[1]), x.dim())   # (None: a whole dim)
+    if name in _ALONG_DIM:
+        at, index = _ALONG_DIM[name]
+        dim = n.kwargs.get("dim", n.args[at] if len(n.args) > at else None)
+        idx = n.kwargs.get("index", n.kwargs.get("indices", n.args[index] if len(n.args) > index else None))
+        if isinstance(dim, int) and isinstance(idx, fx.Node) and _is_index(idx):
+            return [(idx, dim % max(x.dim(), 1))]
+    return []
+
+
+def _is_index(node) -> bool:
+    v = node_value(node)
+    return isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool
+
+
+def _subscript(key, ndim: int) -> list:
+    """The integer index tensors of a subscript and the dim each indexes."""
+    key = key if isinstance(key, tuple) else (key,)
+    taken = sum(1 if not (k is None or k is Ellipsis) else 0 for k in key)
+    found, dim = [], 0
+    for k in key:
+        if k is None:
+            continue
+        if k is Ellipsis:
+            dim += ndim - taken
+            continue
+        v = node_value(k)
+        if isinstance(v, torch.Tensor) and v.dtype == torch.bool:
+            dim += v.dim()
+            continue
+        if isinstance(k, fx.Node) and _is_index(k):
+            found.append((k, dim))
+        dim += 1
+    return found
+
+
+def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
+    """Why `index` (made_from_sizes), indexing a dim of `size` entries that holds the batch's rows,
+    picks other rows than eager's once split into microbatches, or None: it picks them as eager
+    does, or the check cannot run it (Note [rows picked by an index])."""
+    batch = info.size
+    splits = [[len(p) for p in torch.arange(batch).tensor_split(m)] for m in (2, 3) if m <= batch]
+    try:
+        whole = _evaluate(index, info, batch, seed=0)
+        if not torch.equal(whole, _evaluate(index, info, batch, seed=1)):
+            return ("it is random, drawn once for the whole batch and once per microbatch, differently (to pair "
+                    "rows at random across the batch, pick the partners in the data loader and pass them as a "
+                    "second batched argument)")
+        entries, rows = _sizes(size, info, batch), node_value(index).shape
+        first = next((d for d, s in enumerate(rows) if info.mentions(s)), None)
+        if first is None:
+            return f"it picks fixed positions ({_shown(whole)}), which each microbatch counts from its own first row"
+        for parts in splits:
+            pieces = [(_evaluate(index, info, b, seed=0), _sizes(size, info, b)) for b in parts]
+            if not any(_assembled(whole, entries, pieces, parts, first, blocks) for blocks in
+                       _layouts(entries // batch if entries % batch == 0 else 0, in_blocks)):
+                return (f"it does not pick each row's entries from that row: at {batch} rows it is "
+                        f"{_shown(whole)}, at the microbatches' {parts} rows "
+                        f"{' and '.join(_shown(i) for i, _ in pieces)}")
+    except _DataDecided:
+        return None
+    return None
+
+
+def _shown(index: torch.Tensor) -> str:
+    flat = index.flatten().tolist()
+    return "[" + ", ".join(map(str, flat[:8])) + (", ...]" if len(flat) > 8 else "]")
+
+
+def _layouts(per_row: int, in_blocks: bool) -> list:
+    """The numbers of blocks the dim's entries may come in: 1 (each row's entries together), or
+    where the value holds the rows in blocks, each divisor of the entries per row."""
+    if per_row == 0:
+        return []
+    return [1] + ([k for k in range(2, per_row + 1) if per_row % k == 0] if in_blocks else [])
+
+
+def _to_whole(v: torch.Tensor, rows: int, before: int, batch: int, per_row: int, blocks: int) -> torch.Tensor:
+    """Entry positions in a microbatch's dim (`rows` rows, `per_row` entries each, in `blocks`
+    blocks) as positions in the whole batch's, the microbatch's first row the batch's `before`."""
+    e = per_row // blocks
+    block, rest = v // (rows * e), v % (rows * e)
+    return block * (batch * e) + (before + rest // e) * e + rest % e
+
+
+def _assembled(whole, entries, pieces, parts, first, blocks) -> bool:
+    """Whether the microbatches' indices, as positions of the whole dim and put where their own
+    positions lie in the whole index, are the whole batch's index."""
+    batch = sum(parts)
+    per_row = entries // batch
+    out, seen, before = torch.full_like(whole, -1), torch.zeros(whole.shape[first], dtype=torch.bool), 0
+    at_rows = whole.shape[first] // batch if whole.shape[first] % batch == 0 else 0
+    if at_rows == 0:
+        return False
+    at_blocks = blocks if at_rows % blocks == 0 else 1     # (the index's own positions, laid out alike)
+    for (idx, n), rows in zip(pieces, parts):
+        shape = list(whole.shape)
+        shape[first] = rows * at_rows
+        if n != rows * per_row or list(idx.shape) != shape:
+            return False
+        values = _to_whole(idx % n, rows, before, batch, per_row, blocks)
+        where = _to_whole(torch.arange(idx.shape[first]), rows, before, batch, at_rows, at_blocks)
+        out.index_copy_(first, where, values)
+        seen[where] = True
+        before += rows
+    return bool(seen.all()) and torch.equal(out, whole % entries)
+
+
+def _sizes(size, info, batch: int) -> int:
+    return int(_substituted(size, info, batch))
+
+
+def _substituted(value, info, batch: int):
+    """A size (SymInt, SymFloat, SymBool or a number) at `batch` rows, the other sizes at the capture's."""
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value
+    expr = value.node.expr
+    hints = symbol_hints(value.node.shape_env)
+    values = {}
+    for s in expr.free_symbols:
+        if s in info.symbols:
+            values[s] = batch
+        elif s in hints:
+            values[s] = hints[s]
+        else:
+            raise _DataDecided      # (an unbacked size: the data decides it)
+    out = expr.xreplace(values)
+    return bool(out) if isinstance(value, torch.SymBool) else (int(out) if isinstance(value, torch.SymInt)
+                                                              else float(out))
+
+
+def _evaluate(index: fx.Node, info, batch: int, seed: int) -> torch.Tensor:
+    """The index's value at `batch` rows: its graph of sizes and factory calls run on the CPU."""
+    needed, stack = set(), [index]
+    while stack:                       # (the index's ancestors up to sizes: made_from_sizes)
+        m = stack.pop()
+        if m not in needed:
+            needed.add(m)
+            stack.extend(() if _is_size(node_value(m)) else m.all_input_nodes)
+    values = {}
+    cpu = {"cuda": torch.device("cpu"), "meta": torch.device("cpu")}
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for m in sorted(needed, key=_order(index.graph)):
+            v = node_value(m)
+            if _is_size(v):
+                values[m] = (type(v)(_substituted(d, info, batch) for d in v) if isinstance(v, (tuple, list))
+                             else _substituted(v, info, batch))
+                continue
+            args, kwargs = fx.node.map_arg((m.args, m.kwargs), values.__getitem__)
+            args, kwargs = map_devices(args, cpu), map_devices(kwargs, cpu)
+            try:
+                fn = getattr(args[0], m.target) if m.op == "call_method" else m.target
+                values[m] = fn(*(args[1:] if m.op == "call_method" else args), **kwargs)
+            except Exception as e:   # noqa: BLE001 - an operation this check cannot run: not checked
+                raise _DataDecided from e
+    out = values[index]
+    if not isinstance(out, torch.Tensor):
+        raise _DataDecided
+    return out.long()
+
+
+def _order(graph: fx.Graph):
+    position = {m: i for i, m in enumerate(graph.nodes)}
+    return position.__getitem__
