@@ -445,6 +445,25 @@ class _PickedRows(nn.Module):
         return F.mse_loss(h - 0.25 * other, y)
 
 
+class _WrittenRows(nn.Module):
+    """Rows written by index into a value that does not hold the batch's rows (a row per class,
+    the last written), read back by each row's class."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        labels = (x[:, 0] > 0).long()
+        if self.kind == "setitem":
+            last = h.new_zeros(2, 4)
+            last[labels] = h
+        else:
+            last = torch.zeros(2, 4).index_copy(0, labels, h)
+        return F.mse_loss(h - 0.5 * last[labels], y)
+
+
 def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
     """Note [rows picked by an index]: an index made from the batch size that picks each row's
     own entries (`h[arange(B)]`, `arange(B) * 2 + 1` over a (batch * 2) value, a sequence
@@ -701,10 +720,13 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_PickedRows, "reversed"), "h[torch.arange(rows - 1, -1, -1)]"),
                                        (functools.partial(_PickedRows, "shifted"), "(torch.arange(rows) + 1) % rows)"),
                                        (functools.partial(_PickedRows, "randperm"), "h[torch.randperm(rows)]"),
-                                       (functools.partial(_PickedRows, "fixed"), "torch.gather(h, 0, torch.zeros(")],
+                                       (functools.partial(_PickedRows, "fixed"), "torch.gather(h, 0, torch.zeros("),
+                                       (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
+                                       (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "halves_chunk",
-                              "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed"])
+                              "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed",
+                              "written", "index_copy"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
     7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
@@ -714,7 +736,8 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), rows centred on
     the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
     index_add, and rows picked by an index made from the batch size that picks other rows: reversed, shifted,
-    a random permutation, a fixed row). Now an InputError names the model's line, before any step, and
+    a random permutation, a fixed row, and rows written by index into a value of a row per class, read back by
+    class). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

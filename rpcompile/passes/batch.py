@@ -45,7 +45,9 @@ class's rows) carry no rows' numbers into others' and are not followed; a value 
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
-unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction),
+unless it sums them per index (`index_add`, `scatter_add`: a centroid per class is a reduction)
+or writes them by index into a value that does not hold the rows (`last[labels] = h`, index_copy,
+scatter: a row per class, the last written; in place, its later readers read rows: _INDEX_WRITES),
 and the rows an index made from the batch size picks are checked at the microbatches' sizes
 (`arange(B)` picks each row's own, `arange(B - 1, -1, -1)` not), an index read from a batched
 argument refused (Note [rows picked by an index]);
@@ -313,10 +315,23 @@ _INDEX_REDUCTIONS = {"index_add", "index_add_", "scatter_add", "scatter_add_", "
                      "index_reduce", "index_reduce_"}
 
 
+# Operations that write values into the slots an index tensor (or a mask) names, in place where
+# their name ends in `_` (and `buffer[idx] = h`): given the rows, a value that holds some of them
+# wherever its own size does not say so, the last written (a row per class, `buf[labels] = h`).
+_INDEX_WRITES = {"index_copy", "index_copy_", "scatter", "scatter_", "index_put", "index_put_", "setitem",
+                 "masked_scatter", "masked_scatter_"}
+
+
 def _reduces_by_index(n: fx.Node) -> bool:
     name = op_name(n)
     return name in _INDEX_REDUCTIONS or (name in ("index_put", "index_put_") and bool(
         n.kwargs.get("accumulate", n.args[3] if len(n.args) > 3 else False)))
+
+
+def _by_index(n: fx.Node) -> bool:
+    """Whether `n` sums or writes values into the slots an index names (its result takes rows in
+    only where its own size holds them)."""
+    return _reduces_by_index(n) or op_name(n) in _INDEX_WRITES
 
 
 def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
@@ -398,6 +413,11 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             rows.add(n)
         if (source := read_from_input(n, rows, read)) is not None:
             read[n] = source
+        for target in mutated_values(n) if _by_index(n) else ():   # (`last[idx] = h`, index_copy_)
+            if target not in rows and any(a is not target and isinstance(t := node_value(a), torch.Tensor)
+                                          and t.is_floating_point() and (a in rows or a in reduced)
+                                          for a in n.all_input_nodes):
+                reduced.add(target)       # (its later readers read rows it does not hold as rows)
         if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
                 or not ev.is_floating_point()):
             continue
@@ -413,9 +433,10 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
         if n in rows:
             if any(a in reduced for a in tensors):
-                return n, f"`{n.name}` computes the batch's rows from a value reduced over its rows"
+                return n, (f"`{n.name}` computes the batch's rows from a value that a reduction over its rows, or a "
+                           f"write of them by index, made")
         # (not with an index tensor: x[token], a gather, picks rows whole; but a sum per index does not)
-        elif ((all(t.is_floating_point() for t in tensors.values()) or _reduces_by_index(n))
+        elif ((all(t.is_floating_point() for t in tensors.values()) or _by_index(n))
               and any(a in reduced or (t.is_floating_point() and a in rows) for a, t in tensors.items())):
             reduced.add(n)
     return None
