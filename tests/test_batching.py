@@ -478,35 +478,43 @@ def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
 
 
 class _PartnerByIndex(nn.Module):
-    """Each row against a partner row the caller names by its position in the batch."""
+    """Each row against partner rows named by their positions in the batch: a batched argument (a
+    partner per row), an unbatched one (rows to compare every row with), or a buffer of them."""
 
-    def __init__(self):
+    def __init__(self, source):
         super().__init__()
-        self.a = nn.Linear(8, 4)
+        self.source, self.a = source, nn.Linear(8, 4)
+        if source == "buffer":
+            self.register_buffer("anchors", torch.tensor([0, 3]))
 
-    def forward(self, x, partner, y):
+    def forward(self, x, y, partner=None):
         h = self.a(x)
-        return F.mse_loss(h - 0.5 * h[partner + 0], y)
+        if self.source == "batched":
+            return F.mse_loss(h - 0.5 * h[partner + 0], y)
+        return F.mse_loss(h - 0.5 * h[self.anchors if self.source == "buffer" else partner].mean(0), y)
 
 
-def test_positions_read_from_a_batched_argument_are_refused_with_microbatches():
-    """Note [rows picked by an index]: positions of the batch's rows passed as a batched argument
-    count the whole batch's rows; a microbatch's slice of them picked rows of its own by them
-    (silently: pairs within the first half trained to 0.66 where eager gives 0.58) or past its
-    end (an IndexError in a stage job). Now an InputError naming the argument, before any step;
-    with one microbatch the model trains as eager."""
+@pytest.mark.parametrize("source,named", [("batched", "the batched argument `partner`"), ("unbatched", "`partner`"),
+                                          ("buffer", "`anchors`")])
+def test_positions_read_from_an_input_are_refused_with_microbatches(source, named):
+    """Note [rows picked by an index]: positions of the batch's rows read from an input count the
+    whole batch's rows; a microbatch picked rows of its own by them (silently: pairs within the
+    first half trained to 0.66 where eager gives 0.58) or past its end (an IndexError in a stage
+    job). Now an InputError naming the input, before any step; with one microbatch the model
+    trains as eager."""
     torch.manual_seed(0)
-    model = _PartnerByIndex()
+    model = _PartnerByIndex(source)
     before = copy.deepcopy(model.state_dict())
     g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "partner": torch.tensor([1, 0, 2, 3, 3, 2, 1, 0]),
-                "y": torch.randn(8, 4, generator=g)}]
+    batch = {"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)}
+    if source != "buffer":
+        batch["partner"] = torch.tensor([1, 0, 2, 3, 3, 2, 1, 0] if source == "batched" else [0, 3])
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
-    with pytest.raises(rpcompile.InputError, match="positions read from the batched argument `partner`") as err:
-        cm.train_step(**batches[0])
-    assert "h[partner + 0]" in str(err.value)
+    with pytest.raises(rpcompile.InputError, match=f"positions read from {re.escape(named)}") as err:
+        cm.train_step(**batch)
+    assert "h[partner + 0]" in str(err.value) or ".mean(0), y)" in str(err.value)
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
-    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1),
+    train_both(model, [batch], rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1),
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
 

@@ -172,7 +172,8 @@ def is_unbatched(name: str, unbatched) -> bool:
 
 
 def _input_name(node: fx.Node) -> str:
-    return node.meta.get("rp_leaf_name", node.name)
+    """An input's name: the call's argument (`batch['mask']`), or a parameter's or buffer's fqn."""
+    return node.meta.get("rp_leaf_name") or node.meta.get("rp_name") or node.name
 
 
 def _state_symbols(gm: fx.GraphModule) -> set:
@@ -398,7 +399,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
     rows = set()       # values that hold the batch's rows (_holds_rows)
     sized = set()      # values made from sizes only, never written in place (Note [rows picked by an index])
-    read = {}          # integers read from a batched input: the input (read_from_input)
+    read = {}          # integers read from an input: the input (read_from_input)
     written = {t for n in gm.graph.nodes for t in mutated_values(n)}
     for n in gm.graph.nodes:
         if n not in written and made_from_sizes(n, sized):
@@ -406,12 +407,12 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if (along := _along_rows(n, info)) is not None:
             named = f"`{n.name}`" if n.name.rstrip("_0123456789") == along else f"`{n.name}` ({along})"
             return n, f"{named} works along the batch's rows"
-        if (picked := _picked_apart(n, info, sized, read)) is not None:
+        if (picked := _picked_apart(n, info, sized, read, rows)) is not None:
             return n, picked
         ev = node_value(n)
         if _holds_rows(n, ev, info, rows):
             rows.add(n)
-        if (source := read_from_input(n, rows, read)) is not None:
+        if (source := read_from_input(n, read)) is not None:
             read[n] = source
         for target in mutated_values(n) if _by_index(n) else ():   # (`last[idx] = h`, index_copy_)
             if target not in rows and any(a is not target and isinstance(t := node_value(a), torch.Tensor)
@@ -442,19 +443,24 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     return None
 
 
-def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict) -> Optional[str]:
+def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set) -> Optional[str]:
     """Why `n` picks or writes the batch's rows by an index made from sizes that a microbatch
-    would make otherwise, or read from a batched input (Note [rows picked by an index]), or None."""
+    would make otherwise, or read from an input (Note [rows picked by an index]), or None."""
     for index, dim in indices_into(n):
         size = node_value(n.args[0]).shape[dim]
         if not info.whole_rows(size):
             continue
         if index in read:
-            by = "" if index.op == "placeholder" else f"`{index.name}`, "
-            return (f"`{n.name}` picks the batch's rows by {by}positions read from the batched argument "
-                    f"`{_input_name(read[index])}`: a microbatch's slice of it still counts the whole batch's rows, "
-                    f"where its own are numbered from its first (pass the picked rows themselves as a batched "
-                    f"argument instead)")
+            source = read[index]
+            by = "" if index is source else f"`{index.name}`, "
+            if source in rows:
+                return (f"`{n.name}` picks the batch's rows by {by}positions read from the batched argument "
+                        f"`{_input_name(source)}`: a microbatch's slice of it still counts the whole batch's rows, "
+                        f"where its own are numbered from its first (pass the picked rows themselves as a batched "
+                        f"argument instead)")
+            return (f"`{n.name}` picks the batch's rows by {by}positions read from `{_input_name(source)}`, which "
+                    f"count the whole batch's rows: each microbatch would pick its own rows at those positions, or "
+                    f"past its end")
         if index not in sized:
             continue
         why = picks_apart(index, size, info, dim == 0 and rows_in_blocks(n.args[0], info))

@@ -13,9 +13,10 @@ calls and arithmetic on sizes) runs on the CPU at the capture's batch size and a
 and thirds (torch.tensor_split's, as the runner splits), twice with other random seeds, and
 the pieces are compared: rows of a value laid out one after another (S entries each) or, where
 the value holds the rows in blocks (`torch.cat([chosen, rejected])`), block by block. An index
-read from a batched argument (`h[partner]`, as it is or through arithmetic and views:
-_KEEPS_NUMBERS) counts the whole batch's rows, so a microbatch's slice of it picks rows past its
-end or its own rows by the batch's numbers: refused as well. An index the data makes in the
+read from an input (`h[partner]`, a batched argument, or an unbatched one or a buffer of rows
+to pick, as it is or through arithmetic and views: _KEEPS_NUMBERS) counts the whole batch's
+rows, so a microbatch picks rows past its end (an IndexError in a stage job) or its own rows by
+the batch's numbers: refused as well. An index the data makes in the
 forward (a router's chosen tokens, `nonzero` of a mask, an argsort of integer labels) is not
 checked: its positions are the microbatch's own, though its order may be the whole batch's.
 """
@@ -59,14 +60,14 @@ _KEEPS_NUMBERS = {"add", "sub", "mul", "floordiv", "floor_divide", "remainder", 
                   "transpose", "permute", "t", "iadd", "isub", "imul"}
 
 
-def read_from_input(n: fx.Node, rows: set, read: dict) -> Optional[fx.Node]:
-    """The batched input (`rows`) whose integers `n`'s value holds as they are, or through
-    arithmetic and views (_KEEPS_NUMBERS; `read`: the graph's earlier such nodes, to their
-    input), or None: positions the caller counted over the whole batch."""
+def read_from_input(n: fx.Node, read: dict) -> Optional[fx.Node]:
+    """The input (an argument, batched or not, or a buffer) whose integers `n`'s value holds as
+    they are, or through arithmetic and views (_KEEPS_NUMBERS; `read`: the graph's earlier such
+    nodes, to their input), or None: positions counted over the whole batch, if any."""
     if not _is_index(n):
         return None
-    if n.op == "placeholder":
-        return n if n in rows else None
+    if n.op in ("placeholder", "get_attr"):
+        return n
     if op_name(n) not in _KEEPS_NUMBERS:
         return None
     return next((read[a] for a in n.all_input_nodes if a in read), None)
