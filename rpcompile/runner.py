@@ -205,6 +205,8 @@ class GraphRunner:
         weights = self._row_weights(plan, micro)
         if scale is not None and scale.terms:
             totals = [1.0 if counter is None else self._counted(plan, counter, micro) for counter in scale.terms]
+            totals = [t if f is None else float(f(torch.tensor(t, dtype=torch.float64)))
+                      for t, f in zip(totals, scale.finishes or (None,) * len(totals))]
             for mbatch, w in zip(micro, weights):
                 mbatch.scales = tuple(1.0 / (total * w) if total else float("nan") for total in totals)
         return weights

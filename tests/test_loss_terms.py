@@ -194,6 +194,66 @@ def test_a_loss_over_num_items_in_batch_adds_up_over_microbatches(items):
     assert cm.plan.loss_scale.kind == "rows" and cm.plan.loss_scale.terms == (None,)
 
 
+def _masked_token_mean(out, labels):
+    """A loss_fn: the per-token cross-entropy's mean over the counted tokens, written out."""
+    per_token = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="none")
+    counted = labels.flatten() != -100
+    return (per_token * counted).sum() / counted.sum()
+
+
+class _Ratios(nn.Module):
+    """A regression whose loss is a sum over rows divided by a sum over rows of the data: a mask's
+    count, floored or not, a class count of a sum cross-entropy, float weights' total."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        per_row, picked = (h - y).pow(2).mean(-1), x[:, 0] > 0
+        if self.kind == "masked":
+            return (per_row * picked).sum() / picked.sum()
+        if self.kind == "floored":      # (a term, its numerator scaled, beside a mean over rows)
+            return 0.5 * (per_row * picked).sum() / picked.sum().clamp(min=1) + F.mse_loss(h, y)
+        if self.kind == "counted":
+            labels = torch.where(x[:, 1] > 0, (x[:, 2] > 0).long(), -100)
+            return F.cross_entropy(h[:, :2], labels, reduction="sum") / (labels != -100).sum()
+        weights = torch.sigmoid(x[:, 1])
+        return (per_row * weights).sum() / (weights.sum() + 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["masked", "floored", "counted", "weighted"])
+def test_a_sum_over_a_sum_of_the_data_trains_as_eager(kind):
+    """Note [sums over a sum of the data]: `(loss * mask).sum() / mask.sum()` (a masked mean
+    written out), floored, a sum cross-entropy over its counted labels, a sum weighed by the data's
+    weights over their total: before, each microbatch's quotient was weighed by its rows (0.793 for
+    eager's 0.908 over 2 microbatches); now the quotient's numerator adds up over the microbatches
+    and the divisor is the whole batch's, counted before the step."""
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
+    torch.manual_seed(0)
+    cm = train_both(_Ratios(kind), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                             memory_budget=TIGHT),
+                    eager_step=scalar_loss_step, steps=3, min_stages=0)
+    scale = cm.plan.loss_scale
+    assert scale.kind == "rows" and len(scale.terms) == 1 and scale.terms[0] is not None
+    assert (scale.finishes[0] is not None) == (kind in ("floored", "weighted"))
+
+
+def test_a_masked_token_mean_written_out_trains_on_the_whole_batchs_token_mean():
+    """A loss_fn's cross-entropy per token, its mean over the counted tokens written out (Note
+    [sums over a sum of the data]): the whole batch's, as eager's, with labels ignored unevenly."""
+    def eager(m, b):
+        loss = _masked_token_mean(m(input_ids=b["input_ids"]), b["labels"])
+        loss.backward()
+        return loss
+
+    cfg = rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, loss_fn=_masked_token_mean)
+    train_both(qwen3(layers=1), [_uneven(s) for s in range(3)], cfg, eager_step=eager,
+               call=lambda cm, b: cm.train_step(input_ids=b["input_ids"], target=b["labels"]))
+
+
 class _UncertaintyWeighted(nn.Module):
     """A Qwen3 whose loss is its cross-entropy weighed by a buffer and a learned log-variance
     (Kendall et al.'s uncertainty weighting): affine in the cross-entropy, with a coefficient the

@@ -60,6 +60,18 @@ same in every microbatch, it is part of the rest of the loss), a sum divided by 
 other than a sum (`x.mean(0).sum()`, `x.sum(0).pow(2).sum()`), and a loss not affine in a sum
 (`sqrt(x.sum())`).
 
+Note [sums over a sum of the data]: a loss that divides a sum over rows by a sum over rows the
+data alone computes (a masked mean written out, `(loss * mask).sum() / mask.sum()`, floored with
+`.clamp(min=1)` or offset by an epsilon; a sum cross-entropy over `(labels != -100).sum()`; a sum
+weighed by the data's weights over their total) is the batch's numerator over the batch's
+divisor. Taken as a mean over rows, each microbatch's own quotient was weighed by its rows: 0.793
+for eager's 0.908 (a masked mean, 2 microbatches), silently. Such a quotient is a term (alone or
+in an affine loss, over_a_sum_of_the_data): its numerator times a scale 1 / (D * w_m), D the
+divisor of the whole batch: a counter graph copies the divisor's sum from the inputs (as a
+cross-entropy's counter, _input_graph), the runner adds it up over the microbatches before the
+step and applies the steps after it (the floor, the offset: LossScale.finishes). A divisor the
+parameters compute is not counted and stays a mean over rows (noted).
+
 Note [outputs over rows]: a call's output other than the loss whose dim 0 is not the rows is
 computed per microbatch, and the microbatches' values are put together as over_rows says: added up
 where it is a sum over rows (`h.sum(0)`, `h.abs().sum() / 4`, `-h.sum()`), weighted by rows where
@@ -109,6 +121,9 @@ class LossScale:
     terms: tuple = ()                        # rows: the counter of each cross-entropy term's scale
                                              # placeholder (Note [cross-entropy terms]); None for a
                                              # sum term (Note [sums over a batch count])
+    finishes: tuple = ()                     # rows: per term, what makes its counters' total the
+                                             # term's divisor (`.clamp(min=1)`), or None (Note [sums
+                                             # over a sum of the data])
 
 
 _NLL_LOSS = inspect.signature(F.nll_loss)
@@ -215,7 +230,33 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
     counted target outside [0, classes), as F.cross_entropy does (a vocabulary-split head would
     otherwise give a finite, wrong loss); it runs on the host before the step's jobs. `reader`:
     the loss node that reads the target (what was written into it before counts)."""
-    needed = _ancestors(target) if reader is None else _ancestors_with_updates(gm, target, reader)
+    made = _input_graph(gm, target, reader, weight)
+    if made is None:
+        return None
+    g, env = made
+    counted = g.call_function(torch.ne, (env[target], ignore_index))
+    if classes is not None:
+        outside = g.call_function(torch.logical_or, (g.call_function(torch.lt, (env[target], 0)),
+                                                     g.call_function(torch.ge, (env[target], classes))))
+        bad = g.call_function(torch.any, (g.call_function(torch.logical_and, (counted, outside)),))
+        g.call_function(torch._assert_async, (g.call_function(torch.logical_not, (bad,)),
+                                              f"{what}: a target is out of bounds: not in [0, {classes}) and "
+                                              f"not ignore_index {ignore_index}"))
+    if weight is None:
+        g.output(g.call_method("sum", (counted,)))
+    else:
+        w = env[weight] if isinstance(weight, fx.Node) else weight
+        labels = g.call_function(torch.Tensor.__getitem__, (env[target], counted))
+        picked = g.call_function(torch.Tensor.__getitem__, (w, labels))
+        g.output(g.call_method("sum", (g.call_method("double", (picked,)),)))
+    return graph_module(gm, g, "LossCounter")
+
+
+def _input_graph(gm: fx.GraphModule, value: fx.Node, reader: Optional[fx.Node], weight=None):
+    """(graph, env): a graph of the inputs that computes `value` (env maps gm's nodes to its),
+    with the in-place updates before `reader`; None where `value` depends on parameters or
+    buffers (`weight`, a node that may be one, joins it)."""
+    needed = _ancestors(value) if reader is None else _ancestors_with_updates(gm, value, reader)
     if any(n.op == "placeholder" and n.meta.get("rp_kind") in ("param", "buffer") for n in needed):
         return None
     if isinstance(weight, fx.Node):
@@ -235,22 +276,7 @@ def _counter_graph(gm: fx.GraphModule, target: fx.Node, ignore_index: int, weigh
     for n in gm.graph.nodes:
         if n in needed and n.op != "placeholder":
             env[n] = g.node_copy(n, lambda x: env[x])
-    counted = g.call_function(torch.ne, (env[target], ignore_index))
-    if classes is not None:
-        outside = g.call_function(torch.logical_or, (g.call_function(torch.lt, (env[target], 0)),
-                                                     g.call_function(torch.ge, (env[target], classes))))
-        bad = g.call_function(torch.any, (g.call_function(torch.logical_and, (counted, outside)),))
-        g.call_function(torch._assert_async, (g.call_function(torch.logical_not, (bad,)),
-                                              f"{what}: a target is out of bounds: not in [0, {classes}) and "
-                                              f"not ignore_index {ignore_index}"))
-    if weight is None:
-        g.output(g.call_method("sum", (counted,)))
-    else:
-        w = env[weight] if isinstance(weight, fx.Node) else weight
-        labels = g.call_function(torch.Tensor.__getitem__, (env[target], counted))
-        picked = g.call_function(torch.Tensor.__getitem__, (w, labels))
-        g.output(g.call_method("sum", (g.call_method("double", (picked,)),)))
-    return graph_module(gm, g, "LossCounter")
+    return g, env
 
 
 def _classes(logits: fx.Node) -> Optional[int]:
@@ -296,7 +322,8 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     counter = (_counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss), reader=loss)
                if found else None)
     if counter is None:
-        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=_scale_terms(gm, loss, batch))
+        terms, finishes = _scale_terms(gm, loss, batch)
+        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=terms, finishes=finishes)
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -479,6 +506,8 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
         return []
     if mean_cross_entropy(node) is not None or sum_over_rows(node, batch):
         return [node] if node is not loss else []
+    if over_a_sum_of_the_data(node, batch) is not None:
+        return [node]          # (the loss itself too: Note [sums over a sum of the data])
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
         return []
@@ -489,6 +518,50 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
     else:
         return []
     return [ce for a in operands if isinstance(a, fx.Node) for ce in _affine_terms(a, loss, batch)]
+
+
+_DIVIDES = {operator.truediv, operator.itruediv, torch.div, torch.true_divide}
+# the steps a divisor may take from a sum of the data: a floor, an offset, a cast (numbers beside it)
+_FINISHING = {"clamp", "clamp_min", "add", "float", "double", "to", "type", "__add__", "__radd__", torch.clamp,
+              torch.clamp_min, torch.add, operator.add}
+
+
+def over_a_sum_of_the_data(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
+    """(numerator, sum, steps) where `node` is a sum over rows (over_rows: also scaled, negated,
+    added up) divided by another, or by one floored, offset or cast (`(loss * mask).sum() /
+    mask.sum().clamp(min=1)`): the steps from that sum to the divisor, in order; else None (Note
+    [sums over a sum of the data]; _scale_terms takes the divisor where the data alone makes it)."""
+    if node.op not in ("call_function", "call_method") or len(node.args) != 2 or node.kwargs:
+        return None
+    t = _METHODS.get(node.target) if node.op == "call_method" else node.target
+    numerator, divisor = node.args
+    if t not in _DIVIDES or not isinstance(numerator, fx.Node) or not isinstance(divisor, fx.Node):
+        return None
+    if over_rows(numerator, batch) != "sum":
+        return None
+    steps = []
+    while over_rows(divisor, batch) != "sum":
+        name = divisor.target if divisor.op in ("call_method", "call_function") else None
+        chained = [a for a in (*divisor.args, *divisor.kwargs.values()) if isinstance(a, fx.Node)]
+        if name not in _FINISHING or len(chained) != 1:
+            return None
+        steps.append(divisor)
+        divisor = chained[0]
+    return numerator, divisor, steps[::-1]
+
+
+def _divisor_graph(gm: fx.GraphModule, steps: list) -> Optional[fx.GraphModule]:
+    """A graph from the counters' total to the divisor (`total.clamp(min=1)`), or None without steps."""
+    if not steps:
+        return None
+    g = fx.Graph()
+    first = steps[0]
+    chained = next(a for a in (*first.args, *first.kwargs.values()) if isinstance(a, fx.Node))
+    env = {chained: g.placeholder("total")}
+    for n in steps:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(env[steps[-1]])
+    return graph_module(gm, g, "LossDivisor")
 
 
 def _means_rows(node: fx.Node, batch: BatchInfo) -> bool:
@@ -574,16 +647,28 @@ def reads_the_batch(node, batch: BatchInfo) -> bool:
 
 def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     """Rewrite each mean cross-entropy (nll_loss) term of `loss` into its token sum times a scale
-    placeholder (Note [cross-entropy terms]), and scale each sum term (Note [sums over a batch
-    count], Note [sums over rows]); the counters of the scales (None for a sum's), in placeholder
+    placeholder (Note [cross-entropy terms]), each sum over a sum of the data into its numerator
+    times one (Note [sums over a sum of the data]), and scale each sum term (Note [sums over a
+    batch count], Note [sums over rows]); (counters, finishes): the counters of the scales (None
+    for a sum's) and what makes each one's total its divisor (None: the total), in placeholder
     order."""
     if not isinstance(loss, fx.Node):
-        return ()
-    counters = []
+        return (), ()
+    counters, finishes = [], []
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for ce in _affine_terms(loss, loss, batch):
         bound = bind_class_loss(ce)
-        if bound is None or cross_entropy_reduction(bound) == "sum":
+        ratio = over_a_sum_of_the_data(ce, batch)
+        finish, base = None, ce
+        if ratio is not None:       # its numerator times 1 / (the divisor's total * w_m)
+            made = _input_graph(gm, ratio[1], ce)
+            if made is None:
+                continue            # (a divisor of the parameters: not a count of the data)
+            g, env = made
+            g.output(g.call_method("double", (env[ratio[1]],)))
+            counter, finish, base = graph_module(gm, g, "LossCounter"), _divisor_graph(gm, ratio[2]), ratio[0]
+            bound = None
+        elif bound is None or cross_entropy_reduction(bound) == "sum":
             counter = None          # scale 1 / w_m: added up as it is (Note [sums over a batch count])
         else:
             counter = _counter_graph(gm, bound["target"], bound["ignore_index"], bound["weight"],
@@ -597,8 +682,8 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
         if bound is not None:
             _rewrite_reduction(ce, bound, "sum")
             ce.meta["rp_loss"] = "token_sum"
-        with gm.graph.inserting_after(ce):
-            scaled = product = gm.graph.call_function(operator.mul, (ce, scale))
+        with (gm.graph.inserting_after(ce) if base is ce else gm.graph.inserting_before(ce)):
+            scaled = product = gm.graph.call_function(operator.mul, (base, scale))
         if isinstance(value, torch.Tensor):
             scale.meta["example_value"] = torch.empty_like(value, dtype=torch.float32)
             product_dtype = torch.promote_types(value.dtype, torch.float32)
@@ -611,9 +696,13 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in ce.meta:
                 scaled.meta[key] = ce.meta[key]
-        ce.replace_all_uses_with(scaled, delete_user_cb=lambda user, product=product: user is not product)
+        if base is ce:
+            ce.replace_all_uses_with(scaled, delete_user_cb=lambda user, product=product: user is not product)
+        else:       # the quotient becomes the scaled numerator, under its name (the loss output's, maybe)
+            ce.op, ce.target, ce.args, ce.kwargs = "call_method", "to", (scaled, ce.meta["example_value"].dtype), {}
         counters.append(counter)
+        finishes.append(finish)
     if counters:
         gm.graph.lint()
         gm.recompile()
-    return tuple(counters)
+    return tuple(counters), tuple(finishes)
