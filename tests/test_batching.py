@@ -591,6 +591,18 @@ class _HardestRows(nn.Module):
         return per_row[per_row.topk(2).indices].mean()
 
 
+class _CountScaled(nn.Module):
+    """Rows scaled by a count over the batch's rows (integers: `mask.sum()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        return F.mse_loss(h / (x[:, 0] > 0).sum().clamp(min=1), y)
+
+
 class _MaskedMean(nn.Module):
     """Rows centred on the mean of the batch's rows picked by a mask (a size the data decides)."""
 
@@ -722,6 +734,7 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "sdpa"), "F.scaled_dot_product_attention(t, t, t)"),
                                        (_HardestRows, "per_row[per_row.topk(2).indices]"),
                                        (_MaskedMean, "h - h[x[:, 0] > 0].mean(0)"),
+                                       (_CountScaled, "h / (x[:, 0] > 0).sum().clamp(min=1)"),
                                        (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
                                        (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]"),
@@ -732,7 +745,7 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
                                        (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "halves_chunk",
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "count_scaled", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed",
                               "written", "index_copy"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
@@ -745,7 +758,7 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
     index_add, and rows picked by an index made from the batch size that picks other rows: reversed, shifted,
     a random permutation, a fixed row, and rows written by index into a value of a row per class, read back by
-    class). Now an InputError names the model's line, before any step, and
+    class, rows scaled by a count over the batch's rows). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -41,7 +41,9 @@ BatchInfo.whole_rows; the same halves of `torch.cat([chosen, rejected])`, two ba
 are whole rows, and a sum over them a sum over rows; a call's outputs, put together from the
 microbatches' along dim 0, must not hold them in blocks either: rows_in_blocks, refused in
 _describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count of a
-class's rows) carry no rows' numbers into others' and are not followed; a value whose size the
+class's rows) lay rows out (a grouped matmul's offsets, a split's sizes, indices) and are followed
+only into arithmetic: a count over the rows that scales the rows (`h / mask.sum()`, a cast, an
+elementwise function of it: _ARITHMETIC, _counts_rows) is a reduction over them; a value whose size the
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
@@ -397,6 +399,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     """(node, why) of the first value computed from rows other than its own (Note [rows kept
     apart]), or None."""
     reduced = set()    # floating-point values a reduction over the rows made, and values from them
+    counted = set()    # integers a count over the rows made (`mask.sum()`), and integers from them
     rows = set()       # values that hold the batch's rows (_holds_rows)
     sized = set()      # values made from sizes only, never written in place (Note [rows picked by an index])
     read = {}          # integers read from an input: the input (read_from_input)
@@ -414,6 +417,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             rows.add(n)
         if (source := read_from_input(n, read)) is not None:
             read[n] = source
+        if _counts_rows(n, ev, rows, counted):
+            counted.add(n)
         for target in mutated_values(n) if _by_index(n) else ():   # (`last[idx] = h`, index_copy_)
             if target not in rows and any(a is not target and isinstance(t := node_value(a), torch.Tensor)
                                           and t.is_floating_point() and (a in rows or a in reduced)
@@ -432,6 +437,11 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                        f"its own; a batch of pairs (DPO's chosen and rejected answers) trains split when the halves "
                        f"come as two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
+        if op_name(n) in _ARITHMETIC and any(a in counted for a in tensors):
+            if n in rows:
+                return n, (f"`{n.name}` computes the batch's rows from a count over its rows (`mask.sum()`), which "
+                           f"each microbatch counts over its own")
+            reduced.add(n)
         if n in rows:
             if any(a in reduced for a in tensors):
                 return n, (f"`{n.name}` computes the batch's rows from a value that a reduction over its rows, or a "
@@ -441,6 +451,30 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
               and any(a in reduced or (t.is_floating_point() and a in rows) for a, t in tensors.items())):
             reduced.add(n)
     return None
+
+
+# Operations that compute with the numbers of their arguments (arithmetic, casts, elementwise
+# functions): given a count over the rows, they carry it into their result, where a grouped
+# matmul's offsets or a split's sizes, a count per expert, only lay the rows out.
+_ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide", "floor_divide", "pow", "where",
+               "maximum", "minimum", "clamp", "clamp_min", "clamp_max", "float", "double", "half", "bfloat16",
+               "to", "type_as", "type", "reciprocal", "sqrt", "rsqrt", "log", "exp", "rsub", "neg", "iadd",
+               "isub", "imul", "itruediv", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__add__",
+               "__radd__", "__sub__", "__rsub__"}
+
+
+_VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   # (of its argument's shape alone)
+
+
+def _counts_rows(n: fx.Node, value, rows: set, counted: set) -> bool:
+    """Whether `n`'s value is integers (or booleans) a count over the batch's rows made: computed
+    from values that hold rows without holding rows itself (`mask.sum()`, `labels.max()`), or
+    from such a count (`counts[labels]`, `mask.sum().clamp(min=1)`)."""
+    if (n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor)
+            or value.is_floating_point() or value.is_complex() or op_name(n) in _VALUELESS):
+        return False
+    inputs = n.all_input_nodes
+    return any(a in counted for a in inputs) or (n not in rows and any(a in rows for a in inputs))
 
 
 def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set) -> Optional[str]:
