@@ -438,6 +438,8 @@ class _PickedRows(nn.Module):
             other = h[torch.randperm(rows)]
         elif self.kind == "fixed":
             other = torch.gather(h, 0, torch.zeros(1, 4, dtype=torch.long))
+        elif self.kind == "embedding":          # (the rows as a table)
+            other = F.embedding(torch.arange(rows - 1, -1, -1), h)
         else:
             other = (h[torch.arange(rows)] + h.repeat_interleave(2, 0)[torch.arange(rows) * 2 + 1]
                      + h.view(rows, 2, 2)[torch.arange(rows), (x[:, 0] > 0).long()].repeat(1, 2)
@@ -742,11 +744,12 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_PickedRows, "shifted"), "(torch.arange(rows) + 1) % rows)"),
                                        (functools.partial(_PickedRows, "randperm"), "h[torch.randperm(rows)]"),
                                        (functools.partial(_PickedRows, "fixed"), "torch.gather(h, 0, torch.zeros("),
+                                       (functools.partial(_PickedRows, "embedding"), "F.embedding(torch.arange("),
                                        (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
                                        (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "count_scaled", "halves_chunk",
-                              "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed",
+                              "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
@@ -757,7 +760,7 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), rows centred on
     the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
     index_add, and rows picked by an index made from the batch size that picks other rows: reversed, shifted,
-    a random permutation, a fixed row, and rows written by index into a value of a row per class, read back by
+    a random permutation, a fixed row, the rows as an embedding table, and rows written by index into a value of a row per class, read back by
     class, rows scaled by a count over the batch's rows). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)

@@ -480,8 +480,8 @@ def _counts_rows(n: fx.Node, value, rows: set, counted: set) -> bool:
 def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set) -> Optional[str]:
     """Why `n` picks or writes the batch's rows by an index made from sizes that a microbatch
     would make otherwise, or read from an input (Note [rows picked by an index]), or None."""
-    for index, dim in indices_into(n):
-        size = node_value(n.args[0]).shape[dim]
+    for index, indexed, dim in indices_into(n):
+        size = node_value(indexed).shape[dim]
         if not info.whole_rows(size):
             continue
         if index in read:
@@ -497,7 +497,7 @@ def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set
                     f"past its end")
         if index not in sized:
             continue
-        why = picks_apart(index, size, info, dim == 0 and rows_in_blocks(n.args[0], info))
+        why = picks_apart(index, size, info, dim == 0 and rows_in_blocks(indexed, info))
         if why is not None:
             return f"`{n.name}` picks the batch's rows by `{index.name}`, an index made from sizes, not data: {why}"
     return None

@@ -78,11 +78,20 @@ class _DataDecided(Exception):
 
 
 def indices_into(n: fx.Node) -> list:
-    """(index node, dim) of each integer index tensor `n` picks or writes its first argument's
-    entries by along a dim: `h[idx]`, `h[:, idx]`, `h[idx] = v`, index_select, gather, scatter."""
+    """(index node, indexed node, dim) of each integer index tensor `n` picks or writes entries
+    by along a dim of a value: `h[idx]`, `h[:, idx]`, `h[idx] = v`, index_select, gather,
+    scatter (their first argument), `F.embedding(idx, h)` (its table)."""
     name = op_name(n)
+    if name == "embedding" and n.op == "call_function" and len(n.args) > 1 and _is_index(n.args[0]):
+        table = node_value(n.args[1])
+        return [(n.args[0], n.args[1], 0)] if isinstance(table, torch.Tensor) and table.dim() == 2 else []
     if not n.args or not isinstance(x := node_value(n.args[0]), torch.Tensor):
         return []
+    return [(index, n.args[0], dim) for index, dim in _indices_into_first(n, name, x)]
+
+
+def _indices_into_first(n: fx.Node, name, x) -> list:
+    """(index node, dim) of each index tensor along a dim of `n`'s first argument (value x)."""
     if n.op == "call_function" and n.target in (operator.getitem, operator.setitem):
         return _subscript(n.args[1], x.dim())
     if name in ("index_put", "index_put_") and len(n.args) > 1:
