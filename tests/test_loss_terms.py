@@ -219,6 +219,9 @@ class _Ratios(nn.Module):
         if self.kind == "counted":
             labels = torch.where(x[:, 1] > 0, (x[:, 2] > 0).long(), -100)
             return F.cross_entropy(h[:, :2], labels, reduction="sum") / (labels != -100).sum()
+        if self.kind == "learned":      # (weights the parameters compute)
+            weights = torch.sigmoid(h[:, 0])
+            return (per_row * weights).sum() / weights.sum()
         weights = torch.sigmoid(x[:, 1])
         return (per_row * weights).sum() / (weights.sum() + 1e-6)
 
@@ -239,6 +242,24 @@ def test_a_sum_over_a_sum_of_the_data_trains_as_eager(kind):
     scale = cm.plan.loss_scale
     assert scale.kind == "rows" and len(scale.terms) == 1 and scale.terms[0] is not None
     assert (scale.finishes[0] is not None) == (kind in ("floored", "weighted"))
+
+
+def test_a_sum_over_a_sum_the_parameters_compute_is_refused_with_microbatches():
+    """Note [sums over a sum of the data]: a divisor the parameters compute cannot be counted
+    before the step; taken as a mean over rows it trained silently to another loss than eager's.
+    Now an InputError naming the line, before any step; with one microbatch it trains as eager."""
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
+    torch.manual_seed(0)
+    model = _Ratios("learned")
+    before = copy.deepcopy(model.state_dict())
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match="divides by a sum over the batch's rows that the parameters") as err:
+        cm.train_step(**batches[0])
+    assert "(per_row * weights).sum() / weights.sum()" in str(err.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1), eager_step=scalar_loss_step,
+               steps=2, min_stages=0)
 
 
 def test_a_masked_token_mean_written_out_trains_on_the_whole_batchs_token_mean():

@@ -74,7 +74,7 @@ from .host_memory import (HostMemoryError, checked_bytes, device_optimizer_bytes
                           host_memory, host_memory_error, least_host_share, optimizer_seconds, pace_shares,
                           per_parameter, planned_grad_dtype, share_by_room)
 from .longest import planning_error
-from .normalize_loss import flat_loss_output, normalize_loss, over_rows, reads_the_batch
+from .normalize_loss import check_loss_splits, flat_loss_output, normalize_loss, over_rows, reads_the_batch
 from .outputs import keep_loss_output, loss_leaf_index
 from .partition import PlanningError, solve_stages
 from .resident import settle
@@ -253,6 +253,7 @@ def find_batch_pass(st: CompileState) -> CompileState:
     st.batch = find_batch(st.gm, st.captured.batch_size, st.config.unbatched_inputs)
     check_splittable(st.batch, st.num_microbatches)
     check_rows_apart(st.gm, st.batch, st.num_microbatches)
+    check_loss_splits(st.loss_scale, st.batch, st.num_microbatches)
     st.bindings = _bindings(st.gm, st.batch, _planned_microbatch(st.batch, st.num_microbatches))
     if st.at:   # re-planned for another size of the same capture (Note [plans per length])
         st.bindings.update({name: v for name, v in st.at.items() if name in st.bindings})

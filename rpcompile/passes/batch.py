@@ -516,6 +516,16 @@ def _holds_rows(n: fx.Node, value, info: BatchInfo, rows: set) -> bool:
             and any(a in rows for a in n.all_input_nodes))
 
 
+def model_line(node: fx.Node) -> str:
+    """" at `line` (File ..., line N, in forward)": the model's line that made `node`, the innermost
+    frame outside torch (the model's call of F.rms_norm, not rms_norm's own line); "" without one."""
+    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
+    files = [i for i, line in enumerate(trace) if line.startswith("File ") and i + 1 < len(trace)]
+    from ..capture import library_of      # (capture imports the passes)
+    files = [i for i in files if library_of(trace[i].split('"')[1] if '"' in trace[i] else "") != "torch"] or files
+    return f" at `{trace[files[-1] + 1]}` ({trace[files[-1]]})" if files else ""
+
+
 def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where microbatches would compute rows from other rows (Note [rows kept apart])."""
     if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
@@ -524,13 +534,7 @@ def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int)
     if found is None:
         return
     node, why = found
-    trace = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()]
-    files = [i for i, line in enumerate(trace) if line.startswith("File ") and i + 1 < len(trace)]
-    from ..capture import library_of      # (capture imports the passes)
-    # the innermost frame outside torch: the model's call of F.rms_norm, not rms_norm's own line
-    files = [i for i in files if library_of(trace[i].split('"')[1] if '"' in trace[i] else "") != "torch"] or files
-    at = f" at `{trace[files[-1] + 1]}` ({trace[files[-1]]})" if files else ""
-    raise InputError(f"the forward computes a row of the batch from other rows{at}: {why}. Split into "
+    raise InputError(f"the forward computes a row of the batch from other rows{model_line(node)}: {why}. Split into "
                      f"{num_microbatches} microbatches, each would see only its own rows and the result would not "
                      f"be eager's (an in-batch contrastive loss, a norm over the batch). Use "
                      f"Config(num_microbatches=1): the whole batch goes through the pipeline of stage jobs as one "

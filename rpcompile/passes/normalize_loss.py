@@ -70,7 +70,8 @@ in an affine loss, over_a_sum_of_the_data): its numerator times a scale 1 / (D *
 divisor of the whole batch: a counter graph copies the divisor's sum from the inputs (as a
 cross-entropy's counter, _input_graph), the runner adds it up over the microbatches before the
 step and applies the steps after it (the floor, the offset: LossScale.finishes). A divisor the
-parameters compute is not counted and stays a mean over rows (noted).
+parameters compute cannot be counted before the step: with microbatches that is an InputError
+naming the line (check_loss_splits); before, a mean over rows, silently.
 
 Note [outputs over rows]: a call's output other than the loss whose dim 0 is not the rows is
 computed per microbatch, and the microbatches' values are put together as over_rows says: added up
@@ -105,7 +106,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .batch import BatchInfo, find_batch
+from ..errors import InputError
+from .batch import BatchInfo, find_batch, model_line
 from .cost import storage_key
 from .graph_utils import (bind_call, bind_cross_entropy, graph_module, is_impure, mutated_values, node_value,
                           output_values, scalar_outputs)
@@ -124,6 +126,8 @@ class LossScale:
     finishes: tuple = ()                     # rows: per term, what makes its counters' total the
                                              # term's divisor (`.clamp(min=1)`), or None (Note [sums
                                              # over a sum of the data])
+    uncounted: tuple = ()                    # the model's lines of quotients over a sum of rows the
+                                             # parameters compute: no microbatches (check_loss_splits)
 
 
 _NLL_LOSS = inspect.signature(F.nll_loss)
@@ -322,8 +326,9 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     counter = (_counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss), reader=loss)
                if found else None)
     if counter is None:
-        terms, finishes = _scale_terms(gm, loss, batch)
-        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=terms, finishes=finishes)
+        terms, finishes, uncounted = _scale_terms(gm, loss, batch)
+        gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=terms, finishes=finishes,
+                                       uncounted=uncounted)
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -653,8 +658,8 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     for a sum's) and what makes each one's total its divisor (None: the total), in placeholder
     order."""
     if not isinstance(loss, fx.Node):
-        return (), ()
-    counters, finishes = [], []
+        return (), (), ()
+    counters, finishes, uncounted = [], [], []
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for ce in _affine_terms(loss, loss, batch):
         bound = bind_class_loss(ce)
@@ -662,8 +667,9 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
         finish, base = None, ce
         if ratio is not None:       # its numerator times 1 / (the divisor's total * w_m)
             made = _input_graph(gm, ratio[1], ce)
-            if made is None:
-                continue            # (a divisor of the parameters: not a count of the data)
+            if made is None:        # (a divisor of the parameters: not a count of the data)
+                uncounted.append(model_line(ce))
+                continue
             g, env = made
             g.output(g.call_method("double", (env[ratio[1]],)))
             counter, finish, base = graph_module(gm, g, "LossCounter"), _divisor_graph(gm, ratio[2]), ratio[0]
@@ -705,4 +711,16 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     if counters:
         gm.graph.lint()
         gm.recompile()
-    return tuple(counters), tuple(finishes)
+    return tuple(counters), tuple(finishes), tuple(uncounted)
+
+
+def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatches: int) -> None:
+    """Raise an InputError where the loss divides by a sum over the batch's rows that the
+    parameters compute and the batch is split (Note [sums over a sum of the data])."""
+    if scale is None or not scale.uncounted or num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+        return
+    raise InputError(f"the loss divides by a sum over the batch's rows that the parameters compute"
+                     f"{scale.uncounted[0]}: split into {num_microbatches} microbatches, each would divide by its "
+                     f"own rows' sum, and their quotients put together are not eager's. Use "
+                     f"Config(num_microbatches=1), or a divisor the data alone computes (a mask's or the weights' "
+                     f"sum), which is counted over the whole batch before the step.")
