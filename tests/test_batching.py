@@ -605,6 +605,25 @@ class _CountScaled(nn.Module):
         return F.mse_loss(h / (x[:, 0] > 0).sum().clamp(min=1), y)
 
 
+class _TupleOverRows(nn.Module):
+    """Rows less a statistic over the rows that an operation returns in a tuple (values and
+    indices, a std and a mean), or less the first of a split by position."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.b(torch.tanh(self.a(x)))
+        if self.kind == "median":
+            return F.mse_loss(h - h.median(0).values, y)
+        if self.kind == "std_mean":
+            std, mean = torch.std_mean(h, 0)
+            return F.mse_loss((h - mean) / std, y)
+        first, _ = h.split([1, h.shape[0] - 1])
+        return F.mse_loss(h - first, y)
+
+
 class _MaskedMean(nn.Module):
     """Rows centred on the mean of the batch's rows picked by a mask (a size the data decides)."""
 
@@ -737,6 +756,9 @@ class _ClassCentroids(nn.Module):
                                        (_HardestRows, "per_row[per_row.topk(2).indices]"),
                                        (_MaskedMean, "h - h[x[:, 0] > 0].mean(0)"),
                                        (_CountScaled, "h / (x[:, 0] > 0).sum().clamp(min=1)"),
+                                       (functools.partial(_TupleOverRows, "median"), "h - h.median(0).values"),
+                                       (functools.partial(_TupleOverRows, "std_mean"), "F.mse_loss((h - mean) / std, y)"),
+                                       (functools.partial(_TupleOverRows, "split"), "h.split([1, h.shape[0] - 1])"),
                                        (functools.partial(_PairedHalves, "chunk"), "score.chunk(2)"),
                                        (functools.partial(_PairedHalves, "view"), "score.view(2, -1)"),
                                        (_ClassCentroids, "h - (sums / counts.clamp(min=1)[:, None])[labels]"),
@@ -748,7 +770,8 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
                                        (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "count_scaled", "halves_chunk",
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "count_scaled", "median", "std_mean",
+                              "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
@@ -761,7 +784,8 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
     index_add, and rows picked by an index made from the batch size that picks other rows: reversed, shifted,
     a random permutation, a fixed row, the rows as an embedding table, and rows written by index into a value of a row per class, read back by
-    class, rows scaled by a count over the batch's rows). Now an InputError names the model's line, before any step, and
+    class, rows scaled by a count over the batch's rows, statistics over the rows returned in a tuple: a
+    median's values, std_mean, the first of a split). Now an InputError names the model's line, before any step, and
     changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

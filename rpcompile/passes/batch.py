@@ -424,19 +424,23 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                                           and t.is_floating_point() and (a in rows or a in reduced)
                                           for a in n.all_input_nodes):
                 reduced.add(target)       # (its later readers read rows it does not hold as rows)
-        if (n.op not in ("call_function", "call_method", "call_module") or not isinstance(ev, torch.Tensor)
-                or not ev.is_floating_point()):
+        # (a tuple's values too: `h.median(0)`, `torch.std_mean(h, 0)`, `h.split([1, B - 1])`)
+        values = [t for t in torch.utils._pytree.tree_leaves(ev) if isinstance(t, torch.Tensor)]
+        if (n.op not in ("call_function", "call_method", "call_module")
+                or not any(t.is_floating_point() for t in values)):
             continue
         if op_name(n) in _FRESH or n.target is _add_batch_dim:
             continue      # (inside torch.vmap the rows are there, its batch dim: Note [functorch regions])
-        if sum(map(info.is_batch_dim, ev.shape)) >= 2:
-            return n, f"`{n.name}` of shape {info.shape_text(ev.shape)} pairs the batch's rows with its rows"
-        if any(info.mentions(d) and not info.whole_rows(d) for d in ev.shape):
-            return n, (f"`{n.name}` of shape {info.shape_text(ev.shape)} holds a part of the batch's rows picked "
-                       f"by their position in the batch (half of them, all but one), which a microbatch counts from "
-                       f"its own; a batch of pairs (DPO's chosen and rejected answers) trains split when the halves "
-                       f"come as two arguments, concatenated in the forward (`torch.cat([chosen, rejected])`)")
-        tensors = {a: t for a in n.all_input_nodes if isinstance(t := node_value(a), torch.Tensor)}
+        for shape in (t.shape for t in values if t.is_floating_point()):
+            if sum(map(info.is_batch_dim, shape)) >= 2:
+                return n, f"`{n.name}` of shape {info.shape_text(shape)} pairs the batch's rows with its rows"
+            if any(info.mentions(d) and not info.whole_rows(d) for d in shape):
+                return n, (f"`{n.name}` of shape {info.shape_text(shape)} holds a part of the batch's rows picked "
+                           f"by their position in the batch (half of them, all but one), which a microbatch counts "
+                           f"from its own; a batch of pairs (DPO's chosen and rejected answers) trains split when the "
+                           f"halves come as two arguments, concatenated in the forward "
+                           f"(`torch.cat([chosen, rejected])`)")
+        tensors = {a: t for a in n.all_input_nodes if (t := _a_tensor(node_value(a))) is not None}
         if op_name(n) in _ARITHMETIC and any(a in counted for a in tensors):
             if n in rows:
                 return n, (f"`{n.name}` computes the batch's rows from a count over its rows (`mask.sum()`), which "
@@ -464,6 +468,15 @@ _ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide",
 
 
 _VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   # (of its argument's shape alone)
+
+
+def _a_tensor(value) -> Optional[torch.Tensor]:
+    """A tensor, or a tuple's first floating-point tensor (else its first): what rows_mixed reads
+    of an argument (`h.median(0)`'s values and indices, as `.values` reads them)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    leaves = [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return next((t for t in leaves if t.is_floating_point()), leaves[0] if leaves else None)
 
 
 def _counts_rows(n: fx.Node, value, rows: set, counted: set) -> bool:
