@@ -44,13 +44,15 @@ class Picked(nn.Module):
         return F.mse_loss(h - 0.25 * other, y)
 
 
-def step_both(model, batches, cfg, loss_of):
+def step_both(model, batches, cfg, loss_of, call=lambda cm, b: cm.train_step(**b)):
+    """3 SGD-momentum steps of the compiled model (`call`) and of an eager copy on DEV (`loss_of`): the losses,
+    the gradients of step 1 and the parameters after the steps against eager's (gpu_ratios.py uses it too)."""
     ref = copy.deepcopy(model).to(DEV)
     cm = rpcompile.compile(model, cfg)
     opt, opt_r = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
     rec = {"losses": [], "ref": []}
     for step, b in enumerate(batches):
-        loss = cm.train_step(**b)
+        loss = call(cm, b)
         lr_ = loss_of(ref, {k: v.to(DEV) for k, v in b.items()})
         lr_.backward()
         if step == 0:
@@ -61,44 +63,50 @@ def step_both(model, batches, cfg, loss_of):
         opt.step(); opt.zero_grad(); opt_r.step(); opt_r.zero_grad()
     pmax = max(q.abs().max().item() for q in ref.parameters())
     rec["param_rel"] = max((p.to(DEV) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())) / pmax
+    rec["loss_diff"] = max(abs(a - b) for a, b in zip(rec["losses"], rec["ref"]))
     rec["jobs"], rec["compiled"] = len(cm.stages), cm.config.compile_stages
     return rec
 
 
-cfg = rpcompile.Config(devices=[DEV], num_microbatches=2, dtype=torch.float32)
-g = torch.Generator().manual_seed(1)
-x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-for kind in ("reversed", "shifted", "randperm", "fixed", "written", "partner"):
+def main():
+    cfg = rpcompile.Config(devices=[DEV], num_microbatches=2, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    for kind in ("reversed", "shifted", "randperm", "fixed", "written", "partner"):
+        torch.manual_seed(0)
+        model = Picked(kind)
+        before = copy.deepcopy(model.state_dict())
+        batch = {"x": x, "y": y, **({"partner": torch.tensor([1, 0, 2, 3, 3, 2, 1, 0])} if kind == "partner" else {})}
+        try:
+            rpcompile.compile(model, cfg).train_step(**batch)
+            out[kind] = {"refused": False}
+        except rpcompile.InputError as e:
+            out[kind] = {"refused": True, "message": str(e)[:400],
+                         "unchanged": all(torch.equal(p, before[n]) for n, p in model.state_dict().items())}
+        print(kind, json.dumps(out[kind]), flush=True)
+
     torch.manual_seed(0)
-    model = Picked(kind)
-    before = copy.deepcopy(model.state_dict())
-    batch = {"x": x, "y": y, **({"partner": torch.tensor([1, 0, 2, 3, 3, 2, 1, 0])} if kind == "partner" else {})}
-    try:
-        rpcompile.compile(model, cfg).train_step(**batch)
-        out[kind] = {"refused": False}
-    except rpcompile.InputError as e:
-        out[kind] = {"refused": True, "message": str(e)[:400],
-                     "unchanged": all(torch.equal(p, before[n]) for n, p in model.state_dict().items())}
-    print(kind, json.dumps(out[kind]), flush=True)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
+    out["own"] = step_both(Picked("own"), batches, cfg, lambda m, b: m(**b))
+    print("own", json.dumps(out["own"]), flush=True)
 
-torch.manual_seed(0)
-batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
-out["own"] = step_both(Picked("own"), batches, cfg, lambda m, b: m(**b))
-print("own", json.dumps(out["own"]), flush=True)
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+    torch.manual_seed(0)
+    clf = Qwen3ForSequenceClassification(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                     head_dim=16, num_labels=3, pad_token_id=0))
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(1, 128, (6, 16), generator=g)
+        mask = torch.ones_like(ids)
+        for r, n in enumerate((16, 9, 12, 5, 16, 7)):
+            ids[r, n:], mask[r, n:] = 0, 0
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (6,), generator=g)})
+    out["seq_classifier"] = step_both(clf, batches, cfg, lambda m, b: m(**b).loss)
+    print("seq_classifier", json.dumps(out["seq_classifier"]), flush=True)
+    os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
+    json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "rows_gpu.json"), "w"), indent=1)
 
-from transformers import Qwen3Config, Qwen3ForSequenceClassification
-torch.manual_seed(0)
-clf = Qwen3ForSequenceClassification(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                 head_dim=16, num_labels=3, pad_token_id=0))
-batches = []
-for _ in range(3):
-    ids = torch.randint(1, 128, (6, 16), generator=g)
-    mask = torch.ones_like(ids)
-    for r, n in enumerate((16, 9, 12, 5, 16, 7)):
-        ids[r, n:], mask[r, n:] = 0, 0
-    batches.append({"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (6,), generator=g)})
-out["seq_classifier"] = step_both(clf, batches, cfg, lambda m, b: m(**b).loss)
-print("seq_classifier", json.dumps(out["seq_classifier"]), flush=True)
-os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "rows_gpu.json"), "w"), indent=1)
+
+if __name__ == "__main__":
+    main()
