@@ -214,8 +214,8 @@ class _Ratios(nn.Module):
         per_row, picked = (h - y).pow(2).mean(-1), x[:, 0] > 0
         if self.kind == "masked":
             return (per_row * picked).sum() / picked.sum()
-        if self.kind == "floored":      # (a term, its numerator scaled, beside a mean over rows)
-            return 0.5 * (per_row * picked).sum() / picked.sum().clamp(min=1) + F.mse_loss(h, y)
+        if self.kind == "floored":      # (a term, its numerator scaled, beside a mean over rows; a cast)
+            return 0.5 * (per_row * picked).sum() / picked.sum().clamp(min=1).type_as(h) + F.mse_loss(h, y)
         if self.kind == "counted":
             labels = torch.where(x[:, 1] > 0, (x[:, 2] > 0).long(), -100)
             return F.cross_entropy(h[:, :2], labels, reduction="sum") / (labels != -100).sum()

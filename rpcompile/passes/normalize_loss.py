@@ -527,8 +527,8 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
 
 _DIVIDES = {operator.truediv, operator.itruediv, torch.div, torch.true_divide}
 # the steps a divisor may take from a sum of the data: a floor, an offset, a cast (numbers beside it)
-_FINISHING = {"clamp", "clamp_min", "add", "float", "double", "to", "type", "__add__", "__radd__", torch.clamp,
-              torch.clamp_min, torch.add, operator.add}
+_FINISHING = {"clamp", "clamp_min", "add", "float", "double", "to", "type", "type_as", "__add__", "__radd__",
+              torch.clamp, torch.clamp_min, torch.add, operator.add}
 
 
 def over_a_sum_of_the_data(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
@@ -548,6 +548,8 @@ def over_a_sum_of_the_data(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
     while over_rows(divisor, batch) != "sum":
         name = divisor.target if divisor.op in ("call_method", "call_function") else None
         chained = [a for a in (*divisor.args, *divisor.kwargs.values()) if isinstance(a, fx.Node)]
+        if name == "type_as":           # (a cast to another value's dtype)
+            chained = chained[:1]
         if name not in _FINISHING or len(chained) != 1:
             return None
         steps.append(divisor)
@@ -564,7 +566,8 @@ def _divisor_graph(gm: fx.GraphModule, steps: list) -> Optional[fx.GraphModule]:
     chained = next(a for a in (*first.args, *first.kwargs.values()) if isinstance(a, fx.Node))
     env = {chained: g.placeholder("total")}
     for n in steps:
-        env[n] = g.node_copy(n, lambda x: env[x])
+        env[n] = (g.call_method("to", (env[n.args[0]], node_value(n.args[1]).dtype)) if n.target == "type_as"
+                  else g.node_copy(n, lambda x: env[x]))
     g.output(env[steps[-1]])
     return graph_module(gm, g, "LossDivisor")
 
