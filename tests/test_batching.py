@@ -388,14 +388,22 @@ class _AlongRows(nn.Module):
 
     def __init__(self, kind, batch_first=False):
         super().__init__()
-        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+        self.kind, self.a, self.b, self.batch_first = kind, nn.Linear(8, 16), nn.Linear(16, 4), batch_first
         if kind == "multihead":
             self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+        if kind == "conv":
+            self.conv = nn.Conv1d(4 if not batch_first else 2, 4 if not batch_first else 2, 3, padding=1)
 
     def forward(self, x, y):
         if self.kind == "multihead":          # (rows of 2 tokens; without batch_first, dim 0 is the sequence)
             t = torch.tanh(self.a(x)).view(x.shape[0], 2, 8)
             return F.mse_loss(self.b(self.attention(t, t, t)[0].reshape(x.shape[0], 16)), y)
+        if self.kind == "conv" and self.batch_first:   # (a conv along each row's (2, 2) view)
+            h = self.b(torch.tanh(self.a(x)))
+            return F.mse_loss(h + self.conv(h.view(x.shape[0], 2, 2)).view(x.shape[0], 4), y)
+        if self.kind == "conv":                      # (a conv along the rows: (1, 4, batch))
+            h = self.b(torch.tanh(self.a(x)))
+            return F.mse_loss(h + self.conv(h.T[None])[0].T, y)
         if self.kind == "sdpa":               # (the rows as one set of tokens)
             t = torch.tanh(self.a(x))[None, None]
             return F.mse_loss(self.b(F.scaled_dot_product_attention(t, t, t)[0, 0]), y)
@@ -414,6 +422,8 @@ class _AlongRows(nn.Module):
             h = h[h[:, 0].argsort()]
         elif self.kind == "msort":
             h = torch.msort(h)
+        elif self.kind == "avg_pool":
+            h = h - F.avg_pool1d(h.T[None], 3, 1, 1)[0].T
         else:
             h = h.sort(0).values
         return F.mse_loss(h, y)
@@ -570,13 +580,15 @@ def test_pairs_given_as_two_arguments_train_split_as_eager(reduce):
                eager_step=scalar_loss_step, steps=2)
 
 
-def test_multihead_attention_along_its_sequence_trains_split_as_eager():
+@pytest.mark.parametrize("kind", ["multihead", "conv"])
+def test_attention_and_convs_along_each_row_train_split_as_eager(kind):
     """Note [rows kept apart]: nn.MultiheadAttention(batch_first=True) attends along each row's
-    tokens (dim 0 of the key it is given is theirs): not refused, split as eager."""
+    tokens (dim 0 of the key it is given is theirs), a Conv1d runs along each row's (channels,
+    length) view: not refused, split as eager."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    train_both(_AlongRows("multihead", batch_first=True), batches,
+    train_both(_AlongRows(kind, batch_first=True), batches,
                rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
@@ -753,6 +765,8 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_AlongRows, "msort"), "torch.msort(h)"),
                                        (functools.partial(_AlongRows, "multihead"), "self.attention(t, t, t)"),
                                        (functools.partial(_AlongRows, "sdpa"), "F.scaled_dot_product_attention(t, t, t)"),
+                                       (functools.partial(_AlongRows, "conv"), "self.conv(h.T[None])"),
+                                       (functools.partial(_AlongRows, "avg_pool"), "F.avg_pool1d(h.T[None], 3, 1, 1)"),
                                        (_HardestRows, "per_row[per_row.topk(2).indices]"),
                                        (_MaskedMean, "h - h[x[:, 0] > 0].mean(0)"),
                                        (_CountScaled, "h / (x[:, 0] > 0).sum().clamp(min=1)"),
@@ -770,23 +784,24 @@ class _ClassCentroids(nn.Module):
                                        (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
                                        (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
-                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "hardest", "masked_mean", "count_scaled", "median", "std_mean",
-                              "split_first", "halves_chunk",
+                              "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
+                              "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
-    """Note [rows kept apart]: split into 2 microbatches, an in-batch contrastive loss came out
-    7.72 where eager's is 12.31, and rows centred on the batch's mean were centred on their
-    microbatch's, silently (and a softmax, cumsum or sort over the rows, a layer or RMS norm over
-    a shape that takes in the rows, a softmax without dim, rows reordered by an argsort over them,
-    a preference loss pairing the batch's halves, an attention along the rows (nn.MultiheadAttention
-    given (batch, seq, embed) without batch_first), the loss of the batch's hardest rows (topk), rows centred on
-    the mean of rows a mask picks (a size the data decides), and rows centred on their class's mean made by
-    index_add, and rows picked by an index made from the batch size that picks other rows: reversed, shifted,
-    a random permutation, a fixed row, the rows as an embedding table, and rows written by index into a value of a row per class, read back by
-    class, rows scaled by a count over the batch's rows, statistics over the rows returned in a tuple: a
-    median's values, std_mean, the first of a split). Now an InputError names the model's line, before any step, and
-    changes nothing; with one microbatch the model trains as eager."""
+    """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
+    contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
+    were centred on their microbatch's, silently. The same held for: a softmax, cumsum or sort over
+    the rows; a layer or RMS norm over a shape that takes in the rows; a softmax without dim; rows
+    reordered by an argsort over them; a conv or pool along the rows; an attention along the rows
+    (nn.MultiheadAttention given (batch, seq, embed) without batch_first); the loss of the batch's
+    hardest rows (topk); rows centred on the mean of rows a mask picks; rows scaled by a count over
+    the rows; statistics over the rows returned in a tuple (a median's values, std_mean, the first
+    of a split); a preference loss pairing the batch's halves; rows centred on their class's mean
+    made by index_add, or written by index into a row per class; and rows picked by an index made
+    from the batch size that picks other rows (reversed, shifted, a random permutation, a fixed
+    row, the rows as an embedding table). Now an InputError names the model's line, before any
+    step, and changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()
     before = copy.deepcopy(model.state_dict())

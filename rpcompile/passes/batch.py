@@ -310,6 +310,12 @@ _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum"
 _ATTENDS = {"scaled_dot_product_attention": -2, "flex_attention": -2, "multi_head_attention_forward": 0}
 _IMPLICIT_DIM = ("softmax", "log_softmax", "softmin")   # F.softmax(x): the legacy dim, torch's _get_softmax_dim
 _NORMALIZED = ("layer_norm", "rms_norm")     # over the last len(normalized_shape) dims
+# Operations over windows of their spatial dims and across channels (a (batch, channels, *spatial)
+# value, or an unbatched (channels, *spatial) one): the number of spatial dims (None: the value's
+# less two). A conv or pool over the rows (`conv1d(h.T[None])`) mixes them.
+_WINDOWS = {**{f"{op}{n}d": n for n in (1, 2, 3) for op in ("conv", "conv_transpose", "avg_pool", "max_pool",
+                                                            "lp_pool", "adaptive_avg_pool", "adaptive_max_pool")},
+            "interpolate": None, "upsample": None}
 
 
 # Operations that add (or otherwise reduce) values into the slots an index tensor names: given
@@ -346,6 +352,8 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
                 and info.mentions(key.shape[_ATTENDS[name] if key.dim() > 1 else 0])):
             return name
         return None
+    if n.op == "call_function" and name in _WINDOWS and n.args:
+        return name if _windows_over_rows(n, name, info) else None
     if n.op not in ("call_function", "call_method") or name not in _ALONG or not n.args:
         return None
     x = node_value(n.args[0])
@@ -366,6 +374,21 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     if any(isinstance(d, int) and -x.dim() <= d < x.dim() and info.mentions(x.shape[d]) for d in dims):
         return name
     return None
+
+
+def _windows_over_rows(n: fx.Node, name: str, info: BatchInfo) -> bool:
+    """Whether a conv, pool or interpolation (_WINDOWS) works along a dim of its input that holds
+    the rows: a spatial dim, or the channels (not a grouped conv's: rows folded into groups, one
+    kernel per row, stay apart)."""
+    x = node_value(n.args[0])
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return False
+    spatial = _WINDOWS[name] if _WINDOWS[name] is not None else max(x.dim() - 2, 1)
+    first = 1 if x.dim() == spatial + 2 else 0          # (an unbatched input mixes every dim)
+    groups = n.kwargs.get("groups", n.args[6] if name.startswith("conv") and len(n.args) > 6 else 1)
+    if name.startswith("conv") and groups != 1:
+        first = max(first, x.dim() - spatial)
+    return any(info.mentions(d) for d in x.shape[first:])
 
 
 _BLOCKS = {"cat", "concat", "concatenate", "repeat", "tile"}   # whole batches of rows one after another
