@@ -33,6 +33,18 @@ def lm_batch(batch=5, seq=12, vocab=128, seed=1):
     return {"input_ids": ids, "labels": labels}
 
 
+class TwoLayers(nn.Module):
+    """8 features to 4 through a tanh layer of 16, row by row: the forward the batching and loss
+    tests build their cases on (`kind` names the case)."""
+
+    def __init__(self, kind=None):
+        super().__init__()
+        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def hidden(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
 class MLP(nn.Module):
     def __init__(self, width=16, depth=4):
         super().__init__()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.runtime import job as job_mod
 
-from models import llama, lm_batch, qwen3
+from models import TwoLayers, llama, lm_batch, qwen3
 from parity import TIGHT, scalar_loss_step, train_both
 
 
@@ -372,23 +372,19 @@ class _InBatchContrastive(nn.Module):
         return F.cross_entropy(u @ v.T / 0.05, torch.arange(x.shape[0]))
 
 
-class _CentredRows(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
+class _CentredRows(TwoLayers):
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         h = h - h.mean(0, keepdim=True)
         return F.mse_loss(h, y)
 
 
-class _AlongRows(nn.Module):
+class _AlongRows(TwoLayers):
     """An operation along the rows that keeps the shape: nothing in the values' shapes shows the mixing."""
 
     def __init__(self, kind, batch_first=False):
-        super().__init__()
-        self.kind, self.a, self.b, self.batch_first = kind, nn.Linear(8, 16), nn.Linear(16, 4), batch_first
+        super().__init__(kind)
+        self.batch_first = batch_first
         if kind == "multihead":
             self.attention = nn.MultiheadAttention(8, 2, batch_first=batch_first)
         if kind == "conv":
@@ -399,15 +395,15 @@ class _AlongRows(nn.Module):
             t = torch.tanh(self.a(x)).view(x.shape[0], 2, 8)
             return F.mse_loss(self.b(self.attention(t, t, t)[0].reshape(x.shape[0], 16)), y)
         if self.kind == "conv" and self.batch_first:   # (a conv along each row's (2, 2) view)
-            h = self.b(torch.tanh(self.a(x)))
+            h = self.hidden(x)
             return F.mse_loss(h + self.conv(h.view(x.shape[0], 2, 2)).view(x.shape[0], 4), y)
         if self.kind == "conv":                      # (a conv along the rows: (1, 4, batch))
-            h = self.b(torch.tanh(self.a(x)))
+            h = self.hidden(x)
             return F.mse_loss(h + self.conv(h.T[None])[0].T, y)
         if self.kind == "sdpa":               # (the rows as one set of tokens)
             t = torch.tanh(self.a(x))[None, None]
             return F.mse_loss(self.b(F.scaled_dot_product_attention(t, t, t)[0, 0]), y)
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         if self.kind == "softmax":
             h = torch.softmax(h, dim=0)
         elif self.kind == "cumsum":
@@ -429,17 +425,13 @@ class _AlongRows(nn.Module):
         return F.mse_loss(h, y)
 
 
-class _PickedRows(nn.Module):
+class _PickedRows(TwoLayers):
     """Rows picked by an index made from the batch size (Note [rows picked by an index]): each
     row's own ("own": itself, its last entry of a (batch * 2) value, a row and a column the data
     picks, the first block of a concatenation), or other rows."""
 
-    def __init__(self, kind):
-        super().__init__()
-        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h, rows = self.b(torch.tanh(self.a(x))), x.shape[0]
+        h, rows = self.hidden(x), x.shape[0]
         if self.kind == "reversed":
             other = h[torch.arange(rows - 1, -1, -1)]
         elif self.kind == "shifted":
@@ -457,16 +449,12 @@ class _PickedRows(nn.Module):
         return F.mse_loss(h - 0.25 * other, y)
 
 
-class _WrittenRows(nn.Module):
+class _WrittenRows(TwoLayers):
     """Rows written by index into a value that does not hold the batch's rows (a row per class,
     the last written), read back by each row's class."""
 
-    def __init__(self, kind):
-        super().__init__()
-        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         labels = (x[:, 0] > 0).long()
         if self.kind == "setitem":
             last = h.new_zeros(2, 4)
@@ -593,40 +581,28 @@ def test_attention_and_convs_along_each_row_train_split_as_eager(kind):
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
 
-class _HardestRows(nn.Module):
+class _HardestRows(TwoLayers):
     """Hard example mining: the loss of the batch's rows of the largest loss (topk over the rows)."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        per_row = F.mse_loss(self.b(torch.tanh(self.a(x))), y, reduction="none").mean(-1)
+        per_row = F.mse_loss(self.hidden(x), y, reduction="none").mean(-1)
         return per_row[per_row.topk(2).indices].mean()
 
 
-class _CountScaled(nn.Module):
+class _CountScaled(TwoLayers):
     """Rows scaled by a count over the batch's rows (integers: `mask.sum()`)."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         return F.mse_loss(h / (x[:, 0] > 0).sum().clamp(min=1), y)
 
 
-class _TupleOverRows(nn.Module):
+class _TupleOverRows(TwoLayers):
     """Rows less a statistic over the rows that an operation returns in a tuple (values and
     indices, a std and a mean), or less the first of a split by position."""
 
-    def __init__(self, kind):
-        super().__init__()
-        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         if self.kind == "median":
             return F.mse_loss(h - h.median(0).values, y)
         if self.kind == "std_mean":
@@ -636,15 +612,11 @@ class _TupleOverRows(nn.Module):
         return F.mse_loss(h - first, y)
 
 
-class _MaskedMean(nn.Module):
+class _MaskedMean(TwoLayers):
     """Rows centred on the mean of the batch's rows picked by a mask (a size the data decides)."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         h = h - h[x[:, 0] > 0].mean(0)
         return F.mse_loss(h, y)
 
@@ -736,16 +708,12 @@ def test_whole_rows_are_sizes_proportional_to_the_batch():
     assert [_proportional(e, rows & e.free_symbols) for e in part] == [False] * len(part)
 
 
-class _ClassCentroids(nn.Module):
+class _ClassCentroids(TwoLayers):
     """Rows centred on their class's mean over the batch: a sum per class by index_add (integer
     class indices beside the rows), read back by each row's class."""
 
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         labels = (x[:, 0] > 0).long()
         sums = torch.zeros(2, 4).index_add(0, labels, h)
         counts = torch.zeros(2).index_add(0, labels, torch.ones_like(h[:, 0]))

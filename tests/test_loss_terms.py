@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import rpcompile
-from models import lm_batch, qwen3
+from models import TwoLayers, lm_batch, qwen3
 from parity import TIGHT, check_grads, close, scalar_loss_step, train_both
 
 
@@ -201,16 +201,12 @@ def _masked_token_mean(out, labels):
     return (per_token * counted).sum() / counted.sum()
 
 
-class _Ratios(nn.Module):
+class _Ratios(TwoLayers):
     """A regression whose loss is a sum over rows divided by a sum over rows of the data: a mask's
     count, floored or not, a class count of a sum cross-entropy, float weights' total."""
 
-    def __init__(self, kind):
-        super().__init__()
-        self.kind, self.a, self.b = kind, nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x, y):
-        h = self.b(torch.tanh(self.a(x)))
+        h = self.hidden(x)
         per_row, picked = (h - y).pow(2).mean(-1), x[:, 0] > 0
         if self.kind == "masked":
             return (per_row * picked).sum() / picked.sum()
