@@ -137,9 +137,10 @@ def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
     does, or the check cannot run it (Note [rows picked by an index])."""
     batch = info.size
     splits = [[len(p) for p in torch.arange(batch).tensor_split(m)] for m in (2, 3) if m <= batch]
+    program = _program(index)
     try:
-        whole = _evaluate(index, info, batch, seed=0)
-        if not torch.equal(whole, _evaluate(index, info, batch, seed=1)):
+        whole = _evaluate(program, info, batch, seed=0)
+        if not torch.equal(whole, _evaluate(program, info, batch, seed=1)):
             return ("it is random, drawn once for the whole batch and once per microbatch, differently (to pair "
                     "rows at random across the batch, pick the partners in the data loader and pass them as a "
                     "second batched argument)")
@@ -148,7 +149,7 @@ def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
         if first is None:
             return f"it picks fixed positions ({_shown(whole)}), which each microbatch counts from its own first row"
         for parts in splits:
-            pieces = [(_evaluate(index, info, b, seed=0), _sizes(size, info, b)) for b in parts]
+            pieces = [(_evaluate(program, info, b, seed=0), _sizes(size, info, b)) for b in parts]
             if not any(_assembled(whole, entries, pieces, parts, first, blocks) for blocks in
                        _layouts(entries // batch if entries % batch == 0 else 0, in_blocks)):
                 return (f"it does not pick each row's entries from that row: at {batch} rows it is "
@@ -226,19 +227,27 @@ def _substituted(value, info, batch: int):
                                                               else float(out))
 
 
-def _evaluate(index: fx.Node, info, batch: int, seed: int) -> torch.Tensor:
-    """The index's value at `batch` rows: its graph of sizes and factory calls run on the CPU."""
-    needed, stack = set(), [index]
-    while stack:                       # (the index's ancestors up to sizes: made_from_sizes)
-        m = stack.pop()
-        if m not in needed:
-            needed.add(m)
-            stack.extend(() if _is_size(node_value(m)) else m.all_input_nodes)
+def _program(index: fx.Node) -> list:
+    """The index's ancestors up to sizes (made_from_sizes), each after its arguments, the index last."""
+    order, done, stack = [], set(), [(index, False)]
+    while stack:
+        m, expanded = stack.pop()
+        if expanded:
+            order.append(m)
+        elif m not in done:
+            done.add(m)
+            stack.append((m, True))
+            stack.extend((a, False) for a in (() if _is_size(node_value(m)) else m.all_input_nodes) if a not in done)
+    return order
+
+
+def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
+    """The index's value at `batch` rows: its program (_program) of sizes and factory calls run on the CPU."""
     values = {}
     cpu = {"cuda": torch.device("cpu"), "meta": torch.device("cpu")}
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
-        for m in sorted(needed, key=_order(index.graph)):
+        for m in program:
             v = node_value(m)
             if _is_size(v):
                 values[m] = (type(v)(_substituted(d, info, batch) for d in v) if isinstance(v, (tuple, list))
@@ -251,12 +260,8 @@ def _evaluate(index: fx.Node, info, batch: int, seed: int) -> torch.Tensor:
                 values[m] = fn(*(args[1:] if m.op == "call_method" else args), **kwargs)
             except Exception as e:   # noqa: BLE001 - an operation this check cannot run: not checked
                 raise _DataDecided from e
-    out = values[index]
+    out = values[program[-1]]
     if not isinstance(out, torch.Tensor):
         raise _DataDecided
     return out.long()
 
-
-def _order(graph: fx.Graph):
-    position = {m: i for i, m in enumerate(graph.nodes)}
-    return position.__getitem__
