@@ -436,7 +436,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         if (picked := _picked_apart(n, info, sized, read, rows)) is not None:
             return n, picked
         ev = node_value(n)
-        if _holds_rows(n, ev, info, rows):
+        values = _tensors(ev)       # (a tuple's too: `h.median(0)`, `torch.std_mean(h, 0)`, `h.split([1, B - 1])`)
+        if _holds_rows(n, values, info, rows):
             rows.add(n)
         if (source := read_from_input(n, read)) is not None:
             read[n] = source
@@ -447,8 +448,6 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                                           and t.is_floating_point() and (a in rows or a in reduced)
                                           for a in n.all_input_nodes):
                 reduced.add(target)       # (its later readers read rows it does not hold as rows)
-        # (a tuple's values too: `h.median(0)`, `torch.std_mean(h, 0)`, `h.split([1, B - 1])`)
-        values = [t for t in torch.utils._pytree.tree_leaves(ev) if isinstance(t, torch.Tensor)]
         if (n.op not in ("call_function", "call_method", "call_module")
                 or not any(t.is_floating_point() for t in values)):
             continue
@@ -493,12 +492,17 @@ _ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide",
 _VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   # (of its argument's shape alone)
 
 
+def _tensors(value) -> list:
+    """The tensors of a value: itself, or a tuple's."""
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _a_tensor(value) -> Optional[torch.Tensor]:
     """A tensor, or a tuple's first floating-point tensor (else its first): what rows_mixed reads
     of an argument (`h.median(0)`'s values and indices, as `.values` reads them)."""
     if isinstance(value, torch.Tensor):
         return value
-    leaves = [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    leaves = _tensors(value)
     return next((t for t in leaves if t.is_floating_point()), leaves[0] if leaves else None)
 
 
@@ -539,13 +543,12 @@ def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set
     return None
 
 
-def _holds_rows(n: fx.Node, value, info: BatchInfo, rows: set) -> bool:
-    """Whether `n`'s value (a tensor, or tensors in a tuple) holds the batch's rows: a size of it
+def _holds_rows(n: fx.Node, tensors: list, info: BatchInfo, rows: set) -> bool:
+    """Whether `n`'s value (its `tensors`: one, or a tuple's) holds the batch's rows: a size of it
     depends on the batch size, or the data decides a size of it (u0 + u1) and it is made from
     values that hold rows: the rows picked by a mask (`h[labels == c]`), JetMoE's tokens grouped
     per expert by counts read off the router (the rows in another order). Not a sum per index
     (`zeros(classes.numel(), d).index_add(0, inverse, h)`: a value reduced over the rows)."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
     if any(info.mentions(d) for t in tensors for d in t.shape):
         return True
     return (any(map(free_unbacked_symbols, tensors)) and not _reduces_by_index(n)
