@@ -657,9 +657,9 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     """Rewrite each mean cross-entropy (nll_loss) term of `loss` into its token sum times a scale
     placeholder (Note [cross-entropy terms]), each sum over a sum of the data into its numerator
     times one (Note [sums over a sum of the data]), and scale each sum term (Note [sums over a
-    batch count], Note [sums over rows]); (counters, finishes): the counters of the scales (None
-    for a sum's) and what makes each one's total its divisor (None: the total), in placeholder
-    order."""
+    batch count], Note [sums over rows]); (counters, finishes, uncounted): the counters of the
+    scales (None for a sum's) and what makes each one's total its divisor (None: the total), in
+    placeholder order, and the lines of quotients whose divisor the parameters compute."""
     if not isinstance(loss, fx.Node):
         return (), (), ()
     counters, finishes, uncounted = [], [], []
@@ -697,18 +697,18 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
             scale.meta["example_value"] = torch.empty_like(value, dtype=torch.float32)
             product_dtype = torch.promote_types(value.dtype, torch.float32)
             scaled.meta["example_value"] = torch.empty_like(value, dtype=product_dtype)
-            if value.dtype != product_dtype:     # (a bf16 loss: the product in fp32, the loss in bf16)
+            if value.dtype != product_dtype and base is ce:     # (a bf16 loss: the product in fp32, the loss in bf16)
                 with gm.graph.inserting_after(scaled):
                     cast = gm.graph.call_method("to", (scaled, value.dtype))
                 cast.meta["example_value"] = value
                 scaled = cast
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in ce.meta:
-                scaled.meta[key] = ce.meta[key]
-        if base is ce:
+        if base is not ce:      # the quotient becomes the scaled numerator in its dtype, under its name (the loss's)
+            ce.op, ce.target, ce.args, ce.kwargs = "call_method", "to", (product, value.dtype), {}
+        else:
+            for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                if key in ce.meta:
+                    scaled.meta[key] = ce.meta[key]
             ce.replace_all_uses_with(scaled, delete_user_cb=lambda user, product=product: user is not product)
-        else:       # the quotient becomes the scaled numerator, under its name (the loss output's, maybe)
-            ce.op, ce.target, ce.args, ce.kwargs = "call_method", "to", (scaled, ce.meta["example_value"].dtype), {}
         counters.append(counter)
         finishes.append(finish)
     if counters:
