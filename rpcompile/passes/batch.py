@@ -104,6 +104,11 @@ class BatchInfo:
         expr = size.node.expr
         return expr in self.symbols or _proportional(expr, frozenset(self.symbols & expr.free_symbols))
 
+    def split(self, num_microbatches: int) -> bool:
+        """Whether the batch is split into microbatches: more than one, of batched inputs of more
+        than one row."""
+        return num_microbatches > 1 and bool(self.leaves) and (self.size or 0) > 1
+
     def mentions(self, size) -> bool:
         """Whether a size depends on the batch size."""
         return isinstance(size, torch.SymInt) and bool(self.symbols & size.node.expr.free_symbols)
@@ -271,7 +276,7 @@ def fixed_where(ev, name: str) -> Optional[str]:
 
 def check_splittable(info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where a split would pair rows wrongly (Note [batched inputs])."""
-    if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+    if not info.split(num_microbatches):
         return
     if info.fixed:
         at = "".join(f"; {name!r} at `{where}`" for name, where in info.fixed_at.items())
@@ -567,7 +572,7 @@ def model_line(node: fx.Node) -> str:
 
 def check_rows_apart(gm: fx.GraphModule, info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where microbatches would compute rows from other rows (Note [rows kept apart])."""
-    if num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+    if not info.split(num_microbatches):
         return
     found = rows_mixed(gm, info)
     if found is None:

@@ -720,7 +720,7 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
 def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where the loss divides by a sum over the batch's rows that the
     parameters compute and the batch is split (Note [sums over a sum of the data])."""
-    if scale is None or not scale.uncounted or num_microbatches <= 1 or not info.leaves or (info.size or 0) <= 1:
+    if scale is None or not scale.uncounted or not info.split(num_microbatches):
         return
     raise InputError(f"the loss divides by a sum over the batch's rows that the parameters compute"
                      f"{scale.uncounted[0]}: split into {num_microbatches} microbatches, each would divide by its "
