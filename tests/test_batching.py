@@ -477,6 +477,54 @@ def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
                eager_step=scalar_loss_step, steps=2, min_stages=0)
 
 
+class _SortedRows(TwoLayers):
+    """The rows read in an order their data decides, an argsort of integers along them (Note
+    [rows in an order the data decides]): paired with rows in another order (the batch's own, the
+    targets), returned in it, or kept to rows of that order and put back before they meet others
+    (read at the order's argsort, written or added at the order, read at an inverse written out as
+    an MoE layer does)."""
+
+    def forward(self, x, y):
+        h = self.hidden(x)
+        order = (x[:, 1] > 0).long().argsort()
+        if self.kind == "paired":
+            return F.mse_loss(h - 0.25 * h[order], y)
+        if self.kind == "targets":
+            return F.mse_loss(h[order], y)
+        if self.kind == "sorted":
+            return F.mse_loss(h + h[torch.sort((x[:, 1] > 0).long()).indices], y)
+        if self.kind == "returned":
+            return h[order]
+        back = torch.zeros_like(h)
+        back[order] = torch.tanh(h[order])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0])
+        own = (F.mse_loss(h[order], y[order]) + F.mse_loss((2 * h[order])[order.argsort()] - h, y)
+               + F.mse_loss(back + torch.zeros_like(h).index_add(0, order, h[order]), y)
+               + F.mse_loss(h[order][inverse] * 2 - h, y))
+        return own
+
+
+def test_rows_in_an_order_their_data_decides_train_split_as_eager_until_they_meet_other_rows():
+    """Note [rows in an order the data decides]: rows read in the order of an argsort of their
+    integers, paired with the batch's own rows (`h - 0.25 * h[order]`) trained split into 2
+    microbatches to 0.757 for eager's 0.742, and against the targets in their order to 0.784 for
+    0.851, silently (each microbatch orders only its own rows);
+    refused now (test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches),
+    as is a call returning them. Kept to rows of their order (their targets read at it) and put
+    back before they meet other rows (at the order's argsort, written or added at the order, read
+    at an inverse written out as an MoE layer does), they train split as eager."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
+    train_both(_SortedRows("own"), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
+                                                             memory_budget=TIGHT),
+               eager_step=scalar_loss_step, steps=2, min_stages=0)
+    cm = rpcompile.compile(_SortedRows("returned"), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match="an output, holds the batch's rows in an order the data decides"):
+        cm(batches[0]["x"], batches[0]["y"])
+
+
 class _PartnerByIndex(nn.Module):
     """Each row against partner rows named by their positions in the batch: a batched argument (a
     partner per row), an unbatched one (rows to compare every row with), or a buffer of them."""
@@ -750,12 +798,15 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_PickedRows, "fixed"), "torch.gather(h, 0, torch.zeros("),
                                        (functools.partial(_PickedRows, "embedding"), "F.embedding(torch.arange("),
                                        (functools.partial(_WrittenRows, "setitem"), "h - 0.5 * last[labels]"),
-                                       (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]")],
+                                       (functools.partial(_WrittenRows, "index_copy"), "h - 0.5 * last[labels]"),
+                                       (functools.partial(_SortedRows, "paired"), "h - 0.25 * h[order]"),
+                                       (functools.partial(_SortedRows, "targets"), "F.mse_loss(h[order], y)"),
+                                       (functools.partial(_SortedRows, "sorted"), "torch.sort((x[:, 1] > 0)")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
-                              "written", "index_copy"])
+                              "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -768,7 +819,8 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     of a split); a preference loss pairing the batch's halves; rows centred on their class's mean
     made by index_add, or written by index into a row per class; and rows picked by an index made
     from the batch size that picks other rows (reversed, shifted, a random permutation, a fixed
-    row, the rows as an embedding table). Now an InputError names the model's line, before any
+    row, the rows as an embedding table); and rows read in the order an argsort or sort of their
+    integers decides, paired with rows in another order. Now an InputError names the model's line, before any
     step, and changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -70,7 +70,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import InputError
-from .batch_index import indices_into, made_from_sizes, picks_apart, read_from_input
+from .batch_index import RowOrders, indices_into, made_from_sizes, picks_apart, read_from_input
 from .graph_utils import call_leaf_name, mutated_values, node_value, op_name, size_hint
 
 
@@ -431,6 +431,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     rows = set()       # values that hold the batch's rows (_holds_rows)
     sized = set()      # values made from sizes only, never written in place (Note [rows picked by an index])
     read = {}          # integers read from an input: the input (read_from_input)
+    orders = RowOrders(info)   # (Note [rows in an order the data decides])
     written = {t for n in gm.graph.nodes for t in mutated_values(n)}
     for n in gm.graph.nodes:
         if n not in written and made_from_sizes(n, sized):
@@ -444,6 +445,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
         values = _tensors(ev)       # (a tuple's too: `h.median(0)`, `torch.std_mean(h, 0)`, `h.split([1, B - 1])`)
         if _holds_rows(n, values, info, rows):
             rows.add(n)
+        if (unordered := orders.step(n, rows, sized, op_name(n) in _VALUELESS)) is not None:
+            return n, unordered
         if (source := read_from_input(n, read)) is not None:
             read[n] = source
         if _counts_rows(n, ev, rows, counted):

@@ -17,8 +17,9 @@ read from an input (`h[partner]`, a batched argument, or an unbatched one or a b
 to pick, as it is or through arithmetic and views: _KEEPS_NUMBERS) counts the whole batch's
 rows, so a microbatch picks rows past its end (an IndexError in a stage job) or its own rows by
 the batch's numbers: refused as well. An index the data makes in the
-forward (a router's chosen tokens, `nonzero` of a mask, an argsort of integer labels) is not
-checked: its positions are the microbatch's own, though its order may be the whole batch's.
+forward (a router's chosen tokens, `nonzero` of a mask, an argsort of integer labels) has the
+microbatch's own positions, but an order the data decides: Note [rows in an order the data
+decides] follows that order.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graph_utils import map_devices, node_value, op_name, symbol_hints
+from .graph_utils import map_devices, mutated_values, node_value, op_name, symbol_hints
 
 # (position of the dim argument, of the index argument) of operations given one index tensor
 # along a dim of their first argument
@@ -57,7 +58,8 @@ def made_from_sizes(n: fx.Node, sized: set) -> bool:
 _KEEPS_NUMBERS = {"add", "sub", "mul", "floordiv", "floor_divide", "remainder", "mod", "neg", "abs", "clamp",
                   "clip", "view", "reshape", "flatten", "expand", "expand_as", "unsqueeze", "squeeze", "contiguous",
                   "to", "long", "int", "getitem", "repeat", "repeat_interleave", "cat", "concat", "stack",
-                  "transpose", "permute", "t", "iadd", "isub", "imul"}
+                  "transpose", "permute", "t", "iadd", "isub", "imul", "div", "clone", "detach", "split", "chunk",
+                  "narrow", "select", "unflatten", "view_as", "reshape_as"}
 
 
 def read_from_input(n: fx.Node, read: dict) -> Optional[fx.Node]:
@@ -265,3 +267,157 @@ def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
         raise _DataDecided
     return out.long()
 
+
+
+# Note [rows in an order the data decides]: an argsort (a sort, a topk) of integers along the
+# rows (a label per row, each token's expert) orders the batch's rows by their data, and each
+# microbatch orders only its own. The rows read in that order (`h[labels.argsort()]`) are then
+# fine on their own (row by row, reduced over), but a value computed from them and from rows in
+# another order (the batch's own: `h - h[order]`, the targets of a loss) pairs rows with other
+# rows than eager's once split: `h - 0.25 * h[order]` trained silently to 0.757 for eager's
+# 0.742. So each value's order is followed as a word of the permutations the data made (the
+# empty word: the batch's own order): a read at an index composes the value's order with the
+# index's (the order its positions pick rows in), a write at an index composes the written
+# value's with the index's inverse, an argsort of a permutation is its inverse; an operation on
+# rows of two orders, or an output of rows in an order the data made, is refused. A value that
+# holds nothing of the rows (zeros_like, an arange) takes any order. An MoE's tokens sorted by
+# expert meet only rows of their order (their routing weights, read at the same permutation) and
+# are read back at its inverse (`inv_perm[perm] = arange`, then `out[inv_perm]`) or added back
+# at their token positions, so they train as before. Not followed: positions of a mask of rows
+# in another order (`nonzero`), read as the batch's own.
+_SORTS = {"sort": (1, "dim", -1), "argsort": (1, "dim", -1), "msort": (None, None, 0), "topk": (2, "dim", -1)}
+_READS = {"getitem", "index_select", "gather", "take_along_dim", "embedding"}
+_ANY = "any order"      # (a value holding nothing of the rows: zeros_like, an arange)
+
+
+def _composed(first: tuple, then: tuple) -> tuple:
+    """The order of rows read in order `then` from a value in order `first`."""
+    out = list(first)
+    for node, power in then:
+        if out and out[-1] == (node, -power):
+            out.pop()
+        else:
+            out.append((node, power))
+    return tuple(out)
+
+
+def _inverse(word: tuple) -> tuple:
+    return tuple((node, -power) for node, power in reversed(word))
+
+
+def _written(n: fx.Node):
+    """The value a write at an index writes: `v` of `x[idx] = v`, index_put's, index_copy's source."""
+    if op_name(n) in ("setitem", "index_put", "index_put_"):
+        return n.args[2] if len(n.args) > 2 else n.kwargs.get("values")
+    return n.args[3] if len(n.args) > 3 else next((n.kwargs[k] for k in ("source", "src", "value") if k in n.kwargs),
+                                                  None)
+
+
+class RowOrders:
+    """The order of the batch's rows in each value of a graph, node by node (Note [rows in an
+    order the data decides])."""
+
+    def __init__(self, info):
+        self.info = info
+        self.order: dict = {}     # node -> word, or _ANY; a node not here: the batch's own order
+        self.picks: dict = {}     # integer node -> word: the order its positions pick rows in
+
+    def step(self, n: fx.Node, rows: set, sized: set, valueless: bool) -> Optional[str]:
+        """Follow `n` (after the graph's earlier nodes); why it pairs rows of two orders, or None."""
+        if n.op == "output":
+            return self._returned(n, rows)
+        if n.op not in ("call_function", "call_method", "call_module"):
+            return None
+        if n in sized or valueless:
+            self.order[n] = _ANY
+            return None
+        if (word := self._sorted(n)) is not None:
+            self.order[n], self.picks[n] = word
+            return None
+        along = [(index, indexed) for index, indexed, dim in indices_into(n)
+                 if self.info.mentions(node_value(indexed).shape[dim])]
+        if along and op_name(n) in _READS:
+            index, indexed = along[0]
+            self._set(n, _composed(self._word(indexed), self.picks.get(index, ())),
+                      _composed(self.picks.get(indexed, ()), self.picks.get(index, ())))
+            return None
+        if along:
+            return self._write(n, *along[0])
+        orders = {self.order.get(a, ()) for a in n.all_input_nodes if a in rows} - {_ANY}
+        if len(orders) > 1:
+            return self._mixed(n, orders)
+        if n in rows:
+            self._set(n, orders.pop() if orders else _ANY if any(a in rows for a in n.all_input_nodes) else (),
+                      next((self.picks[a] for a in n.all_input_nodes if a in self.picks), ())
+                      if op_name(n) in _KEEPS_NUMBERS else ())
+        return None
+
+    def _word(self, node) -> tuple:
+        word = self.order.get(node, ())
+        return () if word is _ANY else word
+
+    def _set(self, n: fx.Node, order, picks: tuple) -> None:
+        if order:
+            self.order[n] = order
+        if picks and _is_index(n):
+            self.picks[n] = picks
+
+    def _sorted(self, n: fx.Node) -> Optional[tuple]:
+        """(order, picks) of a sort of integers along the rows (a new permutation of them, or a
+        permutation's inverse: the argsort of one), or None."""
+        name = op_name(n)
+        if name not in _SORTS or not n.args or not _is_index(n.args[0]):
+            return None
+        x = node_value(n.args[0])
+        at, key, default = _SORTS[name]
+        dim = n.kwargs.get(key, n.args[at] if at is not None and len(n.args) > at else default) if key else default
+        if not isinstance(dim, int) or x.dim() == 0 or not self.info.mentions(x.shape[dim]):
+            return None
+        if name == "argsort" and self.picks.get(n.args[0]):
+            return (), _inverse(self.picks[n.args[0]])
+        return ((n, 1),), ((n, 1),)
+
+    def _write(self, n: fx.Node, index: fx.Node, target: fx.Node) -> Optional[str]:
+        """Follow a write at `index` into `target`'s rows: the written value's rows land where the
+        index's positions say, so in its order composed with the index's inverse."""
+        value = _written(n)
+        undone = _inverse(self.picks.get(index, ()))
+        order = self.order.get(target, ())
+        if isinstance(value, fx.Node) and isinstance(node_value(value), torch.Tensor):
+            written = self.order.get(value, ())
+            if written is not _ANY:
+                landed = _composed(written, undone)
+                if order is not _ANY and order != landed:
+                    return self._mixed(n, {order, landed})
+                order = landed
+            picks = _composed(self.picks.get(value, ()), undone) if value in self.picks or written is _ANY else ()
+        else:
+            picks = ()
+        for m in [n] + mutated_values(n):
+            self.order.pop(m, None)
+            self.picks.pop(m, None)
+            self._set(m, order, picks)
+        return None
+
+    def _returned(self, n: fx.Node, rows: set) -> Optional[str]:
+        for a in n.all_input_nodes:
+            word = self.order.get(a, ())
+            if a in rows and word and word is not _ANY:
+                return (f"`{a.name}`, an output, holds the batch's rows in an order the data decides "
+                        f"({self._made(word)}): eager orders the whole batch's rows, each microbatch only its own, "
+                        f"and the microbatches' outputs put together are not in eager's order")
+        return None
+
+    def _mixed(self, n: fx.Node, orders: set) -> str:
+        word = next(w for w in sorted(orders, key=len, reverse=True) if w)
+        return (f"`{n.name}` pairs rows in an order the data decides ({self._made(word)}) with rows in another "
+                f"order: eager orders the whole batch's rows, each microbatch only its own, so split, rows meet "
+                f"other rows than eager's (order the rows in the data loader instead, or put them back, "
+                f"`h[order.argsort()]`, before they meet other rows)")
+
+    @staticmethod
+    def _made(word: tuple) -> str:
+        from .batch import model_line        # (batch imports this module)
+        root = word[0][0]
+        name = op_name(root)
+        return f"`{root.name}`, {'an' if name[0] in 'aeiou' else 'a'} {name} of integers along the rows{model_line(root)}"
