@@ -464,17 +464,23 @@ class _WrittenRows(TwoLayers):
         return F.mse_loss(h - 0.5 * last[labels], y)
 
 
+def _trains_split_as_eager(model) -> list:
+    """Two SGD steps of `model` (x: 8 rows of 8 features, y: 8 of 4) split into 2 microbatches
+    over 2 CPU devices, checked against eager; the batches."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
+    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
+               eager_step=scalar_loss_step, steps=2, min_stages=0)
+    return batches
+
+
 def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
     """Note [rows picked by an index]: an index made from the batch size that picks each row's
     own entries (`h[arange(B)]`, `arange(B) * 2 + 1` over a (batch * 2) value, a sequence
     classifier's `logits[arange(B), last]`, the first block of `cat([h, 2 * h])`) picks the same
     rows split into microbatches: not refused, trains as eager."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    train_both(_PickedRows("own"), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
-                                                             memory_budget=TIGHT),
-               eager_step=scalar_loss_step, steps=2, min_stages=0)
+    _trains_split_as_eager(_PickedRows("own"))
 
 
 class _SortedRows(TwoLayers):
@@ -514,12 +520,7 @@ def test_rows_in_an_order_their_data_decides_train_split_as_eager_until_they_mee
     as is a call returning them. Kept to rows of their order (their targets read at it) and put
     back before they meet other rows (at the order's argsort, written or added at the order, read
     at an inverse written out as an MoE layer does), they train split as eager."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    train_both(_SortedRows("own"), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
-                                                             memory_budget=TIGHT),
-               eager_step=scalar_loss_step, steps=2, min_stages=0)
+    batches = _trains_split_as_eager(_SortedRows("own"))
     cm = rpcompile.compile(_SortedRows("returned"), rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
     with pytest.raises(rpcompile.InputError, match="an output, holds the batch's rows in an order the data decides"):
         cm(batches[0]["x"], batches[0]["y"])
@@ -621,12 +622,7 @@ def test_attention_and_convs_along_each_row_train_split_as_eager(kind):
     """Note [rows kept apart]: nn.MultiheadAttention(batch_first=True) attends along each row's
     tokens (dim 0 of the key it is given is theirs), a Conv1d runs along each row's (channels,
     length) view: not refused, split as eager."""
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    train_both(_AlongRows(kind, batch_first=True), batches,
-               rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
-               eager_step=scalar_loss_step, steps=2, min_stages=0)
+    _trains_split_as_eager(_AlongRows(kind, batch_first=True))
 
 
 class _HardestRows(TwoLayers):
