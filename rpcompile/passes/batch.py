@@ -309,6 +309,9 @@ _ALONG = {"softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum"
           # (rows picked by comparing them: the hardest rows of the batch, `loss[loss.topk(k).indices]`)
           "topk": (2, "dim", -1), "kthvalue": (2, "dim", -1), "mode": (1, "dim", -1),
           "argmax": (1, "dim", None), "argmin": (1, "dim", None)}
+# (rows picked by comparing them, integers too: the rows of the largest labels, `labels.topk(2)`;
+# an argsort or sort of integers orders the rows whole: Note [rows in an order the data decides])
+_BY_RANK = {"topk", "kthvalue", "mode", "argmax", "argmin"}
 # Attentions: the dim of the key that each query attends along (multi_head_attention_forward
 # takes (seq, batch, embed) or an unbatched (seq, embed): nn.MultiheadAttention without
 # batch_first given (batch, seq, embed) attends along the batch)
@@ -349,7 +352,8 @@ def _by_index(n: fx.Node) -> bool:
 
 
 def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
-    """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or None."""
+    """The name of `n`'s operation where it works along a floating-point value's rows (_ALONG), or
+    picks rows by comparing integers along them (_BY_RANK), or None."""
     name = op_name(n)
     if n.op == "call_function" and name in _ATTENDS:
         key = node_value(n.kwargs.get("key", n.args[1] if len(n.args) > 1 else None))
@@ -362,7 +366,8 @@ def _along_rows(n: fx.Node, info: BatchInfo) -> Optional[str]:
     if n.op not in ("call_function", "call_method") or name not in _ALONG or not n.args:
         return None
     x = node_value(n.args[0])
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+    if (not isinstance(x, torch.Tensor) or x.dim() == 0
+            or not (x.is_floating_point() or (name in _BY_RANK and not x.is_complex()))):
         return None
     at, key, default = _ALONG[name]
     dims = n.kwargs.get(key, n.args[at] if len(n.args) > at else default)

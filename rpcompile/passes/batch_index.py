@@ -283,9 +283,12 @@ def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
 # holds nothing of the rows (zeros_like, an arange) takes any order. An MoE's tokens sorted by
 # expert meet only rows of their order (their routing weights, read at the same permutation) and
 # are read back at its inverse (`inv_perm[perm] = arange`, then `out[inv_perm]`) or added back
-# at their token positions, so they train as before. Not followed: positions of a mask of rows
-# in another order (`nonzero`), read as the batch's own.
-_SORTS = {"sort": (1, "dim", -1), "argsort": (1, "dim", -1), "msort": (None, None, 0), "topk": (2, "dim", -1)}
+# at their token positions, so they train as before. A slice of such a value (`argsort()[:2]`,
+# the rows of the smallest keys) keeps rows by their rank in the batch: refused too, as a topk
+# or argmax of integers along the rows is (_BY_RANK in batch.py). Not followed: positions of a
+# mask of rows in another order (`nonzero`), read as the batch's own.
+_SORTS = {"sort": (1, "dim", -1), "argsort": (1, "dim", -1), "msort": (None, None, 0)}
+_PARTS = {"getitem", "narrow", "select"}     # (a split's pieces hold every row: JetMoE's groups per expert)
 _READS = {"getitem", "index_select", "gather", "take_along_dim", "embedding"}
 _ANY = "any order"      # (a value holding nothing of the rows: zeros_like, an arange)
 
@@ -346,11 +349,25 @@ class RowOrders:
         orders = {self.order.get(a, ()) for a in n.all_input_nodes if a in rows} - {_ANY}
         if len(orders) > 1:
             return self._mixed(n, orders)
+        if orders and (word := next(iter(orders))) and op_name(n) in _PARTS and self._a_part(n):
+            return (f"`{n.name}` keeps some of the rows by their rank in an order the data decides "
+                    f"({self._made(word)}): eager ranks the whole batch's rows, each microbatch only its own, so "
+                    f"split, it keeps other rows than eager's")
         if n in rows:
             self._set(n, orders.pop() if orders else _ANY if any(a in rows for a in n.all_input_nodes) else (),
                       next((self.picks[a] for a in n.all_input_nodes if a in self.picks), ())
                       if op_name(n) in _KEEPS_NUMBERS else ())
         return None
+
+    def _a_part(self, n: fx.Node) -> bool:
+        """Whether `n`'s value (a slice) holds fewer whole rows dims than its first argument: some of
+        the rows, not all."""
+        x = node_value(n.args[0])
+        if not isinstance(x, torch.Tensor):
+            return False        # (a tuple's tensor: `torch.sort(k).indices`)
+        whole = sum(map(self.info.whole_rows, x.shape))
+        return any(sum(map(self.info.whole_rows, t.shape)) < whole for t in
+                   torch.utils._pytree.tree_leaves(node_value(n)) if isinstance(t, torch.Tensor))
 
     def _word(self, node) -> tuple:
         word = self.order.get(node, ())
