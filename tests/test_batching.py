@@ -483,6 +483,26 @@ def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
     _trains_split_as_eager(_PickedRows("own"))
 
 
+class _NumberedRows(TwoLayers):
+    """Rows scaled by numbers the data decides over the rows: how many distinct labels there are,
+    a count per label, a label's rank among them (unique's inverse), how many rows a mask picks
+    (a data-decided size, a count read off as a Python number)."""
+
+    def forward(self, x, y):
+        h, labels = self.hidden(x), (x[:, 1] * 2).long().clamp(-2, 2) + 2
+        if self.kind == "distinct":
+            h = h / labels.unique().numel()
+        elif self.kind == "bincount":
+            h = h / labels.bincount(minlength=5)[labels][:, None]
+        elif self.kind == "rank":
+            h = h * labels.unique(return_inverse=True)[1][:, None]
+        elif self.kind == "nonzero":
+            h = h / labels.nonzero().shape[0]
+        else:
+            h = h / max((labels > 1).sum().item(), 1)
+        return F.mse_loss(h, y)
+
+
 class _SortedRows(TwoLayers):
     """The rows read in an order their data decides, an argsort of integers along them (Note
     [rows in an order the data decides]): paired with rows in another order (the batch's own, the
@@ -815,13 +835,19 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_SortedRows, "sorted"), "torch.sort((x[:, 1] > 0)"),
                                        (functools.partial(_RankedRows, "first"), "keep = key.argsort()[:2]"),
                                        (functools.partial(_RankedRows, "topk"), "keep = key.topk(2).indices"),
-                                       (functools.partial(_RankedRows, "argmax"), "keep = key.argmax()[None]")],
+                                       (functools.partial(_RankedRows, "argmax"), "keep = key.argmax()[None]"),
+                                       (functools.partial(_NumberedRows, "distinct"), "labels.unique().numel()"),
+                                       (functools.partial(_NumberedRows, "bincount"), "labels.bincount(minlength=5)"),
+                                       (functools.partial(_NumberedRows, "rank"), "labels.unique(return_inverse=True)"),
+                                       (functools.partial(_NumberedRows, "nonzero"), "labels.nonzero().shape[0]"),
+                                       (functools.partial(_NumberedRows, "item"), "(labels > 1).sum().item()")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices",
-                              "ranked_first", "ranked_topk", "ranked_argmax"])
+                              "ranked_first", "ranked_topk", "ranked_argmax", "distinct_labels", "label_counts",
+                              "label_rank", "nonzero_count", "item_count"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -837,7 +863,9 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     row, the rows as an embedding table); and rows read in the order an argsort or sort of their
     integers decides, paired with rows in another order, or kept by their rank by an integer key
     (the first of an argsort, a topk, an argmax: 0.673 for eager's 0.567, 0.932 for 1.317, 1.250
-    for 1.854). Now an InputError names the model's line, before any
+    for 1.854); and rows scaled by numbers the data decides over the rows (the count of distinct
+    labels 0.700 for 0.657, a count per label, a label's rank among them 0.772 for 1.279, a
+    nonzero count, a count read off by `.item()`). Now an InputError names the model's line, before any
     step, and changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

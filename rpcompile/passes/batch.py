@@ -43,7 +43,9 @@ microbatches' along dim 0, must not hold them in blocks either: rows_in_blocks, 
 _describe_io). Integer values (an MoE's counts of tokens per expert, routing indices, a count of a
 class's rows) lay rows out (a grouped matmul's offsets, a split's sizes, indices) and are followed
 only into arithmetic: a count over the rows that scales the rows (`h / mask.sum()`, a cast, an
-elementwise function of it: _ARITHMETIC, _counts_rows) is a reduction over them; a value whose size the
+elementwise function of it: ARITHMETIC, _counts_rows; counts per value of the rows, `bincount`,
+`unique` and its inverse: _SLOTS; a number the data decides, `.item()`, `nonzero().shape[0]`) is a
+reduction over them; a value whose size the
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
@@ -454,7 +456,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             return n, unordered
         if (source := read_from_input(n, read)) is not None:
             read[n] = source
-        if _counts_rows(n, ev, rows, counted):
+        if _counts_rows(n, ev, rows, counted, reduced):
             counted.add(n)
         for target in mutated_values(n) if _by_index(n) else ():   # (`last[idx] = h`, index_copy_)
             if target not in rows and any(a is not target and isinstance(t := node_value(a), torch.Tensor)
@@ -476,7 +478,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                            f"halves come as two arguments, concatenated in the forward "
                            f"(`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if (t := _a_tensor(node_value(a))) is not None}
-        if op_name(n) in _ARITHMETIC and any(a in counted for a in tensors):
+        if op_name(n) in ARITHMETIC and any(a in counted for a in n.all_input_nodes):   # (`h / u0` too)
             if n in rows:
                 return n, (f"`{n.name}` computes the batch's rows from a count over its rows (`mask.sum()`), which "
                            f"each microbatch counts over its own")
@@ -495,7 +497,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
 # Operations that compute with the numbers of their arguments (arithmetic, casts, elementwise
 # functions): given a count over the rows, they carry it into their result, where a grouped
 # matmul's offsets or a split's sizes, a count per expert, only lay the rows out.
-_ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide", "floor_divide", "pow", "where",
+ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide", "floor_divide", "pow", "where",
                "maximum", "minimum", "clamp", "clamp_min", "clamp_max", "float", "double", "half", "bfloat16",
                "to", "type_as", "type", "reciprocal", "sqrt", "rsqrt", "log", "exp", "rsub", "neg", "iadd",
                "isub", "imul", "itruediv", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__add__",
@@ -503,6 +505,9 @@ _ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide",
 
 
 _VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   # (of its argument's shape alone)
+# Operations that count or list the values the rows hold, a slot per value (a size the data may
+# decide: not rows, which _holds_rows would take it for)
+_SLOTS = {"bincount", "histc", "histogram", "unique", "unique_consecutive", "_unique2", "unique_dim"}
 
 
 def _tensors(value) -> list:
@@ -519,14 +524,23 @@ def _a_tensor(value) -> Optional[torch.Tensor]:
     return next((t for t in leaves if t.is_floating_point()), leaves[0] if leaves else None)
 
 
-def _counts_rows(n: fx.Node, value, rows: set, counted: set) -> bool:
+def _counts_rows(n: fx.Node, value, rows: set, counted: set, reduced: set) -> bool:
     """Whether `n`'s value is integers (or booleans) a count over the batch's rows made: computed
     from values that hold rows without holding rows itself (`mask.sum()`, `labels.max()`), or
-    from such a count (`counts[labels]`, `mask.sum().clamp(min=1)`)."""
-    if (n.op not in ("call_function", "call_method") or not isinstance(value, torch.Tensor)
-            or value.is_floating_point() or value.is_complex() or op_name(n) in _VALUELESS):
+    from such a count (`counts[labels]`, `mask.sum().clamp(min=1)`); counts per value of the rows
+    (`labels.bincount()`, `labels.unique()` and its inverse: _SLOTS); a number the data decides
+    from the rows or such a value (`labels.nonzero().shape[0]`, `labels.unique().numel()`,
+    `mask.sum().item()`, an unbacked size)."""
+    if n.op not in ("call_function", "call_method"):
         return False
     inputs = n.all_input_nodes
+    if op_name(n) in _SLOTS:
+        return any(a in rows or a in counted for a in inputs)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return bool(free_unbacked_symbols(value)) and any(a in rows or a in counted or a in reduced for a in inputs)
+    if (not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
+            or op_name(n) in _VALUELESS):
+        return False
     return any(a in counted for a in inputs) or (n not in rows and any(a in rows for a in inputs))
 
 
@@ -564,7 +578,7 @@ def _holds_rows(n: fx.Node, tensors: list, info: BatchInfo, rows: set) -> bool:
     (`zeros(classes.numel(), d).index_add(0, inverse, h)`: a value reduced over the rows)."""
     if any(info.mentions(d) for t in tensors for d in t.shape):
         return True
-    return (any(map(free_unbacked_symbols, tensors)) and not _reduces_by_index(n)
+    return (any(map(free_unbacked_symbols, tensors)) and not _reduces_by_index(n) and op_name(n) not in _SLOTS
             and any(a in rows for a in n.all_input_nodes))
 
 

@@ -71,7 +71,9 @@ divisor of the whole batch: a counter graph copies the divisor's sum from the in
 cross-entropy's counter, _input_graph), the runner adds it up over the microbatches before the
 step and applies the steps after it (the floor, the offset: LossScale.finishes). A divisor the
 parameters compute cannot be counted before the step: with microbatches that is an InputError
-naming the line (check_loss_splits); before, a mean over rows, silently.
+naming the line (check_loss_splits); before, a mean over rows, silently. So is a loss computed
+with a number read off the data (`/ mask.sum().item()`, `/ mask.nonzero().shape[0]`: each
+microbatch's own, 0.793 for eager's 0.908; _numbers_of_the_data), which kept a tensor is counted.
 
 Note [outputs over rows]: a call's output other than the loss whose dim 0 is not the rows is
 computed per microbatch, and the microbatches' values are put together as over_rows says: added up
@@ -105,12 +107,13 @@ from typing import Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import InputError
-from .batch import BatchInfo, find_batch, model_line
+from .batch import ARITHMETIC, BatchInfo, find_batch, model_line
 from .cost import storage_key
 from .graph_utils import (bind_call, bind_cross_entropy, graph_module, is_impure, mutated_values, node_value,
-                          output_values, scalar_outputs)
+                          op_name, output_values, scalar_outputs)
 
 
 @dataclass
@@ -128,6 +131,8 @@ class LossScale:
                                              # over a sum of the data])
     uncounted: tuple = ()                    # the model's lines of quotients over a sum of rows the
                                              # parameters compute: no microbatches (check_loss_splits)
+    numbers: tuple = ()                      # the model's lines where the loss computes with a number
+                                             # the data decides: no microbatches (check_loss_splits)
 
 
 _NLL_LOSS = inspect.signature(F.nll_loss)
@@ -328,7 +333,7 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     if counter is None:
         terms, finishes, uncounted = _scale_terms(gm, loss, batch)
         gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=terms, finishes=finishes,
-                                       uncounted=uncounted)
+                                       uncounted=uncounted, numbers=_numbers_of_the_data(loss, batch))
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -717,10 +722,46 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     return tuple(counters), tuple(finishes), tuple(uncounted)
 
 
+def _numbers_of_the_data(loss, batch: BatchInfo) -> tuple:
+    """The model's line where `loss` computes with a number the data decides from the batch (a
+    size or a scalar it holds: `mask.sum().item()`, `mask.nonzero().shape[0]`, and numbers from
+    them), as arithmetic reads it (not as a size: JetMoE's split of its tokens per expert), or ().
+    Note [sums over a sum of the data]: a microbatch would compute that number from its own rows."""
+    if not isinstance(loss, fx.Node):
+        return ()
+    numbers, computed, first = set(), set(), {}
+    for n in loss.graph.nodes:
+        v = node_value(n)
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if any(a in numbers for a in n.all_input_nodes) or (
+                    free_unbacked_symbols(v) and any(reads_the_batch(a, batch) for a in n.all_input_nodes)):
+                numbers.add(n)
+        elif isinstance(v, torch.Tensor) and n.op in ("call_function", "call_method"):
+            if op_name(n) in ARITHMETIC and any(a in numbers for a in n.all_input_nodes):
+                computed.add(n)
+                first[n] = n
+            elif (seed := next((a for a in n.all_input_nodes if a in computed), None)) is not None:
+                computed.add(n)
+                first[n] = first[seed]
+        if n is loss:
+            break
+    return (model_line(first[loss]),) if loss in computed else ()
+
+
 def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where the loss divides by a sum over the batch's rows that the
-    parameters compute and the batch is split (Note [sums over a sum of the data])."""
-    if scale is None or not scale.uncounted or not info.split(num_microbatches):
+    parameters compute, or computes with a number the data decides, and the batch is split (Note
+    [sums over a sum of the data])."""
+    if scale is None or not info.split(num_microbatches):
+        return
+    if scale.numbers:
+        raise InputError(f"the loss computes with a number the data decides over the batch's rows{scale.numbers[0]} "
+                         f"(a Python number read off a tensor, `.item()`, or a size the data decides, "
+                         f"`mask.nonzero().shape[0]`): split into {num_microbatches} microbatches, each would compute "
+                         f"it from its own rows, and their losses put together are not eager's. Keep it a tensor "
+                         f"(`mask.sum()`, not `mask.sum().item()`): a loss over such a sum is counted over the whole "
+                         f"batch before the step; or use Config(num_microbatches=1).")
+    if not scale.uncounted:
         return
     raise InputError(f"the loss divides by a sum over the batch's rows that the parameters compute"
                      f"{scale.uncounted[0]}: split into {num_microbatches} microbatches, each would divide by its "
