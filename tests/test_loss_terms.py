@@ -245,7 +245,8 @@ def test_a_sum_over_a_sum_of_the_data_trains_as_eager(kind):
 
 
 @pytest.mark.parametrize("kind,why,line", [
-    ("learned", "divides by a sum over the batch's rows that the parameters", "(per_row * weights).sum() / weights.sum()"),
+    ("learned", "divides by a sum over the batch's rows that the parameters",
+     "(per_row * weights).sum() / weights.sum()"),
     ("item", "computes with a number the data decides", "/ max(picked.sum().item(), 1)"),
     ("nonzero", "computes with a number the data decides", "/ picked.nonzero().shape[0]")])
 def test_a_sum_over_a_sum_that_cannot_be_counted_is_refused_with_microbatches(kind, why, line):

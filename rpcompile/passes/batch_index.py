@@ -326,7 +326,8 @@ class RowOrders:
         self.picks: dict = {}     # integer node -> word: the order its positions pick rows in
 
     def step(self, n: fx.Node, rows: set, sized: set, valueless: bool) -> Optional[str]:
-        """Follow `n` (after the graph's earlier nodes); why it pairs rows of two orders, or None."""
+        """Follow `n` (after the graph's earlier nodes); why it pairs rows of two orders, keeps rows
+        by their rank in one, or returns rows in one; or None."""
         if n.op == "output":
             return self._returned(n, rows)
         if n.op not in ("call_function", "call_method", "call_module"):
@@ -437,4 +438,5 @@ class RowOrders:
         from .batch import model_line        # (batch imports this module)
         root = word[0][0]
         name = op_name(root)
-        return f"`{root.name}`, {'an' if name[0] in 'aeiou' else 'a'} {name} of integers along the rows{model_line(root)}"
+        article = "an" if name[0] in "aeiou" else "a"
+        return f"`{root.name}`, {article} {name} of integers along the rows{model_line(root)}"
