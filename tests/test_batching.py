@@ -486,7 +486,7 @@ def test_rows_each_picked_from_itself_by_an_index_train_split_as_eager():
 class _NumberedRows(TwoLayers):
     """Rows scaled by numbers the data decides over the rows: how many distinct labels there are,
     a count per label, a label's rank among them (unique's inverse), how many rows a mask picks
-    (a data-decided size, a count read off as a Python number)."""
+    (a data-decided size, a count read off as a Python number); or by the batch size itself."""
 
     def forward(self, x, y):
         h, labels = self.hidden(x), (x[:, 1] * 2).long().clamp(-2, 2) + 2
@@ -498,6 +498,8 @@ class _NumberedRows(TwoLayers):
             h = h * labels.unique(return_inverse=True)[1][:, None]
         elif self.kind == "nonzero":
             h = h / labels.nonzero().shape[0]
+        elif self.kind == "batch":
+            h = h * x.shape[0] ** -0.5
         else:
             h = h / max((labels > 1).sum().item(), 1)
         return F.mse_loss(h, y)
@@ -840,14 +842,15 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_NumberedRows, "bincount"), "labels.bincount(minlength=5)"),
                                        (functools.partial(_NumberedRows, "rank"), "labels.unique(return_inverse=True)"),
                                        (functools.partial(_NumberedRows, "nonzero"), "labels.nonzero().shape[0]"),
-                                       (functools.partial(_NumberedRows, "item"), "(labels > 1).sum().item()")],
+                                       (functools.partial(_NumberedRows, "item"), "(labels > 1).sum().item()"),
+                                       (functools.partial(_NumberedRows, "batch"), "h * x.shape[0] ** -0.5")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices",
                               "ranked_first", "ranked_topk", "ranked_argmax", "distinct_labels", "label_counts",
-                              "label_rank", "nonzero_count", "item_count"])
+                              "label_rank", "nonzero_count", "item_count", "batch_size"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -865,7 +868,8 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     (the first of an argsort, a topk, an argmax: 0.673 for eager's 0.567, 0.932 for 1.317, 1.250
     for 1.854); and rows scaled by numbers the data decides over the rows (the count of distinct
     labels 0.700 for 0.657, a count per label, a label's rank among them 0.772 for 1.279, a
-    nonzero count, a count read off by `.item()`). Now an InputError names the model's line, before any
+    nonzero count, a count read off by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`:
+    0.698 for 0.673). Now an InputError names the model's line, before any
     step, and changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

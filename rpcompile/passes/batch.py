@@ -45,7 +45,8 @@ class's rows) lay rows out (a grouped matmul's offsets, a split's sizes, indices
 only into arithmetic: a count over the rows that scales the rows (`h / mask.sum()`, a cast, an
 elementwise function of it: ARITHMETIC, _counts_rows; counts per value of the rows, `bincount`,
 `unique` and its inverse: _SLOTS; a number the data decides, `.item()`, `nonzero().shape[0]`) is a
-reduction over them; a value whose size the
+reduction over them, and rows scaled by the batch size (`h / x.shape[0]`, which a microbatch takes
+as its own rows': _counts_the_batch) are refused; a value whose size the
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
@@ -478,6 +479,10 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
                            f"halves come as two arguments, concatenated in the forward "
                            f"(`torch.cat([chosen, rejected])`)")
         tensors = {a: t for a in n.all_input_nodes if (t := _a_tensor(node_value(a))) is not None}
+        if (op_name(n) in ARITHMETIC and n in rows and n not in sized
+                and any(_counts_the_batch(a, info) for a in n.all_input_nodes)):
+            return n, (f"`{n.name}` computes the batch's rows with the batch size (`x.shape[0]`), which each "
+                       f"microbatch takes as its own rows'")
         if op_name(n) in ARITHMETIC and any(a in counted for a in n.all_input_nodes):   # (`h / u0` too)
             if n in rows:
                 return n, (f"`{n.name}` computes the batch's rows from a count over its rows (`mask.sum()`), which "
@@ -508,6 +513,12 @@ _VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   #
 # Operations that count or list the values the rows hold, a slot per value (a size the data may
 # decide: not rows, which _holds_rows would take it for)
 _SLOTS = {"bincount", "histc", "histogram", "unique", "unique_consecutive", "_unique2", "unique_dim"}
+
+
+def _counts_the_batch(node, info: BatchInfo) -> bool:
+    """Whether `node` is a number of the batch size (`x.shape[0]`, `x.shape[0] ** -0.5`)."""
+    v = node_value(node) if isinstance(node, fx.Node) else None
+    return isinstance(v, (torch.SymInt, torch.SymFloat)) and bool(info.symbols & v.node.expr.free_symbols)
 
 
 def _tensors(value) -> list:
