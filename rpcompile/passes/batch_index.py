@@ -269,7 +269,7 @@ def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
 
 
 
-# Note [rows in an order the data decides]: an argsort (a sort, a topk) of integers along the
+# Note [rows in an order the data decides]: an argsort (or a sort) of integers along the
 # rows (a label per row, each token's expert) orders the batch's rows by their data, and each
 # microbatch orders only its own. The rows read in that order (`h[labels.argsort()]`) are then
 # fine on their own (row by row, reduced over), but a value computed from them and from rows in

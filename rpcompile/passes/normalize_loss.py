@@ -729,7 +729,7 @@ def _numbers_of_the_data(loss, batch: BatchInfo) -> tuple:
     Note [sums over a sum of the data]: a microbatch would compute that number from its own rows."""
     if not isinstance(loss, fx.Node):
         return ()
-    numbers, computed, first = set(), set(), {}
+    numbers, first = set(), {}     # (first: each tensor computed with a number, to the arithmetic that read it)
     for n in loss.graph.nodes:
         v = node_value(n)
         if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -738,14 +738,12 @@ def _numbers_of_the_data(loss, batch: BatchInfo) -> tuple:
                 numbers.add(n)
         elif isinstance(v, torch.Tensor) and n.op in ("call_function", "call_method"):
             if op_name(n) in ARITHMETIC and any(a in numbers for a in n.all_input_nodes):
-                computed.add(n)
                 first[n] = n
-            elif (seed := next((a for a in n.all_input_nodes if a in computed), None)) is not None:
-                computed.add(n)
+            elif (seed := next((a for a in n.all_input_nodes if a in first), None)) is not None:
                 first[n] = first[seed]
         if n is loss:
             break
-    return (model_line(first[loss]),) if loss in computed else ()
+    return (model_line(first[loss]),) if loss in first else ()
 
 
 def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatches: int) -> None:
