@@ -505,6 +505,28 @@ class _NumberedRows(TwoLayers):
         return F.mse_loss(h, y)
 
 
+class _SizedRows(TwoLayers):
+    """Rows computed with a value made from the batch size, not data (Note [values made from
+    sizes]): a row's position in the batch, a mask of the batch's first half, a mean written as
+    weights of 1 / batch (each microbatch makes them from its own size); or values each row's own
+    ("own": a mask of ones, position ids and a causal mask expanded over the rows, a label per
+    half of a concatenation of two batches, in blocks)."""
+
+    def forward(self, x, y):
+        h, rows = self.hidden(x), x.shape[0]
+        if self.kind == "positions":
+            return F.mse_loss(h + 0.5 * torch.arange(rows).float()[:, None] / rows, y)
+        if self.kind == "first_half":
+            return F.mse_loss(torch.where((torch.arange(rows) < rows // 2)[:, None], h, 0), y)
+        if self.kind == "weights":
+            return (((h - y) ** 2).mean(1) * torch.full((rows,), 1.0 / rows)).sum()
+        causal = torch.ones(4, 4, dtype=torch.bool).tril().expand(rows, 4, 4)
+        positions = torch.arange(4).float().expand(rows, 4)
+        h = (h * torch.ones(rows, 1) + 0.1 * positions).masked_fill(~causal[:, 1], 0)
+        pairs = torch.cat([h, 2 * h]) * torch.cat([torch.ones(rows), torch.zeros(rows)])[:, None]
+        return F.mse_loss(h, y) + F.mse_loss(pairs, torch.cat([y, y]))
+
+
 class _SortedRows(TwoLayers):
     """The rows read in an order their data decides, an argsort of integers along them (Note
     [rows in an order the data decides]): paired with rows in another order (the batch's own, the
@@ -546,6 +568,13 @@ class _RankedRows(TwoLayers):
         else:
             keep = key.argmax()[None]
         return F.mse_loss(h[keep], y[keep])
+
+
+def test_values_made_from_the_batch_size_each_rows_own_train_split_as_eager():
+    """Note [values made from sizes]: values made from the batch size alone that are each row's
+    own once split (a mask of ones, position ids and a causal mask expanded over the rows, a label
+    per half of `cat([h, 2 * h])`, laid out in blocks) are not refused and train as eager."""
+    _trains_split_as_eager(_SizedRows("own"))
 
 
 def test_rows_in_an_order_their_data_decides_train_split_as_eager_until_they_meet_other_rows():
@@ -843,14 +872,18 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_NumberedRows, "rank"), "labels.unique(return_inverse=True)"),
                                        (functools.partial(_NumberedRows, "nonzero"), "labels.nonzero().shape[0]"),
                                        (functools.partial(_NumberedRows, "item"), "(labels > 1).sum().item()"),
-                                       (functools.partial(_NumberedRows, "batch"), "h * x.shape[0] ** -0.5")],
+                                       (functools.partial(_NumberedRows, "batch"), "h * x.shape[0] ** -0.5"),
+                                       (functools.partial(_SizedRows, "positions"), "torch.arange(rows).float()"),
+                                       (functools.partial(_SizedRows, "first_half"), "(torch.arange(rows) < rows // 2)"),
+                                       (functools.partial(_SizedRows, "weights"), "torch.full((rows,), 1.0 / rows)")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices",
                               "ranked_first", "ranked_topk", "ranked_argmax", "distinct_labels", "label_counts",
-                              "label_rank", "nonzero_count", "item_count", "batch_size"])
+                              "label_rank", "nonzero_count", "item_count", "batch_size", "sized_positions",
+                              "sized_first_half", "sized_weights"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -869,7 +902,10 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     for 1.854); and rows scaled by numbers the data decides over the rows (the count of distinct
     labels 0.700 for 0.657, a count per label, a label's rank among them 0.772 for 1.279, a
     nonzero count, a count read off by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`:
-    0.698 for 0.673). Now an InputError names the model's line, before any
+    0.698 for 0.673); and rows computed with a value made from the batch size that is not each
+    row's own (a row's position in the batch, `arange(B) / B`: 0.9171 for 0.9393; a mask of the
+    first half of the rows: 0.7173 for 0.6192; a mean written as weights of 1 / batch: twice
+    eager's loss). Now an InputError names the model's line, before any
     step, and changes nothing; with one microbatch the model trains as eager."""
     torch.manual_seed(0)
     model = make()

@@ -55,7 +55,8 @@ or writes them by index into a value that does not hold the rows (`last[labels] 
 scatter: a row per class, the last written; in place, its later readers read rows: _INDEX_WRITES),
 and the rows an index made from the batch size picks are checked at the microbatches' sizes
 (`arange(B)` picks each row's own, `arange(B - 1, -1, -1)` not), an index read from a batched
-argument refused (Note [rows picked by an index]);
+argument refused (Note [rows picked by an index]), as is any other value made from the batch size
+alone that is not each row's own (`arange(B) / B`: Note [values made from sizes]);
 batch norm's statistics are one operation's business, per microbatch as under gradient
 accumulation (checked against that), and are not refused.
 """
@@ -73,7 +74,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import InputError
-from .batch_index import RowOrders, indices_into, made_from_sizes, picks_apart, read_from_input
+from .batch_index import RowOrders, indices_into, laid_apart, made_from_sizes, picks_apart, read_from_input
 from .graph_utils import call_leaf_name, mutated_values, node_value, op_name, size_hint
 
 
@@ -440,6 +441,7 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
     sized = set()      # values made from sizes only, never written in place (Note [rows picked by an index])
     read = {}          # integers read from an input: the input (read_from_input)
     orders = RowOrders(info)   # (Note [rows in an order the data decides])
+    laid = {}          # values made from sizes that hold rows, checked: why they are not each row's own, or None
     written = {t for n in gm.graph.nodes for t in mutated_values(n)}
     for n in gm.graph.nodes:
         if n not in written and made_from_sizes(n, sized):
@@ -449,6 +451,8 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
             return n, f"{named} works along the batch's rows"
         if (picked := _picked_apart(n, info, sized, read, rows)) is not None:
             return n, picked
+        if n not in sized and (apart := _sized_apart(n, info, sized, laid)) is not None:
+            return n, apart
         ev = node_value(n)
         values = _tensors(ev)       # (a tuple's too: `h.median(0)`, `torch.std_mean(h, 0)`, `h.split([1, B - 1])`)
         if _holds_rows(n, values, info, rows):
@@ -578,6 +582,30 @@ def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set
         why = picks_apart(index, size, info, dim == 0 and rows_in_blocks(indexed, info))
         if why is not None:
             return f"`{n.name}` picks the batch's rows by `{index.name}`, an index made from sizes, not data: {why}"
+    return None
+
+
+def _sized_apart(n: fx.Node, info: BatchInfo, sized: set, laid: dict) -> Optional[str]:
+    """Why `n` computes with a value made from sizes that holds a value per row, as a value (not
+    an index: _picked_apart; integers only where `n` makes floats of them, else positions), that
+    is not each row's own once split (Note [values made from sizes]), or None. `laid`: the values
+    checked so far, to why."""
+    indices = {index for index, _, _ in indices_into(n)}
+    to_floats = any(t.is_floating_point() for t in _tensors(node_value(n)))
+    for a in n.all_input_nodes:
+        if a not in sized or a in indices or not isinstance(t := node_value(a), torch.Tensor):
+            continue
+        if not (t.is_floating_point() or t.dtype == torch.bool or to_floats):
+            continue    # (integers as positions, `inv[perm] = arange(N)`: Note [rows in an order the data decides])
+        if not info.whole_rows(next((d for d in t.shape if info.mentions(d)), None)):
+            continue
+        if a not in laid:
+            laid[a] = laid_apart(a, info, rows_in_blocks(a, info))
+        if laid[a] is not None:
+            return (f"`{n.name}` computes with `{a.name}`, made from the batch size, not data, a value per row "
+                    f"that is not each row's own ({laid[a]}): each microbatch makes it from its own size (a mean "
+                    f"written as weights of 1 / batch: use .mean(); a row's position in the batch: pass it as a "
+                    f"batched argument)")
     return None
 
 

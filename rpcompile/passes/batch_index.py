@@ -1,4 +1,5 @@
-"""Indices into the batch's rows made from the batch size, checked at the microbatches' sizes.
+"""Indices into the batch's rows and other values made from the batch size, checked at the microbatches'
+sizes.
 
 Note [rows picked by an index]: an operation given an index tensor along the rows (`h[idx]`,
 index_select, gather, a write at `idx`) picks rows whole, so the shapes Note [rows kept apart]
@@ -29,6 +30,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from .codegen import is_random
 from .graph_utils import map_devices, mutated_values, node_value, op_name, symbol_hints
 
 # (position of the dim argument, of the index argument) of operations given one index tensor
@@ -141,8 +143,8 @@ def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
     splits = [[len(p) for p in torch.arange(batch).tensor_split(m)] for m in (2, 3) if m <= batch]
     program = _program(index)
     try:
-        whole = _evaluate(program, info, batch, seed=0)
-        if not torch.equal(whole, _evaluate(program, info, batch, seed=1)):
+        whole = _evaluate(program, info, batch, seed=0).long()
+        if not torch.equal(whole, _evaluate(program, info, batch, seed=1).long()):
             return ("it is random, drawn once for the whole batch and once per microbatch, differently (to pair "
                     "rows at random across the batch, pick the partners in the data loader and pass them as a "
                     "second batched argument)")
@@ -151,7 +153,7 @@ def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
         if first is None:
             return f"it picks fixed positions ({_shown(whole)}), which each microbatch counts from its own first row"
         for parts in splits:
-            pieces = [(_evaluate(program, info, b, seed=0), _sizes(size, info, b)) for b in parts]
+            pieces = [(_evaluate(program, info, b, seed=0).long(), _sizes(size, info, b)) for b in parts]
             if not any(_assembled(whole, entries, pieces, parts, first, blocks) for blocks in
                        _layouts(entries // batch if entries % batch == 0 else 0, in_blocks)):
                 return (f"it does not pick each row's entries from that row: at {batch} rows it is "
@@ -162,9 +164,10 @@ def picks_apart(index: fx.Node, size, info, in_blocks: bool) -> Optional[str]:
     return None
 
 
-def _shown(index: torch.Tensor) -> str:
-    flat = index.flatten().tolist()
-    return "[" + ", ".join(map(str, flat[:8])) + (", ...]" if len(flat) > 8 else "]")
+def _shown(value: torch.Tensor) -> str:
+    flat = value.flatten()[:9].tolist()
+    return "[" + ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in flat[:8]) + (
+        ", ...]" if len(flat) > 8 else "]")
 
 
 def _layouts(per_row: int, in_blocks: bool) -> list:
@@ -204,6 +207,68 @@ def _assembled(whole, entries, pieces, parts, first, blocks) -> bool:
         seen[where] = True
         before += rows
     return bool(seen.all()) and torch.equal(out, whole % entries)
+
+
+# Note [values made from sizes]: a value made from the batch size alone (factory calls and
+# arithmetic on sizes, as an index above) that holds a value per row and meets the rows as a
+# value, not as an index, is each row's own once split only where the microbatches' values, put
+# together, are the whole batch's. A causal mask expanded over the rows (`mask.expand(B, ...)`),
+# position ids (`arange(S).expand(B, S)`), `ones(B, S)` are; a row's position in the batch
+# (`h + arange(B)[:, None] / B`: 0.9171 for eager's 0.9393 over 2 microbatches), a mask of the
+# first half of the rows (`arange(B) < B // 2`: 0.7173 for 0.6192) and a mean written as weights
+# (`(per_row * full((B,), 1 / B)).sum()`: each microbatch weighs its rows by its own size, twice
+# eager's loss) trained silently and are refused. A random value (`randn(B, d)`) is drawn per
+# microbatch as dropout's masks are, and not refused.
+def laid_apart(value: fx.Node, info, in_blocks: bool) -> Optional[str]:
+    """Why `value` (made_from_sizes; a dim of it holds the batch's rows, each row's entries
+    together or, `in_blocks`, in blocks of rows) is not each row's own once split into
+    microbatches, or None: the microbatches' values put together are the batch's, or the check
+    cannot run it (Note [values made from sizes])."""
+    batch = info.size
+    shape = node_value(value).shape
+    first = next(d for d, s in enumerate(shape) if info.mentions(s))
+    splits = [[len(p) for p in torch.arange(batch).tensor_split(m)] for m in (2, 3) if m <= batch]
+    program = _program(value)
+    if any(map(is_random, program)):
+        return None         # (drawn per microbatch, as dropout's masks are)
+    try:
+        whole = _evaluate(program, info, batch, seed=0)
+        entries = _sizes(shape[first], info, batch)
+        for parts in splits:
+            pieces = [_evaluate(program, info, b, seed=0) for b in parts]
+            if not any(_put_together(whole, pieces, first, blocks) for blocks in
+                       _layouts(entries // batch if entries % batch == 0 else 0, in_blocks)):
+                return (f"at {batch} rows it is {_shown(whole)}, at the microbatches' {parts} rows "
+                        f"{' and '.join(map(_shown, pieces))}")
+    except _DataDecided:
+        return None
+    return None
+
+
+def _put_together(whole: torch.Tensor, pieces: list, dim: int, blocks: int) -> bool:
+    """Whether the microbatches' values, one after another along `dim` (block by block), are the batch's."""
+    if whole.shape[dim] % blocks:
+        return False
+    size, at = whole.shape[dim] // blocks, [0] * blocks
+    for piece in pieces:
+        if piece.dim() != whole.dim() or piece.shape[dim] % blocks:
+            return False
+        for j, part in enumerate(piece.tensor_split(blocks, dim)):
+            if at[j] + part.shape[dim] > size or not _same(part, whole.narrow(dim, j * size + at[j], part.shape[dim])):
+                return False
+            at[j] += part.shape[dim]
+    return all(a == size for a in at)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN to NaN), each dim both expand (stride 0) compared once: a mask expanded
+    over the rows is one row."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    for d in range(a.dim()):
+        if a.stride(d) == 0 and b.stride(d) == 0 and a.shape[d] > 1:
+            a, b = a.narrow(d, 0, 1), b.narrow(d, 0, 1)
+    return torch.equal(a, b) or (a.is_floating_point() and bool(((a == b) | a.isnan() & b.isnan()).all()))
 
 
 def _sizes(size, info, batch: int) -> int:
@@ -265,7 +330,7 @@ def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
     out = values[program[-1]]
     if not isinstance(out, torch.Tensor):
         raise _DataDecided
-    return out.long()
+    return out
 
 
 
