@@ -556,8 +556,8 @@ class _SortedRows(TwoLayers):
 
 
 class _RankedRows(TwoLayers):
-    """Rows kept by their rank in the batch by an integer key: the first of an argsort, a topk, an
-    argmax (eager ranks the whole batch's rows, a microbatch its own)."""
+    """Rows kept by their rank in the batch by an integer key: the first of an argsort (sliced or
+    split off), a topk, an argmax (eager ranks the whole batch's rows, a microbatch its own)."""
 
     def forward(self, x, y):
         h, key = self.hidden(x), (x[:, 1] * 3).long()
@@ -565,6 +565,8 @@ class _RankedRows(TwoLayers):
             keep = key.argsort()[:2]
         elif self.kind == "topk":
             keep = key.topk(2).indices
+        elif self.kind == "split":
+            keep = key.argsort().split([2, key.shape[0] - 2])[0]
         else:
             keep = key.argmax()[None]
         return F.mse_loss(h[keep], y[keep])
@@ -866,6 +868,7 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_SortedRows, "sorted"), "torch.sort((x[:, 1] > 0)"),
                                        (functools.partial(_RankedRows, "first"), "keep = key.argsort()[:2]"),
                                        (functools.partial(_RankedRows, "topk"), "keep = key.topk(2).indices"),
+                                       (functools.partial(_RankedRows, "split"), "key.argsort().split([2,"),
                                        (functools.partial(_RankedRows, "argmax"), "keep = key.argmax()[None]"),
                                        (functools.partial(_NumberedRows, "distinct"), "labels.unique().numel()"),
                                        (functools.partial(_NumberedRows, "bincount"), "labels.bincount(minlength=5)"),
@@ -881,9 +884,9 @@ class _ClassCentroids(TwoLayers):
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices",
-                              "ranked_first", "ranked_topk", "ranked_argmax", "distinct_labels", "label_counts",
-                              "label_rank", "nonzero_count", "item_count", "batch_size", "sized_positions",
-                              "sized_first_half", "sized_weights"])
+                              "ranked_first", "ranked_topk", "ranked_split", "ranked_argmax", "distinct_labels",
+                              "label_counts", "label_rank", "nonzero_count", "item_count", "batch_size",
+                              "sized_positions", "sized_first_half", "sized_weights"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -899,14 +902,15 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     row, the rows as an embedding table); and rows read in the order an argsort or sort of their
     integers decides, paired with rows in another order, or kept by their rank by an integer key
     (the first of an argsort, a topk, an argmax: 0.673 for eager's 0.567, 0.932 for 1.317, 1.250
-    for 1.854); and rows scaled by numbers the data decides over the rows (the count of distinct
-    labels 0.700 for 0.657, a count per label, a label's rank among them 0.772 for 1.279, a
-    nonzero count, a count read off by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`:
-    0.698 for 0.673); and rows computed with a value made from the batch size that is not each
-    row's own (a row's position in the batch, `arange(B) / B`: 0.9171 for 0.9393; a mask of the
-    first half of the rows: 0.7173 for 0.6192; a mean written as weights of 1 / batch: twice
-    eager's loss). Now an InputError names the model's line, before any
-    step, and changes nothing; with one microbatch the model trains as eager."""
+    for 1.854; split off the argsort, `split([2, B - 2])[0]`: 0.673 for 0.567); and rows scaled
+    by numbers the data decides over the rows (the count of distinct labels 0.700 for 0.657, a
+    count per label, a label's rank among them 0.772 for 1.279, a nonzero count, a count read off
+    by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`: 0.698 for 0.673); and rows
+    computed with a value made from the batch size that is not each row's own (a row's position
+    in the batch, `arange(B) / B`: 0.9171 for 0.9393; a mask of the first half of the rows: 0.7173
+    for 0.6192; a mean written as weights of 1 / batch: twice eager's loss). Now an InputError
+    names the model's line, before any step, and changes nothing; with one microbatch the model
+    trains as eager."""
     torch.manual_seed(0)
     model = make()
     before = copy.deepcopy(model.state_dict())

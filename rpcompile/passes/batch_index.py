@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .codegen import is_random
 from .graph_utils import map_devices, mutated_values, node_value, op_name, symbol_hints
@@ -353,7 +354,10 @@ def _evaluate(program: list, info, batch: int, seed: int) -> torch.Tensor:
 # or argmax of integers along the rows is (_BY_RANK in batch.py). Not followed: positions of a
 # mask of rows in another order (`nonzero`), read as the batch's own.
 _SORTS = {"sort": (1, "dim", -1), "argsort": (1, "dim", -1), "msort": (None, None, 0)}
-_PARTS = {"getitem", "narrow", "select"}     # (a split's pieces hold every row: JetMoE's groups per expert)
+_PARTS = {"getitem", "narrow", "select"}
+# (pieces of sizes the data decides hold every row between them, JetMoE's groups per expert; a
+# piece of a size made from sizes, `order.split([2, B - 2])[0]`, is some of the rows, by rank)
+_SPLITS = {"split", "split_with_sizes", "tensor_split", "chunk", "unbind"}
 _READS = {"getitem", "index_select", "gather", "take_along_dim", "embedding"}
 _ANY = "any order"      # (a value holding nothing of the rows: zeros_like, an arange)
 
@@ -415,7 +419,7 @@ class RowOrders:
         orders = {self.order.get(a, ()) for a in n.all_input_nodes if a in rows} - {_ANY}
         if len(orders) > 1:
             return self._mixed(n, orders)
-        if orders and (word := next(iter(orders))) and op_name(n) in _PARTS and self._a_part(n):
+        if orders and (word := next(iter(orders))) and op_name(n) in _PARTS | _SPLITS and self._a_part(n):
             return (f"`{n.name}` keeps some of the rows by their rank in an order the data decides "
                     f"({self._made(word)}): eager ranks the whole batch's rows, each microbatch only its own, so "
                     f"split, it keeps other rows than eager's")
@@ -426,14 +430,16 @@ class RowOrders:
         return None
 
     def _a_part(self, n: fx.Node) -> bool:
-        """Whether `n`'s value (a slice) holds fewer whole rows dims than its first argument: some of
-        the rows, not all."""
+        """Whether `n`'s value (a slice, or a split's pieces) holds fewer whole rows dims than its
+        first argument: some of the rows, not all (a split's piece of a size the data decides
+        is a group of rows, not a part: _SPLITS)."""
         x = node_value(n.args[0])
         if not isinstance(x, torch.Tensor):
             return False        # (a tuple's tensor: `torch.sort(k).indices`)
         whole = sum(map(self.info.whole_rows, x.shape))
         return any(sum(map(self.info.whole_rows, t.shape)) < whole for t in
-                   torch.utils._pytree.tree_leaves(node_value(n)) if isinstance(t, torch.Tensor))
+                   torch.utils._pytree.tree_leaves(node_value(n)) if isinstance(t, torch.Tensor)
+                   and not (op_name(n) in _SPLITS and free_unbacked_symbols(t)))
 
     def _word(self, node) -> tuple:
         word = self.order.get(node, ())
