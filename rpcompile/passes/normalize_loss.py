@@ -49,8 +49,9 @@ mse_loss.default(x, y, 2)`, `torch._C._nn.mse_loss`) with reduction Reduction::S
 argument is batch-first; and a 0-d sum of every element of a batch-first value, through sums
 alone (`x.sum()`, `torch.sum(x)`, `x.sum(dim=(0, 1))`, `x.sum(-1).sum()`, `x.sum(0).sum()`).
 Batch-first: dim 0 of the value is a batch symbol, or one times a factor (flattened rows,
-`(batch * seq, ...)`); the batch symbols are find_batch's, read off the graph's inputs (the
-first input whose dim 0 is dynamic gives the batch size). A loss that is such a sum has kind
+`(batch * seq, ...)`), or the rows a mask of them picks (Note [rows a mask picks]); the batch
+symbols are find_batch's, read off the graph's inputs (the first input whose dim 0 is dynamic
+gives the batch size). A loss that is such a sum has kind
 "sum" (every microbatch weighs 1); a loss affine in one (`0.5 * mse_sum + l1_mean`, `ce_mean +
 1e-3 * logits.pow(2).sum()`, `mse_sum / num_items`) scales it as a term with 1 / w_m, as Note
 [sums over a batch count] does a sum cross-entropy. Not recognised, and taken as a mean over
@@ -133,6 +134,8 @@ class LossScale:
                                              # parameters compute: no microbatches (check_loss_splits)
     numbers: tuple = ()                      # the model's lines where the loss computes with a number
                                              # the data decides: no microbatches (check_loss_splits)
+    picked: tuple = ()                       # the model's lines of means over rows a mask picks that
+                                             # cannot be counted: no microbatches (Note [rows a mask picks])
 
 
 _NLL_LOSS = inspect.signature(F.nll_loss)
@@ -331,9 +334,10 @@ def normalize_loss(gm: fx.GraphModule, loss_output: int = 0) -> fx.GraphModule:
     counter = (_counter_graph(gm, found[1], found[2], weight, _classes(found[0]), _loss_name(loss), reader=loss)
                if found else None)
     if counter is None:
-        terms, finishes, uncounted = _scale_terms(gm, loss, batch)
+        terms, finishes, uncounted, picked = _scale_terms(gm, loss, batch)
         gm.meta["rp_loss"] = LossScale("rows", output=loss_output, terms=terms, finishes=finishes,
-                                       uncounted=uncounted, numbers=_numbers_of_the_data(loss, batch))
+                                       uncounted=uncounted, numbers=_numbers_of_the_data(loss, batch),
+                                       picked=picked or _picked_means(loss, batch))
         return gm
     _rewrite_reduction(loss, bound, "sum")
     loss.meta["rp_loss"] = "token_sum"
@@ -429,17 +433,140 @@ def _value(node) -> Optional[torch.Tensor]:
     return ev if isinstance(ev, torch.Tensor) else None
 
 
-def _rows_first(node, batch: BatchInfo) -> bool:
+def _rows_first(node, batch: BatchInfo, picked: bool = True) -> bool:
     """Dim 0 of `node`'s value is the batch's rows (a batch symbol, one times a factor, the rows of
-    batched values one after another or a half of them: BatchInfo.whole_rows)."""
+    batched values one after another or a half of them: BatchInfo.whole_rows), or, `picked`, the
+    rows (entries) a mask of them picks (Note [rows a mask picks])."""
     ev = _value(node)
-    return ev is not None and ev.dim() >= 1 and batch.whole_rows(ev.shape[0])
+    return ev is not None and ev.dim() >= 1 and (batch.whole_rows(ev.shape[0])
+                                                 or (picked and picked_by(node, batch) is not None))
 
 
-def _reduces_rows(x, dims, batch: BatchInfo) -> bool:
+def _reduces_rows(x, dims, batch: BatchInfo, picked: bool = True) -> bool:
     """A reduction of x over `dims` (None: every element) reduces its rows: x is batch-first and
     dims include dim 0."""
-    return _rows_first(x, batch) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
+    return _rows_first(x, batch, picked) and (dims is None or 0 in [d % _value(x).dim() for d in dims])
+
+
+# Note [rows a mask picks]: a value of the rows (or entries) a mask of the batch's rows picks
+# (`h[mask]`, `h[mask.nonzero()[:, 0]]`, a size the data decides) holds each microbatch's picks
+# one after another, as a batch-first value holds its rows: a sum over it (`(h[m] - y[m]).pow(2)
+# .sum()`, `F.mse_loss(h[m], y[m], reduction="sum")`) is a sum over rows (Note [sums over rows]),
+# where before it was taken as a mean over rows (the loss and gradients 1/2 of eager's over 2
+# microbatches, silently). A mean over it (`F.mse_loss(h[m], y[m])`, `.mean()`, l1, huber,
+# binary cross-entropy) divides by the picks of the whole batch, not the microbatch's (0.793 for
+# eager's 0.908): where the mask is the data's (read off the inputs alone) and each pick holds a
+# fixed number of entries, it becomes its sum over the mask's count times that number, counted
+# over the whole batch before the step as Note [sums over a sum of the data] counts a divisor;
+# any other mean over picked rows (a mask the model computes) is an InputError with microbatches.
+def picked_by(node, batch: BatchInfo) -> Optional[tuple]:
+    """(mask, entries) where dim 0 of `node`'s value counts the true entries of a batch-first mask,
+    picked by it (`h[mask]`, `torch.masked_select(h, mask)`) or at their positions
+    (`mask.nonzero()`), and `entries` of the value are one true entry's (None where that is not
+    a number: a size of the sequence); else None."""
+    ev = _value(node)
+    if ev is None or ev.dim() == 0 or not isinstance(ev.shape[0], torch.SymInt) or not free_unbacked_symbols(
+            ev.shape[0]):
+        return None
+    expr, n = ev.shape[0].node.expr, node
+    while True:       # (up through the values of the same dim 0 to the node that made it)
+        same = [a for a in n.all_input_nodes if (t := _value(a)) is not None and t.dim() >= 1
+                and isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr == expr]
+        if not same:
+            break
+        n = same[0]
+    entries = ev.shape[1:].numel()
+    entries = entries if isinstance(entries, int) else None
+    if op_name(n) in ("nonzero", "argwhere") and n.args and _rows_first(n.args[0], batch, picked=False):
+        return n.args[0], entries
+    if op_name(n) == "masked_select" and len(n.args) == 2 and _rows_first(n.args[0], batch, picked=False):
+        x, mask = map(_value, n.args)
+        return n.args[1], _broadcast_entries(x.shape, mask.shape)
+    if n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2:
+        x, key = n.args
+        key = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+        k = _value(key)
+        if k is not None and k.dtype == torch.bool and _rows_first(x, batch, picked=False) and _rows_first(
+                key, batch, picked=False):
+            return key, entries
+    return None
+
+
+def _broadcast_entries(shape, mask_shape) -> Optional[int]:
+    """How many entries of a value of `shape` one entry of a mask broadcast to it covers (a mask of
+    rows over (rows, 4): 4), or None where a size is not a number. Read off the sizes without
+    comparing symbols (a comparison would guard the capture's shapes)."""
+    covered = 1
+    for i, d in enumerate(reversed(shape)):
+        m = mask_shape[-1 - i] if i < len(mask_shape) else 1
+        if type(m) is int and m == 1 and not (type(d) is int and d == 1):
+            if type(d) is not int:
+                return None
+            covered *= d
+    return covered
+
+
+_ELEMENTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                       "binary_cross_entropy_with_logits", "soft_margin_loss")
+
+
+def _mean_loss_call(node: fx.Node):
+    """(first argument, bound arguments) of a torch.nn.functional elementwise loss call with
+    reduction="mean" (legacy arguments unset), else None."""
+    sig = _FUNCTIONAL_LOSSES.get(node.target) if node.op == "call_function" else None
+    if sig is None or node.target.__name__ not in _ELEMENTWISE_LOSSES:
+        return None
+    args = bind_call(node, node.target, sig)
+    if args is None or args.get("size_average") is not None or args.get("reduce") is not None:
+        return None
+    return (next(iter(args.values())), args) if args.get("reduction") == "mean" else None
+
+
+def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
+    """picked_by of the value `node` takes a mean of every element of, where that holds rows a mask
+    picks (`x.mean()`, `torch.mean(x)`, an elementwise loss with reduction="mean"), else None
+    (Note [rows a mask picks])."""
+    meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
+    if meaned is not None and meaned[1] is not None:
+        x = _value(meaned[0])
+        meaned = (meaned[0], None) if x is not None and sorted(d % x.dim() for d in meaned[1]) == list(
+            range(x.dim())) else None
+    value = meaned[0] if meaned is not None else (_mean_loss_call(node) or (None,))[0]
+    return picked_by(value, batch) if isinstance(value, fx.Node) else None
+
+
+def _sum_instead(node: fx.Node) -> Optional[fx.Node]:
+    """A node before `node` (mean_over_picked) that sums the elements it takes the mean of; None
+    where it cannot."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        if node.op == "call_method":
+            made = graph.call_method("sum", node.args[:1])
+        elif node.target in (torch.mean, torch.Tensor.mean):
+            made = graph.call_function(torch.sum, node.args[:1])
+        elif (call := _mean_loss_call(node)) is not None:
+            made = graph.call_function(node.target, (), {
+                **{k: v for k, v in call[1].items() if k not in ("size_average", "reduce")}, "reduction": "sum"})
+        else:
+            return None
+    made.meta.update(node.meta)        # (a 0-d value of the mean's dtype, its line)
+    return made
+
+
+def _picked_means(loss: fx.Node, batch: BatchInfo) -> tuple:
+    """The model's lines where `loss` reads a mean over rows a mask picks that is not counted
+    (Note [rows a mask picks]): any mean or mean-reduced loss over such rows left."""
+    lines = []
+    for n in _ancestors(loss):
+        meaned = _summed(n, "mean", _MEAN_FUNCTIONS)
+        first = meaned[0] if meaned is not None else (_mean_loss_call(n) or (None,))[0]
+        if first is None and n.op == "call_function" and (sig := _FUNCTIONAL_LOSSES.get(n.target)) is not None:
+            args = bind_call(n, n.target, sig)        # (kl_div's batchmean, a legacy size_average)
+            first = next(iter(args.values())) if args and args.get("reduction") != "sum" else None
+        if isinstance(first, fx.Node) and picked_by(first, batch) is not None and (
+                meaned is None or _reduces_rows(*meaned, batch)):
+            lines.append(model_line(n))
+    return tuple(lines)
 
 
 def _sums_rows(node: fx.Node, batch: BatchInfo) -> bool:
@@ -516,8 +643,8 @@ def _affine_terms(node: fx.Node, loss: fx.Node, batch: BatchInfo) -> list:
         return []
     if mean_cross_entropy(node) is not None or sum_over_rows(node, batch):
         return [node] if node is not loss else []
-    if over_a_sum_of_the_data(node, batch) is not None:
-        return [node]          # (the loss itself too: Note [sums over a sum of the data])
+    if over_a_sum_of_the_data(node, batch) is not None or mean_over_picked(node, batch) is not None:
+        return [node]          # (the loss itself too: Note [sums over a sum of the data], [rows a mask picks])
     t, args = (_METHODS.get(node.target) if node.op == "call_method" else node.target), node.args
     if node.op not in ("call_function", "call_method") or node.kwargs.get("alpha", 1) != 1:
         return []
@@ -580,7 +707,7 @@ def _divisor_graph(gm: fx.GraphModule, steps: list) -> Optional[fx.GraphModule]:
 def _means_rows(node: fx.Node, batch: BatchInfo) -> bool:
     """`node` is a mean over dims including dim 0 of a value whose dim 0 is the rows."""
     meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
-    return meaned is not None and _reduces_rows(*meaned, batch)
+    return meaned is not None and _reduces_rows(*meaned, batch, picked=False)    # (Note [rows a mask picks])
 
 
 _EXTREMES = {"max": "max", "amax": "max", "min": "min", "amin": "min", torch.max: "max", torch.amax: "max",
@@ -667,13 +794,25 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     placeholder order, and the lines of quotients whose divisor the parameters compute."""
     if not isinstance(loss, fx.Node):
         return (), (), ()
-    counters, finishes, uncounted = [], [], []
+    counters, finishes, uncounted, picked_lines = [], [], [], []
     last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     for ce in _affine_terms(loss, loss, batch):
         bound = bind_class_loss(ce)
         ratio = over_a_sum_of_the_data(ce, batch)
         finish, base = None, ce
-        if ratio is not None:       # its numerator times 1 / (the divisor's total * w_m)
+        picked = mean_over_picked(ce, batch) if ratio is None and bound is None else None
+        if picked is not None:      # its sum times 1 / (the picks' total * w_m): Note [rows a mask picks]
+            mask, per_pick = picked
+            made = _input_graph(gm, mask, ce) if per_pick is not None else None
+            base = _sum_instead(ce) if made is not None else None
+            if base is None:
+                picked_lines.append(model_line(ce))
+                continue
+            g, env = made
+            count = g.call_method("sum", (g.call_method("ne", (env[mask], 0)),))
+            g.output(g.call_method("mul", (g.call_method("double", (count,)), per_pick)))
+            counter = graph_module(gm, g, "LossCounter")
+        elif ratio is not None:       # its numerator times 1 / (the divisor's total * w_m)
             made = _input_graph(gm, ratio[1], ce)
             if made is None:        # (a divisor of the parameters: not a count of the data)
                 uncounted.append(model_line(ce))
@@ -719,7 +858,7 @@ def _scale_terms(gm: fx.GraphModule, loss, batch: BatchInfo) -> tuple:
     if counters:
         gm.graph.lint()
         gm.recompile()
-    return tuple(counters), tuple(finishes), tuple(uncounted)
+    return tuple(counters), tuple(finishes), tuple(uncounted), tuple(picked_lines)
 
 
 def _numbers_of_the_data(loss, batch: BatchInfo) -> tuple:
@@ -748,8 +887,9 @@ def _numbers_of_the_data(loss, batch: BatchInfo) -> tuple:
 
 def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatches: int) -> None:
     """Raise an InputError where the loss divides by a sum over the batch's rows that the
-    parameters compute, or computes with a number the data decides, and the batch is split (Note
-    [sums over a sum of the data])."""
+    parameters compute, computes with a number the data decides, or takes a mean over rows a mask
+    picks it cannot count, and the batch is split (Note [sums over a sum of the data], Note [rows
+    a mask picks])."""
     if scale is None or not info.split(num_microbatches):
         return
     if scale.numbers:
@@ -759,6 +899,14 @@ def check_loss_splits(scale: Optional[LossScale], info: BatchInfo, num_microbatc
                          f"it from its own rows, and their losses put together are not eager's. Keep it a tensor "
                          f"(`mask.sum()`, not `mask.sum().item()`): a loss over such a sum is counted over the whole "
                          f"batch before the step; or use Config(num_microbatches=1).")
+    if scale.picked:
+        raise InputError(f"the loss takes a mean over rows a mask picks{scale.picked[0]} that rpcompile cannot count "
+                         f"over the whole batch before the step (a mask the model computes, or a mean it cannot "
+                         f"write as a sum): split into {num_microbatches} microbatches, each would divide by its own "
+                         f"picks, and their means put together are not eager's. Use Config(num_microbatches=1), or "
+                         f"a mask read off the inputs (`labels != -100`) with `F.mse_loss(h[mask], y[mask])` or "
+                         f"`.mean()`, which is counted over the whole batch, or a sum over the picks divided by "
+                         f"`mask.sum()`.")
     if not scale.uncounted:
         return
     raise InputError(f"the loss divides by a sum over the batch's rows that the parameters compute"
