@@ -530,9 +530,10 @@ class _SizedRows(TwoLayers):
 class _SortedRows(TwoLayers):
     """The rows read in an order their data decides, an argsort of integers along them (Note
     [rows in an order the data decides]): paired with rows in another order (the batch's own, the
-    targets), returned in it, or kept to rows of that order and put back before they meet others
-    (read at the order's argsort, written or added at the order, read at an inverse written out as
-    an MoE layer does)."""
+    targets), returned in it, rows of the batch's order read at positions a mask in that order
+    counts, or kept to rows of that order and put back before they meet others (read at the
+    order's argsort, written or added at the order, read at an inverse written out as an MoE layer
+    does; read at positions counted in their order)."""
 
     def forward(self, x, y):
         h = self.hidden(x)
@@ -545,13 +546,16 @@ class _SortedRows(TwoLayers):
             return F.mse_loss(h + h[torch.sort((x[:, 1] > 0).long()).indices], y)
         if self.kind == "returned":
             return h[order]
+        kept = (x[:, 0] > 0)[order].nonzero()[:, 0]      # (positions counted in the order)
+        if self.kind == "positions":
+            return F.mse_loss(h[kept], y[kept])
         back = torch.zeros_like(h)
         back[order] = torch.tanh(h[order])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0])
         own = (F.mse_loss(h[order], y[order]) + F.mse_loss((2 * h[order])[order.argsort()] - h, y)
                + F.mse_loss(back + torch.zeros_like(h).index_add(0, order, h[order]), y)
-               + F.mse_loss(h[order][inverse] * 2 - h, y))
+               + F.mse_loss(h[order][inverse] * 2 - h, y) + 0.1 * ((h[order][kept] - y[order][kept]) ** 2).sum())
         return own
 
 
@@ -866,6 +870,7 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_SortedRows, "paired"), "h - 0.25 * h[order]"),
                                        (functools.partial(_SortedRows, "targets"), "F.mse_loss(h[order], y)"),
                                        (functools.partial(_SortedRows, "sorted"), "torch.sort((x[:, 1] > 0)"),
+                                       (functools.partial(_SortedRows, "positions"), "F.mse_loss(h[kept], y[kept])"),
                                        (functools.partial(_RankedRows, "first"), "keep = key.argsort()[:2]"),
                                        (functools.partial(_RankedRows, "topk"), "keep = key.topk(2).indices"),
                                        (functools.partial(_RankedRows, "split"), "key.argsort().split([2,"),
@@ -877,16 +882,16 @@ class _ClassCentroids(TwoLayers):
                                        (functools.partial(_NumberedRows, "item"), "(labels > 1).sum().item()"),
                                        (functools.partial(_NumberedRows, "batch"), "h * x.shape[0] ** -0.5"),
                                        (functools.partial(_SizedRows, "positions"), "torch.arange(rows).float()"),
-                                       (functools.partial(_SizedRows, "first_half"), "(torch.arange(rows) < rows // 2)"),
+                                       (functools.partial(_SizedRows, "first_half"), "(torch.arange(rows) < rows"),
                                        (functools.partial(_SizedRows, "weights"), "torch.full((rows,), 1.0 / rows)")],
                          ids=["contrastive", "centred", "softmax", "cumsum", "sort", "layer_norm", "rms_norm",
                               "legacy_softmax", "argsort", "msort", "multihead", "sdpa", "conv", "avg_pool", "hardest",
                               "masked_mean", "count_scaled", "median", "std_mean", "split_first", "halves_chunk",
                               "halves_view", "class_centroids", "reversed", "shifted", "randperm", "fixed", "embedding",
                               "written", "index_copy", "sorted_paired", "sorted_targets", "sort_indices",
-                              "ranked_first", "ranked_topk", "ranked_split", "ranked_argmax", "distinct_labels",
-                              "label_counts", "label_rank", "nonzero_count", "item_count", "batch_size",
-                              "sized_positions", "sized_first_half", "sized_weights"])
+                              "sorted_positions", "ranked_first", "ranked_topk", "ranked_split", "ranked_argmax",
+                              "distinct_labels", "label_counts", "label_rank", "nonzero_count", "item_count",
+                              "batch_size", "sized_positions", "sized_first_half", "sized_weights"])
 def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatches(make, line):
     """Note [rows kept apart], Note [rows picked by an index]: split into 2 microbatches, an in-batch
     contrastive loss came out 7.72 where eager's is 12.31, and rows centred on the batch's mean
@@ -902,15 +907,16 @@ def test_a_forward_that_computes_rows_from_other_rows_is_refused_with_microbatch
     row, the rows as an embedding table); and rows read in the order an argsort or sort of their
     integers decides, paired with rows in another order, or kept by their rank by an integer key
     (the first of an argsort, a topk, an argmax: 0.673 for eager's 0.567, 0.932 for 1.317, 1.250
-    for 1.854; split off the argsort, `split([2, B - 2])[0]`: 0.673 for 0.567); and rows scaled
-    by numbers the data decides over the rows (the count of distinct labels 0.700 for 0.657, a
-    count per label, a label's rank among them 0.772 for 1.279, a nonzero count, a count read off
-    by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`: 0.698 for 0.673); and rows
-    computed with a value made from the batch size that is not each row's own (a row's position
-    in the batch, `arange(B) / B`: 0.9171 for 0.9393; a mask of the first half of the rows: 0.7173
-    for 0.6192; a mean written as weights of 1 / batch: twice eager's loss). Now an InputError
-    names the model's line, before any step, and changes nothing; with one microbatch the model
-    trains as eager."""
+    for 1.854; split off the argsort, `split([2, B - 2])[0]`: 0.673 for 0.567), or read at the
+    positions a mask in that order counts (`h[mask[order].nonzero()[:, 0]]`: 0.793 for 0.908); and
+    rows scaled by numbers the data decides over the rows (the count of distinct labels 0.700 for
+    0.657, a count per label, a label's rank among them 0.772 for 1.279, a nonzero count, a count
+    read off by `.item()`), or by the batch size (`h * x.shape[0] ** -0.5`: 0.698 for 0.673); and
+    rows computed with a value made from the batch size that is not each row's own (a row's
+    position in the batch, `arange(B) / B`: 0.9171 for 0.9393; a mask of the first half of the
+    rows: 0.7173 for 0.6192; a mean written as weights of 1 / batch: twice eager's loss). Now an
+    InputError names the model's line, before any step, and changes nothing; with one microbatch
+    the model trains as eager."""
     torch.manual_seed(0)
     model = make()
     before = copy.deepcopy(model.state_dict())
