@@ -272,7 +272,7 @@ def test_a_sum_over_a_sum_that_cannot_be_counted_is_refused_with_microbatches(ki
 class _Picked(TwoLayers):
     """Losses over the rows a mask of the data picks (Note [rows a mask picks]): sums and means,
     by the mask, at its positions, of the entries it picks; or over rows a mask the model
-    computes picks, and a picked mean not affine in the loss."""
+    computes picks, a picked mean not affine in the loss, one with keepdim."""
 
     def forward(self, x, y):
         h, m = self.hidden(x), x[:, 0] > 0
@@ -294,6 +294,8 @@ class _Picked(TwoLayers):
         if self.kind == "learned":
             at = (h[:, 0] > 0).nonzero()[:, 0]
             return F.mse_loss(h[at], y[at])
+        if self.kind == "keepdim":
+            return ((h[m] - y[m]) ** 2).mean((0, 1), keepdim=True).squeeze()
         return F.mse_loss(h[m], y[m]).sqrt()
 
 
@@ -316,11 +318,13 @@ def test_a_loss_over_the_rows_a_mask_picks_trains_as_eager(kind):
 
 
 @pytest.mark.parametrize("kind,line", [("learned", "F.mse_loss(h[at], y[at])"),
-                                       ("sqrt", "F.mse_loss(h[m], y[m]).sqrt()")])
+                                       ("sqrt", "F.mse_loss(h[m], y[m]).sqrt()"),
+                                       ("keepdim", ".mean((0, 1), keepdim=True)")])
 def test_a_mean_over_picked_rows_that_cannot_be_counted_is_refused_with_microbatches(kind, line):
     """Note [rows a mask picks]: a mean over the rows a mask the model computes picks (which
-    cannot be counted before the step), or one the loss is not affine in, is an InputError naming
-    the line before any step; with one microbatch it trains as eager."""
+    cannot be counted before the step), one the loss is not affine in, or one kept 2-d
+    (keepdim), is an InputError naming the line before any step; with one microbatch it trains
+    as eager."""
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
     torch.manual_seed(0)

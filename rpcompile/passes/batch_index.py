@@ -1,5 +1,5 @@
-"""Indices into the batch's rows and other values made from the batch size, checked at the microbatches'
-sizes.
+"""Indices into the batch's rows, and other values, made from the batch size: checked at the
+microbatches' sizes.
 
 Note [rows picked by an index]: an operation given an index tensor along the rows (`h[idx]`,
 index_select, gather, a write at `idx`) picks rows whole, so the shapes Note [rows kept apart]

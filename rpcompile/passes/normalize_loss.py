@@ -527,6 +527,8 @@ def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
     picks (`x.mean()`, `torch.mean(x)`, an elementwise loss with reduction="mean"), else None
     (Note [rows a mask picks])."""
     meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
+    if meaned is not None and (len(node.args) > 2 or node.kwargs.keys() - {"dim"}):
+        meaned = None       # (keepdim, a dtype: not rewritten; _picked_means refuses it)
     if meaned is not None and meaned[1] is not None:
         x = _value(meaned[0])
         meaned = (meaned[0], None) if x is not None and sorted(d % x.dim() for d in meaned[1]) == list(
