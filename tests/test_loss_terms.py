@@ -226,6 +226,37 @@ class _Ratios(TwoLayers):
         return (per_row * weights).sum() / (weights.sum() + 1e-6)
 
 
+def _row_batches(n: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(n)]
+
+
+def _trains_split_as_eager(make):
+    """Three SGD steps of `make()` (x: 8 rows of 8 features, y: 8 of 4) split into 2 microbatches
+    over 2 CPU devices, checked against eager; the compiled model."""
+    batches = _row_batches(3)
+    torch.manual_seed(0)
+    return train_both(make(), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2, memory_budget=TIGHT),
+                      eager_step=scalar_loss_step, steps=3, min_stages=0)
+
+
+def _refused_split(make, why: str, line: str) -> None:
+    """`make()`'s first step split into 2 microbatches is an InputError matching `why` that names
+    `line`, before any step (parameters unchanged, no gradient); in one microbatch it trains as eager."""
+    batches = _row_batches(2)
+    torch.manual_seed(0)
+    model = make()
+    before = copy.deepcopy(model.state_dict())
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
+    with pytest.raises(rpcompile.InputError, match=why) as err:
+        cm.train_step(**batches[0])
+    assert line in str(err.value)
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1), eager_step=scalar_loss_step,
+               steps=2, min_stages=0)
+
+
 @pytest.mark.parametrize("kind", ["masked", "floored", "counted", "weighted"])
 def test_a_sum_over_a_sum_of_the_data_trains_as_eager(kind):
     """Note [sums over a sum of the data]: `(loss * mask).sum() / mask.sum()` (a masked mean
@@ -233,13 +264,7 @@ def test_a_sum_over_a_sum_of_the_data_trains_as_eager(kind):
     weights over their total: before, each microbatch's quotient was weighed by its rows (0.793 for
     eager's 0.908 over 2 microbatches); now the quotient's numerator adds up over the microbatches
     and the divisor is the whole batch's, counted before the step."""
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
-    torch.manual_seed(0)
-    cm = train_both(_Ratios(kind), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
-                                                             memory_budget=TIGHT),
-                    eager_step=scalar_loss_step, steps=3, min_stages=0)
-    scale = cm.plan.loss_scale
+    scale = _trains_split_as_eager(lambda: _Ratios(kind)).plan.loss_scale
     assert scale.kind == "rows" and len(scale.terms) == 1 and scale.terms[0] is not None
     assert (scale.finishes[0] is not None) == (kind in ("floored", "weighted"))
 
@@ -255,18 +280,7 @@ def test_a_sum_over_a_sum_that_cannot_be_counted_is_refused_with_microbatches(ki
     `nonzero().shape[0]`: both 0.793 for eager's 0.908); taken as a mean over rows they trained
     silently to another loss than eager's. Now an InputError naming the line, before any step;
     with one microbatch they train as eager."""
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    torch.manual_seed(0)
-    model = _Ratios(kind)
-    before = copy.deepcopy(model.state_dict())
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
-    with pytest.raises(rpcompile.InputError, match=why) as err:
-        cm.train_step(**batches[0])
-    assert line in str(err.value)
-    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
-    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1), eager_step=scalar_loss_step,
-               steps=2, min_stages=0)
+    _refused_split(lambda: _Ratios(kind), why, line)
 
 
 class _Picked(TwoLayers):
@@ -307,12 +321,7 @@ def test_a_loss_over_the_rows_a_mask_picks_trains_as_eager(kind):
     `.mean()`, l1, a mask of entries) each microbatch's own mean weighed by its rows (0.793 for
     eager's 0.908, gradients 0.47 of the largest off), silently. Now sums add up and means divide
     by the whole batch's picks, counted before the step."""
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
-    torch.manual_seed(0)
-    cm = train_both(_Picked(kind), batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2,
-                                                             memory_budget=TIGHT),
-                    eager_step=scalar_loss_step, steps=3, min_stages=0)
+    cm = _trains_split_as_eager(lambda: _Picked(kind))
     counted = [t for t in cm.plan.loss_scale.terms if t is not None]     # (a sum's term is not counted)
     assert bool(counted) == (kind not in ("sum", "selected"))
 
@@ -325,19 +334,7 @@ def test_a_mean_over_picked_rows_that_cannot_be_counted_is_refused_with_microbat
     cannot be counted before the step), one the loss is not affine in, or one kept 2-d
     (keepdim), is an InputError naming the line before any step; with one microbatch it trains
     as eager."""
-    g = torch.Generator().manual_seed(1)
-    batches = [{"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(2)]
-    torch.manual_seed(0)
-    model = _Picked(kind)
-    before = copy.deepcopy(model.state_dict())
-    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2))
-    with pytest.raises(rpcompile.InputError, match="a mean over rows a mask picks") as err:
-        cm.train_step(**batches[0])
-    assert line in str(err.value)
-    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
-    assert all(p.grad is None for p in model.parameters())
-    train_both(model, batches, rpcompile.Config(devices=["cpu"] * 2, num_microbatches=1), eager_step=scalar_loss_step,
-               steps=2, min_stages=0)
+    _refused_split(lambda: _Picked(kind), "a mean over rows a mask picks", line)
 
 
 def test_a_masked_token_mean_written_out_trains_on_the_whole_batchs_token_mean():
