@@ -285,20 +285,22 @@ def test_a_sum_over_a_sum_that_cannot_be_counted_is_refused_with_microbatches(ki
 
 class _Picked(TwoLayers):
     """Losses over the rows a mask of the data picks (Note [rows a mask picks]): sums and means,
-    by the mask, at its positions, of the entries it picks; or over rows a mask the model
+    by the mask, at its positions (nonzero, `torch.where(mask)`), of the entries it picks; or over rows a mask the model
     computes picks, a picked mean not affine in the loss, one with keepdim."""
 
     def forward(self, x, y):
         h, m = self.hidden(x), x[:, 0] > 0
-        at = m.nonzero()[:, 0]
+        at, where = m.nonzero()[:, 0], torch.where(m)[0]
         if self.kind == "sum":
-            return 0.1 * ((h[m] - y[m]) ** 2).sum() + F.mse_loss(h[at], y[at], reduction="sum")
+            return (0.1 * ((h[m] - y[m]) ** 2).sum() + F.mse_loss(h[at], y[at], reduction="sum")
+                    + (h[where] - y[where]).abs().sum())
         if self.kind == "selected":
             return 0.1 * torch.masked_select(h - y, m[:, None]).pow(2).sum()
         if self.kind == "mse":
             return F.mse_loss(h[m], y[m])
         if self.kind == "mean":
-            return ((h[at] - y[at]) ** 2).mean() + torch.masked_select(h - y, m[:, None]).abs().mean()
+            return (((h[at] - y[at]) ** 2).mean() + torch.masked_select(h - y, m[:, None]).abs().mean()
+                    + F.l1_loss(h[where], y[where]))
         if self.kind == "entries":          # (a mask of (row, entry) pairs: 2 of each row's 4)
             mm = x[:, :2] > 0
             return F.l1_loss(h.view(-1, 2, 2)[mm], y.view(-1, 2, 2)[mm])

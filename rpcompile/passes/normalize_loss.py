@@ -469,15 +469,17 @@ def picked_by(node, batch: BatchInfo) -> Optional[tuple]:
             ev.shape[0]):
         return None
     expr, n = ev.shape[0].node.expr, node
-    while True:       # (up through the values of the same dim 0 to the node that made it)
-        same = [a for a in n.all_input_nodes if (t := _value(a)) is not None and t.dim() >= 1
-                and isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr == expr]
+    while True:       # (up through the values of the same dim 0, a tuple's too, to the node that made it)
+        same = [a for a in n.all_input_nodes if any(
+            t.dim() >= 1 and isinstance(t.shape[0], torch.SymInt) and t.shape[0].node.expr == expr
+            for t in torch.utils._pytree.tree_leaves(node_value(a)) if isinstance(t, torch.Tensor))]
         if not same:
             break
         n = same[0]
     entries = ev.shape[1:].numel()
     entries = entries if isinstance(entries, int) else None
-    if op_name(n) in ("nonzero", "argwhere") and n.args and _rows_first(n.args[0], batch, picked=False):
+    positions = op_name(n) in ("nonzero", "argwhere") or (op_name(n) == "where" and len(n.args) == 1 and not n.kwargs)
+    if positions and n.args and _rows_first(n.args[0], batch, picked=False):     # (`torch.where(mask)[0]` too)
         return n.args[0], entries
     if op_name(n) == "masked_select" and len(n.args) == 2 and _rows_first(n.args[0], batch, picked=False):
         x, mask = map(_value, n.args)
