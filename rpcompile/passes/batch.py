@@ -507,10 +507,10 @@ def rows_mixed(gm: fx.GraphModule, info: BatchInfo) -> Optional[tuple]:
 # functions): given a count over the rows, they carry it into their result, where a grouped
 # matmul's offsets or a split's sizes, a count per expert, only lay the rows out.
 ARITHMETIC = {"add", "sub", "mul", "div", "truediv", "floordiv", "true_divide", "floor_divide", "pow", "where",
-               "maximum", "minimum", "clamp", "clamp_min", "clamp_max", "float", "double", "half", "bfloat16",
-               "to", "type_as", "type", "reciprocal", "sqrt", "rsqrt", "log", "exp", "rsub", "neg", "iadd",
-               "isub", "imul", "itruediv", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__add__",
-               "__radd__", "__sub__", "__rsub__"}
+              "maximum", "minimum", "clamp", "clamp_min", "clamp_max", "float", "double", "half", "bfloat16",
+              "to", "type_as", "type", "reciprocal", "sqrt", "rsqrt", "log", "exp", "rsub", "neg", "iadd",
+              "isub", "imul", "itruediv", "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__add__",
+              "__radd__", "__sub__", "__rsub__"}
 
 
 _VALUELESS = _FRESH | {"zeros_like", "ones_like", "empty_like", "full_like"}   # (of its argument's shape alone)
@@ -590,15 +590,15 @@ def _sized_apart(n: fx.Node, info: BatchInfo, sized: set, laid: dict) -> Optiona
     an index: _picked_apart; integers only where `n` makes floats of them, else positions), that
     is not each row's own once split (Note [values made from sizes]), or None. `laid`: the values
     checked so far, to why."""
+    held = [(a, t) for a in n.all_input_nodes if a in sized and isinstance(t := node_value(a), torch.Tensor)
+            and info.whole_rows(next((d for d in t.shape if info.mentions(d)), None))]
+    if not held:        # (most nodes: nothing more to look at)
+        return None
     indices = {index for index, _, _ in indices_into(n)}
     to_floats = any(t.is_floating_point() for t in _tensors(node_value(n)))
-    for a in n.all_input_nodes:
-        if a not in sized or a in indices or not isinstance(t := node_value(a), torch.Tensor):
-            continue
-        if not (t.is_floating_point() or t.dtype == torch.bool or to_floats):
+    for a, t in held:
+        if a in indices or not (t.is_floating_point() or t.dtype == torch.bool or to_floats):
             continue    # (integers as positions, `inv[perm] = arange(N)`: Note [rows in an order the data decides])
-        if not info.whole_rows(next((d for d in t.shape if info.mentions(d)), None)):
-            continue
         if a not in laid:
             laid[a] = laid_apart(a, info, rows_in_blocks(a, info))
         if laid[a] is not None:
