@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.runtime import host_buffers, outputs
+from rpcompile.runtime import host_buffers, outputs, timeline
 
 from models import lm_batch, qwen3
 
@@ -132,8 +132,7 @@ def test_exact_pinned_buffers_are_registered_pageable_memory_of_their_size(monke
     assert _counted_since(before)[0]["working copies"] == 6000
     address = t.data_ptr()
     del t
-    import gc
-    gc.collect()
+    timeline.collect()       # (Note [a collection of its own])
     # unregistered while its memory was still held, then let go
     assert calls[1] == ("unregister", address, True) and address not in host_buffers._registered
 

@@ -420,8 +420,9 @@ def test_worker_processes_start_before_the_first_capture_and_go_with_an_unrun_mo
     """Note [early workers]: the first call starts the worker processes before it captures, so
     they are running when capture fails (an InputError: float ids); the next call connects them; a model whose workers never
     got their part kills them when it goes."""
-    import gc
     import time
+
+    from rpcompile.runtime import timeline
     model = qwen3(layers=1)
     cm = rpcompile.compile(model, _config())
     with pytest.raises(rpcompile.InputError):   # float ids: the embedding cannot take them
@@ -436,7 +437,7 @@ def test_worker_processes_start_before_the_first_capture_and_go_with_an_unrun_mo
         other.train_step(input_ids=torch.zeros(2, 8, 3), labels=torch.zeros(2, 8, dtype=torch.long))
     early = other.runner.executor._early[3]
     del other
-    gc.collect()
+    timeline.collect()       # (Note [a collection of its own])
     deadline = time.monotonic() + 10
     while any(p.poll() is None for p in early) and time.monotonic() < deadline:
         time.sleep(0.1)

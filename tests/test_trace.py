@@ -1,5 +1,7 @@
 """The executed schedule: rotation, prefetch order and event order, read off cm.last_trace."""
 import json
+import threading
+import time
 
 import torch
 
@@ -119,7 +121,7 @@ def test_a_long_garbage_collection_is_marked(monkeypatch):
     timeline.mark_long_collections()     # once per process
     try:
         assert gc.callbacks.count(timeline._on_gc) == 1
-        gc.collect()
+        timeline.collect()       # (Note [a collection of its own])
     finally:
         if not had:
             gc.callbacks.remove(timeline._on_gc)
@@ -146,6 +148,49 @@ def test_survivors_of_a_compile_are_frozen_and_garbage_is_not():
         assert gone() is None and gc.get_freeze_count() > before and alive is not None
     finally:
         gc.unfreeze()
+
+
+def test_a_collection_waits_out_another_threads():
+    """Note [a collection of its own]: while another thread's collection runs a finalizer that
+    lets go of the interpreter lock, gc.collect() here returns at once; timeline.collect() and
+    freeze_survivors collect this thread's garbage all the same."""
+    import gc
+    import weakref
+    from rpcompile.runtime import timeline
+
+    finalizing = threading.Event()
+
+    class Slow:
+        def __del__(self):
+            finalizing.set()
+            time.sleep(0.5)        # (a finalizer that lets another thread run)
+
+    class Node:
+        pass
+
+    def collecting():
+        slow = Slow()
+        slow.me = slow
+        del slow
+        gc.collect()
+
+    for collect in (gc.collect, timeline.collect, timeline.freeze_survivors):
+        finalizing.clear()
+        other = threading.Thread(target=collecting)
+        other.start()
+        finalizing.wait()
+        dead = Node()
+        dead.me = dead
+        gone = weakref.ref(dead)
+        del dead
+        before = gc.get_freeze_count()
+        try:
+            collect()
+            assert (gone() is None) == (collect is not gc.collect), collect
+        finally:
+            if gc.get_freeze_count() != before:
+                gc.unfreeze()
+            other.join()
 
 
 def test_a_capture_marks_its_compile_seconds_by_phase(monkeypatch):

@@ -71,8 +71,33 @@ def mark_long_collections() -> None:
 def freeze_survivors() -> None:
     """Collect, then exempt every surviving object from later collections (Note [frozen after
     compiling])."""
-    gc.collect()
+    collect()
     gc.freeze()
+
+
+# Note [a collection of its own]: gc.collect() called while another thread's collection is under
+# way (it runs finalizers, which can hand the interpreter lock over) returns 0 at once and collects
+# nothing (CPython's `gcstate->collecting`). freeze_survivors would then freeze the garbage it
+# meant to free, and the suite's tests of collections failed once in CI (a first run at 325164b;
+# a worker thread of an earlier test was collecting). So a collection that must happen is asked
+# again until a full one has run in this thread.
+def collect() -> None:
+    """A full garbage collection in this thread, waiting out one that another thread runs."""
+    me = threading.get_ident()
+    ran = []
+
+    def seen(phase, info):
+        if phase == "stop" and info["generation"] == 2 and threading.get_ident() == me:
+            ran.append(True)
+    gc.callbacks.append(seen)
+    try:
+        for _ in range(1000):
+            gc.collect()
+            if ran:
+                return
+            time.sleep(0.001)     # (the other thread's collection ends meanwhile)
+    finally:
+        gc.callbacks.remove(seen)
 
 
 def _on_gc(phase, info) -> None:
