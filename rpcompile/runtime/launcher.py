@@ -57,6 +57,10 @@ from typing import Optional
 _OWN = ("RPCOMPILE_WORKER_DIR", "RPCOMPILE_WORKER_INDEX", "RPCOMPILE_WORKER_TOKEN", "RPCOMPILE_WORKER_IMPORTS",
         "RPCOMPILE_WORKER_COMPILES", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_COMPILE_THREADS", "PYTEST_CURRENT_TEST")
 _FDS = "RPCOMPILE_LAUNCHER_FDS"
+# TorchDynamo too: every worker runs the transfer ops (torch.library custom ops), whose kernels
+# torch wraps to disable TorchDynamo, and that wrapper imports it at its first call: 0.7 s a
+# worker, each forked worker of the suite's (74 in one run) importing it again.
+_IMPORTS = ("rpcompile.runtime.worker", "torch._dynamo")
 _REAP_S = 0.05
 
 
@@ -207,7 +211,8 @@ def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     req_fd, rep_fd = map(int, os.environ.pop(_FDS).split(","))
     req, rep = Connection(req_fd, writable=False), Connection(rep_fd, readable=False)
-    importlib.import_module("rpcompile.runtime.worker")      # what every child would import
+    for name in _IMPORTS:                   # what every child would import
+        importlib.import_module(name)
     children, forks, open_ = {}, 0, True      # children: pid -> the request's number (from 1)
     main, orphaned, launcher_pid = os.getppid(), False, os.getpid()
     while open_ or children:
