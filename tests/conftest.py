@@ -56,8 +56,8 @@ def delayed_reference():
 def _frozen_after_each_file():
     """Note [the suite's collections]."""
     yield
-    gc.collect()
-    gc.freeze()
+    from rpcompile.runtime import timeline
+    timeline.freeze_survivors()      # (a collection, then gc.freeze: Note [a collection of its own])
 
 
 # Note [longest files first]: with --dist loadfile each file runs whole in one worker, and the
