@@ -458,7 +458,10 @@ def _reduces_rows(x, dims, batch: BatchInfo, picked: bool = True) -> bool:
 # eager's 0.908): where the mask is the data's (read off the inputs alone) and each pick holds a
 # fixed number of entries, it becomes its sum over the mask's count times that number, counted
 # over the whole batch before the step as Note [sums over a sum of the data] counts a divisor;
-# any other mean over picked rows (a mask the model computes) is an InputError with microbatches.
+# a KL divergence's batchmean over picked rows (distillation on the answer's tokens,
+# `F.kl_div(lp[m], q[m], reduction="batchmean")`: refused before) divides by dim 0 alone, the
+# count times the entries of one pick that dim 0 holds. Any other mean over picked rows (a mask
+# the model computes) is an InputError with microbatches.
 def picked_by(node, batch: BatchInfo) -> Optional[tuple]:
     """(mask, entries) where dim 0 of `node`'s value counts the true entries of a batch-first mask,
     picked by it (`h[mask]`, `torch.masked_select(h, mask)`) or at their positions
@@ -512,22 +515,28 @@ _ELEMENTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "b
                        "binary_cross_entropy_with_logits", "soft_margin_loss")
 
 
-def _mean_loss_call(node: fx.Node):
+def _mean_loss_call(node: fx.Node, names=_ELEMENTWISE_LOSSES, reduction: str = "mean"):
     """(first argument, bound arguments) of a torch.nn.functional elementwise loss call with
-    reduction="mean" (legacy arguments unset), else None."""
+    reduction="mean" (legacy arguments unset), or of another of `names` with `reduction`, else None."""
     sig = _FUNCTIONAL_LOSSES.get(node.target) if node.op == "call_function" else None
-    if sig is None or node.target.__name__ not in _ELEMENTWISE_LOSSES:
+    if sig is None or node.target.__name__ not in names:
         return None
     args = bind_call(node, node.target, sig)
     if args is None or args.get("size_average") is not None or args.get("reduce") is not None:
         return None
-    return (next(iter(args.values())), args) if args.get("reduction") == "mean" else None
+    return (next(iter(args.values())), args) if args.get("reduction") == reduction else None
+
+
+def _batchmean(node: fx.Node):
+    """_mean_loss_call of `F.kl_div(..., reduction="batchmean")`: a sum over dim 0's size."""
+    return _mean_loss_call(node, ("kl_div",), "batchmean")
 
 
 def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
-    """picked_by of the value `node` takes a mean of every element of, where that holds rows a mask
-    picks (`x.mean()`, `torch.mean(x)`, an elementwise loss with reduction="mean"), else None
-    (Note [rows a mask picks])."""
+    """(mask, entries) where `node` takes a mean over a value holding rows a mask picks (picked_by)
+    and divides by `entries` for each true entry of the mask: a mean of every element (`x.mean()`,
+    `torch.mean(x)`, an elementwise loss with reduction="mean"), or over dim 0 (a KL divergence's
+    batchmean); else None (Note [rows a mask picks])."""
     meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
     if meaned is not None and (len(node.args) > 2 or node.kwargs.keys() - {"dim"}):
         meaned = None       # (keepdim, a dtype: not rewritten; _picked_means refuses it)
@@ -536,7 +545,14 @@ def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
         meaned = (meaned[0], None) if x is not None and sorted(d % x.dim() for d in meaned[1]) == list(
             range(x.dim())) else None
     value = meaned[0] if meaned is not None else (_mean_loss_call(node) or (None,))[0]
-    return picked_by(value, batch) if isinstance(value, fx.Node) else None
+    over_rows = value is None and _batchmean(node) is not None
+    value = _batchmean(node)[0] if over_rows else value
+    picked = picked_by(value, batch) if isinstance(value, fx.Node) else None
+    if picked is None or not over_rows:
+        return picked
+    mask, entries = picked        # (dim 0 holds entries / rest of them for each true entry)
+    rest = _value(value).shape[1:].numel()
+    return mask, entries // rest if isinstance(entries, int) and isinstance(rest, int) else None
 
 
 def _sum_instead(node: fx.Node) -> Optional[fx.Node]:
@@ -548,7 +564,7 @@ def _sum_instead(node: fx.Node) -> Optional[fx.Node]:
             made = graph.call_method("sum", node.args[:1])
         elif node.target in (torch.mean, torch.Tensor.mean):
             made = graph.call_function(torch.sum, node.args[:1])
-        elif (call := _mean_loss_call(node)) is not None:
+        elif (call := _mean_loss_call(node) or _batchmean(node)) is not None:
             made = graph.call_function(node.target, (), {
                 **{k: v for k, v in call[1].items() if k not in ("size_average", "reduce")}, "reduction": "sum"})
         else:
