@@ -312,6 +312,8 @@ class _Picked(TwoLayers):
             return (F.kl_div(lp[m], q[m], reduction="batchmean") + F.kl_div(lp[at], q[at], reduction="batchmean")
                     + F.kl_div(torch.masked_select(lp, m[:, None]), torch.masked_select(q, m[:, None]),
                                reduction="batchmean"))
+        if self.kind == "rowmean":          # (a mean over the picks of each feature's error, summed)
+            return ((h[m] - y[m]) ** 2).mean(0).sum() + 0.5 * torch.sum(torch.mean(h[at].abs(), dim=-2))
         if self.kind == "learned":
             at = (h[:, 0] > 0).nonzero()[:, 0]
             return F.mse_loss(h[at], y[at])
@@ -320,15 +322,15 @@ class _Picked(TwoLayers):
         return F.mse_loss(h[m], y[m]).sqrt()
 
 
-@pytest.mark.parametrize("kind", ["sum", "selected", "mse", "mean", "entries", "affine", "batchmean"])
+@pytest.mark.parametrize("kind", ["sum", "selected", "mse", "mean", "entries", "affine", "batchmean", "rowmean"])
 def test_a_loss_over_the_rows_a_mask_picks_trains_as_eager(kind):
     """Note [rows a mask picks]: a sum over the rows a mask picks (`((h[m] - y[m]) ** 2).sum()`,
     at its positions, `torch.masked_select`) was taken as a mean over rows, the loss and
     gradients half of eager's over 2 microbatches; a mean over them (`F.mse_loss(h[m], y[m])`,
     `.mean()`, l1, a mask of entries) each microbatch's own mean weighed by its rows (0.793 for
     eager's 0.908, gradients 0.47 of the largest off), silently. Now sums add up and means divide
-    by the whole batch's picks, counted before the step; so does a KL divergence's batchmean over
-    picked rows (refused before)."""
+    by the whole batch's picks, counted before the step; so do a KL divergence's batchmean over
+    picked rows and `x.mean(0).sum()` (refused before)."""
     cm = _trains_split_as_eager(lambda: _Picked(kind))
     counted = [t for t in cm.plan.loss_scale.terms if t is not None]     # (a sum's term is not counted)
     assert bool(counted) == (kind not in ("sum", "selected"))

@@ -460,8 +460,9 @@ def _reduces_rows(x, dims, batch: BatchInfo, picked: bool = True) -> bool:
 # over the whole batch before the step as Note [sums over a sum of the data] counts a divisor;
 # a KL divergence's batchmean over picked rows (distillation on the answer's tokens,
 # `F.kl_div(lp[m], q[m], reduction="batchmean")`: refused before) divides by dim 0 alone, the
-# count times the entries of one pick that dim 0 holds. Any other mean over picked rows (a mask
-# the model computes) is an InputError with microbatches.
+# count times the entries of one pick that dim 0 holds, and so does a sum of a mean over dim 0
+# (`x[m].mean(0).sum()`). Any other mean over picked rows (a mask the model computes) is an
+# InputError with microbatches.
 def picked_by(node, batch: BatchInfo) -> Optional[tuple]:
     """(mask, entries) where dim 0 of `node`'s value counts the true entries of a batch-first mask,
     picked by it (`h[mask]`, `torch.masked_select(h, mask)`) or at their positions
@@ -532,11 +533,25 @@ def _batchmean(node: fx.Node):
     return _mean_loss_call(node, ("kl_div",), "batchmean")
 
 
+def _summed_row_mean(node: fx.Node) -> Optional[fx.Node]:
+    """x where `node` sums every element of x's mean over dim 0 (`x.mean(0).sum()`: a sum over dim
+    0's size), neither keeping dims nor casting; else None."""
+    summed = _summed(node)
+    if summed is None or summed[1] is not None or len(node.args) > 1 or node.kwargs:
+        return None
+    meaned = _summed(summed[0], "mean", _MEAN_FUNCTIONS)
+    x = _value(meaned[0]) if meaned is not None else None
+    if (x is None or meaned[1] is None or len(meaned[1]) != 1 or meaned[1][0] % x.dim() != 0
+            or len(summed[0].args) > 2 or summed[0].kwargs.keys() - {"dim"}):
+        return None
+    return meaned[0]
+
+
 def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
     """(mask, entries) where `node` takes a mean over a value holding rows a mask picks (picked_by)
     and divides by `entries` for each true entry of the mask: a mean of every element (`x.mean()`,
     `torch.mean(x)`, an elementwise loss with reduction="mean"), or over dim 0 (a KL divergence's
-    batchmean); else None (Note [rows a mask picks])."""
+    batchmean, `x.mean(0).sum()`); else None (Note [rows a mask picks])."""
     meaned = _summed(node, "mean", _MEAN_FUNCTIONS)
     if meaned is not None and (len(node.args) > 2 or node.kwargs.keys() - {"dim"}):
         meaned = None       # (keepdim, a dtype: not rewritten; _picked_means refuses it)
@@ -545,8 +560,8 @@ def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
         meaned = (meaned[0], None) if x is not None and sorted(d % x.dim() for d in meaned[1]) == list(
             range(x.dim())) else None
     value = meaned[0] if meaned is not None else (_mean_loss_call(node) or (None,))[0]
-    over_rows = value is None and _batchmean(node) is not None
-    value = _batchmean(node)[0] if over_rows else value
+    over_rows = value is None and (_batchmean(node) is not None or _summed_row_mean(node) is not None)
+    value = (_summed_row_mean(node) or _batchmean(node)[0]) if over_rows else value
     picked = picked_by(value, batch) if isinstance(value, fx.Node) else None
     if picked is None or not over_rows:
         return picked
@@ -560,7 +575,9 @@ def _sum_instead(node: fx.Node) -> Optional[fx.Node]:
     where it cannot."""
     graph = node.graph
     with graph.inserting_before(node):
-        if node.op == "call_method":
+        if (x := _summed_row_mean(node)) is not None:
+            made = graph.call_function(torch.sum, (x,))
+        elif node.op == "call_method":
             made = graph.call_method("sum", node.args[:1])
         elif node.target in (torch.mean, torch.Tensor.mean):
             made = graph.call_function(torch.sum, node.args[:1])
