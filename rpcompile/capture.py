@@ -607,12 +607,19 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
     at = next((i for i, c in enumerate(cells) if loss_fn is not None and c is loss_fn), None)
     loss_root = None if at is None else f"L['call'].__closure__[{at}].cell_contents"
 
+    # Note [a backend that lets the model go]: dynamo keeps every backend it was given, for good
+    # (torch._dynamo.eval_frame.cached_backends, emptied by torch._dynamo.reset() alone), so the
+    # backend holds nothing of the capture once it is done: not the traced function (whose
+    # closure holds the model: a compiled model dropped kept its model, and its parameters, for the
+    # life of the process), and `got` is emptied after the capture.
+    namespace = globals()     # (the traced function's, where dynamo adds the aliases it reads by)
+
     def backend(gm, example_inputs):
         got["gm"], got["inputs"] = gm, list(example_inputs)
         tracing = torch._guards.TracingContext.try_get()
         got["shape_env"] = tracing.fake_mode.shape_env if tracing is not None and tracing.fake_mode else None
         try:        # (read here, before dynamo replays the forward's side effects on the model)
-            got["reads"] = guard_reads(tracing, got["scope"], loss_root, fn.__globals__) if tracing is not None else None
+            got["reads"] = guard_reads(tracing, got["scope"], loss_root, namespace) if tracing is not None else None
         except Exception:   # noqa: BLE001 - another torch's guards: the fallback
             got["reads"] = None
         got["dummies"] = dummies = _dummy_outputs(gm)
@@ -634,21 +641,24 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
         try:
             out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*meta_args, **meta_kwargs)
         except torch._dynamo.exc.TorchDynamoException as e:
+            got.clear()
             raise _explain_dynamo_error(e, names) from None
         except Exception as e:  # errors raised by model code while tracing
+            got.clear()
             raise _explain_dynamo_error(e, names) from e
         finally:
-            got.pop("scope")
+            got.pop("scope", None)
     if "gm" not in got:
         raise CaptureError("dynamo returned without calling the rpcompile backend (the model produced no graph)")
-    gm, example_inputs = got["gm"], got["inputs"]
+    gm, example_inputs, shape_env, dummies = got["gm"], got["inputs"], got["shape_env"], got["dummies"]
     reads = reads_after(got.get("reads"), model, scope)
+    got.clear()             # (Note [a backend that lets the model go])
     id_to_leaf = {id(m): i for i, m in enumerate(meta_leaves) if isinstance(m, torch.Tensor)}
 
     params, param_names, buffers, buffer_names = [], [], [], []
     index_of: dict[int, int] = {}
     cap = Captured(gm, params, param_names, buffers, buffer_names, copies.device,
-                   in_spec=in_spec, batch_size=batch, on_copies=True, shape_env=got["shape_env"], reads=reads)
+                   in_spec=in_spec, batch_size=batch, on_copies=True, shape_env=shape_env, reads=reads)
     for node, ex in zip(cap.placeholders(), example_inputs):
         if isinstance(ex, (torch.SymInt, int)):
             _mark_sym(node, ex)
@@ -674,8 +684,8 @@ def capture_call(model: torch.nn.Module, args, kwargs, *, dtype, device="cpu",
             raise CaptureError(f"placeholder {node.name} is neither a parameter, a buffer nor an input of "
                                f"the call (a tensor created outside forward and closed over?): register it "
                                f"as a buffer of the module or pass it as an argument{loss_fn}")
-    _refuse_reassigned(cap, swap.reassigned, got["dummies"])
-    _map_outputs(cap, out, got["dummies"])
+    _refuse_reassigned(cap, swap.reassigned, dummies)
+    _map_outputs(cap, out, dummies)
     return cap
 
 

@@ -308,7 +308,7 @@ def _masters_away(cm) -> bool:
     """Whether, once the last step's submission is done, the host masters are stale (Note [masters
     kept on the devices] in runtime/flat.py)."""
     cm.runner.settle()
-    cm.runner.overlapped._queue.join()      # (nothing brought down by this)
+    cm.runner.overlapped.drain()      # (nothing brought down by this)
     return cm.runner.overlapped.masters_away
 
 
@@ -434,7 +434,7 @@ def test_masters_come_down_when_the_submission_asks(masters):
         seen.clear()
         overlapped.submit(params, lambda g=grads: list(g), lambda chunk: seen.extend(
             not torch.equal(p, before[id(p)]) for p in chunk), chunks=len(params), masters=masters)
-        overlapped._queue.join()        # (the submission done, nothing brought down for it)
+        overlapped.drain()        # (the submission done, nothing brought down for it)
         moved = [not torch.equal(p, before[id(p)]) for p in params]
         assert overlapped.masters_away == (masters == "kept" and step > 0)
         assert moved == [masters != "kept" or step == 0] * len(params)
@@ -446,13 +446,13 @@ def test_masters_come_down_when_the_submission_asks(masters):
     assert seen == [masters == "each"] * len(params)
     # a submission that fails after a kept step brings the kept masters down, and steps nothing
     overlapped.submit(params, lambda g=_grads(params, 3): list(g), chunks=len(params), masters=masters)
-    overlapped._queue.join()
+    overlapped.drain()
     assert overlapped.masters_away == (masters == "kept")
 
     def fails():
         raise RuntimeError("no gradients")
     overlapped.submit(params, fails, chunks=len(params), masters=masters)
-    overlapped._queue.join()
+    overlapped.drain()
     assert not overlapped.masters_away
     step_ref(_grads(params, 3))
     equal_ref()      # (read before synchronize, which raises the failure)

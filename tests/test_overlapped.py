@@ -374,3 +374,40 @@ def test_gradients_held_in_grad_are_left_alone_by_the_attached_optimizer(mode, o
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         close(p.detach(), q.detach(), 1e-6, 1e-7, name)
         assert torch.equal(p.grad, held[name]), name
+
+
+@pytest.mark.parametrize("mode", ["exact", "overlapped", "delayed"])
+def test_a_dropped_model_lets_its_optimizer_and_parameters_go(mode):
+    """A compiled model dropped (`del cm, model, opt`: a notebook's second run) kept its model, and
+    with an attached optimizer that optimizer, its state and the optimizer thread, for the life of
+    the process: dynamo keeps every backend it was given, and the capture's closed over the model
+    (Note [a backend that lets the model go], capture.py); the optimizer thread held its
+    OverlappedOptimizer (Note [an optimizer thread that lets its optimizer go], runtime/optimizer.py).
+    Now all of it goes, and the thread ends."""
+    import threading
+    import weakref
+
+    import torch.nn.functional as F
+
+    from models import MLP
+    from rpcompile.runtime import timeline
+
+    model = MLP()
+    cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, loss_fn=F.mse_loss,
+                                                   optimizer_mode=mode))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    if mode != "exact":
+        cm.attach_optimizer(opt)
+    for _ in range(2):
+        cm.train_step(torch.randn(6, 8), target=torch.randn(6, 4))
+        if mode == "exact":
+            opt.step()
+            opt.zero_grad()
+    thread = cm.runner.overlapped._thread if mode != "exact" else None
+    alive = [weakref.ref(x) for x in (cm, opt, *model.parameters())]
+    del cm, model, opt
+    timeline.collect()
+    if thread is not None:
+        thread.join(timeout=10)
+        assert not thread.is_alive() and thread not in threading.enumerate()
+    assert [r() is None for r in alive] == [True] * len(alive)

@@ -75,7 +75,9 @@ class OverlappedOptimizer:
         self.masters = FlatMasters(state_devices, on_devices)
         self.stepper = FlatStepper(optimizer, self.masters)
         self._ready: dict = {}                  # id(param) -> threading.Event
-        self._queue: queue.Queue = queue.Queue()
+        # (a SimpleQueue: the finalizer puts the end here from any thread: Note [an optimizer
+        # thread that lets its optimizer go])
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._completed = 0                     # submissions stepped (or failed)
         self._completed_cond = threading.Condition()
         self._error = None
@@ -85,9 +87,10 @@ class OverlappedOptimizer:
         self.trace = False                      # record device_spans (Note [optimizer spans])
         self.device_spans: list = []            # the last submissions' (tracer.t0, spans)
         self.trace_error = None                 # why a submission's spans could not be read
-        self._thread = threading.Thread(target=self._loop, name="rpcompile-optimizer", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._queue),
+                                        name="rpcompile-optimizer", daemon=True)
         self._thread.start()
-        # Ended and joined at exit while the interpreter is whole (see executor._stop).
+        # Ended when this goes, or joined at exit while the interpreter is whole (see executor._stop).
         weakref.finalize(self, _stop_thread, self._queue, self._thread)
 
     def flatten(self, params, share: float = 0.0) -> None:
@@ -191,12 +194,18 @@ class OverlappedOptimizer:
         """Wait until every submitted step is done and the host's masters are current (before
         reading parameters or optimizer state: Note [masters kept on the devices])."""
         if threading.current_thread() is self._thread:
-            return      # (a state_dict pre-hook reached from a step of this thread: joining would hang)
-        self._queue.join()
+            return      # (a state_dict pre-hook reached from a step of this thread: waiting would hang)
+        self.drain()
         if self.stepper.masters_away:        # (brought down by this thread, whose streams stepped them)
             self._queue.put(("masters down", self.stepper.masters_down))
-            self._queue.join()
+            self.drain()
         self.raise_if_failed()
+
+    def drain(self) -> None:
+        """Wait until this thread has done everything queued so far (it takes them in order)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
 
     @property
     def masters_away(self) -> bool:
@@ -209,33 +218,27 @@ class OverlappedOptimizer:
             self.take_back(self._failed)
             raise RuntimeError(f"the overlapped optimizer step failed: {err}") from err
 
-    def _loop(self):
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            if len(item) == 2:          # (prepare, or the kept masters' way down: not a submission)
-                what, call = item
-                t0 = time.perf_counter()
-                said, marked = _NOT_A_STEP[what]
-                try:
-                    call()
-                    if marked:
-                        timeline.mark(what, time.perf_counter() - t0)
-                except BaseException as exc:     # (raised by the next call: say what it was)
-                    self._error, self._failed = RuntimeError(said.format(exc)), None
-                    self._error.__cause__ = exc
-                item = call = None
-                self._queue.task_done()
-                continue
-            self._run(*item)
-            # The submission (its gradients, and the step they come from) is dropped before waiting.
-            item = None
-            with self._completed_cond:
-                self._completed += 1
-                self._completed_cond.notify_all()
-            self._queue.task_done()
+    def _take(self, item) -> None:
+        """This thread's work on one queued item (_serve)."""
+        if isinstance(item, threading.Event):   # (drain)
+            item.set()
+            return
+        if len(item) == 2:          # (prepare, or the kept masters' way down: not a submission)
+            what, call = item
+            t0 = time.perf_counter()
+            said, marked = _NOT_A_STEP[what]
+            try:
+                call()
+                if marked:
+                    timeline.mark(what, time.perf_counter() - t0)
+            except BaseException as exc:     # (raised by the next call: say what it was)
+                self._error, self._failed = RuntimeError(said.format(exc)), None
+                self._error.__cause__ = exc
+            return
+        self._run(*item)
+        with self._completed_cond:
+            self._completed += 1
+            self._completed_cond.notify_all()
 
     def _tracer(self):
         """A Tracer of this submission's work on the devices, or None without a share there."""
@@ -385,6 +388,29 @@ def _switched() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
     except (AttributeError, OSError):     # (no resource module: not a Unix)
         return 0
+
+
+# Note [an optimizer thread that lets its optimizer go]: the optimizer thread ran a bound method of
+# its OverlappedOptimizer, so the thread held it, and with it the user's optimizer, its state and
+# every parameter, for the life of the process: a compiled model dropped (`del cm, model, opt`, a
+# notebook's second run) kept them all, and its thread, whose finalizer never ran (two such
+# threads after two models, parameters and optimizer alive after `del` and a collection). The
+# thread holds it only while it works on an item (_serve), so it goes with the compiled model; its
+# finalizer then ends the thread. That finalizer may run in any thread in the middle of anything
+# (Note [finalizers take no lock] in shared.py), so the queue is a SimpleQueue, and synchronize
+# waits for a marker put behind what is queued (drain) in place of Queue.join.
+def _serve(ref, q) -> None:
+    """The optimizer thread: each queued item done by the OverlappedOptimizer `ref` refers to, held
+    only meanwhile (see the Note); ends at None or once it is gone."""
+    while True:
+        item = q.get()
+        this = ref() if item is not None else None
+        if this is None:
+            return
+        this._take(item)
+        # The item (a submission's gradients, and the step they come from) and the optimizer are
+        # dropped before waiting for the next.
+        this = item = None
 
 
 def _stop_thread(q, thread):
