@@ -376,14 +376,17 @@ def test_gradients_held_in_grad_are_left_alone_by_the_attached_optimizer(mode, o
         assert torch.equal(p.grad, held[name]), name
 
 
-@pytest.mark.parametrize("mode", ["exact", "overlapped", "delayed"])
-def test_a_dropped_model_lets_its_optimizer_and_parameters_go(mode):
+@pytest.mark.parametrize("mode,workers", [("exact", "threads"), ("overlapped", "threads"), ("delayed", "threads"),
+                                          ("delayed", "processes")])
+def test_a_dropped_model_lets_its_optimizer_and_parameters_go(mode, workers):
     """A compiled model dropped (`del cm, model, opt`: a notebook's second run) kept its model, and
     with an attached optimizer that optimizer, its state and the optimizer thread, for the life of
     the process: dynamo keeps every backend it was given, and the capture's closed over the model
     (Note [a backend that lets the model go], capture.py); the optimizer thread held its
-    OverlappedOptimizer (Note [an optimizer thread that lets its optimizer go], runtime/optimizer.py).
-    Now all of it goes, and the thread ends."""
+    OverlappedOptimizer (Note [an optimizer thread that lets its optimizer go], runtime/optimizer.py);
+    with worker processes, the hub held delayed mode's last run, not waited for, and through it
+    the executor, its step and the workers (Note [runs nobody waits for], runtime/processes.py).
+    Now all of it goes, the thread ends and so do the worker processes."""
     import threading
     import weakref
 
@@ -394,7 +397,7 @@ def test_a_dropped_model_lets_its_optimizer_and_parameters_go(mode):
 
     model = MLP()
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, loss_fn=F.mse_loss,
-                                                   optimizer_mode=mode))
+                                                   optimizer_mode=mode, workers=workers))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     if mode != "exact":
         cm.attach_optimizer(opt)
@@ -404,10 +407,13 @@ def test_a_dropped_model_lets_its_optimizer_and_parameters_go(mode):
             opt.step()
             opt.zero_grad()
     thread = cm.runner.overlapped._thread if mode != "exact" else None
+    procs = list(cm.runner.executor.hub.procs) if workers == "processes" else []
     alive = [weakref.ref(x) for x in (cm, opt, *model.parameters())]
     del cm, model, opt
     timeline.collect()
-    if thread is not None:
+    if thread is not None:      # (it ends once its optimizer has gone; what that let go is collected again)
         thread.join(timeout=10)
         assert not thread.is_alive() and thread not in threading.enumerate()
+        timeline.collect()
     assert [r() is None for r in alive] == [True] * len(alive)
+    assert all(p.wait(timeout=30) is not None for p in procs)

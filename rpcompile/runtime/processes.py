@@ -454,10 +454,16 @@ class ProcessExecutor:
 
 
 
+# Note [runs nobody waits for]: the hub kept each run until the caller waited for it, and a run
+# holds its executor, its step and through it every parameter: a compiled model dropped with a
+# run not waited for (delayed mode's last step, `del cm` without cm.synchronize()) stayed whole,
+# held by the receiver thread through the hub, with its worker processes, their threads and the
+# shared files, for the life of the process. The hub's runs are weak: the caller holds a run it
+# will wait for; one nobody will is dropped with its step, and its late messages with it.
 class _ProcessRun:
     """A run sent to the workers: wait for some of its jobs, or all. Only the caller's thread
     reads the workers' "ended" messages; one for another run still waited for is kept for it
-    (runs overlap: Note [overlapped steps]), one for a run that is over is dropped."""
+    (runs overlap: Note [overlapped steps]), one for a run that is over or gone is dropped."""
 
     def __init__(self, executor, step, schedule, record, run_no):
         self.executor, self.step, self.schedule = executor, step, schedule
@@ -552,7 +558,9 @@ class _Hub:
         self.locks = [threading.Lock() for _ in conns]
         self.by_conn = {c: i for i, c in enumerate(conns)}
         self.ended: queue.Queue = queue.Queue()
-        self.runs: dict = {}             # (step id, run) -> _ProcessRun still waited for
+        # (step id, run) -> _ProcessRun still waited for; held by its caller, not here: a run
+        # holds its executor, and the receiver thread holds this hub (Note [runs nobody waits for])
+        self.runs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.records: dict = {}          # step id -> _StepRecord
         self.lock = threading.Lock()
         self.broken: Optional[str] = None
