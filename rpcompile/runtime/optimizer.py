@@ -218,11 +218,11 @@ class OverlappedOptimizer:
             self.take_back(self._failed)
             raise RuntimeError(f"the overlapped optimizer step failed: {err}") from err
 
-    def _take(self, item) -> None:
-        """This thread's work on one queued item (_serve)."""
+    def _take(self, item) -> bool:
+        """This thread's work on one queued item (_serve); whether it was a submission."""
         if isinstance(item, threading.Event):   # (drain)
             item.set()
-            return
+            return False
         if len(item) == 2:          # (prepare, or the kept masters' way down: not a submission)
             what, call = item
             t0 = time.perf_counter()
@@ -234,8 +234,11 @@ class OverlappedOptimizer:
             except BaseException as exc:     # (raised by the next call: say what it was)
                 self._error, self._failed = RuntimeError(said.format(exc)), None
                 self._error.__cause__ = exc
-            return
+            return False
         self._run(*item)
+        return True
+
+    def _count_completed(self) -> None:
         with self._completed_cond:
             self._completed += 1
             self._completed_cond.notify_all()
@@ -407,10 +410,13 @@ def _serve(ref, q) -> None:
         this = ref() if item is not None else None
         if this is None:
             return
-        this._take(item)
-        # The item (a submission's gradients, and the step they come from) and the optimizer are
-        # dropped before waiting for the next.
-        this = item = None
+        submission = this._take(item)
+        # The item (a submission's gradients, and the step they come from) is dropped before the
+        # submission counts as done, and the optimizer before waiting for the next.
+        item = None
+        if submission:
+            this._count_completed()
+        this = None
 
 
 def _stop_thread(q, thread):
