@@ -560,10 +560,10 @@ def mean_over_picked(node: fx.Node, batch: BatchInfo) -> Optional[tuple]:
         meaned = (meaned[0], None) if x is not None and sorted(d % x.dim() for d in meaned[1]) == list(
             range(x.dim())) else None
     value = meaned[0] if meaned is not None else (_mean_loss_call(node) or (None,))[0]
-    over_rows = value is None and (_batchmean(node) is not None or _summed_row_mean(node) is not None)
-    value = (_summed_row_mean(node) or _batchmean(node)[0]) if over_rows else value
+    over_rows = None if value is not None else _summed_row_mean(node) or (_batchmean(node) or (None,))[0]
+    value = over_rows if over_rows is not None else value
     picked = picked_by(value, batch) if isinstance(value, fx.Node) else None
-    if picked is None or not over_rows:
+    if picked is None or over_rows is None:
         return picked
     mask, entries = picked        # (dim 0 holds entries / rest of them for each true entry)
     rest = _value(value).shape[1:].numel()
