@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 
 from . import ops
 from .flat import _adjacent, _joined
-from .allocator import use_expandable_segments
+from .allocator import give_back_compute_stream, take_compute_stream, use_expandable_segments
 from .host_buffers import host_empty
 from .weights import working_dtype
 
@@ -118,9 +118,10 @@ class DeviceRuntime:
         self.peer_transfers = peer_transfers and not self.is_cpu
         self._held: list = []            # (tensor, event): kept alive until a peer's copy has read it
         self._held_lock = threading.Lock()
+        self.closed = False
         if not self.is_cpu:
             use_expandable_segments()    # Note [expandable segments] (runtime/allocator.py)
-            self.compute = torch.cuda.Stream(device)
+            self.compute = take_compute_stream(device)   # Note [compute streams outlive their model]
             self.weights_in = torch.cuda.Stream(device)
             self.acts_in = torch.cuda.Stream(device)
             self.out = torch.cuda.Stream(device)
@@ -134,8 +135,10 @@ class DeviceRuntime:
         return f"DeviceRuntime({self.device})"
 
     def close(self):
-        if not self.is_cpu:
+        if not self.is_cpu and not self.closed:
+            self.closed = True
             self.uploader.shutdown(wait=False)
+            give_back_compute_stream(self.device, self.compute)   # (jobs already queued may still use it)
 
     def stream_named(self, name):
         return {"compute": self.compute, "weights_in": self.weights_in, "acts_in": self.acts_in, "out": self.out,
