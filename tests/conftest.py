@@ -26,6 +26,12 @@ import importlib  # noqa: E402
 
 importlib.import_module("transformers")      # (what every test file imports: frozen with the rest)
 gc.freeze()
+# Within a file, a capture makes hundreds of thousands of objects (dynamo's trace, fake tensors,
+# sympy), and the default thresholds (700, 10, 10) collected the young generations ~30,000 times
+# in a worker and what the file's tests left 230-285 times: 110 s of the two workers' time in a
+# suite run (95th session). Collected less often, the full collections are mostly the files' own
+# (above) and the tests': 64 s, the suite 683 -> 625 s (one run each, peak RSS 1.9 -> 1.7 GB).
+gc.set_threshold(20_000, 50, 1_000)
 
 
 def _keep_captures():
