@@ -34,7 +34,7 @@ def run(tied, share, subchunk, device):
         losses.append(float(cm.train_step(**lm_batch(seed=step))))
         if step == 2:
             cm.runner.settle()
-            cm.runner.overlapped._queue.join()
+            cm.runner.overlapped.drain()
             away.append(cm.runner.overlapped.masters_away)
             state = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
         if step == 3:
