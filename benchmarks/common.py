@@ -59,6 +59,9 @@ MODELS = {
     # H200 measures the microbatch shapes of a 4-GPU Llama-3.1-8B plan (runs/two_row_microbatches/)
     "llama3.1-8b-16l": ModelSpec("llama3.1-8b-16l", "llama", hidden=4096, layers=16, heads=32, kv_heads=8,
                                  head_dim=128, intermediate=14336, vocab=128256, tied=False),
+    # Qwen3-32B (32.8B parameters): its LoRA on one GPU, with the frozen base bf16 in host memory
+    "qwen3-32b": ModelSpec("qwen3-32b", "qwen3", hidden=5120, layers=64, heads=64, kv_heads=8, head_dim=128,
+                           intermediate=25600, vocab=151936, tied=False),
     # Qwen3-30B-A3B's layers, 6 of its 48 (4.4B parameters, 0.95B of them active a token): a one-GPU
     # host (128 GiB) holds its full fine-tuning, so one H200 measures a mixture of experts' layers
     "qwen3-30b-a3b-6l": ModelSpec("qwen3-30b-a3b-6l", "qwen3_moe", hidden=2048, layers=6, heads=32, kv_heads=4,

@@ -5,6 +5,7 @@
     loss = cm.train_step(input_ids=ids, labels=ids); opt.step(); opt.zero_grad()
 
 The host masters are the model's fp32 parameters; AdamW(fused=True) steps them on the CPU.
+With `--option lora=R` the base is fp32 too; `--option lora_base=bf16` makes the frozen base bf16.
 Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) become Config fields:
   rpcompile_overlapped=1  Config(optimizer_mode="overlapped") and cm.attach_optimizer(opt):
                           rpcompile steps AdamW in a host thread beside the next step's jobs
@@ -114,9 +115,17 @@ class RPCompileTrainer(Trainer):
 
         self._planning_error = rpcompile.PlanningError
         on_gpu = spec.device == "cuda"
-        self.model = build_model(spec.spec, dtype=torch.float32, device="cpu",
+        # `lora_base=bf16`: the frozen base in bf16 (a LoRA user's from_pretrained(dtype=torch.bfloat16)),
+        # the adapters fp32 as get_peft_model leaves them; the base is its own working copy (Note
+        # [frozen weights in place] in rpcompile/runtime/weights.py)
+        bf16_base = bool(spec.lora) and spec.options.get("lora_base") == "bf16"
+        self.model = build_model(spec.spec, dtype=torch.bfloat16 if bf16_base else torch.float32, device="cpu",
                                  init_device="cuda:0" if on_gpu else "cpu",
                                  max_positions=spec.max_positions, seed=spec.seed, lora=spec.lora)
+        with torch.no_grad():
+            for p in self.model.parameters() if bf16_base else ():
+                if p.requires_grad:
+                    p.data = p.data.float()
         self.n_params = count_params(self.model)
         devices = [f"cuda:{i}" for i in range(spec.gpus)] if on_gpu else ["cpu"] * spec.gpus
         extra = {}
