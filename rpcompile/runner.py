@@ -282,7 +282,8 @@ class GraphRunner:
         for t in (copies._flats if copies is not None else []):
             add("working copies", t)
         for entry in self.host_weights._copies.values():
-            add("working copies", entry[1])
+            if entry[4] is None:    # (not a parameter that is its own copy: Note [frozen weights in place])
+                add("working copies", entry[1])
         grads = self.host_grads
         add("gradients", grads.flat)
         for t in grads._sums.values():

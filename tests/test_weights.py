@@ -131,3 +131,44 @@ def test_held_copies_and_write_many_take_their_locks_in_one_order():
         if t.is_alive():
             errors.append("deadlock")
     assert not errors
+
+
+def test_a_frozen_parameter_in_its_working_dtype_is_its_own_copy():
+    """Note [frozen weights in place]: a frozen parameter already in the working dtype is read
+    where it lies (no copy, no bytes); one that trains, or in another dtype, is copied; one
+    unfrozen, or given new memory, gets a copy, or is read there, from then on."""
+    base = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16), requires_grad=False)
+    wide = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)       # fp32: a bf16 copy
+    trained = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
+    hw = HostWeights(pin=False)
+    for p, own in ((base, True), (wide, False), (trained, False)):
+        with hw.refreshed(p, torch.bfloat16) as entry:
+            assert (entry[1].data_ptr() == p.data_ptr()) is own
+            assert torch.equal(entry[1], p.detach().bfloat16())
+    assert hw.nbytes() == 2 * (wide.numel() + trained.numel())
+    with torch.no_grad():
+        base.mul_(2.0)                         # a write of the user's (a LoRA base reloaded)
+    with hw.refreshed(base, torch.bfloat16, rows=(1, 3)) as part:
+        assert part[1].data_ptr() == base[1:3].data_ptr() and torch.equal(part[1], base.detach()[1:3])
+    base.data = torch.randn(6, 4, dtype=torch.bfloat16)                    # new memory
+    with hw.refreshed(base, torch.bfloat16) as entry:
+        assert entry[1].data_ptr() == base.data_ptr()
+    base.requires_grad_(True)                 # unfrozen: the optimizer writes it, so a copy
+    with hw.refreshed(base, torch.bfloat16) as entry:
+        assert entry[1].data_ptr() != base.data_ptr() and torch.equal(entry[1], base.detach())
+    assert hw.nbytes() == 2 * (wide.numel() + trained.numel() + base.numel())
+    assert len(hw.release()) == 3              # (the copies let go: not a parameter's own memory)
+
+
+def test_delayed_copies_of_a_frozen_parameter_in_its_working_dtype_are_the_parameter():
+    trained = torch.nn.Parameter(torch.randn(5))
+    base = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    dw = DelayedWeights([trained, base], torch.float32, pin=False)
+    assert dw._copies[id(base)][0] is dw._copies[id(base)][1] and dw._copies[id(base)][0][0].data_ptr() == base.data_ptr()
+    assert dw.nbytes() == 2 * trained.numel() * 4 and all(b.data_ptr() != base.data_ptr() for b in dw.buffers)
+    with torch.no_grad():
+        base.add_(1.0)
+    assert dw.written_since([trained, base]) == [base]
+    dw.rewrite_shared([base])                 # (nothing to copy: it is the parameter)
+    assert dw.written_since([trained, base]) == []
+    assert torch.equal(dw.view(1).shared_copy(base, torch.float32), base.detach())

@@ -341,11 +341,15 @@ def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, work
     masters = sum(p.numel() * p.element_size() for p in params)
     # the optimizer's share on the devices keeps its state there (about: whole parameters)
     state = round(sum(p.numel() for p in trainable) * (1 - on_devices)) * ADAMW_STATE_BYTES
+    from ..runtime.weights import own_copy
     copies = 0
     # working copies: what GPUs upload from, what delayed mode's steps read, and what worker
     # processes read (shared memory) where CPU worker threads would read the parameters
+    # (a frozen parameter in its working dtype is its own: Note [frozen weights in place])
     if on_gpu or optimizer_mode == "delayed" or workers == "processes":
         for p in params:
+            if workers == "threads" and own_copy(p, compute_dtype, True):
+                continue
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)
     itemsize = grad_dtype.itemsize

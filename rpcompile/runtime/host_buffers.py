@@ -74,6 +74,40 @@ def page_locked(shape, dtype: torch.dtype, kind: str = "") -> torch.Tensor:
     return t
 
 
+class _InPlace:
+    """A tensor's own memory page-locked where it lies (pinned_in_place); unpinned when the last
+    holder of this object lets it go. It keeps the tensor (its memory) alive until then."""
+
+    def __init__(self, t: torch.Tensor, address: int, nbytes: int):
+        self.tensor, self.address, self.nbytes = t, address, nbytes
+        weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, address)
+
+
+_in_place: "weakref.WeakValueDictionary[int, _InPlace]" = weakref.WeakValueDictionary()
+
+
+def pinned_in_place(t: torch.Tensor, kind: str = ""):
+    """Page-lock the memory of host tensor `t` (contiguous) where it lies, with no copy: a handle
+    that keeps it pinned while held (one per address, shared), or None where cudaHostRegister
+    refuses it (pages another registration covers, memory it cannot lock), counted in
+    `register_failures` as page_locked counts its own (Note [frozen weights in place] in
+    runtime/weights.py)."""
+    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if nbytes == 0:
+        return None
+    with _lock:
+        held = _in_place.get(address)
+        if held is not None and held.nbytes == nbytes:
+            return held
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))   # (portable: as page_locked)
+        if err != 0:
+            failed = register_failures.setdefault(kind, [0, err])
+            failed[0], failed[1] = failed[0] + 1, err
+            return None
+        held = _in_place[address] = _InPlace(t.detach(), address, nbytes)
+        return held
+
+
 def host_empty(shape, dtype: torch.dtype, pin, kind: str, exact: bool = False) -> torch.Tensor:
     """An uninitialised host tensor for the runtime's `kind` of buffer: pinned when `pin` is
     True, in shared files when it is a SharedMemory (runtime/shared.py: worker processes).

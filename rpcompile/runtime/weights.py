@@ -10,7 +10,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .flat import merge_adjacent
-from .host_buffers import host_empty
+from .host_buffers import host_empty, pinned_in_place
 
 _marks = itertools.count()
 
@@ -18,6 +18,31 @@ _marks = itertools.count()
 def working_dtype(t: torch.Tensor, dtype):
     """The dtype t's working copy has: `dtype` for floating tensors (None: t's own)."""
     return dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+
+
+# Note [frozen weights in place]: a frozen parameter (a LoRA base, frozen layers) that is already
+# in its working dtype (a bf16 model on GPUs) is its own working copy: no optimizer step writes
+# it, so a copy beside it held the same values again. On GPUs its memory is page-locked where it
+# lies (host_buffers.pinned_in_place: cudaHostRegister, no copy) for asynchronous uploads, where
+# that fails (pages another registration covers) it is copied as before. A bf16 base's host bytes
+# were 4 a parameter (the model's 2 and a copy's 2), a 32B model's 131 GB: 2 now. Worker
+# processes read copies in shared memory (Note [shared host memory]): they still copy. A user's
+# in-place write (after cm.synchronize(), as for every parameter) is what the next step reads;
+# in delayed mode its early uploads of the old values land unused, as for a copy rewritten.
+def own_copy(p: torch.Tensor, dtype, pin) -> bool:
+    """Whether parameter p serves as its own working copy in `dtype` (Note [frozen weights in
+    place]); pin: the runner's host placement (a SharedMemory for worker processes)."""
+    return (isinstance(pin, bool) and not p.requires_grad and p.device.type == "cpu" and p.is_contiguous()
+            and working_dtype(p, dtype) == p.dtype)
+
+
+def _in_place(p: torch.Tensor, pin: bool):
+    """p as its own working copy: (the tensor, what keeps it page-locked), or None where it cannot
+    be locked (the caller copies it)."""
+    if not pin:
+        return p.detach(), True
+    held = pinned_in_place(p.detach(), "working copies")
+    return None if held is None else (p.detach(), held)
 
 
 def upload_mark(event, stream) -> tuple:
@@ -96,7 +121,9 @@ class HostWeights:
     def __init__(self, pin: bool = True):
         if not _stepped_hook:      # once per process (Note [steps through .data])
             _stepped_hook.append(register_optimizer_step_post_hook(_stepped))
-        self._copies: dict = {}      # id(param) -> [version, pinned tensor, upload marks (newest per stream), lock]
+        # id(param) -> [version, pinned tensor, upload marks (newest per stream), lock, what keeps the
+        # parameter pinned where it is its own copy (Note [frozen weights in place]), else None]
+        self._copies: dict = {}
         self._lock = threading.Lock()
         self._pin = pin
 
@@ -104,12 +131,29 @@ class HostWeights:
         with self._lock:
             entry = self._copies.get(id(param))
             if entry is None:
-                entry = self._copies[id(param)] = [None, None, [], threading.Lock()]
+                entry = self._copies[id(param)] = [None, None, [], threading.Lock(), None]
             return entry
 
     @staticmethod
     def _stale(entry, param, dtype) -> bool:
         return entry[0] != param._version or entry[1] is None or entry[1].dtype != dtype
+
+    def _own(self, entry, param, dtype) -> bool:
+        """Whether param is (now) its own copy in entry, made so where it can be (Note [frozen weights
+        in place]); a parameter unfrozen or given new memory since gets a copy again."""
+        own = own_copy(param, dtype, self._pin)
+        if entry[4] is not None and (not own or entry[1].data_ptr() != param.data_ptr()):
+            wait_for_uploads(entry[2])
+            entry[:2], entry[4] = [None, None], None
+            entry[2].clear()
+        if own and entry[4] is None and entry[1] is None:
+            got = _in_place(param, self._pin)
+            if got is not None:
+                entry[1], entry[4] = got
+        if entry[4] is None:
+            return False
+        entry[0] = param._version
+        return True
 
     def shared_copy(self, param, dtype) -> torch.Tensor:
         """The whole working copy of `param` in `dtype`, refreshed: what worker processes read
@@ -126,7 +170,7 @@ class HostWeights:
         # One lock per copy: the devices' uploaders and the optimizer refresh different
         # parameters at the same time.
         with entry[3]:
-            if self._stale(entry, param, dtype):
+            if not self._own(entry, param, dtype) and self._stale(entry, param, dtype):
                 if entry[1] is None or entry[1].dtype != dtype:
                     entry[1] = host_empty(param.shape, dtype, self._pin, "working copies", exact=True)
                     entry[2].clear()
@@ -144,7 +188,7 @@ class HostWeights:
         copy call for all of them (the optimizer thread calls this after stepping a chunk;
         copy_down: copy_params)."""
         entries = [(p, self._entry(p)) for p in params]
-        stale = [(p, e) for p, e in entries if e[1] is not None and self._stale(e, p, dtype)]
+        stale = [(p, e) for p, e in entries if e[1] is not None and e[4] is None and self._stale(e, p, dtype)]
         if not stale:     # (a copy never made yet is made by its first upload)
             return
         locks = [e[3] for _, e in stale]
@@ -161,7 +205,8 @@ class HostWeights:
                 lock.release()
 
     def nbytes(self) -> int:
-        return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None)
+        """Bytes of the copies (a parameter that is its own copy holds none)."""
+        return sum(e[1].numel() * e[1].element_size() for e in self._copies.values() if e[1] is not None and e[4] is None)
 
     def release(self) -> list:
         """Let every copy go, once the uploads from it have read it (delayed mode's copies take
@@ -174,9 +219,9 @@ class HostWeights:
         for entry in entries:
             with entry[3]:
                 wait_for_uploads(entry[2])
-                if entry[1] is not None:
+                if entry[1] is not None and entry[4] is None:
                     copies.append(entry[1])
-                entry[1] = None
+                entry[1], entry[4] = None, None
         return copies
 
 
@@ -225,11 +270,19 @@ class DelayedWeights:
         self._versions: dict = {}
         placed: dict = {}            # (shared, dtype) -> [(param, offset)]
         sizes: dict = {}             # (shared, dtype) -> elements
+        self._own: dict = {}         # id(param) -> what keeps it pinned, for those their own copy
         for p in {id(p): p for p in params}.values():
             # A frozen parameter (a LoRA base) never changes: one copy serves both parities;
             # one frozen since the copies were last made keeps two (Note [changes between delayed steps]).
             group = (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
                      working_dtype(p, dtype))
+            got = _in_place(p, pin) if group[0] and own_copy(p, dtype, pin) else None
+            if got is not None:      # (Note [frozen weights in place])
+                self._own[id(p)] = got[1]
+                self._copies[id(p)] = [[got[0], [], threading.Lock()]] * 2
+                was = None if previous is None else previous._versions.get(id(p))
+                self._versions[id(p)] = [p._version] * 2 if was is None else list(was)
+                continue
             placed.setdefault(group, []).append((p, sizes.get(group, 0)))
             sizes[group] = sizes.get(group, 0) + p.numel()
         for (shared, want), members in placed.items():
@@ -296,6 +349,11 @@ class DelayedWeights:
         # a copy that holds the parameter's value already (one without a gradient this step,
         # or frozen since: Note [changes between delayed steps]) is not written again
         params = [p for p in params if self._versions[id(p)][slot] != p._version]
+        for p in [p for p in params if id(p) in self._own]:     # (its own copy: written already)
+            self._versions[id(p)] = [p._version] * 2
+            self._newest[id(p)] = slot
+            self._checked.pop(id(p), None)
+        params = [p for p in params if id(p) not in self._own]
         if not params:
             return
         slots = [self._copies[id(p)][slot] for p in params]
