@@ -190,6 +190,27 @@ def test_checkpoint_tokenizer_loads_with_auto_tokenizer(exact_run):
     assert isinstance(models.tokenizer_for(str(exact_run[0])), ByteTokenizer)
 
 
+def test_lora_in_bf16_holds_its_base_in_bf16(tmp_path, captured):
+    """--lora where the devices work in bf16 (the default on GPUs; --dtype bf16 here): rpcompile's
+    frozen base is cast to bf16 once and read in place, its own working copy (Note [frozen weights
+    in place]): the fresh base rounded to bf16, the adapters fp32 and trained; the saved adapter
+    reloads onto the saved base with the logits of the run's model."""
+    from peft import AutoPeftModelForCausalLM
+
+    out = tmp_path / "adapter"
+    assert run("--lora", 4, "--steps", 3, "--dtype", "bf16", "--save", out, *SMALL) == 0
+    model = captured[0]
+    fresh, _ = models.build_model("tiny", seed=0)
+    base = {n.replace(".base_layer", ""): p for n, p in model.get_base_model().named_parameters() if "lora_" not in n}
+    want = torch.bfloat16 if ENGINE == "rpcompile" else torch.float32
+    assert base.keys() == dict(fresh.named_parameters()).keys()
+    assert all(base[n].dtype == want and torch.equal(base[n], p.detach().to(want)) for n, p in fresh.named_parameters())
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert adapters and all(p.dtype == torch.float32 for p in adapters)
+    ids = torch.tensor([list(b"Curiouser and curiouser!")])
+    assert torch.equal(logits(model, ids), logits(AutoPeftModelForCausalLM.from_pretrained(out, dtype=want), ids))
+
+
 def test_lora_adapter_on_a_built_in_shape_loads_with_its_base(tmp_path, captured):
     """The adapter of a built-in shape names a base that loads: the random-init base saved in
     DIR/base (it named `rpcompile-finetune:tiny` before, which nothing can load). A save into the

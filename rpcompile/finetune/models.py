@@ -139,6 +139,19 @@ def apply_lora(model, rank: int):
         return get_peft_model(model, config)  # records model.name_or_path as the adapter's base
 
 
+def base_in_working_dtype(model, dtype) -> None:
+    """LoRA: the frozen base's floating parameters in the devices' working dtype (bf16 on GPUs),
+    each then its own working copy (Note [frozen weights in place] in rpcompile/runtime/weights.py):
+    2 bytes a base parameter on the host, where the fp32 base held 4 and its bf16 copy 2 more. The
+    devices compute on the same bf16 values either way; the adapters stay fp32."""
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+
+
 def load_lora(base, directory):
     from peft import PeftModel
 

@@ -36,6 +36,9 @@ def run(opts: Options) -> int:
     total, trainable = models.count_params(model)
 
     dtype = DTYPES[opts.dtype] if opts.dtype else None
+    if checkpoint.is_peft(model) and opts.engine == "rpcompile":
+        from rpcompile import Config
+        models.base_in_working_dtype(model, Config(devices=opts.devices, dtype=dtype).compute_dtype)
     cm = compile_model(model, opts.engine, opts.devices, opts.microbatches, dtype, opts.optimizer)
     compiler_errors = engine_errors(opts.engine)
     params = [p for p in model.parameters() if p.requires_grad]
