@@ -280,8 +280,7 @@ class DelayedWeights:
             if got is not None:      # (Note [frozen weights in place])
                 self._own[id(p)] = got[1]
                 self._copies[id(p)] = [[got[0], [], threading.Lock()]] * 2
-                was = None if previous is None else previous._versions.get(id(p))
-                self._versions[id(p)] = [p._version] * 2 if was is None else list(was)
+                self._versions[id(p)] = [p._version] * 2      # (it is the parameter: current)
                 continue
             placed.setdefault(group, []).append((p, sizes.get(group, 0)))
             sizes[group] = sizes.get(group, 0) + p.numel()
