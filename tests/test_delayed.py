@@ -163,9 +163,11 @@ def test_delayed_mode_is_deterministic_and_a_failed_step_changes_nothing(monkeyp
         assert torch.equal(a, b)
 
 
-def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_frozen_parameters_keep_one_copy_and_stay_unchanged(workers):
     """A LoRA-like run: frozen parameters are never rewritten, and in the working dtype (fp32 on
-    these CPU devices) they are their own copies: no copy of them (Note [frozen weights in place])."""
+    these CPU devices) they are their own copies: no copy of them (Note [frozen weights in place]);
+    worker processes read them in the shared memory they moved into."""
     model = qwen3(seed=5, layers=1)
     frozen = [p for n, p in model.named_parameters() if "mlp" in n]
     for p in frozen:
@@ -173,7 +175,7 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     before = [p.detach().clone() for p in frozen]
     ref_losses, ref = _eager_delayed(model, [lm_batch(seed=s) for s in range(3)], 1e-3)
     cm = rpcompile.compile(model, rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2,
-                                                   optimizer_mode="delayed"))
+                                                   optimizer_mode="delayed", workers=workers))
     cm.attach_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     for t in range(3):
         close(cm.train_step(**lm_batch(seed=t)), ref_losses[t], 1e-5, 1e-6, f"loss at step {t}")
@@ -183,6 +185,9 @@ def test_frozen_parameters_keep_one_copy_and_stay_unchanged():
     assert cm.runner.mode.copies.nbytes() == 2 * trainable
     assert all(cm.runner.mode.copies._copies[id(p)][0][0].data_ptr() == p.data_ptr() for p in frozen)
     assert cm.host_buffer_bytes()["working copies"] == 2 * trainable
+    if workers == "processes":
+        assert all(cm.runner.host_placement.ref(p.detach()) is not None for p in frozen)
+    assert cm.plan.host_memory.working_copies == 2 * trainable
 
 
 @pytest.mark.parametrize("workers", ["threads", "processes"])

@@ -4,6 +4,8 @@ import time
 
 import torch
 
+from rpcompile.runtime import weights
+from rpcompile.runtime.shared import SharedMemory
 from rpcompile.runtime.weights import DelayedWeights, HostWeights, upload_mark, wait_for_uploads
 
 from parity import FakeEvent
@@ -172,3 +174,35 @@ def test_delayed_copies_of_a_frozen_parameter_in_its_working_dtype_are_the_param
     dw.rewrite_shared([base])                 # (nothing to copy: it is the parameter)
     assert dw.written_since([trained, base]) == []
     assert torch.equal(dw.view(1).shared_copy(base, torch.float32), base.detach())
+
+
+def test_frozen_parameters_move_into_the_shared_memory_worker_processes_read(monkeypatch):
+    """Note [frozen weights in place] with worker processes: a frozen parameter in its working
+    dtype moves into the run's shared files (its data a view there, its values kept, its old
+    memory let go), a chunk at a time, and is its own copy; one that trains, or in another
+    dtype, is copied as before."""
+    monkeypatch.setattr(weights, "SHARED_CHUNK", 2 * 6 * 4 * 2)        # two of the bf16 parameters a file
+    memory = SharedMemory()
+    try:
+        base = [torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16), requires_grad=False) for _ in range(3)]
+        wide = torch.nn.Parameter(torch.randn(6, 4), requires_grad=False)         # fp32: a bf16 copy
+        trained = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
+        values = [p.detach().clone() for p in base]
+        dw = DelayedWeights([*base, wide, trained], torch.bfloat16, pin=memory)
+        refs = [memory.ref(p.detach()) for p in base]
+        assert all(r is not None for r in refs) and len({r.file for r in refs}) == 2      # (2 + 1)
+        assert all(torch.equal(p, v) for p, v in zip(base, values))
+        assert all(dw.view(k).shared_copy(p, torch.bfloat16) is not None for k in (0, 1) for p in base)
+        assert all(dw._copies[id(p)][0][0].data_ptr() == p.data_ptr() for p in base)
+        assert dw.nbytes() == 2 * wide.numel() + 2 * 2 * trained.numel()
+        assert memory.ref(wide.detach()) is None and memory.ref(trained.detach()) is None
+        again = DelayedWeights([*base, wide, trained], torch.bfloat16, pin=memory, previous=dw)
+        assert [memory.ref(p.detach()) for p in base] == refs                 # (moved once)
+        assert all(again._copies[id(p)][1][0].data_ptr() == p.data_ptr() for p in base)
+        hw = HostWeights(pin=memory)
+        moved = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16), requires_grad=False)
+        with hw.refreshed(moved, torch.bfloat16) as entry:
+            assert entry[1].data_ptr() == moved.data_ptr() and memory.ref(moved.detach()) is not None
+        assert hw.nbytes() == 0 and hw.release() == []
+    finally:
+        memory.close()

@@ -345,10 +345,11 @@ def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, work
     copies = 0
     # working copies: what GPUs upload from, what delayed mode's steps read, and what worker
     # processes read (shared memory) where CPU worker threads would read the parameters
-    # (a frozen parameter in its working dtype is its own: Note [frozen weights in place])
+    # (a frozen parameter in its working dtype is its own, in shared memory for worker processes:
+    # Note [frozen weights in place])
     if on_gpu or optimizer_mode == "delayed" or workers == "processes":
         for p in params:
-            if workers == "threads" and own_copy(p, compute_dtype, True):
+            if own_copy(p, compute_dtype, True):
                 continue
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)

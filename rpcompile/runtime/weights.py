@@ -26,23 +26,60 @@ def working_dtype(t: torch.Tensor, dtype):
 # lies (host_buffers.pinned_in_place: cudaHostRegister, no copy) for asynchronous uploads, where
 # that fails (pages another registration covers) it is copied as before. A bf16 base's host bytes
 # were 4 a parameter (the model's 2 and a copy's 2), a 32B model's 131 GB: 2 now. Worker
-# processes read copies in shared memory (Note [shared host memory]): they still copy. A user's
+# processes read shared memory (Note [shared host memory]): there the parameter's data moves into
+# it (into_shared: `p.data` becomes a view of a shared file, the old memory goes), a few
+# parameters at a time, so that the move holds at most SHARED_CHUNK bytes twice. A user's
 # in-place write (after cm.synchronize(), as for every parameter) is what the next step reads;
 # in delayed mode its early uploads of the old values land unused, as for a copy rewritten.
 def own_copy(p: torch.Tensor, dtype, pin) -> bool:
     """Whether parameter p serves as its own working copy in `dtype` (Note [frozen weights in
     place]); pin: the runner's host placement (a SharedMemory for worker processes)."""
-    return (isinstance(pin, bool) and not p.requires_grad and p.device.type == "cpu" and p.is_contiguous()
+    return (not p.requires_grad and p.device.type == "cpu" and p.is_contiguous()
             and working_dtype(p, dtype) == p.dtype)
 
 
-def _in_place(p: torch.Tensor, pin: bool):
-    """p as its own working copy: (the tensor, what keeps it page-locked), or None where it cannot
-    be locked (the caller copies it)."""
-    if not pin:
+SHARED_CHUNK = 1 << 30      # bytes of parameters moved into one shared file (Note [frozen weights in place])
+
+
+def into_shared(params, memory) -> None:
+    """Move the data of the given parameters that lie outside `memory` (a SharedMemory) into new
+    files of it, at most SHARED_CHUNK bytes a file (a parameter larger: a file of its own), each
+    parameter's old memory let go once it is copied (Note [frozen weights in place])."""
+    by_dtype: dict = {}
+    for p in {id(p): p for p in params}.values():
+        if memory.ref(p.detach()) is None:
+            by_dtype.setdefault(p.dtype, []).append(p)
+    for members in by_dtype.values():
+        chunk = []
+        for p in members + [None]:
+            if chunk and (p is None or sum(q.nbytes for q in chunk) + p.nbytes > SHARED_CHUNK):
+                _move(chunk, memory)
+                chunk = []
+            if p is not None:
+                chunk.append(p)
+
+
+def _move(params, memory) -> None:
+    flat = host_empty((sum(p.numel() for p in params),), params[0].dtype, memory, "frozen parameters")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+            offset += p.numel()
+
+
+def _in_place(p: torch.Tensor, pin):
+    """p as its own working copy: (the tensor, what keeps it page-locked or shared), or None where
+    it cannot be locked (the caller copies it)."""
+    if pin is False:
         return p.detach(), True
-    held = pinned_in_place(p.detach(), "working copies")
-    return None if held is None else (p.detach(), held)
+    if pin is True:
+        held = pinned_in_place(p.detach(), "working copies")
+        return None if held is None else (p.detach(), held)
+    into_shared([p], pin)           # (worker processes: a no-op where it lies there already)
+    return p.detach(), pin
 
 
 def upload_mark(event, stream) -> tuple:
@@ -271,12 +308,16 @@ class DelayedWeights:
         placed: dict = {}            # (shared, dtype) -> [(param, offset)]
         sizes: dict = {}             # (shared, dtype) -> elements
         self._own: dict = {}         # id(param) -> what keeps it pinned, for those their own copy
-        for p in {id(p): p for p in params}.values():
-            # A frozen parameter (a LoRA base) never changes: one copy serves both parities;
-            # one frozen since the copies were last made keeps two (Note [changes between delayed steps]).
-            group = (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
-                     working_dtype(p, dtype))
-            got = _in_place(p, pin) if group[0] and own_copy(p, dtype, pin) else None
+        # A frozen parameter (a LoRA base) never changes: one copy serves both parities; one
+        # frozen since the copies were last made keeps two (Note [changes between delayed steps]).
+        groups = {id(p): (p, (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
+                              working_dtype(p, dtype))) for p in params}
+        own = [p for p, group in groups.values() if group[0] and own_copy(p, dtype, pin)]
+        if not isinstance(pin, bool):       # (worker processes: moved into shared files a chunk at a time)
+            into_shared(own, pin)
+        own = {id(p) for p in own}
+        for p, group in groups.values():
+            got = _in_place(p, pin) if id(p) in own else None
             if got is not None:      # (Note [frozen weights in place])
                 self._own[id(p)] = got[1]
                 self._copies[id(p)] = [[got[0], [], threading.Lock()]] * 2

@@ -6,8 +6,10 @@ weights in place] (rpcompile/runtime/weights.py), host_buffers.pinned_in_place.
 2. A LoRA run whose frozen base is bf16 (read in place, pinned) against the same run with the
    base fp32 that rounds to those bf16 values (copied to bf16, as before): the devices compute on
    the same bf16 weights, so losses and adapters after 4 SGD steps must agree (exact, overlapped,
-   delayed in threads, and delayed in worker processes, which copy). Prints the largest differences, the
-   host's working-copy bytes each side holds, and whether the frozen bases are pinned in place.
+   delayed in threads, and delayed in worker processes, where the frozen base moves into their
+   shared memory: 97th session). Prints the largest differences, the host's working-copy bytes each
+   side holds, and whether the frozen bases are pinned in place (threads) or lie in the shared
+   memory (processes: the workers pin it there).
 From the repository root:
 
     PYTHONPATH=$PWD:$PWD/tests python benchmarks/runs/frozen_in_place/check.py
@@ -76,7 +78,9 @@ def run(mode, workers, bf16_base):
     frozen = [p for p in model.parameters() if not p.requires_grad]
     out = {"losses": [float(x) for x in losses], "adapters": [p.detach().clone() for p in trained],
            "working_copy_bytes": cm.host_buffer_bytes().get("working copies", 0),
-           "frozen_pinned": sum(p.is_pinned() for p in frozen), "frozen": len(frozen)}
+           "frozen_pinned": sum(p.is_pinned() for p in frozen), "frozen": len(frozen),
+           "frozen_shared": sum(getattr(cm.runner.host_placement, "ref", lambda t: None)(p.detach()) is not None
+                                for p in frozen)}
     del cm, opt
     return out
 
@@ -93,7 +97,8 @@ if __name__ == "__main__":
             res = {"loss_abs_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
                    "adapter_diff_rel_largest": max((p - q).abs().max().item() for p, q in zip(a["adapters"], b["adapters"])) / scale,
                    "working_copy_bytes_fp32_base": a["working_copy_bytes"], "working_copy_bytes_bf16_base": b["working_copy_bytes"],
-                   "frozen_pinned_bf16_base": f"{b['frozen_pinned']} of {b['frozen']}", "losses": b["losses"]}
+                   "frozen_pinned_bf16_base": f"{b['frozen_pinned']} of {b['frozen']}",
+                   "frozen_shared_bf16_base": f"{b['frozen_shared']} of {b['frozen']}", "losses": b["losses"]}
         except Exception as e:   # noqa: BLE001 - a check: say it and go on
             res = {"error": f"{type(e).__name__}: {e}"[:800]}
         print(key, json.dumps(res), flush=True)
