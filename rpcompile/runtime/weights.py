@@ -50,13 +50,14 @@ def into_shared(params, memory) -> None:
         if memory.ref(p.detach()) is None:
             by_dtype.setdefault(p.dtype, []).append(p)
     for members in by_dtype.values():
-        chunk = []
+        chunk, nbytes = [], 0
         for p in members + [None]:
-            if chunk and (p is None or sum(q.nbytes for q in chunk) + p.nbytes > SHARED_CHUNK):
+            if chunk and (p is None or nbytes + p.nbytes > SHARED_CHUNK):
                 _move(chunk, memory)
-                chunk = []
+                chunk, nbytes = [], 0
             if p is not None:
                 chunk.append(p)
+                nbytes += p.nbytes
 
 
 def _move(params, memory) -> None:
