@@ -1,7 +1,8 @@
 """Host memory shared by the processes of a run: files in /dev/shm mapped into each.
 
 Note [shared host memory]: with Config(workers="processes") every host buffer the devices
-read or write (weight working copies, gradient buffers, activation slots) lives in a file
+read or write (weight working copies, gradient buffers, activation slots, and frozen parameters
+that are their own working copies: Note [frozen weights in place] in weights.py) lives in a file
 under /dev/shm, mapped by the main process and by every worker process; a GPU worker
 registers each mapping as page-locked (cudaHostRegister) so its copies are asynchronous.
 Messages between processes then carry only a `Ref` (file, byte offset, shape, dtype): a few
