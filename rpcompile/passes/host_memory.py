@@ -349,7 +349,7 @@ def per_parameter(params, compute_dtype, on_gpu: bool, optimizer_mode: str, work
     # Note [frozen weights in place])
     if on_gpu or optimizer_mode == "delayed" or workers == "processes":
         for p in params:
-            if own_copy(p, compute_dtype, True):
+            if own_copy(p, compute_dtype):
                 continue
             itemsize = (compute_dtype or p.dtype).itemsize if p.is_floating_point() else p.element_size()
             copies += p.numel() * itemsize * (2 if optimizer_mode == "delayed" and p.requires_grad else 1)

@@ -31,9 +31,9 @@ def working_dtype(t: torch.Tensor, dtype):
 # parameters at a time, so that the move holds at most SHARED_CHUNK bytes twice. A user's
 # in-place write (after cm.synchronize(), as for every parameter) is what the next step reads;
 # in delayed mode its early uploads of the old values land unused, as for a copy rewritten.
-def own_copy(p: torch.Tensor, dtype, pin) -> bool:
+def own_copy(p: torch.Tensor, dtype) -> bool:
     """Whether parameter p serves as its own working copy in `dtype` (Note [frozen weights in
-    place]); pin: the runner's host placement (a SharedMemory for worker processes)."""
+    place]), wherever the runner places host memory."""
     return (not p.requires_grad and p.device.type == "cpu" and p.is_contiguous()
             and working_dtype(p, dtype) == p.dtype)
 
@@ -179,7 +179,7 @@ class HostWeights:
     def _own(self, entry, param, dtype) -> bool:
         """Whether param is (now) its own copy in entry, made so where it can be (Note [frozen weights
         in place]); a parameter unfrozen or given new memory since gets a copy again."""
-        own = own_copy(param, dtype, self._pin)
+        own = own_copy(param, dtype)
         if entry[4] is not None and (not own or entry[1].data_ptr() != param.data_ptr()):
             wait_for_uploads(entry[2])
             entry[:2], entry[4] = [None, None], None
@@ -313,7 +313,7 @@ class DelayedWeights:
         # frozen since the copies were last made keeps two (Note [changes between delayed steps]).
         groups = {id(p): (p, (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
                               working_dtype(p, dtype))) for p in params}
-        own = [p for p, group in groups.values() if group[0] and own_copy(p, dtype, pin)]
+        own = [p for p, group in groups.values() if group[0] and own_copy(p, dtype)]
         if not isinstance(pin, bool):       # (worker processes: moved into shared files a chunk at a time)
             into_shared(own, pin)
         own = {id(p) for p in own}
