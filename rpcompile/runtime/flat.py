@@ -211,6 +211,20 @@ def _wait(streams) -> None:
             stream.synchronize()
 
 
+def move_into(buf: torch.Tensor, params) -> list:
+    """Copy the parameters, one after another, into the flat host tensor buf and make each one's
+    data its view there (set_data keeps p's own version counter); their element offsets."""
+    offsets, off = [], 0
+    with torch.no_grad():
+        for p in params:
+            view = buf[off:off + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+            offsets.append(off)
+            off += p.numel()
+    return offsets
+
+
 def merge_adjacent(dsts: list, srcs: list) -> tuple:
     """(dsts, srcs) for one copy per run: consecutive pairs whose destinations and sources
     both continue each other are joined into one 1-D view each."""
@@ -314,24 +328,18 @@ class FlatMasters:
             if (id(p) not in self.where and p.requires_grad and p.is_leaf and p.device.type == "cpu"
                     and p.is_floating_point() and p.numel() > 1 and p.is_contiguous()):
                 todo.setdefault(p.dtype, []).append(p)
-        with torch.no_grad():
-            for dtype, ps in todo.items():
-                numel = sum(p.numel() for p in ps)
-                if any(d.type == "cuda" for d in self.state_devices):
-                    # page-locked: the device parts' masters go up and down every step
-                    buf = host_empty((numel,), dtype, True, "flat masters", exact=True)
-                else:
-                    buf = torch.empty(numel, dtype=dtype)
-                k = len(self.buffers)
-                self.buffers.append(buf)
-                self._place(k, [p.numel() for p in ps])
-                off = 0
-                for p in ps:
-                    view = buf[off:off + p.numel()].view(p.shape)
-                    view.copy_(p.data)
-                    p.data = view           # (set_data keeps p's own version counter)
-                    self.where[id(p)] = (k, off)
-                    off += p.numel()
+        for dtype, ps in todo.items():
+            numel = sum(p.numel() for p in ps)
+            if any(d.type == "cuda" for d in self.state_devices):
+                # page-locked: the device parts' masters go up and down every step
+                buf = host_empty((numel,), dtype, True, "flat masters", exact=True)
+            else:
+                buf = torch.empty(numel, dtype=dtype)
+            k = len(self.buffers)
+            self.buffers.append(buf)
+            self._place(k, [p.numel() for p in ps])
+            for p, off in zip(ps, move_into(buf, ps)):
+                self.where[id(p)] = (k, off)
 
 
 class FlatStepper:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .flat import merge_adjacent
+from .flat import merge_adjacent, move_into
 from .host_buffers import host_empty, pinned_in_place
 
 _marks = itertools.count()
@@ -61,14 +61,7 @@ def into_shared(params, memory) -> None:
 
 
 def _move(params, memory) -> None:
-    flat = host_empty((sum(p.numel() for p in params),), params[0].dtype, memory, "frozen parameters")
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            view = flat[offset:offset + p.numel()].view(p.shape)
-            view.copy_(p.detach())
-            p.data = view
-            offset += p.numel()
+    move_into(host_empty((sum(p.numel() for p in params),), params[0].dtype, memory, "frozen parameters"), params)
 
 
 def _in_place(p: torch.Tensor, pin):
@@ -313,10 +306,9 @@ class DelayedWeights:
         # frozen since the copies were last made keeps two (Note [changes between delayed steps]).
         groups = {id(p): (p, (not p.requires_grad and not (previous is not None and previous.two_copies(p)),
                               working_dtype(p, dtype))) for p in params}
-        own = [p for p, group in groups.values() if group[0] and own_copy(p, dtype)]
+        own = {i: p for i, (p, group) in groups.items() if group[0] and own_copy(p, dtype)}
         if not isinstance(pin, bool):       # (worker processes: moved into shared files a chunk at a time)
-            into_shared(own, pin)
-        own = {id(p) for p in own}
+            into_shared(own.values(), pin)
         for p, group in groups.values():
             got = _in_place(p, pin) if id(p) in own else None
             if got is not None:      # (Note [frozen weights in place])
