@@ -134,6 +134,47 @@ def test_exact_mode_in_worker_processes_matches_eager():
     assert all(torch.equal(a, p) and torch.equal(g, p.grad) for (a, g), p in zip(params, cm.model.parameters()))
 
 
+@pytest.mark.parametrize("mode", ["exact", "overlapped"])
+def test_frozen_parameters_move_into_the_shared_files_a_chunk_at_a_time(monkeypatch, mode):
+    """Note [frozen weights in place] in exact and overlapped modes: at the plan's first step the
+    frozen parameters in their working dtype (fp32 on CPU devices) move into the run's shared
+    memory together, at most SHARED_CHUNK bytes a file (before, each into a file of its own at
+    its first upload: a 32B LoRA base's ~700 files, each mapped and pinned by every worker), and
+    the run equals eager, the frozen values unchanged."""
+    from rpcompile.runtime import weights
+    model = qwen3(layers=1)
+    frozen = [p for n, p in model.named_parameters() if ".mlp." in n or ".self_attn." in n]
+    for p in frozen:
+        p.requires_grad_(False)
+    before = [p.detach().clone() for p in frozen]
+    chunk = 2 * max(p.nbytes for p in frozen)
+    monkeypatch.setattr(weights, "SHARED_CHUNK", chunk)
+    batches = [lm_batch(seed=s) for s in range(2)]
+    if mode == "exact":
+        cm = train_both(model, batches, _config(), steps=2)
+    else:
+        ref = copy.deepcopy(model)
+        cm = rpcompile.compile(model, _config(optimizer_mode="overlapped"))
+        cm.attach_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2, momentum=0.9))
+        opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1e-2, momentum=0.9)
+        for b in batches:
+            loss = ref(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            close(cm.train_step(**b), loss.detach(), 1e-5, 1e-6, "loss")
+        cm.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            close(p.detach(), q.detach(), 1e-4, 1e-6, "parameters after 2 SGD steps")
+    memory = cm.runner.executor.memory
+    files: dict = {}
+    for p in frozen:
+        files.setdefault(memory.ref(p.detach()).file, []).append(p.nbytes)
+    assert len(files) < len(frozen) and all(sum(b) <= chunk or len(b) == 1 for b in files.values()), files
+    assert all(torch.equal(p, b) for p, b in zip(frozen, before))
+    assert cm.runner.host_weights.nbytes() == sum(p.nbytes for p in model.parameters() if p.requires_grad)
+
+
 def _lent(host_buffers) -> tuple:
     counts = host_buffers.snapshot()[1]
     return counts["call gradients"], counts["outputs"]

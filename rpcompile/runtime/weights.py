@@ -186,6 +186,14 @@ class HostWeights:
         entry[0] = param._version
         return True
 
+    def place(self, params, dtype) -> None:
+        """With worker processes: move those of `params` that are their own copies into the shared
+        memory at once, at most SHARED_CHUNK bytes a file, as DelayedWeights does (Note [frozen
+        weights in place]); each would move into a file of its own at its first upload (a 32B
+        LoRA base's ~700 files, each mapped and page-locked by every worker, against ~65)."""
+        if not isinstance(self._pin, bool):
+            into_shared([p for p in params if own_copy(p, dtype)], self._pin)
+
     def shared_copy(self, param, dtype) -> torch.Tensor:
         """The whole working copy of `param` in `dtype`, refreshed: what worker processes read
         (its file shared with them: Note [shared host memory])."""
