@@ -6,8 +6,9 @@ weights in place] (rpcompile/runtime/weights.py), host_buffers.pinned_in_place.
 2. A LoRA run whose frozen base is bf16 (read in place, pinned) against the same run with the
    base fp32 that rounds to those bf16 values (copied to bf16, as before): the devices compute on
    the same bf16 weights, so losses and adapters after 4 SGD steps must agree (exact, overlapped,
-   delayed in threads, and delayed in worker processes, where the frozen base moves into their
-   shared memory: 97th session). Prints the largest differences, the host's working-copy bytes each
+   delayed in threads, and delayed and exact in worker processes, where the frozen base moves into
+   their shared memory: 97th session; in exact mode at the plan's first step, a chunk a file, since
+   the 98th). Prints the largest differences, the host's working-copy bytes each
    side holds, and whether the frozen bases are pinned in place (threads) or lie in the shared
    memory (processes: the workers pin it there).
 From the repository root:
@@ -76,11 +77,12 @@ def run(mode, workers, bf16_base):
             opt.zero_grad()
     cm.synchronize()
     frozen = [p for p in model.parameters() if not p.requires_grad]
+    refs = [getattr(cm.runner.host_placement, "ref", lambda t: None)(p.detach()) for p in frozen]
     out = {"losses": [float(x) for x in losses], "adapters": [p.detach().clone() for p in trained],
            "working_copy_bytes": cm.host_buffer_bytes().get("working copies", 0),
            "frozen_pinned": sum(p.is_pinned() for p in frozen), "frozen": len(frozen),
-           "frozen_shared": sum(getattr(cm.runner.host_placement, "ref", lambda t: None)(p.detach()) is not None
-                                for p in frozen)}
+           "frozen_shared": sum(ref is not None for ref in refs),
+           "frozen_files": len({ref.file for ref in refs if ref is not None})}
     del cm, opt
     return out
 
@@ -89,7 +91,7 @@ if __name__ == "__main__":
     if DEV != "cpu":
         print("pinning", json.dumps(pinning()), flush=True)
     for mode, workers in (("exact", "threads"), ("overlapped", "threads"), ("delayed", "threads"),
-                          ("delayed", "processes")):
+                          ("delayed", "processes"), ("exact", "processes")):
         key = f"{mode}_{workers}"
         try:
             a, b = run(mode, workers, False), run(mode, workers, True)
@@ -98,7 +100,8 @@ if __name__ == "__main__":
                    "adapter_diff_rel_largest": max((p - q).abs().max().item() for p, q in zip(a["adapters"], b["adapters"])) / scale,
                    "working_copy_bytes_fp32_base": a["working_copy_bytes"], "working_copy_bytes_bf16_base": b["working_copy_bytes"],
                    "frozen_pinned_bf16_base": f"{b['frozen_pinned']} of {b['frozen']}",
-                   "frozen_shared_bf16_base": f"{b['frozen_shared']} of {b['frozen']}", "losses": b["losses"]}
+                   "frozen_shared_bf16_base": f"{b['frozen_shared']} of {b['frozen']} in {b['frozen_files']} files",
+                   "losses": b["losses"]}
         except Exception as e:   # noqa: BLE001 - a check: say it and go on
             res = {"error": f"{type(e).__name__}: {e}"[:800]}
         print(key, json.dumps(res), flush=True)
