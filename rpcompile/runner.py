@@ -55,7 +55,7 @@ class GraphRunner:
         self._finalizers: dict = {}      # id(plan) -> what lets go of the programs and counters kept for it
         self._warned_static = False
         self.host_weights = HostWeights(pin=self.host_placement)
-        self._placed: dict = {}          # id(plan) -> weakref of the plan host_weights.place has seen
+        self._placed = weakref.WeakValueDictionary()     # id(plan) -> the plans host_weights.place has seen
         self.host_grads = HostGrads(pin=self.host_placement, drop=getattr(self.executor, "forget_shared", None))
         self.last_tracer = None
         self.recent_tracers: list = []   # the last steps' tracers (recent_traces)
@@ -245,10 +245,8 @@ class GraphRunner:
         dtype = self.working_dtype(plan)
         if host_weights is None and gate is None:       # a call (Note [calls read the newest copies])
             host_weights = self.mode.call_weights(self, plan)
-        placed = self._placed.get(id(plan))
-        if host_weights is None and (placed is None or placed() is not plan):
-            self._placed = {k: r for k, r in self._placed.items() if r() is not None}
-            self._placed[id(plan)] = weakref.ref(plan)
+        if host_weights is None and self._placed.get(id(plan)) is not plan:
+            self._placed[id(plan)] = plan
             self.host_weights.place(cap.params, dtype)      # (once a plan: 1.9 ms over 700 parameters)
         rng_base = 0
         if any(st.random for st in plan.stages):
