@@ -276,19 +276,22 @@ def test_a_capture_keeps_no_side_effect_messages_no_one_reads(monkeypatch, polic
         policies.append(torch._dynamo.config.side_effect_replay_policy)
         return real(self, key)
     monkeypatch.setattr(side_effects.SideEffects, "_capture_user_stack", capture_user_stack)
-    monkeypatch.setattr(torch._dynamo.config, "side_effect_replay_policy", policy)
     if logged:
         torch._logging.set_logs(side_effects=True)
+    # (config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes a module attribute it did not
+    # find in the module's __dict__, and a deleted torch config entry stays hidden for the process)
     try:
-        model = Counting()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # (the "warn" policy's own warning)
-            capture_call(model, (torch.randn(4, 8),), {}, dtype=torch.float32)
+        with torch._dynamo.config.patch(side_effect_replay_policy=policy):
+            model = Counting()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # (the "warn" policy's own warning)
+                capture_call(model, (torch.randn(4, 8),), {}, dtype=torch.float32)
+            after = torch._dynamo.config.side_effect_replay_policy
     finally:
         if logged:
             torch._logging.set_logs()
     assert policies and set(policies) == {seen}
-    assert model.calls == 1 and torch._dynamo.config.side_effect_replay_policy == policy
+    assert model.calls == 1 and after == policy
 
 
 def test_a_model_with_its_own_gradient_checkpointing_trains_as_eager():

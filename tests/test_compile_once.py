@@ -155,13 +155,13 @@ def test_a_known_signature_takes_no_lock(tmp_path, in_first_call):
         assert _blocks(a, y)                  # a new signature waits for its lock
 
 
-def test_no_locks_without_inductors_fx_graph_cache(tmp_path, monkeypatch):
+def test_no_locks_without_inductors_fx_graph_cache(tmp_path):
     """With the cache off a process that waited would compile everything again after the first."""
     from torch._inductor import config
     from rpcompile.runtime.compile_once import compile_locks
     assert isinstance(compile_locks(str(tmp_path)), CompileLocks)
-    monkeypatch.setattr(config, "fx_graph_cache", False)
-    assert compile_locks(str(tmp_path)) is None
+    with config.patch(fx_graph_cache=False):     # (not monkeypatch: see test_capture's side-effect test)
+        assert compile_locks(str(tmp_path)) is None
 
 
 def test_a_piece_takes_its_lock_only_inside_its_programs_first_call(tmp_path):
