@@ -438,14 +438,14 @@ def _explain_dynamo_error(err: Exception, names=()) -> RPCompileError:
     gb_type = getattr(err, "gb_type", None)
     frames = _model_frames(err)
     raised = _raised_by_model(err) if gb_type == "Observed exception" else None
-    if raised:
+    failed = _fake_call_failure(err, msg, raised)
+    if raised and not failed:
         where = f" at {_where(frames[-1])}" if frames else ""
         called = f" (called with {', '.join(f'{n}=' for n in names)})" if names else ""
         return InputError(f"the model raised {raised}{where} while rpcompile traced this call{called}. The model's "
                           "own code raised it, as it would when called eagerly with these arguments: check them "
                           "(their names, shapes and dtypes). If the same call runs eagerly, please report it to "
                           "rpcompile.")
-    failed = _fake_call_failure(err, msg)
     if failed:
         where = f" at {_where(frames[-1])}" if frames else ""
         called = f" (called with {', '.join(f'{n}=' for n in names)})" if names else ""
@@ -504,11 +504,17 @@ def _module_built_in_forward(err, frames) -> Optional[CaptureError]:
         "before rpcompile.compile has made it.")
 
 
-def _fake_call_failure(err, msg: str) -> Optional[str]:
+def _fake_call_failure(err, msg: str, raised: Optional[str] = None) -> Optional[str]:
     """The error an operation raised on the traced call's fake values (dynamo's TorchRuntimeError
     "RuntimeError when making fake tensor call": a shape or dtype the arguments got wrong, as
     labels of fewer columns than the ids, float ids), as "RuntimeError: ..."; None for another
-    failure. It was a graph break to report, its message in the middle of 3 KB."""
+    failure. It was a graph break to report, its message in the middle of 3 KB. torch 2.14 raises
+    some of these (float ids in an embedding) in the model's frame instead, an observed exception
+    whose text (`raised`, from _raised_by_model) wraps the operation's error in the repr of a
+    RuntimeError("Dynamo failed to run FX node with fake tensors: ... got RuntimeError(...)")."""
+    if raised and "Dynamo failed to run FX node with fake tensors" in raised:
+        found = re.search(r"got (\w+)\((['\"])(.*)\2\)", raised, re.S)
+        return f"{found.group(1)}: {found.group(3)}".replace("\\'", "'") if found else None
     if not isinstance(err, torch._dynamo.exc.TorchRuntimeError):
         return None
     found = re.search(r"got (\w+)\((['\"])(.*?)\2\)\n", msg, re.S)
