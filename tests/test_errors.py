@@ -380,6 +380,22 @@ def test_arguments_an_operation_fails_on_are_an_input_error(wrong):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_an_operations_failure_torch_2_14_raises_in_the_models_frame_is_read_out_of_its_wrapper():
+    """torch 2.14's dynamo raises float ids' embedding failure as an exception observed in the model's
+    frame, its text the repr of a wrapper; the capture said "the model raised RuntimeError('Dynamo
+    failed to run FX node with fake tensors: ...')" (600 characters) where 2.13 gives the operation's
+    error. CI runs 2.13, so the text 2.14.1 gave is read here."""
+    from rpcompile.capture import _fake_call_failure
+    raised = ("RuntimeError('Dynamo failed to run FX node with fake tensors: call_function <function embedding at "
+              "0x7f3e>(*(FakeTensor(..., size=(s33, s5)), Parameter(FakeTensor(..., size=(128, 32), requires_grad=True)"
+              "), None, None, 2.0, False, False), **{}): got RuntimeError(\"Expected tensor for argument #1 \\'indices"
+              "\\' to have one of the following scalar types: Long, Int; but got torch.float32 instead\")')")
+    assert _fake_call_failure(ValueError(), "", raised) == (
+        "RuntimeError: Expected tensor for argument #1 'indices' to have one of the following scalar types: Long, "
+        "Int; but got torch.float32 instead")
+    assert _fake_call_failure(ValueError(), "", "ValueError('You must specify exactly one of input_ids')") is None
+
+
 def test_a_loss_fn_closing_over_a_tensor_is_told_to_pass_it_in_the_target():
     """nn.CrossEntropyLoss(weight=w) in a loss_fn: the capture's hint said to register the tensor
     as a buffer of the module, which a loss_fn has not."""
