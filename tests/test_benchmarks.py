@@ -145,8 +145,8 @@ def _harness(tmp_path, *args, model="tiny"):
 def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     res, md, meta = _harness(tmp_path, "--gpus", "2", "--seq-len", "32", "--tokens-per-step", "256",
                              "--microbatches", "2", "--steps", "2", "--warmup", "1", "--timeout", "120",
-                             "--systems", "rpcompile,eager,roundpipe,fsdp2")
-    for name in ("rpcompile", "eager"):
+                             "--systems", "rpcompile,eager,roundpipe,fsdp2,rpcompile-call")
+    for name in ("rpcompile", "eager", "rpcompile-call"):
         r = res[name]
         assert r["status"] == "ok", r.get("stderr_tail") or r.get("reason")
         assert r["tokens_per_step"] == 256 and r["tokens_per_s"] > 0
@@ -187,6 +187,8 @@ def test_harness_runs_rpcompile_and_eager_on_cpu(tmp_path):
     assert res["rpcompile"]["warmup_steps"] == 1 and meta["settings"]["warmup_by_system"]["rpcompile"] == 1
     # same weights, same batches: the first loss agrees (bf16 compute both ways)
     assert res["rpcompile"]["losses"][0] == pytest.approx(res["eager"]["losses"][0], abs=0.05)
+    # the PyTorch loop's way, cm(...).loss.backward(); opt.step(), in exact mode: train_step's losses
+    assert res["rpcompile-call"]["losses"] == pytest.approx(res["rpcompile"]["losses"], rel=1e-4)
     for name in ("roundpipe", "fsdp2"):
         assert res[name]["status"] == "skipped" and res[name]["reason"] == "skipped: needs CUDA"
     assert meta["card"] == "CPU" and meta["settings"]["microbatches"] == 2

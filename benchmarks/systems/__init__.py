@@ -42,6 +42,9 @@ def _rpcompile(name: str, label: str, **options) -> System:
 
 SYSTEMS = {
     "rpcompile": _rpcompile("rpcompile", "rpcompile (host fp32 master + AdamW(fused), bf16 stages)"),
+    "rpcompile-call": _rpcompile("rpcompile-call",
+                                 "rpcompile, each step cm(...).loss.backward(); opt.step(): the differentiable call, "
+                                 "exact mode", rpcompile_call="1"),
     "rpcompile-overlapped": _rpcompile("rpcompile-overlapped",
                                        "rpcompile, Config(optimizer_mode='overlapped') + cm.attach_optimizer(AdamW)",
                                        rpcompile_overlapped="1"),

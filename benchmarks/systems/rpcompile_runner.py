@@ -30,6 +30,9 @@ Options (harness --option KEY=VALUE, or a system of SYSTEMS that sets them) beco
   rpcompile_max_jobs=J    Config(max_jobs=J): at most J stage jobs per step
   rpcompile_host_budget_gib=X  Config(host_memory_budget=X GiB): the host memory the first train plan may take
   rpcompile_inductor=JSON Config(inductor_options=JSON), e.g. '{"cpp_wrapper": true}'
+  rpcompile_call=1        each step is the differentiable call, as a plain PyTorch loop trains:
+                          `cm(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()`
+                          (exact mode: the call has no attached optimizer); system "rpcompile-call"
   rpcompile_trace_dir=D   write the last step's spans (cm.last_trace) to D/<system>_<gpus>g.json
                           and as a Chrome trace beside it (.chrome.json), for where each device waits;
                           the last three steps on one clock (runner.recent_traces) to <...>.recent.json,
@@ -137,6 +140,10 @@ class RPCompileTrainer(Trainer):
         extra.update(options)
         # overlapped: rpcompile steps the optimizer itself in a host thread, beside the next step
         self.overlapped = extra.get("optimizer_mode") in ("overlapped", "delayed")
+        self.call = _on(spec.options, "rpcompile_call")
+        if self.call and self.overlapped:
+            raise ValueError("--option rpcompile_call=1 trains through loss.backward() and the user's opt.step(): "
+                             "exact mode only (drop rpcompile_overlapped / rpcompile_delayed)")
         self.config = rpcompile.Config(devices=devices, num_microbatches=m, dtype=torch.bfloat16, **extra)
         self.cm = rpcompile.compile(self.model, config=self.config)
         self.opt = torch.optim.AdamW(self.model.parameters(), **adamw_kwargs(spec), fused=True)
@@ -147,7 +154,12 @@ class RPCompileTrainer(Trainer):
 
     def step(self, ids):
         try:
-            loss = self.cm.train_step(input_ids=ids, labels=ids)
+            if self.call:
+                loss = self.cm(input_ids=ids, labels=ids).loss
+                loss.backward()
+                loss = loss.detach()
+            else:
+                loss = self.cm.train_step(input_ids=ids, labels=ids)
         except self._planning_error as e:
             # no plan fits the memory budget: for the max-length search that is "out of memory"
             raise torch.OutOfMemoryError(f"rpcompile planning: out of memory budget: {e}") from e
