@@ -434,7 +434,8 @@ class CompiledModel(torch.nn.Module):
         kwargs = self._call_kwargs(kwargs)
         with self._one_call:
             plan, leaves = self._plan("call", args, kwargs)
-            return self._rebuild(plan, self.runner.call(plan, leaves))
+            # (training: the loss's backward runs ahead, Note [the loss's backward ahead] in runner.py)
+            return self._rebuild(plan, self.runner.call(plan, leaves, ahead=self.model.training))
 
     @staticmethod
     def _rebuild(plan, outputs):

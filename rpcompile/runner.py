@@ -12,7 +12,7 @@ import torch
 
 from .capture import EMPTY_BATCH
 from .errors import InputError
-from .passes.graph_utils import retarget
+from .passes.graph_utils import retarget, scalar_outputs
 from .passes.host_memory import host_grad_dtype
 from .runtime.device import Pending, resolve
 from .runtime.executor import Executor
@@ -455,28 +455,35 @@ class GraphRunner:
         self.mode.finish(self, pending.plan, pending.step, pending.run)
 
     # --- differentiable call ---------------------------------------------------------------
-    def call(self, plan, leaves) -> list:
-        """The graph outputs of a call: through autograd when a gradient can flow, else plain."""
+    def call(self, plan, leaves, ahead: bool = False) -> list:
+        """The graph outputs of a call: through autograd when a gradient can flow, else plain;
+        `ahead`: the loss's backward may run in the forward run (Note [the loss's backward ahead])."""
         self.settle()    # a call reads the parameters as the steps before it left them
         params = plan.captured.params
         tensor_leaves = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if torch.is_grad_enabled() and (any(p.requires_grad for p in params)
                                         or any(t.requires_grad for t in tensor_leaves)):
-            return list(PipelineCall.apply(self, plan, leaves, len(params), *params, *tensor_leaves))
+            return list(PipelineCall.apply(self, plan, leaves, len(params), ahead, *params, *tensor_leaves))
         outputs, _ = self.call_forward(plan, leaves, keep_for_backward=False)
         return outputs
 
-    def call_forward(self, plan, leaves, keep_for_backward: bool):
+    def call_forward(self, plan, leaves, keep_for_backward: bool, ahead: bool = False):
         micro = self.split(plan, leaves)
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
         # (a set of its own: autograd may keep what it is handed)
         step = self.new_step(plan, micro, shared_grads=False, backward=keep_for_backward)
+        ahead = ahead and keep_for_backward and self.config.workers == "threads"   # (Note [the loss's backward ahead])
+        step.loss_ahead = _loss_job(plan, step.dtype) if ahead else None
+        if step.loss_ahead is not None:     # seeded as a train step's (Note [the loss's backward ahead])
+            for m, w in zip(micro, self._microbatch_weights(plan, micro, plan.loss_scale.output, weights)):
+                m.seed = w
         if self.config.workers == "threads":     # (worker processes download into their slots)
             step.call_outputs = CallOutputs([self._rows(plan, m) for m in micro],
                                             [n for n, b in zip(plan.graph_outputs, plan.output_batched) if b],
                                             pin=self.config.on_gpu)
-        jobs = [(k, st, "fwd") for k, st in enumerate(plan.stages) if st.kind != "bwd"]
-        self.run_jobs(plan, step, jobs, then=_call_backward_jobs(plan) if keep_for_backward else ())
+        jobs = [(k, st, "fused" if k == step.loss_ahead else "fwd") for k, st in enumerate(plan.stages)
+                if st.kind != "bwd"]
+        self.run_jobs(plan, step, jobs, then=_call_backward_jobs(plan, step.loss_ahead) if keep_for_backward else ())
         if step.grads is not None:     # (its backward may never come: the set may serve the next call)
             step.grads.settle(True)
         outputs = []
@@ -522,6 +529,20 @@ class GraphRunner:
         """Seed the outputs' gradients per microbatch, run the backward jobs; returns
         (host grad per param index, host grad per input leaf index)."""
         micro = step.micro
+        ahead, scale = step.loss_ahead, 1.0
+        if ahead is not None:
+            loss = plan.loss_scale.output
+            g = grads_of_outputs[loss]
+            if (isinstance(g, torch.Tensor) and g.dim() == 0
+                    and all(x is None for i, x in enumerate(grads_of_outputs) if i != loss)):
+                scale, grads_of_outputs = float(g), [None] * len(grads_of_outputs)
+            else:
+                # another gradient: the job runs again, as a backward job, from what autograd gave;
+                # what it left for the next jobs is dropped (None: no gradient), its parameters'
+                # gradients are written again
+                for m in micro:
+                    m.grads.update(dict.fromkeys(plan.stages[ahead].grad_inputs))
+                ahead = None
         sizes = [self._rows(plan, m) for m in micro]
         for i, (name, g) in enumerate(zip(plan.graph_outputs, grads_of_outputs)):
             if g is None or name is None:
@@ -537,11 +558,15 @@ class GraphRunner:
                 parts = [g] + [None] * (len(micro) - 1)
             for m, part in zip(micro, parts):
                 if part is not None:
-                    m.grads[name] = part if name not in m.grads else m.grads[name] + part
+                    m.grads[name] = part if m.grads.get(name) is None else m.grads[name] + part
         step.done_events.clear()
+        kept = {ahead: step.param_grads[ahead]} if ahead in step.param_grads else {}
         step.param_grads.clear()
+        step.param_grads.update(kept)
         step.grads.settle(False)
-        self.run_jobs(plan, step, _call_backward_jobs(plan))
+        jobs = _call_backward_jobs(plan, ahead)
+        if jobs:
+            self.run_jobs(plan, step, jobs)
         input_grads = {}
         for n in plan.gm.graph.nodes:
             if n.op == "placeholder" and n.meta.get("rp_kind") == "input":
@@ -551,6 +576,9 @@ class GraphRunner:
                     input_grads[i] = torch.cat(parts, 0) if i in plan.split_leaves else sum(parts)
         param_grads = sum_param_grads(step.param_grads, step.grads.row_sums)
         step.grads.settle(True)
+        if scale != 1.0:      # (the step's own buffers: Note [host gradient buffers])
+            torch._foreach_mul_(list(param_grads.values()), scale)
+            input_grads = {i: g * scale for i, g in input_grads.items()}
         return param_grads, input_grads
 
 
@@ -562,9 +590,46 @@ def _let_go(programs, counters, finalizers, plan_key, capture_key) -> None:
     finalizers.pop(plan_key, None)
 
 
-def _call_backward_jobs(plan) -> list:
-    """The jobs a differentiable call's backward runs (the forward's schedule counts their reads)."""
-    return [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd"]
+def _call_backward_jobs(plan, ahead=None) -> list:
+    """The jobs a differentiable call's backward runs (the forward's schedule counts their reads),
+    but job `ahead`, whose backward ran in the forward run (Note [the loss's backward ahead])."""
+    return [(k, st, "bwd") for k, st in enumerate(plan.stages) if st.kind != "fwd" and k != ahead]
+
+
+# Note [the loss's backward ahead]: a differentiable call ran its fused job (the loss's stage)
+# forward only, and `loss.backward()` ran it again, recompute and backward: the largest job of
+# a one-device plan (all of a small model's) computed its forward twice and uploaded its weights
+# twice, and `cm(...).loss.backward(); opt.step()`, what a PyTorch loop writes, trained slower
+# than `cm.train_step` (CPU, one device, tiny model: 1.26x its seconds a step). Nearly always
+# the loss alone is differentiated, its gradient a number g: 1, 1/accumulation steps, a
+# GradScaler's scale. So a call in training mode (`model.training`, with autograd) runs that
+# job as a train step's fused job, seeded as `train_step` seeds it (d loss / d its microbatch's
+# loss), and keeps its parameters' gradients and the gradients it hands the backward jobs. A
+# backward that brings only the loss's gradient runs the other backward jobs from them and
+# multiplies the result by g (gradients are linear in the seed: exact for g = 1 and powers of
+# two, a rounding apart otherwise). A backward that brings any other gradient (logits in a loss
+# of one's own, a hidden state) drops what the job left for the next jobs and runs it again as
+# a backward job, as before: the forward's backward was wasted, the result as eager's. Not
+# where the devices compute in float16, whose gradients need the scale inside (GradScaler's
+# reason to be): there a seed of 1 underflows what g would keep. A call in training mode that
+# is never differentiated computes that job's backward for nothing: evaluate under
+# torch.no_grad() (or model.eval()). Worker threads only (one GPU's and CPU devices' default):
+# in worker processes a job hands its values to the next job's worker in a message, and a
+# message of a run that has ended is dropped where the worker already started the next run
+# (Note [hand-overs of a run] in runtime/worker.py). The job that ends the forward run hands
+# the backward run's first job its gradients, and under load that message came late: the
+# backward jobs ran from no gradient (parameters' gradients up to their whole size off eager's,
+# in 1 of 3 runs on two loaded CPU cores). There the values would have to come with the
+# backward run itself (through the main process, with their copies' flags on GPUs).
+def _loss_job(plan, dtype):
+    """The job of the fused stage that computes the loss, whose backward a call can run ahead
+    (Note [the loss's backward ahead]), or None."""
+    scale = plan.loss_scale
+    if (scale is None or dtype == torch.float16 or not plan.output_differentiable[scale.output]
+            or plan.output_kinds.get(scale.output) in ("max", "min") or scale.output not in scalar_outputs(plan.gm.graph)):
+        return None
+    name = plan.graph_outputs[scale.output]
+    return next((k for k, st in enumerate(plan.stages) if st.kind == "fused" and name in st.grad_outputs), None)
 
 
 class _PendingStep:
@@ -594,8 +659,8 @@ class PipelineCall(torch.autograd.Function):
     """Autograd view of a pipelined call: parameters and input tensors in, model outputs out."""
 
     @staticmethod
-    def forward(ctx, runner, plan, leaves, n_params, *tensors):
-        outputs, step = runner.call_forward(plan, leaves, keep_for_backward=True)
+    def forward(ctx, runner, plan, leaves, n_params, ahead, *tensors):
+        outputs, step = runner.call_forward(plan, leaves, keep_for_backward=True, ahead=ahead)
         ctx.runner, ctx.plan, ctx.step, ctx.n_params = runner, plan, step, n_params
         ctx.leaf_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         # (an output that needs no gradient, a buffer's value: given a grad_fn, a backward reaching
@@ -611,4 +676,4 @@ class PipelineCall(torch.autograd.Function):
         params = ctx.plan.captured.params
         param_out = [pgrads[i].to(params[i].dtype) if i in pgrads else None for i in range(ctx.n_params)]
         leaf_out = [igrads.get(i) for i in ctx.leaf_positions]
-        return (None, None, None, None, *param_out, *leaf_out)
+        return (None, None, None, None, None, *param_out, *leaf_out)

@@ -192,10 +192,12 @@ def test_printed_schedule_is_what_ran_on_cpu_devices(monkeypatch):
     assert isinstance(err.__cause__, RuntimeError)
     monkeypatch.undo()
 
-    # a differentiable call runs two schedules: the forward (F) and the backward (B)
+    # a differentiable call runs two schedules: the forward (F, the loss's job fused: FB, Note
+    # [the loss's backward ahead] in runner.py) and the backward (B)
     out = cm(**batch)
     fwd = cm.last_schedule
-    assert str(fwd) == _expected_text(cm.last_placements) and all(a.role == "fwd" for a in fwd.actions)
+    assert str(fwd) == _expected_text(cm.last_placements)
+    assert [a.role for a in fwd.actions] == ["fwd"] * (len(fwd.actions) - 1) + ["fused"]
     out.loss.backward()
     bwd = cm.last_schedule
     assert bwd.offset == fwd.next_offset and all(a.role == "bwd" for a in bwd.actions)

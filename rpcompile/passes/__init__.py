@@ -691,9 +691,11 @@ def build_stages_pass(st: CompileState) -> CompileState:
 
 
 def build_programs(st: CompileState) -> CompileState:
+    at = st.loss_scale.output if st.loss_scale is not None else 0     # (a train plan's only output)
     for stage in st.stages:
         roles = {"fwd": ["fwd"], "fused": ["fused", "fwd", "bwd"], "bwd": ["bwd"]}[stage.kind]
-        stage.programs = {role: build_program(stage, role) for role in roles}
+        loss = next((name for name, indices in stage.graph_outputs.items() if at in indices), None)
+        stage.programs = {role: build_program(stage, role, loss) for role in roles}
     return st
 
 

@@ -323,9 +323,11 @@ def size_symbols(gm: fx.GraphModule) -> dict:
             and isinstance(n.meta.get("example_value"), torch.SymInt)}
 
 
-def build_program(st: Stage, role: str) -> fx.GraphModule:
+def build_program(st: Stage, role: str, loss: Optional[str] = None) -> fx.GraphModule:
     """The per-microbatch program of a stage job in `role` ("fwd", "fused" or "bwd"): the
-    transfer and event ops (Note [program ops]) around the compute call, in the order they run."""
+    transfer and event ops (Note [program ops]) around the compute call, in the order they run.
+    A fused job seeds the gradient of output `loss` (a call's other outputs get none: Note [the
+    loss's backward ahead] in runner.py)."""
     g = _ProgramGraph()
     root = torch.nn.Module()
     if not (role == "fwd" and st.forward_parts):
@@ -377,7 +379,7 @@ def build_program(st: Stage, role: str) -> fx.GraphModule:
                     op(rp.offload, rp.offload_value, name, job, mb, name, v)
     elif st.grad_outputs:
         if role == "fused":
-            seeds = [g.call_function(rp.loss_seed, (job, mb))]
+            seeds = [g.call_function(rp.loss_seed, (job, mb)) if name == loss else None for name in st.grad_outputs]
         else:
             seeds = [g.call_function(rp.fetch_grad, (job, mb, name)) for name in st.grad_outputs]
         res = g.call_function(rp.compute, (job, mb, g.get_attr("backward_graph"), *args, *seeds))

@@ -63,6 +63,7 @@ class StepState:
     gate: Any = None                                   # gate(param): waits for its pending optimizer step
     ready: Any = None                                  # ready(param): no pending optimizer step (non-blocking)
     loss_weights: Any = None                           # call mode: how the loss output combines
+    loss_ahead: Optional[int] = None                   # call mode: the job whose backward ran in the forward run (Note [the loss's backward ahead])
     output_shares: dict = field(default_factory=dict)  # call mode: output index -> per microbatch, its share of a max/min's gradient
     param_index: dict = field(default_factory=dict)    # parameter name -> index in params
     peer: dict = field(default_factory=dict)           # (mb, name) -> (device tensor, ready event, DeviceRuntime)
@@ -408,7 +409,7 @@ class JobContext:
         if value is None:
             return
         grads = self.step.micro[mb].grads
-        if name in grads:
+        if grads.get(name) is not None:     # (None: a gradient dropped, Note [the loss's backward ahead] in runner.py)
             # another job's part of this gradient (a value read by two jobs, such as the hidden
             # state the LM head's shards share): added on the device, so the sum comes down in
             # one copy and this thread goes on issuing; summed on the host, it waited for this
