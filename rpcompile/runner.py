@@ -472,8 +472,7 @@ class GraphRunner:
         weights = self.loss_weights(plan, micro) if plan.loss_scale is not None else None
         # (a set of its own: autograd may keep what it is handed)
         step = self.new_step(plan, micro, shared_grads=False, backward=keep_for_backward)
-        ahead = ahead and keep_for_backward and self.config.workers == "threads"   # (Note [the loss's backward ahead])
-        step.loss_ahead = _loss_job(plan, step.dtype) if ahead else None
+        step.loss_ahead = _loss_job(plan, step.dtype) if keep_for_backward and ahead else None
         if step.loss_ahead is not None:     # seeded as a train step's (Note [the loss's backward ahead])
             for m, w in zip(micro, self._microbatch_weights(plan, micro, plan.loss_scale.output, weights)):
                 m.seed = w
@@ -613,14 +612,9 @@ def _call_backward_jobs(plan, ahead=None) -> list:
 # where the devices compute in float16, whose gradients need the scale inside (GradScaler's
 # reason to be): there a seed of 1 underflows what g would keep. A call in training mode that
 # is never differentiated computes that job's backward for nothing: evaluate under
-# torch.no_grad() (or model.eval()). Worker threads only (one GPU's and CPU devices' default):
-# in worker processes a job hands its values to the next job's worker in a message, and a
-# message of a run that has ended is dropped where the worker already started the next run
-# (Note [hand-overs of a run] in runtime/worker.py). The job that ends the forward run hands
-# the backward run's first job its gradients, and under load that message came late: the
-# backward jobs ran from no gradient (parameters' gradients up to their whole size off eager's,
-# in 1 of 3 runs on two loaded CPU cores). There the values would have to come with the
-# backward run itself (through the main process, with their copies' flags on GPUs).
+# torch.no_grad() (or model.eval()). In worker processes the job, the forward run's last, hands
+# the backward run its gradients through the main process (Note [values a later run reads] in
+# runtime/worker.py).
 def _loss_job(plan, dtype):
     """The job of the fused stage that computes the loss, whose backward a call can run ahead
     (Note [the loss's backward ahead]), or None."""

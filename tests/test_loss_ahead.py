@@ -48,9 +48,7 @@ def test_a_call_trains_as_eager_whatever_it_differentiates(loss, workers):
     backward = str(cm.last_schedule).split()
     fused = next(st.index for st in cm.plan.stages if st.kind == "fused")
     # the loss's job ran in the forward run; only another gradient runs it in the backward's
-    # (worker processes: always, Note [the loss's backward ahead])
-    assert any(a.startswith(f"{fused}B@") for a in backward) == (
-        loss in ("with_logits", "logits_only") or workers == "processes")
+    assert any(a.startswith(f"{fused}B@") for a in backward) == (loss in ("with_logits", "logits_only"))
 
 
 def test_the_forward_run_computes_the_loss_jobs_backward_only_in_training_mode():

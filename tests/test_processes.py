@@ -660,7 +660,8 @@ def test_a_landing_carries_the_spans_of_its_own_job_not_the_next_ones():
     worker = SimpleNamespace(to_main=sent.append, later=lambda events, fn, on_error=None: notices.append(fn),
                              pool=lambda step, job: pool, memory=None, is_cuda=False, first_calls_sent=0,
                              index=0, label="cpu", device=torch.device("cpu"))
-    Worker.finished(worker, step, SimpleNamespace(job=0, stage=0, role="fwd", replica=0))
+    Worker.finished(worker, step, SimpleNamespace(job=0, stage=0, role="fwd", replica=0, next_device=None,
+                                                  later_reads=frozenset()))
     tracer.add("cpu", "compute", "forward", tracer.now(), tracer.now(), job=1)     # the next job, meanwhile
     notices[-1]()           # the notifier: the job's events have completed
     landed = [m for m in sent if m[0] == "landed"]
@@ -799,3 +800,23 @@ def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers)
     assert not workers_spans(cm)
     lost = [r for r in cm.setup_timeline if r["what"].startswith("spans of job ")]
     assert lost and all(r["where"].startswith("worker ") and "(a test's)" in r["what"] for r in lost)
+
+
+def test_the_last_job_of_a_run_names_what_a_later_run_reads_to_the_main_process():
+    """Note [values a later run reads]: the run's last job names the values it handed on that a
+    later run reads (the loss's job: the gradients of its inputs, for the call's backward run);
+    not another job's values, not what no later run reads, not a job with one after it."""
+    from types import SimpleNamespace
+
+    from rpcompile.runtime.worker import handed_later
+
+    mine, theirs, act, unread = (torch.zeros(2) for _ in range(4))
+    step = SimpleNamespace(position={7: 1}, replicated=False,
+                           owner=[{("grads", "h"): (1, mine), ("grads", "g"): (0, theirs), ("acts", "x"): (1, act),
+                                   ("grads", "u"): (1, unread)}, {}])
+    memory = SimpleNamespace(ref=lambda t: ("ref", t.data_ptr()))
+    last = SimpleNamespace(job=7, next_device=None, later_reads=frozenset({("grad", "h"), ("grad", "g"), "x"}))
+    assert handed_later(step, last, memory, None) == {0: {("grads", "h"): ("ref", mine.data_ptr()),
+                                                           ("acts", "x"): ("ref", act.data_ptr())}}
+    assert handed_later(step, SimpleNamespace(**{**vars(last), "next_device": 0}), memory, None) == {}
+    assert handed_later(step, SimpleNamespace(**{**vars(last), "later_reads": frozenset()}), memory, None) == {}

@@ -410,6 +410,9 @@ class ProcessExecutor:
                 token = None
             if token is not None and dev.index in running:
                 desc.setdefault("first_upload", {})[dev.index] = token
+        if record.handed:       # Note [values a later run reads] (worker.py): after their copies landed
+            record.handed_landed.synchronize()
+            desc["handed"], record.handed = record.handed, {}
         seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
         if seeds:
             desc["seeds"] = seeds
@@ -439,6 +442,11 @@ class ProcessExecutor:
             # the whole run landed: no job of it still reads a working copy the optimizer rewrites
             # (the copies of a job report their keys each: Note [replicas in worker processes])
             step.param_grads.setdefault(job, {}).update({key: Pending(views[key], run_landed) for key in info["grads"]})
+        if info.get("handed"):      # Note [values a later run reads] (worker.py)
+            record = step.remote
+            for mb, values in info["handed"].items():
+                record.handed.setdefault(mb, {}).update(values)
+            record.handed_landed = run_landed
         copied = _COPIED if info.get("outputs_copied") else outputs_landed   # Note [outputs before the landing] (worker.py)
         for mb, outs in info["outputs"].items():
             for name, v in outs.items():
@@ -736,6 +744,8 @@ class _StepRecord:
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
         self.own_grads = None        # the key of its own gradient set (a call's), dropped with it
+        self.handed: dict = {}       # mb -> {(kind, name): Ref}: the next run's (Note [values a later run reads], worker.py)
+        self.handed_landed = None    # the run whose copies they are: landed before they are sent
 
     def new_run(self, jobs, tracer) -> int:
         """A run of `jobs` (a job named once per copy); its number."""

@@ -232,7 +232,11 @@ class WorkerStep(StepState):
         """Whether the run's jobs are copies (Note [replicas in worker processes])."""
         return bool(self.exchanges)
 
-    def start_run(self, run_no, actions, replicas=1):
+    def start_run(self, run_no, actions, replicas=1, handed=None):
+        for mb, values in (handed or {}).items():    # Note [values a later run reads]
+            for (kind, name), v in values.items():
+                getattr(self.micro[mb], kind)[name] = v
+                self.owner[mb][(kind, name)] = (-1, v)
         self.run_no = run_no
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         if len(self.exchanges) == 1:     # a copy of one job keeps its accumulator (Note [copies' sum beside the next step])
@@ -533,9 +537,11 @@ class Worker:
                                   host_weights=_Snapshot(), param_index=plan.param_index,
                                   buffer_index=plan.buffer_index)
                 self.steps[step_id] = step
-            for mb, grads in desc.get("seeds", {}).items():
+            step.start_run(desc["run"], desc["actions"], desc.get("replicas", 1),
+                           {mb: {k: decode(v, self.memory) for k, v in values.items()}
+                            for mb, values in desc.get("handed", {}).items()})
+            for mb, grads in desc.get("seeds", {}).items():      # (after what was handed: seeds say last)
                 step.micro[mb].grads.update({name: decode(g, self.memory) for name, g in grads.items()})
-            step.start_run(desc["run"], desc["actions"], desc.get("replicas", 1))
             pools = self.pools.setdefault(step_id, {})
             for a in desc["actions"]:
                 if a.device == self.index:
@@ -665,7 +671,9 @@ class Worker:
                                                if i in step.plan.mutated_buffers}
         pool, run_no = self.pool(step, a.job), step.run_no
         pending = _pending_events(outputs)
+        handed = {} if err is not None or aborted else handed_later(step, a, self.memory, pool)
         self.to_main(("ended", step.step_id, run_no, a.job, {
+            "handed": handed,
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
             "outputs_copied": not pending, "replica": a.replica,    # Note [outputs before the landing]
             "buffers": buffers, "error": None if err is None else describe(err), "aborted": aborted}))
@@ -703,6 +711,31 @@ class Worker:
                            "dropped": [self.memory.ref(c) for c in pool.dropped()]}))
         # if waiting for the copies failed, the main process hears so (it waits for "landed")
         self.later(events, landed, lambda exc: landed(f"{type(exc).__name__}: {exc}"))
+
+
+# Note [values a later run reads]: a step's runs (a differentiable call's forward, then its
+# backward) hand values on as one run does, each job's to the other workers in "done" messages,
+# and a worker drops one of a run that ended before it started the next (Note [hand-overs of a
+# run]). A job the run has after it makes every worker wait for that message; the run's last job
+# has none, and where a later run reads its values (the loss's job, Note [the loss's backward
+# ahead] in runner.py, hands the backward run the gradients of its inputs) its message came after
+# that run had started on the reader, under load: the backward jobs ran from no gradient
+# (gradients up to the largest's size off eager's, in 3 of 6 runs on two loaded CPU cores). So
+# the last job also names them to the main process ("handed"), which sends them with the next
+# run once their copies landed; the run applies them before its seeds (the main process's
+# gradients, which may drop them again).
+def handed_later(step, a, memory, pool) -> dict:
+    """{mb: {(kind, name): Ref}} of the values the run's last job `a` handed on that a later run
+    reads (Note [values a later run reads]); {} for any other job, or a copy's."""
+    if not a.later_reads or a.next_device is not None or step.replicated:
+        return {}
+    pos, out = step.position[a.job], {}
+    for mb, owner in enumerate(step.owner):
+        values = {key: v for key, (at, v) in owner.items() if at == pos
+                  and (key[1] if key[0] == "acts" else ("grad", key[1])) in a.later_reads}
+        if values:
+            out[mb] = {key: encode(v, memory, pool) for key, v in values.items()}
+    return out
 
 
 # Note [hand-overs of a run]: a step's runs (a call's forward, then its backward) reuse its job
