@@ -9,16 +9,8 @@ from models import lm_batch, qwen3
 from parity import TIGHT, train_both
 
 
-def _call(loss_of):
-    """A train_both call: cm(...) differentiated through loss_of(out); returns that loss."""
-    def call(cm, b):
-        loss = loss_of(cm(**b))
-        loss.backward()
-        return loss
-    return call
-
-
-def _eager(loss_of):
+def _step(loss_of):
+    """A train_both step, compiled or eager alike: the call differentiated through loss_of(out)."""
     def step(m, b):
         loss = loss_of(m(**b))
         loss.backward()
@@ -43,8 +35,8 @@ def test_a_call_trains_as_eager_whatever_it_differentiates(loss, workers):
     LM head (its gradient from both ends of the chain), whether the backward brings the loss's
     gradient alone (scaled or not) or others as well."""
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=TIGHT, workers=workers)
-    cm = train_both(qwen3(tied=True), [lm_batch(seed=s) for s in range(2)], cfg, call=_call(LOSSES[loss]),
-                    eager_step=_eager(LOSSES[loss]), steps=2)
+    cm = train_both(qwen3(tied=True), [lm_batch(seed=s) for s in range(2)], cfg, call=_step(LOSSES[loss]),
+                    eager_step=_step(LOSSES[loss]), steps=2)
     backward = str(cm.last_schedule).split()
     fused = next(st.index for st in cm.plan.stages if st.kind == "fused")
     # the loss's job ran in the forward run; only another gradient runs it in the backward's
@@ -82,21 +74,18 @@ def test_a_hidden_state_differentiated_beside_the_loss():
     loss_of = lambda out: out.loss + 0.5 * sum(h.float().pow(2).mean() for h in out.hidden_states[1:])  # noqa: E731
     cfg = rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=TIGHT)
 
-    def call(cm, b):
-        return _call(loss_of)(cm, {**b, "output_hidden_states": True})
-
-    def eager(m, b):
-        return _eager(loss_of)(m, {**b, "output_hidden_states": True})
-    train_both(qwen3(tied=False, layers=3), [lm_batch(seed=s) for s in range(2)], cfg, call=call,
-               eager_step=eager, steps=2)
+    def step(m, b):      # (compiled and eager alike)
+        return _step(loss_of)(m, {**b, "output_hidden_states": True})
+    train_both(qwen3(tied=False, layers=3), [lm_batch(seed=s) for s in range(2)], cfg, call=step,
+               eager_step=step, steps=2)
 
 
 def test_a_call_on_one_device_backward_runs_no_job():
     """A plan of one fused job: the call's forward run did all of its backward; loss.backward()
     runs no job and the gradients are eager's."""
     cm = train_both(qwen3(tied=False), [lm_batch(seed=s) for s in range(2)],
-                    rpcompile.Config(devices=["cpu"], num_microbatches=2), call=_call(LOSSES["quarter"]),
-                    eager_step=_eager(LOSSES["quarter"]), steps=2, min_stages=0)
+                    rpcompile.Config(devices=["cpu"], num_microbatches=2), call=_step(LOSSES["quarter"]),
+                    eager_step=_step(LOSSES["quarter"]), steps=2, min_stages=0)
     assert [st.kind for st in cm.plan.stages] == ["fused"]
     assert str(cm.last_schedule) == "0FB@0"      # (the forward run's: no backward run since)
 
