@@ -474,7 +474,7 @@ class GraphRunner:
         step = self.new_step(plan, micro, shared_grads=False, backward=keep_for_backward)
         step.loss_ahead = _loss_job(plan, step.dtype) if keep_for_backward and ahead else None
         if step.loss_ahead is not None:     # seeded as a train step's (Note [the loss's backward ahead])
-            for m, w in zip(micro, self._microbatch_weights(plan, micro, plan.loss_scale.output, weights)):
+            for m, w in zip(micro, weights):
                 m.seed = w
         if self.config.workers == "threads":     # (worker processes download into their slots)
             step.call_outputs = CallOutputs([self._rows(plan, m) for m in micro],
