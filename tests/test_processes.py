@@ -17,8 +17,8 @@ from rpcompile.runtime.processes import WorkerDied
 from rpcompile.runtime.shared import SharedMemory, SharedMemoryFull, remove_stale_directories
 
 
-def _config(workers="processes", memory_budget="300KiB", **kw):
-    return rpcompile.Config(devices=["cpu", "cpu"], num_microbatches=2, memory_budget=memory_budget, workers=workers,
+def _config(workers="processes", memory_budget="300KiB", devices=("cpu", "cpu"), **kw):
+    return rpcompile.Config(devices=list(devices), num_microbatches=2, memory_budget=memory_budget, workers=workers,
                             **kw)
 
 
@@ -659,9 +659,9 @@ def test_a_landing_carries_the_spans_of_its_own_job_not_the_next_ones():
     pool = SimpleNamespace(created=[], dropped=lambda: [])
     worker = SimpleNamespace(to_main=sent.append, later=lambda events, fn, on_error=None: notices.append(fn),
                              pool=lambda step, job: pool, memory=None, is_cuda=False, first_calls_sent=0,
-                             index=0, label="cpu", device=torch.device("cpu"))
+                             index=0, label="cpu", device=torch.device("cpu"), peers={})
     Worker.finished(worker, step, SimpleNamespace(job=0, stage=0, role="fwd", replica=0, next_device=None,
-                                                  later_reads=frozenset()))
+                                                  then_reads=frozenset()))
     tracer.add("cpu", "compute", "forward", tracer.now(), tracer.now(), job=1)     # the next job, meanwhile
     notices[-1]()           # the notifier: the job's events have completed
     landed = [m for m in sent if m[0] == "landed"]
@@ -802,21 +802,59 @@ def test_spans_a_worker_cannot_read_fail_no_step(monkeypatch, aot_eager_workers)
     assert lost and all(r["where"].startswith("worker ") and "(a test's)" in r["what"] for r in lost)
 
 
-def test_the_last_job_of_a_run_names_what_a_later_run_reads_to_the_main_process():
-    """Note [values a later run reads]: the run's last job names the values it handed on that a
-    later run reads (the loss's job: the gradients of its inputs, for the call's backward run);
-    not another job's values, not what no later run reads, not a job with one after it."""
+def test_a_job_names_what_a_later_run_reads_of_its_values_to_the_main_process():
+    """Note [values a later run reads]: any job of a run (not only its last) names the values it
+    handed on that a later run reads, those it sent the peers as it sent them; not another job's
+    values, not what no later run reads, not a copy's."""
     from types import SimpleNamespace
 
     from rpcompile.runtime.worker import handed_later
 
-    mine, theirs, act, unread = (torch.zeros(2) for _ in range(4))
+    mine, theirs, act, unread, copied = (torch.zeros(2) for _ in range(5))
     step = SimpleNamespace(position={7: 1}, replicated=False,
                            owner=[{("grads", "h"): (1, mine), ("grads", "g"): (0, theirs), ("acts", "x"): (1, act),
-                                   ("grads", "u"): (1, unread)}, {}])
+                                   ("grads", "u"): (1, unread)}, {}],
+                           sent={(0, ("acts", "x")): (act, ("sent", 1)), (0, ("grads", "h")): (copied, ("stale", 2))})
     memory = SimpleNamespace(ref=lambda t: ("ref", t.data_ptr()))
-    last = SimpleNamespace(job=7, next_device=None, later_reads=frozenset({("grad", "h"), ("grad", "g"), "x"}))
-    assert handed_later(step, last, memory, None) == {0: {("grads", "h"): ("ref", mine.data_ptr()),
-                                                           ("acts", "x"): ("ref", act.data_ptr())}}
-    assert handed_later(step, SimpleNamespace(**{**vars(last), "next_device": 0}), memory, None) == {}
-    assert handed_later(step, SimpleNamespace(**{**vars(last), "later_reads": frozenset()}), memory, None) == {}
+    job = SimpleNamespace(job=7, then_reads=frozenset({("grad", "h"), ("grad", "g"), "x"}))
+    assert handed_later(step, job, memory, None) == {0: {("grads", "h"): ("ref", mine.data_ptr()),
+                                                          ("acts", "x"): ("sent", 1)}}
+    assert handed_later(step, SimpleNamespace(job=7, then_reads=frozenset()), memory, None) == {}
+    assert handed_later(SimpleNamespace(**{**vars(step), "replicated": True}), job, memory, None) == {}
+
+
+def test_a_later_run_gets_every_value_it_reads_of_the_runs_before_through_the_main_process(monkeypatch):
+    """Note [values a later run reads]: four workers, a call whose forward run has three jobs
+    (0F@0 1F@1 2FB@2) and whose backward has four: its first job runs on worker 3, which ran no
+    forward job and so never waited for their hand-overs, and reads job 1's boundary. The
+    backward run's message carries, per microbatch, every value of the forward run that the
+    backward reads (the boundaries and the loss job's gradients), and the gradients equal eager's."""
+    from rpcompile.runtime import processes
+    real, runs = processes._Hub.to_all, []
+
+    def to_all(self, msg):
+        if msg[0] == "run":
+            runs.append(msg[2])
+        return real(self, msg)
+    monkeypatch.setattr(processes._Hub, "to_all", to_all)
+    torch.manual_seed(0)
+    model = _TinyLM(layers=6)
+    ref = copy.deepcopy(model)
+    cm = rpcompile.compile(model, _config(memory_budget="200KiB", devices=["cpu"] * 4))
+    batch = lm_batch(seed=1)
+    out = cm(**batch)
+    forward = cm.last_schedule
+    out.backward()
+    backward = cm.last_schedule
+    assert {a.device for a in backward.actions} - {a.device for a in forward.actions}, (forward, backward)
+    made = set().union(*(forward.stage(a.job).outputs for a in forward.actions))
+    fused = set().union(*(forward.stage(a.job).inputs for a in forward.actions if a.role == "fused"))
+    reads = [(backward.stage(a.job).inputs, backward.stage(a.job).grad_outputs) for a in backward.actions]
+    expected = {("acts", n) for ins, _ in reads for n in ins if n in made} | \
+               {("grads", n) for _, gouts in reads for n in gouts if n in fused}
+    assert len(runs) == 2 and "handed" not in runs[0]
+    assert {mb: set(values) for mb, values in runs[1]["handed"].items()} == {0: expected, 1: expected}
+    ref_loss = ref(**batch)
+    ref_loss.backward()
+    close(out.detach(), ref_loss.detach(), 1e-5, 1e-6, "loss")
+    check_grads(model, ref)

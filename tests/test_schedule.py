@@ -111,6 +111,8 @@ def test_a_later_run_s_reads_count_as_read_later():
         assert alone.actions[-1].later_reads == frozenset()
         for a, b in zip(alone.actions, s.actions):
             assert b.later_reads == a.later_reads | {"h0", "h1", "h2", "g1", "g2"}
+            # what only the later run reads, named apart (Note [values a later run reads])
+            assert b.then_reads == {"h0", "h1", "h2", "g1", "g2"} and a.then_reads == frozenset()
 
 
 def test_links_match_the_rotation_formula():

@@ -412,7 +412,9 @@ class ProcessExecutor:
                 desc.setdefault("first_upload", {})[dev.index] = token
         if record.handed:       # Note [values a later run reads] (worker.py): after their copies landed
             record.handed_landed.synchronize()
-            desc["handed"], record.handed = record.handed, {}
+            desc["handed"] = {mb: {key: ref for key, (_, ref) in values.items()}
+                              for mb, values in record.handed.items()}
+            record.handed = {}
         seeds = {mb: dict(m.grads) for mb, m in enumerate(step.micro) if m.grads}
         if seeds:
             desc["seeds"] = seeds
@@ -442,10 +444,11 @@ class ProcessExecutor:
             # the whole run landed: no job of it still reads a working copy the optimizer rewrites
             # (the copies of a job report their keys each: Note [replicas in worker processes])
             step.param_grads.setdefault(job, {}).update({key: Pending(views[key], run_landed) for key in info["grads"]})
-        if info.get("handed"):      # Note [values a later run reads] (worker.py)
-            record = step.remote
+        if info.get("handed"):      # Note [values a later run reads] (worker.py): a later job's value wins
+            record, pos = step.remote, next(k for k, a in enumerate(schedule.actions) if a.job == job)
             for mb, values in info["handed"].items():
-                record.handed.setdefault(mb, {}).update(values)
+                kept = record.handed.setdefault(mb, {})
+                kept.update({key: (pos, ref) for key, ref in values.items() if kept.get(key, (-1,))[0] < pos})
             record.handed_landed = run_landed
         copied = _COPIED if info.get("outputs_copied") else outputs_landed   # Note [outputs before the landing] (worker.py)
         for mb, outs in info["outputs"].items():
@@ -744,7 +747,8 @@ class _StepRecord:
         self.outstanding = 0         # jobs dispatched that have not landed
         self.gone = False            # the step's StepState was collected
         self.own_grads = None        # the key of its own gradient set (a call's), dropped with it
-        self.handed: dict = {}       # mb -> {(kind, name): Ref}: the next run's (Note [values a later run reads], worker.py)
+        # mb -> {(kind, name): (chain position, Ref)}: the next run's (Note [values a later run reads], worker.py)
+        self.handed: dict = {}
         self.handed_landed = None    # the run whose copies they are: landed before they are sent
 
     def new_run(self, jobs, tracer) -> int:

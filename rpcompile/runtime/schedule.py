@@ -35,6 +35,10 @@ class JobAction:
     # they list every parameter and activation a stage takes; ("grad", name) for a gradient).
     next_reads: frozenset = field(default=frozenset(), repr=False)
     later_reads: frozenset = field(default=frozenset(), repr=False)
+    # Names a later run of the step reads (a differentiable call's backward, after its forward):
+    # what this job hands on of them goes there through the main process (Note [values a later
+    # run reads] in runtime/worker.py).
+    then_reads: frozenset = field(default=frozenset(), repr=False)
     replica: int = 0                       # which copy of the chain (Note [replicas])
     microbatches: Optional[range] = None   # the microbatches it runs (None: all of the step's)
 
@@ -104,7 +108,7 @@ def build_schedule(jobs, num_devices: int, offset: int = 0, replicas: int = 1,
             next_on_device=jobs[same][0] if same is not None else None,
             next_device=devices[k + 1] if k + 1 < len(jobs) else None,
             next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
-            later_reads=frozenset().union(*reads[k + 2:], after)))
+            later_reads=frozenset().union(*reads[k + 2:], after), then_reads=after))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs})
 
 
@@ -146,7 +150,7 @@ def _replicated(jobs, reads, after, num_devices: int, offset: int, replicas: int
                 next_on_device=jobs[k + 1][0] if k + 1 < len(jobs) else None,
                 next_device=r if k + 1 < len(jobs) else None,
                 next_reads=reads[k + 1] if k + 1 < len(jobs) else frozenset(),
-                later_reads=frozenset().union(*reads[k + 2:], after),
+                later_reads=frozenset().union(*reads[k + 2:], after), then_reads=after,
                 replica=r, microbatches=shares[r]))
     return Schedule(tuple(actions), num_devices, offset % num_devices, {job: stage for job, stage, _ in jobs},
                     replicas)

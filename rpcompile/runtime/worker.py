@@ -211,6 +211,7 @@ class WorkerStep(StepState):
         self.run_no = 0
         self.position: dict = {}
         self.owner: list = []            # per microbatch: (kind, name) -> (chain position, value)
+        self.sent: dict = {}             # (mb, (kind, name)) -> (value, its encoding) sent to the peers this run
         self.peer_exchanges: dict = {}   # (run, job) -> replicas.PeerExchange
         self.failed_copies: set = set()  # workers whose job of this step failed (their "fail" messages)
 
@@ -236,7 +237,7 @@ class WorkerStep(StepState):
         for mb, values in (handed or {}).items():    # Note [values a later run reads]
             for (kind, name), v in values.items():
                 getattr(self.micro[mb], kind)[name] = v
-                self.owner[mb][(kind, name)] = (-1, v)
+        self.sent = {}
         self.run_no = run_no
         self.exchanges = {a.job: self.peer_exchange(run_no, a.job, replicas) for a in actions} if replicas > 1 else {}
         if len(self.exchanges) == 1:     # a copy of one job keeps its accumulator (Note [copies' sum beside the next step])
@@ -400,6 +401,7 @@ class Worker:
             # at once: the peers' streams wait for this worker's counter (Note [hand-over flags])
             try:
                 values = {k: encode(v, self.memory, pool) for k, v in new.items()}
+                step.sent.update({(mb, k): (new[k], enc) for k, enc in values.items()})
                 number = self.flags.signal(self.dev.out if self.is_cuda else None)
                 self.to_peers(("done", step.step_id, run_no, job, mb, values, (self.index, number)))
             except BaseException as exc:
@@ -671,7 +673,7 @@ class Worker:
                                                if i in step.plan.mutated_buffers}
         pool, run_no = self.pool(step, a.job), step.run_no
         pending = _pending_events(outputs)
-        handed = {} if err is not None or aborted else handed_later(step, a, self.memory, pool)
+        handed = {} if err is not None or aborted or not self.peers else handed_later(step, a, self.memory, pool)
         self.to_main(("ended", step.step_id, run_no, a.job, {
             "handed": handed,
             "grads": list(grads), "outputs": {mb: encode(o, self.memory, pool) for mb, o in outputs.items()},
@@ -716,25 +718,30 @@ class Worker:
 # Note [values a later run reads]: a step's runs (a differentiable call's forward, then its
 # backward) hand values on as one run does, each job's to the other workers in "done" messages,
 # and a worker drops one of a run that ended before it started the next (Note [hand-overs of a
-# run]). A job the run has after it makes every worker wait for that message; the run's last job
-# has none, and where a later run reads its values (the loss's job, Note [the loss's backward
-# ahead] in runner.py, hands the backward run the gradients of its inputs) its message came after
-# that run had started on the reader, under load: the backward jobs ran from no gradient
-# (gradients up to the largest's size off eager's, in 3 of 6 runs on two loaded CPU cores). So
-# the last job also names them to the main process ("handed"), which sends them with the next
-# run once their copies landed; the run applies them before its seeds (the main process's
-# gradients, which may drop them again).
+# run]). Within a run a worker waits for the messages of every job before its own, so it has
+# them all; it never waits for those of jobs after its last one, and a later run may read them
+# there: the loss's job's gradients of its inputs (Note [the loss's backward ahead] in
+# runner.py), or with 3 or more workers a boundary a backward job recomputes from. Such a
+# message came after the reader had started the next run, under load: the backward jobs ran
+# from no gradient (gradients up to the largest's size off eager's, in 3 of 6 runs on two
+# loaded CPU cores). So each job also names those values to the main process ("handed"), which
+# sends them with the next run once their copies landed (a later job's value of a name winning,
+# as in a run: a gradient summed over parts); the run applies them before its seeds (the main
+# process's gradients, which may drop them again).
 def handed_later(step, a, memory, pool) -> dict:
-    """{mb: {(kind, name): Ref}} of the values the run's last job `a` handed on that a later run
-    reads (Note [values a later run reads]); {} for any other job, or a copy's."""
-    if not a.later_reads or a.next_device is not None or step.replicated:
+    """{mb: {(kind, name): Ref}} of the values job `a` handed on that a later run of the step
+    reads (Note [values a later run reads]); {} for a copy's (its values stay with it). Values
+    the peers got are named as they were sent."""
+    if not a.then_reads or step.replicated:
         return {}
     pos, out = step.position[a.job], {}
     for mb, owner in enumerate(step.owner):
         values = {key: v for key, (at, v) in owner.items() if at == pos
-                  and (key[1] if key[0] == "acts" else ("grad", key[1])) in a.later_reads}
+                  and (key[1] if key[0] == "acts" else ("grad", key[1])) in a.then_reads}
         if values:
-            out[mb] = {key: encode(v, memory, pool) for key, v in values.items()}
+            sent = [step.sent.get((mb, key), (None, None)) for key in values]
+            out[mb] = {key: enc if v is value else encode(value, memory, pool)
+                       for (key, value), (v, enc) in zip(values.items(), sent)}
     return out
 
 
