@@ -22,6 +22,16 @@ drew from; and each `.item()` broke the Inductor piece compiled around it. Such 
 state, not data: the backend reads it as the constant it is and compiles the graph with it, and a
 call that passes another value (an attribute changed since) gets a plan of its own. Floats the
 call passes as arguments stay as dynamo gives them (a per-call number would re-plan every call).
+
+Note [the loss's backward ahead through the backend]: a backend's graph carries no training flag
+(dynamo guards the modules' flags but hands over only the graph), and a backend trains by calls
+alone, `loss.backward()` after each. So every call under autograd runs its loss's stage job
+forward and backward at once, as rpcompile.compile's calls do in training mode (Note [the loss's
+backward ahead] in runner.py). Where dynamo breaks the forward, only a graph whose fused stage
+computes a 0-d loss runs ahead; a backward that brings it any other gradient (the graph's hidden
+states, read by a later graph's loss) runs that job again, with eager's result. A call under
+autograd that is never differentiated (an evaluation without torch.no_grad()) computes that
+job's backward for nothing.
 """
 from __future__ import annotations
 
@@ -64,7 +74,8 @@ def backend(config: Optional[Config] = None):
         plan_for = _plans_by_module_floats(gm, example_inputs, plans_of)
 
         def run(*flat_args):
-            outputs = runner.call(plan_for(flat_args), list(flat_args))
+            # a call under autograd is a training call: Note [the loss's backward ahead through the backend]
+            outputs = runner.call(plan_for(flat_args), list(flat_args), ahead=True)
             if not sizes:
                 return outputs
             outputs = list(outputs)
@@ -77,6 +88,7 @@ def backend(config: Optional[Config] = None):
         return run
 
     compile_fn.plans = plans   # every plan made (one per graph dynamo handed over at least), newest last
+    compile_fn.runner = runner
     return compile_fn
 
 

@@ -473,6 +473,32 @@ def test_transformers_models_through_the_backend_train_as_eager(make):
     assert not [w for w in caught if "batch" in str(w.message) and "rpcompile" in str(w.message)]
 
 
+def test_a_call_through_the_backend_runs_the_losss_backward_ahead():
+    """Note [the loss's backward ahead through the backend]: a call under autograd runs the loss's
+    stage job forward and backward (its forward run ends in FB), and `loss.backward()` runs the
+    other backward jobs only; under torch.no_grad() that job runs forward only. Gradients and the
+    parameters after SGD steps equal eager's (train_both), and so do the gradients of one more call."""
+    model = qwen3()
+    ref = copy.deepcopy(model)
+    backend = _train_through_backend(model, [lm_batch(seed=s) for s in range(2)], 2, steps=2, memory_budget=250_000)
+    (plan,) = backend.plans
+    fused = next(st.index for st in plan.stages if st.kind == "fused")
+    executor = backend.runner.executor
+    with torch.no_grad():
+        backend.compiled(**lm_batch(seed=5))
+    assert str(executor.last_schedule).split()[-1].startswith(f"{fused}F@"), executor.last_schedule
+    model.zero_grad(set_to_none=True)
+    ref.load_state_dict(model.state_dict())
+    out = backend.compiled(**lm_batch(seed=6))
+    forward = str(executor.last_schedule).split()
+    out.loss.backward()
+    backward = str(executor.last_schedule).split()
+    assert forward[-1].startswith(f"{fused}FB@") and not any(a.startswith(f"{fused}B@") for a in backward), \
+        (forward, backward)
+    ref(**lm_batch(seed=6)).loss.backward()
+    check_grads(model, ref)
+
+
 def test_module_floats_through_the_backend_are_constants_of_the_plan():
     """Note [module floats]: under dynamic=True dynamo passed Qwen3's attention dropout (0.0) to
     SDPA as an `.item()` of a 0-d tensor, so every stage job with attention was taken as random
