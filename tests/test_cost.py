@@ -262,6 +262,74 @@ def test_grad_mode_autocast_and_in_place():
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
 
+def test_grouped_query_attention_counts_every_query_head():
+    """Note [grouped-query attention FLOPs]: SDPA with 2 key/value heads serving 4 query heads
+    (enable_gqa) costs, forward and backward, what it costs with the key and value repeated to 4
+    heads (torch 2.11's formulas asserted equal head counts: the op could not be measured)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    kv = [torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(2)]
+
+    def count(*qkv, **kw):
+        with flop_counter_mode() as fwd:
+            out = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, **kw)
+        with flop_counter_mode() as bwd:
+            out.sum().backward()
+        return fwd.get_total_flops(), bwd.get_total_flops()
+    grouped = count(q, *kv, enable_gqa=True)
+    assert grouped[0] > 0 and grouped == count(q, *(t.repeat_interleave(2, dim=1) for t in kv))
+
+
+@torch.library.custom_op("rpcompile_tests::looped_mm", mutates_args=())
+def _looped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x's rows by groups (ends in offs), group g times w[g]: transformers 5.17's grouped_mm_fallback."""
+    out, start = x.new_empty(x.shape[0], w.shape[-1]), 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+_looped_mm.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[-1]))
+
+
+def _looped_mm_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    gx, gw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for g, end in enumerate(ctx.offs.tolist()):      # (data-dependent: fake tensors cannot run it)
+        if start == end:
+            continue
+        gx[start:end], gw[g] = grad[start:end] @ w[g].T, x[start:end].T @ grad[start:end]
+        start = end
+    return gx, gw, None
+
+
+def _looped_mm_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.offs = inputs[2]
+
+
+_looped_mm.register_autograd(_looped_mm_backward, setup_context=_looped_mm_context)
+
+
+def test_an_op_whose_backward_cannot_run_on_fakes_keeps_its_forward_flops(monkeypatch):
+    """Note [a backward that cannot run on fakes]: a grouped matmul whose backward loops over its
+    offsets (as transformers 5.17's grouped_mm_fallback) keeps its measured forward FLOPs, and its
+    backward counts twice as many; it was costed 0 both ways, with a warning."""
+    from rpcompile.passes import cost
+    monkeypatch.setitem(cost.EXTRA_FLOP_FORMULAS, torch.ops.rpcompile_tests.looped_mm, cost._grouped_mm_flop)
+    w = torch.randn(3, D_IN, D_OUT, requires_grad=True)
+
+    def fn(x, offs):
+        return _looped_mm(x, w, offs).sum()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm = annotate_costs(capture(fn, torch.randn(12, D_IN), torch.tensor([4, 8, 12]), dynamic_batch=False))
+    (node,) = [n for n in calls(gm) if "looped_mm" in str(n.target)]
+    c = node.meta["rp_cost"]
+    assert c.fwd_flops == 2 * 12 * D_IN * D_OUT and c.bwd_flops == 2 * c.fwd_flops, c
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 
 

@@ -57,9 +57,30 @@ aten = torch.ops.aten
 # The flop registry has formulas for the CUDA attention kernels but not for the CPU flash
 # kernel that SDPA dispatches to on CPU; without these the CPU count of attention is 0 while
 # a meta/CUDA capture counts it. The formulas are the registry's own SDPA formulas.
+#
+# Note [grouped-query attention FLOPs]: with fewer key/value heads than query heads (Qwen3,
+# Llama: SDPA's enable_gqa), each key/value head serves a group of query heads, and the kernel
+# computes attention over every query head. torch before 2.13 asserted equal head counts in its
+# SDPA formulas: the measurement failed and attention was costed 0 FLOPs (torch 2.11 on CPU, the
+# lent GPU machines' torch). The formulas are given key and value widened to the query's heads.
+def _query_heads(formula, query_at: int) -> Callable:
+    """`formula` of shapes with the key and value (right after the query, at query_at) counted
+    with the query's heads (Note [grouped-query attention FLOPs])."""
+    def count(*shapes, **kwargs):
+        shapes, heads = list(shapes), shapes[query_at][1]
+        for at in (query_at + 1, query_at + 2):
+            b, _, s, d = shapes[at]
+            shapes[at] = (b, heads, s, d)
+        return formula(*shapes, **kwargs)
+    return count
+
+
+_SDPA_OPS = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
 EXTRA_FLOP_FORMULAS: dict[Any, Callable] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _fc.sdpa_flop.__wrapped__,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _fc.sdpa_backward_flop.__wrapped__,
+    **{getattr(aten, op): _query_heads(_fc.sdpa_flop.__wrapped__, 0) for op in _SDPA_OPS if hasattr(aten, op)},
+    **{getattr(aten, op + "_backward"): _query_heads(_fc.sdpa_backward_flop.__wrapped__, 1)
+       for op in _SDPA_OPS if hasattr(aten, op + "_backward")},
 }
 
 
@@ -745,9 +766,12 @@ class _Annotator:
             # (elementwise, norms, softmax, losses, indexing); this halves the annotation time.
             if diff and leaves and fwd != 0:
                 grads = [torch.ones_like(v) for v in diff]
-                with flop_counter_mode() as bwd_counter:
-                    torch.autograd.grad(diff, leaves, grads, allow_unused=True)
-                bwd = _expr(bwd_counter.get_total_flops())
+                try:
+                    with flop_counter_mode() as bwd_counter:
+                        torch.autograd.grad(diff, leaves, grads, allow_unused=True)
+                    bwd = _expr(bwd_counter.get_total_flops())
+                except Exception:   # noqa: BLE001 - Note [a backward that cannot run on fakes]
+                    bwd = 2 * fwd
         saved_bytes = sum(saved.values(), _ZERO) if diff else _ZERO
         saved_in, saved_out = [], []
         if diff:
@@ -761,6 +785,12 @@ class _Annotator:
                 elif k in outputs:
                     saved_out.append((outputs[k], b))
         return fwd, bwd, saved_bytes, tuple(saved_in), tuple(saved_out), out_rg
+
+    # Note [a backward that cannot run on fakes]: an op with forward FLOPs has its backward
+    # measured too. transformers 5.17's grouped_mm_fallback (an MoE's experts in fp32) has a
+    # Python backward that loops over the group offsets (`offs.tolist()`), which fake tensors
+    # cannot: the whole measurement failed, and the experts were costed 0 FLOPs both ways (torch
+    # 2.11). Its forward stands, and its backward counts twice the forward, a matmul's.
 
     # Note [bodies of higher-order ops]: a higher-order op (torch.utils.checkpoint's
     # tag_activation_checkpoint, a wrap) takes its body as a get_attr of a GraphModule, which has
