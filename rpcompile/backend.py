@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Optional
 
 import sympy
@@ -56,8 +57,11 @@ def backend(config: Optional[Config] = None):
     config = config or Config()
     runner = GraphRunner(config)
     plans = []
+    said = []
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
+        if not said and _dtype_not_applied(config, example_inputs):
+            said.append(True)
         symbolic = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         _inline_numbers(gm)
         sizes, sources = _take_out_sizes(gm, symbolic), _size_sources(symbolic)
@@ -90,6 +94,32 @@ def backend(config: Optional[Config] = None):
     compile_fn.plans = plans   # every plan made (one per graph dynamo handed over at least), newest last
     compile_fn.runner = runner
     return compile_fn
+
+
+# Note [the backend's dtype]: rpcompile.compile traces the model itself on copies of its
+# parameters in the compute dtype (Config.dtype; bf16 on GPUs), so the graph's casts (RMSNorm's
+# upcast and the cast back to the input's dtype) are those of a bf16 run, while the host keeps
+# the model's fp32 masters. A backend is handed a graph dynamo traced in the model's own dtype,
+# those casts fixed in it, so it runs as traced, weights and all in that dtype: Config.dtype
+# cannot apply. It did not say so: on one H100 Qwen3-1.7B (fp32) trained through the backend at
+# 3,429 tokens/s, against 24,866 through rpcompile.compile in bf16 (benchmarks/runs/backend_ahead/).
+# So the first graph whose floating parameters are not in the compute dtype says so, once.
+def _dtype_not_applied(config, example_inputs) -> bool:
+    """Whether the compute dtype Config asks for differs from the graph's (Note [the backend's
+    dtype]); warns so if it does."""
+    want = config.compute_dtype
+    have = sorted({str(t.dtype).replace("torch.", "") for t in example_inputs
+                   if isinstance(t, torch.nn.Parameter) and t.is_floating_point() and t.dtype != want})
+    if want is None or not have:
+        return False
+    dtype, graph = str(want).replace("torch.", ""), " and ".join(have)
+    default = "" if config.dtype is not None else " (the default on GPUs)"
+    warnings.warn(f"rpcompile.backend: this graph runs in {graph}, the dtype dynamo traced the model in: the "
+                  f"compute dtype {dtype}{default} applies only to rpcompile.compile, which traces the model itself "
+                  f"in it and keeps the model's parameters as host masters. For {dtype} compute use "
+                  f"rpcompile.compile(model, config), or give torch.compile a model in {dtype}; "
+                  f"Config(dtype=torch.{have[0]}) runs this graph as it is without this warning.", stacklevel=3)
+    return True
 
 
 def _plans_by_module_state(cap, plan, compile):

@@ -499,6 +499,33 @@ def test_a_call_through_the_backend_runs_the_losss_backward_ahead():
     check_grads(model, ref)
 
 
+@pytest.mark.parametrize("dtype, model_dtype, says", [(torch.bfloat16, torch.float32, True),
+                                                      (None, torch.float32, False),
+                                                      (torch.bfloat16, torch.bfloat16, False)])
+def test_the_backend_says_once_that_a_compute_dtype_does_not_apply(dtype, model_dtype, says):
+    """Note [the backend's dtype]: a graph dynamo traced in float32 runs in float32 whatever
+    Config.dtype asks (bf16 on GPUs by default); the backend says so once, naming both dtypes
+    and rpcompile.compile, and runs the graph as eager does. Nothing where they agree."""
+    model = MLP().to(model_dtype)
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=rpcompile.backend(rpcompile.Config(devices=["cpu"], dtype=dtype)))
+    x, y = torch.randn(4, 8, dtype=model_dtype), torch.randn(4, 4, dtype=model_dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [compiled(x * k) for k in (1, 2)]
+    said = [str(w.message) for w in caught if "rpcompile.backend" in str(w.message)]
+    assert len(said) == int(says), said
+    if says:
+        assert "runs in float32" in said[0] and "compute dtype bfloat16" in said[0] and "rpcompile.compile" in said[0]
+    for k, out in zip((1, 2), outs):
+        assert out.dtype == model_dtype
+        torch.testing.assert_close(out, ref(x * k))
+    F.mse_loss(outs[0], y).backward()
+    F.mse_loss(ref(x), y).backward()
+    check_grads(model, ref)
+
+
 def test_module_floats_through_the_backend_are_constants_of_the_plan():
     """Note [module floats]: under dynamic=True dynamo passed Qwen3's attention dropout (0.0) to
     SDPA as an `.item()` of a 0-d tensor, so every stage job with attention was taken as random

@@ -61,8 +61,10 @@ aten = torch.ops.aten
 # Note [grouped-query attention FLOPs]: with fewer key/value heads than query heads (Qwen3,
 # Llama: SDPA's enable_gqa), each key/value head serves a group of query heads, and the kernel
 # computes attention over every query head. torch before 2.13 asserted equal head counts in its
-# SDPA formulas: the measurement failed and attention was costed 0 FLOPs (torch 2.11 on CPU, the
-# lent GPU machines' torch). The formulas are given key and value widened to the query's heads.
+# SDPA formulas: a count that met a fused kernel given fewer key/value heads (enable_gqa, which
+# transformers passes when it gives no mask) raised, and a measurement so failed costed the op 0
+# FLOPs (torch 2.11: an eager count of Qwen3 on CPU raised; the small Qwen3 plans checked on CPU
+# and on an H100 met none). The formulas are given key and value widened to the query's heads.
 def _query_heads(formula, query_at: int) -> Callable:
     """`formula` of shapes with the key and value (right after the query, at query_at) counted
     with the query's heads (Note [grouped-query attention FLOPs])."""
