@@ -533,6 +533,21 @@ def test_a_hand_over_that_comes_before_its_runs_start_waits_for_it(monkeypatch):
     ref_out.loss.backward()
     close(done[0], ref_out.loss.detach(), 1e-5, 1e-6, "loss")
     check_grads(model, ref)
+    _steps_released(cm)      # (before the patch is undone: the receiver thread sends the releases through it)
+
+
+def _steps_released(cm, timeout=30.0):
+    """Wait until the main process has released every step of cm's workers (its receiver thread
+    sends each release once the step is collected)."""
+    import gc
+    hub, deadline = cm.runner.executor.hub, time.monotonic() + timeout
+    while True:
+        gc.collect()
+        hub.release_gone()
+        if not hub.records or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not hub.records, "a step of the test was never released"
 
 
 # (The tests that take this fixture and see the same environment follow one another, with no
@@ -612,6 +627,7 @@ def test_a_warm_up_that_fails_leaves_the_programs_to_their_jobs(monkeypatch, aot
     assert all("failed: KeyError: 'params'" in what for _, what in whats if what.startswith("warm-up on "))
     dry = [(w, what.split()[3]) for w, what in whats if what.startswith("dry run of ")]
     assert sorted(dry) == [(f"worker {w}", f"{st.index}{st.kind}") for w in (0, 1) for st in cm.plan.stages]
+    _steps_released(cm)      # (before the patch is undone)
 
 
 def test_a_jobs_outputs_are_read_once_their_copies_completed():
@@ -823,20 +839,14 @@ def test_a_job_names_what_a_later_run_reads_of_its_values_to_the_main_process():
     assert handed_later(SimpleNamespace(**{**vars(step), "replicated": True}), job, memory, None) == {}
 
 
-def test_a_later_run_gets_every_value_it_reads_of_the_runs_before_through_the_main_process(monkeypatch):
+def test_a_later_run_gets_every_value_it_reads_of_the_runs_before_through_the_main_process():
     """Note [values a later run reads]: four workers, a call whose forward run has three jobs
     (0F@0 1F@1 2FB@2) and whose backward has four: its first job runs on worker 3, which ran no
-    forward job and so never waited for their hand-overs, and reads job 1's boundary. The
-    backward run's message carries, per microbatch, every value of the forward run that the
-    backward reads (the boundaries and the loss job's gradients), and the gradients equal eager's."""
-    from rpcompile.runtime import processes
-    real, runs = processes._Hub.to_all, []
-
-    def to_all(self, msg):
-        if msg[0] == "run":
-            runs.append(msg[2])
-        return real(self, msg)
-    monkeypatch.setattr(processes._Hub, "to_all", to_all)
+    forward job and so never waited for their hand-overs, and reads job 1's boundary. Once the
+    forward run ended, the main process holds for the backward run, per microbatch, every value
+    of the forward run that the backward reads (the boundaries and the loss job's gradients),
+    and the gradients equal eager's. (Read off the step, not by patching the hub: a test's patch
+    undone while the receiver thread sends through it crashed the interpreter once, in CI.)"""
     torch.manual_seed(0)
     model = _TinyLM(layers=6)
     ref = copy.deepcopy(model)
@@ -844,6 +854,7 @@ def test_a_later_run_gets_every_value_it_reads_of_the_runs_before_through_the_ma
     batch = lm_batch(seed=1)
     out = cm(**batch)
     forward = cm.last_schedule
+    handed = {mb: set(values) for mb, values in out.grad_fn.step.remote.handed.items()}
     out.backward()
     backward = cm.last_schedule
     assert {a.device for a in backward.actions} - {a.device for a in forward.actions}, (forward, backward)
@@ -852,8 +863,7 @@ def test_a_later_run_gets_every_value_it_reads_of_the_runs_before_through_the_ma
     reads = [(backward.stage(a.job).inputs, backward.stage(a.job).grad_outputs) for a in backward.actions]
     expected = {("acts", n) for ins, _ in reads for n in ins if n in made} | \
                {("grads", n) for _, gouts in reads for n in gouts if n in fused}
-    assert len(runs) == 2 and "handed" not in runs[0]
-    assert {mb: set(values) for mb, values in runs[1]["handed"].items()} == {0: expected, 1: expected}
+    assert handed == {0: expected, 1: expected}
     ref_loss = ref(**batch)
     ref_loss.backward()
     close(out.detach(), ref_loss.detach(), 1e-5, 1e-6, "loss")
