@@ -60,7 +60,7 @@ def backend(config: Optional[Config] = None):
     said = []
 
     def compile_fn(gm: torch.fx.GraphModule, example_inputs):
-        if not said and _dtype_not_applied(config, example_inputs):
+        if not said and _warn_if_dtype_not_applied(config, example_inputs):
             said.append(True)
         symbolic = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         _inline_numbers(gm)
@@ -104,9 +104,9 @@ def backend(config: Optional[Config] = None):
 # cannot apply. It did not say so: on one H100 Qwen3-1.7B (fp32) trained through the backend at
 # 3,429 tokens/s, against 24,866 through rpcompile.compile in bf16 (benchmarks/runs/backend_ahead/).
 # So the first graph whose floating parameters are not in the compute dtype says so, once.
-def _dtype_not_applied(config, example_inputs) -> bool:
-    """Whether the compute dtype Config asks for differs from the graph's (Note [the backend's
-    dtype]); warns so if it does."""
+def _warn_if_dtype_not_applied(config, example_inputs) -> bool:
+    """Warns where the compute dtype Config asks for differs from the graph's (Note [the
+    backend's dtype]); whether it did."""
     want = config.compute_dtype
     have = sorted({str(t.dtype).replace("torch.", "") for t in example_inputs
                    if isinstance(t, torch.nn.Parameter) and t.is_floating_point() and t.dtype != want})
