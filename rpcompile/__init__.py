@@ -4,6 +4,12 @@
     loss = cm.train_step(input_ids=ids, labels=ids)
     opt.step(); opt.zero_grad()
 """
+import torch as _torch
+
+from .torch_version import check as _check_torch
+
+_check_torch(_torch.__version__)     # (before the modules that use newer torch: Note [the oldest torch])
+
 from .backend import backend, rpcompile_backend
 from .compiled import CompiledModel
 from .config import Config

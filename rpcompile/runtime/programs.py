@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.fx.experimental.sym_node import DynamicInt as _DynamicInt   # (an int dynamo treats as symbolic)
 
 from . import autotune, timeline
 from .compile_once import in_sharing_pass
@@ -117,10 +118,6 @@ class LengthDynamic(torch.nn.Module):
         return self.compiled(*args)
 
 
-try:    # torch >= 2.10: an int argument that dynamo treats as symbolic from the first compile
-    from torch.fx.experimental.sym_node import DynamicInt as _DynamicInt
-except ImportError:     # older torch: automatic dynamic recompiles once at the second length
-    _DynamicInt = int
 
 
 def length_inputs(gm) -> tuple:
