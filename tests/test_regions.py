@@ -150,9 +150,25 @@ def test_a_module_held_outside_the_model_counts_in_its_layer():
     rotated = [n for n in body if any("_ROTATE" in str(e[0]) for e in (n.meta.get("nn_module_stack") or {}).values())]
     assert rotated and {block_of(n) for n in rotated} == {("L['model'].layers", k) for k in range(3)}
     split = split_regions(cm.plan.gm)
-    blocks = [{block_of(n) for n in body_nodes(p)} for p in _pieces(split)]
-    assert blocks == [{("L['model'].layers", k)} for k in range(3)] + [{None}]     # (the loss)
+    pieces = _pieces(split)
+    blocks = [{block_of(n) for n in body_nodes(p)} for p in pieces]
+    expected = [{("L['model'].layers", k)} for k in range(3)] + [{None}]     # (the loss)
+    assert blocks == expected, _stray_nodes(pieces, expected)
     assert "layers.0-2" in str(cm.plan), str(cm.plan)
+
+
+def _stray_nodes(pieces, expected) -> str:
+    """What the test above saw where a piece held a node of another block: each such node with its
+    module stack and where it was traced (it failed once in a whole-suite run with a loss node in
+    "L['model'].blocks", another test's module; not reproduced)."""
+    lines = []
+    for p, want in zip(pieces, expected):
+        for n in body_nodes(p):
+            if block_of(n) not in want:
+                trace = (n.meta.get("stack_trace") or "").strip().splitlines()[-2:]
+                lines.append(f"{n.name} {n.target} stack={n.meta.get('nn_module_stack')} traced at {trace} "
+                             f"from={n.meta.get('from_node')}")
+    return "\n".join(lines)
 
 
 def test_graph_without_repeated_blocks_stays_one_piece():
