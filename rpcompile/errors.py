@@ -35,3 +35,21 @@ class StageError(RPCompileError):
 class StepAbandoned(RPCompileError):
     """Internal: a step's job failed while the optimizer waited for its gradients (Note
     [chunk-wise submission]); the runner raises the job's own error."""
+
+
+# Note [notes on Python 3.10]: rpcompile runs on Python 3.10 (pyproject's requires-python), which
+# has no BaseException.add_note (3.11): there a delayed step that failed after its early submission
+# raised "AttributeError: 'StageError' object has no attribute 'add_note'" in place of its own error.
+_NOTES = hasattr(BaseException, "add_note")
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """exc.add_note(note) (Python 3.11+). On 3.10 the note is kept in `__notes__` as 3.11 keeps it,
+    and, for rpcompile's own errors, goes at the end of the message, since 3.10's traceback prints
+    no notes (Note [notes on Python 3.10])."""
+    if _NOTES:
+        exc.add_note(note)
+        return
+    exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
+    if isinstance(exc, RPCompileError) and exc.args and isinstance(exc.args[0], str):     # (its message)
+        exc.args = (f"{exc.args[0]}\n{note}",) + exc.args[1:]

@@ -11,7 +11,7 @@ import weakref
 import torch
 
 from .capture import EMPTY_BATCH
-from .errors import InputError
+from .errors import InputError, add_note
 from .passes.graph_utils import retarget, scalar_outputs
 from .passes.host_memory import host_grad_dtype
 from .runtime.device import Pending, resolve
@@ -448,7 +448,7 @@ class GraphRunner:
         except BaseException as exc:
             note = self.mode.abandon(pending.step)
             if note:
-                exc.add_note(note)
+                add_note(exc, note)     # (Note [notes on Python 3.10], errors.py)
             raise
         finally:
             _drop_activations(pending.step)

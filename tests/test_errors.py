@@ -423,3 +423,27 @@ def test_parameters_off_the_host_are_an_error_saying_how_to_load_them():
     model.model.norm.to("meta")
     with pytest.raises(rpcompile.InputError, match=r"model.norm.weight (moved cpu -> meta|is a new Parameter)"):
         cm.train_step(**lm_batch(batch=4))
+
+
+@pytest.mark.parametrize("native", [True, False] if hasattr(BaseException, "add_note") else [False])
+def test_a_note_reaches_the_error_on_every_python(monkeypatch, native):
+    """Note [notes on Python 3.10] (rpcompile/errors.py): Python 3.10 has no add_note, and a delayed
+    step's failure raised an AttributeError in place of its StageError there. Without notes the
+    note is kept in __notes__ and ends the message of rpcompile's errors; with them, add_note's own."""
+    from rpcompile import errors
+    monkeypatch.setattr(errors, "_NOTES", native)
+    err = rpcompile.StageError("stage 4 (bwd) on cpu, microbatch 0: RuntimeError: injected", stage=4,
+                               schedule="0F@0 1FB@1 [2B@0 failed]")
+    errors.add_note(err, "already stepped: model.norm.weight")
+    errors.add_note(err, "reload a checkpoint")
+    assert err.__notes__ == ["already stepped: model.norm.weight", "reload a checkpoint"]
+    assert isinstance(err, rpcompile.StageError) and err.stage == 4
+    text = str(err)
+    assert text.startswith("stage 4 (bwd) on cpu") and "[2B@0 failed]" in text
+    if native:
+        assert "already stepped" not in text      # (the traceback prints notes after the message)
+    else:
+        assert text.endswith("[2B@0 failed]\nalready stepped: model.norm.weight\nreload a checkpoint")
+    plain = KeyError("k")          # (another's args need not be a message: left as they are)
+    errors.add_note(plain, "n")
+    assert plain.args == ("k",) and plain.__notes__ == ["n"]
