@@ -118,8 +118,6 @@ class LengthDynamic(torch.nn.Module):
         return self.compiled(*args)
 
 
-
-
 def length_inputs(gm) -> tuple:
     """([(input index, [symbolic dims])], [indices of symbolic int inputs]) of gm, from its
     placeholders' `example_value` (the capture's symbolic sizes)."""
