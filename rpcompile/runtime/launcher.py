@@ -53,9 +53,13 @@ from typing import Optional
 
 # each worker's own variables: set in the child, not part of the launcher's environment.
 # PYTEST_CURRENT_TEST: pytest names the running test in os.environ, so a user's test suite (and
-# ours) started a launcher per test, each importing torch again
+# ours) started a launcher per test, each importing torch again. _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR:
+# an address in this process that Inductor writes into os.environ before it loads each CPU kernel
+# module (and so again in a worker before that worker loads one): after the first such kernel here,
+# the next worker started a launcher of its own (one more torch import, 3 s in a suite run)
 _OWN = ("RPCOMPILE_WORKER_DIR", "RPCOMPILE_WORKER_INDEX", "RPCOMPILE_WORKER_TOKEN", "RPCOMPILE_WORKER_IMPORTS",
-        "RPCOMPILE_WORKER_COMPILES", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_COMPILE_THREADS", "PYTEST_CURRENT_TEST")
+        "RPCOMPILE_WORKER_COMPILES", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_COMPILE_THREADS", "PYTEST_CURRENT_TEST",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 _FDS = "RPCOMPILE_LAUNCHER_FDS"
 # TorchDynamo too: every worker runs the transfer ops (torch.library custom ops), whose kernels
 # torch wraps to disable TorchDynamo, and that wrapper imports it at its first call: 0.7 s a
