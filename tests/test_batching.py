@@ -583,6 +583,27 @@ def test_values_made_from_the_batch_size_each_rows_own_train_split_as_eager():
     _trains_split_as_eager(_SizedRows("own"))
 
 
+class _CroppedRows(TwoLayers):
+    """Each row's own values cropped to the columns the batch's longest row uses, a count over the
+    rows as a slice's bound (BLT's patcher pads its patches so: `patch_starts[:, :max_valid_patches]`),
+    and positions up to it (`arange(n)`); each row's padding masked out."""
+
+    def forward(self, x, y):
+        h = self.hidden(x)
+        lengths = (x[:, :4] > 0).sum(1)
+        n = lengths.max().item()
+        used = torch.arange(n) < lengths[:, None]                 # (each row's first `length` columns)
+        return (((h - y)[:, :n] * used) ** 2).sum(1).mean()
+
+
+def test_rows_cropped_to_the_batchs_longest_train_split_as_eager():
+    """Note [rows kept apart]: a count over the rows (`lengths.max().item()`) that bounds a slice
+    or sizes positions lays rows out; each microbatch crops to its own longest row, which holds
+    every row's values. It was refused as rows scaled by a count (BLT, every step, since cfdcd45);
+    it trains as eager."""
+    _trains_split_as_eager(_CroppedRows())
+
+
 def test_rows_in_an_order_their_data_decides_train_split_as_eager_until_they_meet_other_rows():
     """Note [rows in an order the data decides]: rows read in the order of an argsort of their
     integers, paired with the batch's own rows (`h - 0.25 * h[order]`) trained split into 2

@@ -45,8 +45,11 @@ class's rows) lay rows out (a grouped matmul's offsets, a split's sizes, indices
 only into arithmetic: a count over the rows that scales the rows (`h / mask.sum()`, a cast, an
 elementwise function of it: ARITHMETIC, _counts_rows; counts per value of the rows, `bincount`,
 `unique` and its inverse: _SLOTS; a number the data decides, `.item()`, `nonzero().shape[0]`) is a
-reduction over them, and rows scaled by the batch size (`h / x.shape[0]`, which a microbatch takes
-as its own rows': _counts_the_batch) are refused; a value whose size the
+reduction over them (a number used as a size or a bound lays rows out too: each row's own values
+cropped to the columns the batch's longest row uses, `ids[:, :lengths.max().item()]`, as BLT's
+patcher pads its patches, and the positions `arange(n)`: _takes_count), and rows scaled by the
+batch size (`h / x.shape[0]`, which a microbatch takes as its own rows': _counts_the_batch) are
+refused; a value whose size the
 data decides, made from the rows (u0 + u1: JetMoE's tokens grouped per expert by counts read off
 the router, rows picked by a mask), holds rows as they do (_holds_rows),
 and an operation given indices (`x[token]`, a gather) picks rows whole rather than reducing them,
@@ -556,7 +559,21 @@ def _counts_rows(n: fx.Node, value, rows: set, counted: set, reduced: set) -> bo
     if (not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
             or op_name(n) in _VALUELESS):
         return False
-    return any(a in counted for a in inputs) or (n not in rows and any(a in rows for a in inputs))
+    return (any(a in counted and _takes_count(n, a) for a in inputs)
+            or (n not in rows and any(a in rows for a in inputs)))
+
+
+# Operations whose values a number argument gives (a fill's); elsewhere a number is a size or a bound
+_FILLS = {"full", "fill", "fill_", "masked_fill", "masked_fill_", "scalar_tensor", "tensor", "as_tensor",
+          "index_fill", "index_fill_"}
+
+
+def _takes_count(n: fx.Node, a: fx.Node) -> bool:
+    """Whether tensor `n` takes the values of its count argument `a`: a tensor's, or a number's
+    in arithmetic or a fill (`mask * u0`, `torch.full((B,), u0)`), not a number that sizes or
+    bounds it (`h[:, :u0]`, `arange(u0)`: Note [rows kept apart])."""
+    return (not isinstance(node_value(a), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+            or op_name(n) in ARITHMETIC or op_name(n) in _FILLS)
 
 
 def _picked_apart(n: fx.Node, info: BatchInfo, sized: set, read: dict, rows: set) -> Optional[str]:
