@@ -282,7 +282,7 @@ def users(args):
     def lora_checkpointing():     # enable_input_require_grads' hook (Note [model's own checkpointing])
         from peft import LoraConfig, get_peft_model
         base = tiny_qwen3(tied=False)
-        base.gradient_checkpointing_enable()
+        (getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable)()   # (5.25's name)
         return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
 
     def moe_lora():   # the experts' 3-D parameters and the router through target_parameters (Note [LoRA on parameters])
