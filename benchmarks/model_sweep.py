@@ -5,6 +5,7 @@ with rpcompile on CPU devices and compared with eager PyTorch.
     python -m benchmarks.model_sweep --only llama,gpt2     # some of them (merged into the results)
     python -m benchmarks.model_sweep --resume              # only those not yet in results.json
     python -m benchmarks.model_sweep --report              # rewrite results.md from results.json
+    python -m benchmarks.model_sweep --lora 8              # LoRA of rank 8 on every family (results_lora.*)
 
 Each family runs in a child process (`--child TYPE OUT.json`) with a time limit, so a hang or a
 crash costs that family only. The child builds the family's config class from its defaults,
@@ -18,6 +19,12 @@ can be cut ("tight" in the results; a mismatch or error there is `mismatch_tight
 `rpcompile_error_tight`). VARIANTS runs a family again with other settings ("big_bird+original_full").
 Per-family quirks of the configs are in QUIRKS; the triage of what is not ok in NOTES.
 Results: benchmarks/runs/model_sweep/results.json and results.md.
+
+With `--lora R` each family is a peft model first, LoRA of rank R on all its linear layers but
+the output layer (`target_modules="all-linear"`, which takes a transformers MoE's stacked experts
+too), its adapters initialised at random (`init_lora_weights=False`, so that both factors get a
+gradient), the base frozen: what a user who LoRA-tunes the family runs. ok compares the loss
+and the adapters' gradients, as above. Results: results_lora.json and results_lora.md.
 """
 from __future__ import annotations
 
@@ -267,7 +274,7 @@ def _where(e: BaseException) -> str:
     return f"{os.path.relpath(tb[-1].filename, os.path.dirname(HERE)) if tb else '?'}:{tb[-1].lineno if tb else 0}"
 
 
-def run_family(name: str) -> dict:
+def run_family(name: str, lora: int = 0) -> dict:
     import torch
     import transformers
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -304,6 +311,13 @@ def run_family(name: str) -> dict:
     res["config"] = {k: v for k, v in kw.items() if not hasattr(v, "to_dict")}
     res["params"] = sum(p.numel() for p in model.parameters())
     res["built"] = type(model).__name__
+    if lora:
+        try:
+            model = with_lora(model, lora, model_type)
+        except Exception as e:  # noqa: BLE001
+            return {**res, "status": "peft_fails", "error_type": type(e).__name__, "error": _first_line(e),
+                    "where": _where(e)}
+        res["adapter_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     res["attn"] = getattr(cfg, "_attn_implementation", None)
     ref = copy.deepcopy(model)
     batch = make_batch()
@@ -330,6 +344,27 @@ def run_family(name: str) -> dict:
     return res
 
 
+# Layers "all-linear" takes that eager peft cannot adapt, left out (exclude_modules): a Mamba
+# mixer's out_proj and conv1d (peft refuses them: "incompatible with Mamba-based models"), and
+# nn.Linear subclasses with forwards of their own: a router returning a tuple (peft's LoRA layer
+# reads the result's dtype: an AttributeError), DeepSeek-V4's grouped output projection (the
+# adapter's output is not the layer's shape)
+_MAMBA_EXCLUDED = {"exclude_modules": ["out_proj", "conv1d"]}
+LORA_QUIRKS = {**{name: _MAMBA_EXCLUDED for name in ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h")},
+               **{name: {"exclude_modules": ["router"]} for name in ("llama4", "llama4_text", "phimoe")},
+               "deepseek_v4": {"exclude_modules": ["o_a_proj"]}}
+
+
+def with_lora(model, rank: int, family: str = ""):
+    """`model` as a peft model: LoRA of `rank` on every linear layer but the output layer, the
+    adapters random (both factors get a gradient), the base frozen."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                            init_lora_weights=False, **LORA_QUIRKS.get(family, {})))
+
+
 def _train_and_compare(model, ref, batch, loss_ref, memory_budget) -> dict:
     """One train_step of `model` (its .grad cleared first) against the eager copy `ref`."""
     import rpcompile
@@ -346,8 +381,8 @@ def _train_and_compare(model, ref, batch, loss_ref, memory_budget) -> dict:
                 "cause": f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else None,
                 "traceback": traceback.format_exc()[-4000:], "min_budget": getattr(e, "min_budget", None)}
     res = {"rpcompile_s": time.perf_counter() - t1, "jobs": len(cm.plan.stages) if cm.plan is not None else None,
-           "loss": float(loss), "loss_ref": float(loss_ref)}
-    loss_err = abs(float(loss) - float(loss_ref)) / max(abs(float(loss_ref)), 1e-12)
+           "loss": float(loss.detach()), "loss_ref": float(loss_ref.detach())}
+    loss_err = abs(res["loss"] - res["loss_ref"]) / max(abs(res["loss_ref"]), 1e-12)
     scale = max((q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None and q.grad.numel()),
                 default=0.0)
     worst, worst_name, missing = 0.0, None, []
@@ -381,12 +416,12 @@ def _tight(model, ref, batch, loss_ref) -> dict:
     return out
 
 
-def child(model_type: str, out_path: str) -> int:
+def child(model_type: str, out_path: str, lora: int = 0) -> int:
     import torch
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        res = run_family(model_type)
+        res = run_family(model_type, lora)
     except BaseException as e:  # noqa: BLE001 - reported, not raised
         res = {"family": model_type, "status": "sweep_error", "error_type": type(e).__name__,
                "error": _first_line(e), "traceback": traceback.format_exc()[-4000:]}
@@ -397,8 +432,9 @@ def child(model_type: str, out_path: str) -> int:
 
 # --- the sweep (the parent) -----------------------------------------------------------------
 
-def run_child(model_type: str, timeout: float) -> dict:
-    work = os.path.join(tempfile.gettempdir(), "rpcompile_model_sweep")     # (a crash's log tail goes to the json)
+def run_child(model_type: str, timeout: float, lora: int = 0) -> dict:
+    # (a crash's log tail goes to the json)
+    work = os.path.join(tempfile.gettempdir(), f"rpcompile_model_sweep{'_lora' if lora else ''}")
     out = os.path.join(work, f"{model_type}.json")
     log = os.path.join(work, f"{model_type}.log")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -407,7 +443,8 @@ def run_child(model_type: str, timeout: float) -> dict:
         os.remove(out)
     t0 = time.perf_counter()
     with open(log, "w") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.model_sweep", "--child", model_type, out],
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.model_sweep", "--child", model_type, out,
+                                 "--lora", str(lora)],
                                 cwd=os.path.dirname(HERE), stdout=logf, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -489,8 +526,15 @@ NOTES = {
                    "[lengths a model cannot run at])",
 }
 
+# The triage of the LoRA sweep's families that are not ok (results_lora.md's last column): those
+# refused as without LoRA, and one eager peft cannot train
+LORA_NOTES = {**{name: NOTES[name] for name in ("big_bird", "dbrx", "kolibri1_1", "qwen4_exp", "qwen4_exp_text",
+                                                 "dots3_note")},
+              "reformer": "eager peft's backward fails (its reversible layers recompute under no_grad: the loss "
+                          "reaches no adapter); without LoRA a CaptureError, as torch.compile fullgraph"}
+
 STATUS_ORDER = ["mismatch", "mismatch_tight", "rpcompile_error", "rpcompile_error_tight", "timeout", "crash",
-                "sweep_error", "eager_fails", "build_fails", "skipped", "ok"]
+                "sweep_error", "eager_fails", "peft_fails", "build_fails", "skipped", "ok"]
 
 
 def _cell(text, n=160) -> str:
@@ -498,24 +542,38 @@ def _cell(text, n=160) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def write_results(results: dict) -> None:
+def _results_path(lora: int, ext: str) -> str:
+    return os.path.join(OUT_DIR, f"results{'_lora' if lora else ''}.{ext}")
+
+
+def write_results(results: dict, lora: int = 0) -> None:
     import torch
     import transformers
     rows = sorted(results.values(), key=lambda r: (STATUS_ORDER.index(r["status"]), r["family"]))
-    with open(os.path.join(OUT_DIR, "results.json"), "w") as f:
+    peft = None
+    if lora:
+        import peft
+    with open(_results_path(lora, "json"), "w") as f:
         json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
+                   **({"peft": peft.__version__, "lora": lora} if lora else {}),
                    "batch": f"{ROWS} rows x {SEQ} tokens", "config": "devices=['cpu','cpu'], num_microbatches=2",
                    "tolerance": {"loss_rel": LOSS_RTOL, "grad_rel_to_largest": GRAD_RTOL},
                    "results": rows}, f, indent=1, default=str)
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER}
-    lines = ["# Any-model sweep: transformers causal-LM families against eager", "",
-             f"`python -m benchmarks.model_sweep` (benchmarks/model_sweep.py): torch {torch.__version__}, "
+    lora_text = (f" With `--lora {lora}` (peft {peft.__version__}): each family a peft model, LoRA of rank {lora} "
+                 f"(alpha {2 * lora}) on all its linear layers but the output layer (`target_modules=\"all-linear\"`), "
+                 f"the adapters random (`init_lora_weights=False`), the base frozen; the gradients compared are "
+                 f"the adapters'." if lora else "")
+    title = "# Any-model sweep: transformers causal-LM families against eager" + (f", LoRA r={lora}" if lora else "")
+    lines = [title, "",
+             f"`python -m benchmarks.model_sweep{f' --lora {lora}' if lora else ''}` (benchmarks/model_sweep.py): "
+             f"torch {torch.__version__}, "
              f"transformers {transformers.__version__}; each family's config class at its defaults, shrunk "
              f"(hidden {HIDDEN}, {LAYERS} layers or one of each layer kind, {HEADS} heads, vocab {VOCAB}, "
              f"{EXPERTS} experts, dropout 0), seed 0; one `train_step` on `Config(devices=['cpu','cpu'], "
              f"num_microbatches=2)`, {ROWS} rows x {SEQ} tokens with some labels -100, against eager "
              f"forward + backward. ok: loss within rel {LOSS_RTOL:g}, every gradient within {GRAD_RTOL:g} of "
-             f"the largest.", "",
+             f"the largest.{lora_text}", "",
              "Counts: " + ", ".join(f"{s} {n}" for s, n in counts.items() if n) + f" (of {len(rows)})", "",
              "| family | class | status | detail | triage |", "|---|---|---|---|---|"]
     for r in rows:
@@ -540,9 +598,10 @@ def write_results(results: dict) -> None:
             if s == "rpcompile_error" and not r.get("clear"):
                 detail = "(not an RPCompileError) " + detail
         lines.append(f"| {r['family']} | {r.get('class', '')} | {s} | {_cell(detail, 300)} | "
-                     f"{_cell(NOTES.get(r['family'], ''), 300)} |")
-    lines += ["", *VLM_SECTION]
-    with open(os.path.join(OUT_DIR, "results.md"), "w") as f:
+                     f"{_cell((LORA_NOTES if lora else NOTES).get(r['family'], ''), 300)} |")
+    if not lora:
+        lines += ["", *VLM_SECTION]
+    with open(_results_path(lora, "md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -553,16 +612,18 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="skip families already in results.json")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
     ap.add_argument("--report", action="store_true", help="rewrite results.md from results.json, run nothing")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="LoRA of rank R on every family (peft, all-linear); results_lora.json and .md")
     args = ap.parse_args(argv)
     if args.child:
-        return child(*args.child)
+        return child(*args.child, lora=args.lora)
     if args.report:
-        with open(os.path.join(OUT_DIR, "results.json")) as f:
-            write_results({r["family"]: r for r in json.load(f)["results"]})
+        with open(_results_path(args.lora, "json")) as f:
+            write_results({r["family"]: r for r in json.load(f)["results"]}, args.lora)
         return 0
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     os.makedirs(OUT_DIR, exist_ok=True)
-    path = os.path.join(OUT_DIR, "results.json")
+    path = _results_path(args.lora, "json")
     results = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -571,7 +632,7 @@ def main(argv=None) -> int:
     if args.resume:
         families = [f for f in families if f not in results]
     for i, family in enumerate(families):
-        res = run_child(family, args.timeout)
+        res = run_child(family, args.timeout, args.lora)
         results[family] = res
         extra = res.get("error") or res.get("why") or (f"loss rel {res['loss_rel_err']:.1e}, grads "
                                                         f"{res['grad_rel_err']:.1e}, {res['jobs']} jobs"
@@ -582,7 +643,7 @@ def main(argv=None) -> int:
                       if "grad_rel_err" in t else str(t.get("error"))))
         print(f"[{i + 1}/{len(families)}] {family}: {res['status']} ({res.get('wall_s', 0):.0f} s) {_cell(extra, 150)}",
               flush=True)
-        write_results(results)
+        write_results(results, args.lora)
     return 0
 
 

@@ -1156,3 +1156,15 @@ def test_device_peaks_take_the_worker_processes_in():
     assert harness._peak(10, workers, 0) == 40 and harness._peak(10, workers, 1) == 50
     assert harness._peak(None, workers, 0) == 40 and harness._peak(100, workers, 1) == 100
     assert harness._peak(10, {}, 0) == 10 and harness._peak(None, {"peak_gpu_workers": {}}, 1) is None
+
+
+# --- the any-model sweep ------------------------------------------------------------------------
+def test_the_lora_sweep_compares_the_adapters_of_a_family_with_eager_peft():
+    """`model_sweep --lora R`: a family as a peft model, LoRA on its linear layers, its stacked
+    experts and router (a transformers MoE), trained one step against eager peft; what it
+    compares are the adapters' gradients, the base frozen."""
+    from benchmarks import model_sweep
+    res = model_sweep.run_family("qwen3_moe", lora=4)
+    assert res["status"] == "ok", res
+    assert 0 < res["adapter_params"] < res["params"] / 2
+    assert ".lora_" in res["worst_grad"] and res["grad_rel_err"] <= model_sweep.GRAD_RTOL
