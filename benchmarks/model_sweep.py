@@ -530,8 +530,9 @@ NOTES = {
 # refused as without LoRA, and one eager peft cannot train
 LORA_NOTES = {**{name: NOTES[name] for name in ("big_bird", "dbrx", "kolibri1_1", "qwen4_exp", "qwen4_exp_text",
                                                  "dots3_note")},
-              "reformer": "eager peft's backward fails (its reversible layers recompute under no_grad: the loss "
-                          "reaches no adapter); without LoRA a CaptureError, as torch.compile fullgraph"}
+              "reformer": "eager peft's backward fails, the loss needs no gradient: the reversible layers' "
+                          "autograd Function takes the hidden states alone, which the frozen embeddings give "
+                          "without one; without LoRA a CaptureError, as torch.compile fullgraph"}
 
 STATUS_ORDER = ["mismatch", "mismatch_tight", "rpcompile_error", "rpcompile_error_tight", "timeout", "crash",
                 "sweep_error", "eager_fails", "peft_fails", "build_fails", "skipped", "ok"]
@@ -550,17 +551,17 @@ def write_results(results: dict, lora: int = 0) -> None:
     import torch
     import transformers
     rows = sorted(results.values(), key=lambda r: (STATUS_ORDER.index(r["status"]), r["family"]))
-    peft = None
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     if lora:
         import peft
+        versions.update(peft=peft.__version__, lora=lora)
     with open(_results_path(lora, "json"), "w") as f:
-        json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
-                   **({"peft": peft.__version__, "lora": lora} if lora else {}),
+        json.dump({**versions,
                    "batch": f"{ROWS} rows x {SEQ} tokens", "config": "devices=['cpu','cpu'], num_microbatches=2",
                    "tolerance": {"loss_rel": LOSS_RTOL, "grad_rel_to_largest": GRAD_RTOL},
                    "results": rows}, f, indent=1, default=str)
     counts = {s: sum(r["status"] == s for r in rows) for s in STATUS_ORDER}
-    lora_text = (f" With `--lora {lora}` (peft {peft.__version__}): each family a peft model, LoRA of rank {lora} "
+    lora_text = (f" With `--lora {lora}` (peft {versions.get('peft')}): each family a peft model, LoRA of rank {lora} "
                  f"(alpha {2 * lora}) on all its linear layers but the output layer (`target_modules=\"all-linear\"`), "
                  f"the adapters random (`init_lora_weights=False`), the base frozen; the gradients compared are "
                  f"the adapters'." if lora else "")
