@@ -265,7 +265,7 @@ def users(args):
     adapter (peft, where installed), each on one GPU given once (a one-device plan) and twice
     (two devices' jobs on it), with train_step and with the differentiable call. (Without a GPU:
     the same on CPU devices, to try the check.)"""
-    from models import qwen3
+    from models import checkpointing_on, qwen3
     from test_batching import padded_batch
     from test_moe import qwen3_moe
     res = {}
@@ -282,7 +282,7 @@ def users(args):
     def lora_checkpointing():     # enable_input_require_grads' hook (Note [model's own checkpointing])
         from peft import LoraConfig, get_peft_model
         base = tiny_qwen3(tied=False)
-        (getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable)()   # (5.25's name)
+        checkpointing_on(base)
         return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
 
     def moe_lora():   # the experts' 3-D parameters and the router through target_parameters (Note [LoRA on parameters])

@@ -22,6 +22,12 @@ def llama(tied=False, layers=2, vocab=128, seed=0):
     return LlamaForCausalLM(cfg)
 
 
+def checkpointing_on(model):
+    """The model's own gradient checkpointing on, by transformers 5.25's name where it has it
+    (activation_checkpointing_enable: the old name warns)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+
+
 def lm_batch(batch=5, seq=12, vocab=128, seed=1):
     """input_ids and labels with -100s spread unevenly over the rows."""
     g = torch.Generator().manual_seed(seed)

@@ -298,9 +298,9 @@ def test_a_model_with_its_own_gradient_checkpointing_trains_as_eager():
     """Note [model's own checkpointing] (capture.py): with transformers' gradient checkpointing on,
     the capture was a CaptureError ("HOP: Unsafe side effect") that did not name it. The layers
     are traced without it (rpcompile recomputes on its own); eager runs with it; the flags stay on."""
-    from models import lm_batch, qwen3
+    from models import checkpointing_on, lm_batch, qwen3
     model = qwen3(layers=2)
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()   # (5.25's name)
+    checkpointing_on(model)
     train_both(model, [lm_batch(seed=s) for s in range(2)], rpcompile.Config(devices=["cpu"] * 2, num_microbatches=2),
                steps=2)                                   # (and at least 2 stage jobs)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)

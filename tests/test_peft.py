@@ -7,7 +7,7 @@ import torch
 
 import rpcompile
 
-from models import lm_batch, qwen3
+from models import checkpointing_on, lm_batch, qwen3
 from parity import train_both
 
 pytest.importorskip("peft")
@@ -64,7 +64,7 @@ def test_lora_with_gradient_checkpointing_trains_as_eager_peft():
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
     base = qwen3(tied=False, layers=2)
-    (getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable)()   # (5.25's name)
+    checkpointing_on(base)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                             target_modules=["q_proj", "v_proj", "down_proj"]))
     embed = model.get_input_embeddings()
